@@ -1,0 +1,62 @@
+"""Compute ops behind one interface, two backends.
+
+``numpy`` (ops/reference.py) is the readable oracle; ``native`` (ops/native.py, over the C
+extension memfit._native) is the fast default once built. Model code calls
+``ops = get_ops(name)`` and then only the functions below, so it never knows which runs.
+
+All activations are float32, C-contiguous numpy arrays. Weights arrive as QTensor (raw
+GGUF bytes + type + numpy-order shape); a backend dequantizes per use, never the whole model.
+
+    matmul(x[n, cols], w: QTensor(rows, cols)) -> y[n, rows]          # y = x @ W^T
+    get_rows(w: QTensor(vocab, dim), ids: int array[n]) -> [n, dim]     # embedding lookup
+    rmsnorm(x[n, d], weight[d] f32 | None, eps) -> [n, d]               # x / rms(x) * weight
+    rope(x[n, heads, head_dim], pos int32[n], n_rot, theta_base, freq_scale, neox: bool) -> same
+        (normal: rotate adjacent pairs (2i, 2i+1); neox: rotate (i, i + n_rot/2))
+    softmax(x[..., k]) -> same (last axis, max-subtracted)
+    silu_mul(gate[n, f], up[n, f]) -> silu(gate) * up
+    gelu_mul(gate[n, f], up[n, f]) -> gelu_tanh(gate) * up
+    attention(q[n, Hq, D], k[T, Hkv, D], v[T, Hkv, Dv], q_pos int32[n], kv_pos int32[T],
+              scale, window: int = 0, softcap: float = 0.0) -> [n, Hq, Dv]
+        causal on positions (kv_pos <= q_pos); window > 0 also masks q_pos - kv_pos >= window;
+        softcap > 0 applies softcap * tanh(s / softcap) to scores; GQA maps q head h to
+        kv head h // (Hq // Hkv).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..quant.types import GGMLType
+
+
+@dataclass(frozen=True)
+class QTensor:
+    """A weight as stored in the GGUF: raw bytes, type, numpy-order shape (rows, cols)."""
+
+    name: str
+    type: GGMLType
+    shape: tuple[int, ...]
+    data: np.ndarray  # uint8, len == rows * row_bytes(cols)
+
+
+def get_ops(name: str | None = None):
+    """Backend module by name: 'numpy' or 'native'; default from MEMFIT_BACKEND, else native
+    when the extension is importable, else numpy."""
+    name = name or os.environ.get("MEMFIT_BACKEND") or "auto"
+    if name == "numpy":
+        from . import reference
+        return reference
+    if name in ("native", "auto"):
+        try:
+            from . import native
+            return native
+        except ImportError:
+            if name == "native":
+                raise
+            from . import reference
+            return reference
+    from ..errors import RequestError
+    raise RequestError(f"unknown backend {name!r}; use 'numpy' or 'native'")
