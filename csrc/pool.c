@@ -1,0 +1,267 @@
+/* Persistent thread pool + runtime ISA selection.
+ * mf_parallel_for hands indices [0, n) out through an atomic counter; the caller works too.
+ * Workers spin a short while after a job (decode issues ~hundreds of jobs per token), then
+ * sleep on a condvar. Calls from inside a task (nested) run inline. */
+#include "memfit.h"
+
+#include <cpuid.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define MF_MAX_THREADS 256
+#define MF_SPIN_ITERS 200000
+
+int mf_isa = MF_ISA_SCALAR;
+static int mf_isa_hw = MF_ISA_SCALAR; /* best the CPU + OS support */
+
+/* ---------------- ISA detection ---------------- */
+
+static uint64_t xgetbv0(void) {
+    uint32_t lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return ((uint64_t)hi << 32) | lo;
+}
+
+static int detect_isa(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return MF_ISA_SCALAR;
+    int osxsave = (c >> 27) & 1, fma = (c >> 12) & 1, f16c = (c >> 29) & 1, avx = (c >> 28) & 1;
+    if (!osxsave || !avx) return MF_ISA_SCALAR;
+    uint64_t xcr0 = xgetbv0();
+    if ((xcr0 & 0x6) != 0x6) return MF_ISA_SCALAR; /* XMM + YMM state enabled by the OS */
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return MF_ISA_SCALAR;
+    int avx2 = (b >> 5) & 1;
+    if (!(avx2 && fma && f16c)) return MF_ISA_SCALAR;
+    int avx512f = (b >> 16) & 1, avx512bw = (b >> 30) & 1, avx512vl = (b >> 31) & 1;
+    int vnni = (c >> 11) & 1;
+    int zmm_os = (xcr0 & 0xe6) == 0xe6; /* opmask + ZMM hi256 + hi16 ZMM */
+    if (avx512f && avx512bw && avx512vl && zmm_os) return vnni ? MF_ISA_AVX512VNNI : MF_ISA_AVX512;
+    return MF_ISA_AVX2;
+#else
+    return MF_ISA_SCALAR;
+#endif
+}
+
+static const char *isa_names[] = {"scalar", "avx2", "avx512", "avx512vnni"};
+
+static int isa_from_name(const char *s) {
+    for (int i = 0; i < 4; i++)
+        if (strcmp(s, isa_names[i]) == 0) return i;
+    return -1;
+}
+
+void mf_init_isa(void) {
+    mf_isa_hw = detect_isa();
+    mf_isa = mf_isa_hw;
+    const char *env = getenv("MEMFIT_ISA");
+    if (env && *env) {
+        int want = isa_from_name(env);
+        if (want >= 0 && want < mf_isa) mf_isa = want;
+    }
+}
+
+/* ---------------- thread count ---------------- */
+
+static int physical_cores(void) {
+    cpu_set_t set;
+    int logical = 0;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) logical = CPU_COUNT(&set);
+    if (logical <= 0) logical = (int)sysconf(_SC_NPROCESSORS_ONLN);
+    if (logical <= 0) logical = 1;
+    /* count distinct SMT sibling groups among the CPUs we may run on */
+    char seen[MF_MAX_THREADS][64];
+    int nseen = 0, counted = 0;
+    for (int cpu = 0; cpu < CPU_SETSIZE && counted < logical; cpu++) {
+        if (!CPU_ISSET(cpu, &set)) continue;
+        counted++;
+        char path[128], buf[64] = {0};
+        snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu%d/topology/thread_siblings_list", cpu);
+        FILE *f = fopen(path, "r");
+        if (!f) return logical;
+        if (!fgets(buf, sizeof buf, f)) buf[0] = 0;
+        fclose(f);
+        int dup = 0;
+        for (int i = 0; i < nseen; i++)
+            if (strcmp(seen[i], buf) == 0) dup = 1;
+        if (!dup && nseen < MF_MAX_THREADS) memcpy(seen[nseen++], buf, sizeof buf);
+    }
+    return nseen > 0 ? nseen : logical;
+}
+
+/* ---------------- pool ---------------- */
+
+typedef struct {
+    mf_task_fn fn;
+    void *ctx;
+    int64_t n;
+    atomic_int_fast64_t next;
+} job_t;
+
+static struct {
+    pthread_mutex_t call_lock; /* serializes concurrent mf_parallel_for callers */
+    pthread_mutex_t mu;
+    pthread_cond_t wake;
+    pthread_cond_t idle;
+    atomic_int gen;       /* bumped per job */
+    atomic_int active;    /* workers still inside the current job */
+    atomic_int stop;
+    job_t job;
+    int n_workers;        /* threads besides the caller */
+    pthread_t tid[MF_MAX_THREADS];
+    int started;
+} P = {.call_lock = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER,
+       .wake = PTHREAD_COND_INITIALIZER, .idle = PTHREAD_COND_INITIALIZER};
+
+static _Thread_local int in_task;
+static int n_threads = 1;
+
+static void run_job(job_t *j) {
+    in_task = 1;
+    for (;;) {
+        int64_t i = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        if (i >= j->n) break;
+        j->fn(j->ctx, i);
+    }
+    in_task = 0;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static void *worker(void *arg) {
+    (void)arg;
+    int seen = 0;
+    for (;;) {
+        int g = atomic_load_explicit(&P.gen, memory_order_acquire);
+        for (int s = 0; g == seen && s < MF_SPIN_ITERS; s++) {
+            cpu_relax();
+            g = atomic_load_explicit(&P.gen, memory_order_acquire);
+        }
+        if (g == seen) {
+            pthread_mutex_lock(&P.mu);
+            while ((g = atomic_load(&P.gen)) == seen && !atomic_load(&P.stop))
+                pthread_cond_wait(&P.wake, &P.mu);
+            pthread_mutex_unlock(&P.mu);
+        }
+        if (atomic_load(&P.stop)) return NULL;
+        seen = g;
+        run_job(&P.job);
+        if (atomic_fetch_sub_explicit(&P.active, 1, memory_order_acq_rel) == 1) {
+            pthread_mutex_lock(&P.mu);
+            pthread_cond_signal(&P.idle);
+            pthread_mutex_unlock(&P.mu);
+        }
+    }
+}
+
+static void pool_stop(void) {
+    if (!P.started) return;
+    pthread_mutex_lock(&P.mu);
+    atomic_store(&P.stop, 1);
+    pthread_cond_broadcast(&P.wake);
+    pthread_mutex_unlock(&P.mu);
+    for (int i = 0; i < P.n_workers; i++) pthread_join(P.tid[i], NULL);
+    P.n_workers = 0;
+    P.started = 0;
+    atomic_store(&P.stop, 0);
+}
+
+static int pool_start(int threads) {
+    if (threads < 1) threads = 1;
+    if (threads > MF_MAX_THREADS) threads = MF_MAX_THREADS;
+    P.n_workers = 0;
+    for (int i = 0; i < threads - 1; i++) {
+        if (pthread_create(&P.tid[i], NULL, worker, NULL) != 0) break;
+        P.n_workers++;
+    }
+    P.started = 1;
+    n_threads = P.n_workers + 1;
+    return n_threads;
+}
+
+void mf_init_pool(void) {
+    int t = 0;
+    const char *env = getenv("MEMFIT_THREADS");
+    if (env && *env) t = atoi(env);
+    if (t <= 0) t = physical_cores();
+    pool_start(t);
+}
+
+int mf_n_threads(void) { return n_threads; }
+
+void mf_parallel_for(int64_t n, mf_task_fn fn, void *ctx) {
+    if (n <= 0) return;
+    if (n == 1 || in_task || P.n_workers == 0) {
+        for (int64_t i = 0; i < n; i++) fn(ctx, i);
+        return;
+    }
+    pthread_mutex_lock(&P.call_lock);
+    P.job.fn = fn;
+    P.job.ctx = ctx;
+    P.job.n = n;
+    atomic_store_explicit(&P.job.next, 0, memory_order_relaxed);
+    atomic_store_explicit(&P.active, P.n_workers, memory_order_relaxed);
+    pthread_mutex_lock(&P.mu);
+    atomic_fetch_add_explicit(&P.gen, 1, memory_order_release);
+    pthread_cond_broadcast(&P.wake);
+    pthread_mutex_unlock(&P.mu);
+    run_job(&P.job);
+    for (int s = 0; atomic_load_explicit(&P.active, memory_order_acquire) > 0 && s < MF_SPIN_ITERS; s++)
+        cpu_relax();
+    if (atomic_load_explicit(&P.active, memory_order_acquire) > 0) {
+        pthread_mutex_lock(&P.mu);
+        while (atomic_load(&P.active) > 0) pthread_cond_wait(&P.idle, &P.mu);
+        pthread_mutex_unlock(&P.mu);
+    }
+    pthread_mutex_unlock(&P.call_lock);
+}
+
+/* ---------------- Python API ---------------- */
+
+static PyObject *py_set_threads(PyObject *self, PyObject *arg) {
+    long t = PyLong_AsLong(arg);
+    if (t == -1 && PyErr_Occurred()) return NULL;
+    if (t <= 0) t = physical_cores();
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&P.call_lock);
+    pool_stop();
+    pool_start((int)t);
+    pthread_mutex_unlock(&P.call_lock);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(n_threads);
+}
+
+static PyObject *py_get_threads(PyObject *self, PyObject *unused) { return PyLong_FromLong(n_threads); }
+
+static PyObject *py_isa(PyObject *self, PyObject *unused) { return PyUnicode_FromString(isa_names[mf_isa]); }
+
+static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
+    const char *s = PyUnicode_AsUTF8(arg);
+    if (!s) return NULL;
+    int want = isa_from_name(s);
+    if (want < 0) return PyErr_Format(PyExc_ValueError, "unknown ISA %R; use scalar, avx2, avx512, avx512vnni", arg);
+    if (want > mf_isa_hw)
+        return PyErr_Format(PyExc_ValueError, "ISA %s is not supported by this CPU (best: %s)", s, isa_names[mf_isa_hw]);
+    mf_isa = want;
+    return PyUnicode_FromString(isa_names[mf_isa]);
+}
+
+static PyObject *py_isa_hw(PyObject *self, PyObject *unused) { return PyUnicode_FromString(isa_names[mf_isa_hw]); }
+
+PyMethodDef mf_pool_methods[] = {
+    {"set_threads", py_set_threads, METH_O, "set_threads(n) -> n: restart the pool with n threads (<=0: physical cores)"},
+    {"get_threads", py_get_threads, METH_NOARGS, "get_threads() -> int"},
+    {"isa", py_isa, METH_NOARGS, "isa() -> active ISA name"},
+    {"isa_hw", py_isa_hw, METH_NOARGS, "isa_hw() -> best ISA this CPU supports"},
+    {"set_isa", py_set_isa, METH_O, "set_isa(name) -> name: select a kernel ISA the CPU supports (tests)"},
+    {NULL, NULL, 0, NULL},
+};
