@@ -1,0 +1,203 @@
+"""The Python API, memfit's first interface; the CLI and the server are thin layers over it.
+
+    with memfit.load("smollm2-135m") as m:
+        r = m.generate("The capital of France is", max_tokens=16, temperature=0)
+        print(r.text, r.timings)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from .errors import RequestError
+from .engine.generate import GenerationState, Timings, generate_steps
+from .engine.sampler import SamplingParams
+
+
+@dataclass
+class Completion:
+    prompt_ids: list[int]
+    ids: list[int]
+    text: str
+    finish_reason: str | None
+    timings: Timings
+    top: list | None = None  # per step: [[id, prob], ...] of the full pre-sampling softmax
+
+    def to_dict(self) -> dict:
+        d = {"prompt_ids": self.prompt_ids, "ids": self.ids, "text": self.text,
+             "finish_reason": self.finish_reason, "timings": self.timings.to_dict()}
+        if self.top is not None:
+            d["top"] = self.top
+        return d
+
+
+@dataclass
+class Perplexity:
+    ppl: float
+    ppl_err: float
+    chunks: int
+    n_tokens: int
+    per_chunk: list[float] = field(default_factory=list)  # running PPL after each chunk
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {"ppl": self.ppl, "ppl_err": self.ppl_err, "chunks": self.chunks,
+                "n_tokens": self.n_tokens, "per_chunk_running_ppl": self.per_chunk,
+                "seconds": round(self.seconds, 3)}
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set (VmHWM) of this process."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class Model:
+    """A loaded GGUF model: tokenizer, architecture, compute backend."""
+
+    def __init__(self, model: str | os.PathLike | None = None, threads: int | None = None,
+                 n_ctx: int | None = None, backend: str | None = None, quiet: bool = True):
+        from .gguf import open_gguf
+        from .models import load_model
+        from .ops import get_ops
+        from .pull import resolve_model
+        from .tokenizer import Tokenizer
+
+        self.path = Path(resolve_model(str(model) if model is not None else None, quiet=quiet))
+        self.file = open_gguf(self.path)
+        try:
+            self.tokenizer = Tokenizer.from_metadata(self.file.metadata)
+            self.ops = get_ops(backend)
+            if threads is not None:
+                if threads < 1:
+                    raise RequestError(f"threads must be >= 1, got {threads}")
+                if hasattr(self.ops, "set_threads"):
+                    self.ops.set_threads(threads)
+            self.threads = threads
+            self.model = load_model(self.file, ops=self.ops)
+            self.config = self.model.config
+            train_ctx = int(getattr(self.config, "n_ctx_train", 0) or 4096)
+            self.n_ctx = int(n_ctx) if n_ctx else min(train_ctx, 4096)
+            if self.n_ctx < 8:
+                raise RequestError(f"context size {self.n_ctx} is too small (minimum 8)")
+        except BaseException:
+            self.file.close()
+            raise
+
+    # --- lifecycle
+    def close(self) -> None:
+        self.file.close()
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- tokens
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        from .tokenizer import render_chat
+        tmpl = self.tokenizer.chat_template
+        if not tmpl:
+            raise RequestError(f"{self.path.name} has no chat template "
+                               f"(tokenizer.chat_template); use plain completion without --chat")
+        bos = self.tokenizer.token_text(self.tokenizer.bos_id) if self.tokenizer.bos_id is not None else ""
+        eos = self.tokenizer.token_text(self.tokenizer.eos_id) if self.tokenizer.eos_id is not None else ""
+        return render_chat(tmpl, messages, add_generation_prompt=add_generation_prompt,
+                           bos_token=bos, eos_token=eos)
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenize(prompt, add_special=True, parse_special=True)
+        ids = [int(i) for i in prompt]
+        bad = [i for i in ids if not 0 <= i < self.tokenizer.n_vocab]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.tokenizer.n_vocab - 1})")
+        return ids
+
+    # --- generation
+    def _steps(self, prompt, n_top: int, state: GenerationState | None, **sampling):
+        params = SamplingParams(**sampling)
+        ids = self._prompt_ids(prompt)
+        st = state if state is not None else GenerationState(ids)
+        st.prompt_ids = ids
+        return st, generate_steps(self.model, self.tokenizer, ids, params, self.n_ctx,
+                                  n_top=n_top, state=st)
+
+    def generate(self, prompt: str | Sequence[int], max_tokens: int = 128,
+                 top_logprobs: int = 0, **sampling) -> Completion:
+        """Complete ``prompt`` (text or ids). Sampling keywords: temperature, top_k, top_p,
+        min_p, repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty, seed, stop."""
+        st, steps = self._steps(prompt, top_logprobs, None, max_tokens=max_tokens, **sampling)
+        for _ in steps:
+            pass
+        return Completion(st.prompt_ids, st.ids, st.text, st.finish_reason, st.timings,
+                          st.top if top_logprobs > 0 else None)
+
+    def stream(self, prompt: str | Sequence[int], max_tokens: int = 128, **sampling) -> Iterator[str]:
+        """Yield text pieces as they are decoded (never a broken UTF-8 sequence)."""
+        _, steps = self._steps(prompt, 0, None, max_tokens=max_tokens, **sampling)
+        for step in steps:
+            if step.text:
+                yield step.text
+
+    # --- evaluation
+    def perplexity(self, text: str, ctx: int = 512, progress=None) -> Perplexity:
+        """llama-perplexity's method: ctx-token chunks, BOS first when the model adds one,
+        the second half of each chunk scored. ``progress(i, n, running_ppl)`` per chunk."""
+        if ctx < 16:
+            raise RequestError(f"perplexity context {ctx} is too small (minimum 16)")
+        t0 = time.perf_counter()
+        toks = self.tokenize(text, add_special=True, parse_special=False)
+        n_chunks = len(toks) // ctx
+        if n_chunks == 0:
+            raise RequestError(f"the text has {len(toks)} tokens; perplexity needs at least "
+                               f"{ctx} (one chunk of --ctx-size)")
+        first = ctx // 2
+        nll = nll2 = 0.0
+        count = 0
+        running = []
+        bos = self.tokenizer.bos_id if self.tokenizer.add_bos else None
+        for c in range(n_chunks):
+            chunk = list(toks[c * ctx:(c + 1) * ctx])
+            if bos is not None:
+                chunk[0] = bos
+            cache = self.model.new_cache(ctx)
+            logits = self.model.forward(np.asarray(chunk, dtype=np.int32), cache,
+                                        all_logits=True)
+            lg = logits[first:ctx - 1].astype(np.float64)
+            lg -= lg.max(axis=1, keepdims=True)
+            logp = lg - np.log(np.exp(lg).sum(axis=1, keepdims=True))
+            tgt = np.asarray(chunk[first + 1:ctx])
+            v = -logp[np.arange(len(tgt)), tgt]
+            nll += float(v.sum())
+            nll2 += float((v * v).sum())
+            count += len(v)
+            running.append(math.exp(nll / count))
+            if progress:
+                progress(c + 1, n_chunks, running[-1])
+        mean = nll / count
+        ppl = math.exp(mean)
+        var = nll2 / count - mean * mean
+        err = ppl * math.sqrt(var / (count - 1)) if var > 0 and count > 1 else 0.0
+        return Perplexity(ppl, err, n_chunks, len(toks), running, time.perf_counter() - t0)
