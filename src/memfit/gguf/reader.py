@@ -14,6 +14,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -204,7 +205,10 @@ class _Part:
         except OSError as e:
             raise GGUFError(f"{path}: cannot open GGUF file: {e.strerror}") from None
         try:
-            self.size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise GGUFError(f"{path}: cannot open GGUF file: not a regular file")
+            self.size = st.st_size
             if self.size < _HEADER:
                 raise GGUFError(f"{path}: byte 0: header: file is {self.size} bytes, a GGUF "
                                 f"header needs {_HEADER} (truncated or not a GGUF file)")
