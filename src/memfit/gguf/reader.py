@@ -246,11 +246,11 @@ class _Part:
         left = self.size - p.pos
         if n_kv > left // _MIN_KV:
             p.fail("header.kv_count", f"{n_kv} key/value pairs cannot fit in the {left} bytes "
-                   f"that remain (each needs >= {_MIN_KV})", 16)
+                   f"that remain (each needs >= {_MIN_KV}; truncated or corrupt file)", 16)
         if n_tensors > left // _MIN_TENSOR_INFO or \
                 n_kv * _MIN_KV + n_tensors * _MIN_TENSOR_INFO > left:
             p.fail("header.tensor_count", f"{n_tensors} tensor infos (+ {n_kv} kv pairs) cannot "
-                   f"fit in the {left} bytes that remain", 8)
+                   f"fit in the {left} bytes that remain (truncated or corrupt file)", 8)
 
         self.metadata: dict[str, Any] = {}
         self.value_types: dict[str, str] = {}
