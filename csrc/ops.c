@@ -1,0 +1,529 @@
+/* Forward-pass kernels: rmsnorm, rope, softmax, gated activations, attention.
+ * Each has a portable scalar path and an AVX2+FMA path chosen at run time through mf_isa
+ * (the AVX-512 machines run the AVX2 path: these ops are a small share of a forward). */
+#include "memfit.h"
+#include "ops.h"
+
+#include <math.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+#define MF_X86 1
+#include <immintrin.h>
+#define MF_AVX2 __attribute__((target("avx2,fma")))
+#endif
+
+/* Elementwise work is cut into chunks of this many values for the pool; below PAR_MIN values
+ * the op runs on the calling thread (the pool's wake-up would cost more than it saves). */
+#define CHUNK 16384
+#define PAR_MIN 65536
+
+static inline int use_avx2(void) {
+#ifdef MF_X86
+    return mf_isa >= MF_ISA_AVX2;
+#else
+    return 0;
+#endif
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* AVX2 helpers                                                                                */
+
+#ifdef MF_X86
+MF_AVX2 static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+MF_AVX2 static inline float hmax8(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* exp(x), Cephes-style range reduction + degree-6 polynomial: within ~2 ulp of expf on
+ * [-87.3, 88]; below -87.3 (result under FLT_MIN) it returns 0, above 88 it saturates. */
+MF_AVX2 static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3365447f), hi = _mm256_set1_ps(88.0f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    return _mm256_andnot_ps(under, y);
+}
+#endif
+
+/* ------------------------------------------------------------------------------------------ */
+/* RMSNorm                                                                                     */
+
+typedef struct {
+    const float *x, *w;
+    float *out;
+    int64_t d;
+    float eps;
+} norm_ctx;
+
+static void rmsnorm_row_scalar(const float *x, const float *w, float *y, int64_t d, float eps) {
+    double ss = 0.0;
+    for (int64_t j = 0; j < d; j++) ss += (double)x[j] * x[j];
+    const float s = (float)(1.0 / sqrt(ss / (double)d + (double)eps));
+    if (w)
+        for (int64_t j = 0; j < d; j++) y[j] = (x[j] * s) * w[j];
+    else
+        for (int64_t j = 0; j < d; j++) y[j] = x[j] * s;
+}
+
+#ifdef MF_X86
+MF_AVX2 static void rmsnorm_row_avx2(const float *x, const float *w, float *y, int64_t d, float eps) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= d; j += 16) {
+        __m256 v0 = _mm256_loadu_ps(x + j), v1 = _mm256_loadu_ps(x + j + 8);
+        a0 = _mm256_fmadd_ps(v0, v0, a0);
+        a1 = _mm256_fmadd_ps(v1, v1, a1);
+    }
+    for (; j + 8 <= d; j += 8) {
+        __m256 v0 = _mm256_loadu_ps(x + j);
+        a0 = _mm256_fmadd_ps(v0, v0, a0);
+    }
+    double ss = hsum8(_mm256_add_ps(a0, a1));
+    for (; j < d; j++) ss += (double)x[j] * x[j];
+    const float s = (float)(1.0 / sqrt(ss / (double)d + (double)eps));
+    const __m256 vs = _mm256_set1_ps(s);
+    j = 0;
+    if (w) {
+        for (; j + 8 <= d; j += 8)
+            _mm256_storeu_ps(y + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j), vs),
+                                                  _mm256_loadu_ps(w + j)));
+        for (; j < d; j++) y[j] = (x[j] * s) * w[j];
+    } else {
+        for (; j + 8 <= d; j += 8) _mm256_storeu_ps(y + j, _mm256_mul_ps(_mm256_loadu_ps(x + j), vs));
+        for (; j < d; j++) y[j] = x[j] * s;
+    }
+}
+#endif
+
+static void rmsnorm_task(void *p, int64_t r) {
+    const norm_ctx *c = p;
+#ifdef MF_X86
+    if (use_avx2()) {
+        rmsnorm_row_avx2(c->x + r * c->d, c->w, c->out + r * c->d, c->d, c->eps);
+        return;
+    }
+#endif
+    rmsnorm_row_scalar(c->x + r * c->d, c->w, c->out + r * c->d, c->d, c->eps);
+}
+
+void mf_rmsnorm_f32(const float *x, const float *w, float *out, int64_t rows, int64_t d, float eps) {
+    norm_ctx c = {x, w, out, d, eps};
+    if (rows > 1 && rows * d >= PAR_MIN)
+        mf_parallel_for(rows, rmsnorm_task, &c);
+    else
+        for (int64_t r = 0; r < rows; r++) rmsnorm_task(&c, r);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* RoPE                                                                                        */
+
+typedef struct {
+    const float *x;
+    float *out;
+    const int32_t *pos;
+    int64_t heads, head_dim, n_rot;
+    double base, freq_scale;
+    int neox;
+    const float *ff;
+} rope_ctx;
+
+static void rope_task(void *p, int64_t i) {
+    const rope_ctx *c = p;
+    const int64_t half = c->n_rot / 2, hd = c->head_dim;
+    float cs[MF_ROPE_MAX_ROT / 2], sn[MF_ROPE_MAX_ROT / 2];
+    /* angles in double: pos * scale reaches ~1e5 rad, where float loses ~1e-2 rad */
+    const double pf = (double)c->pos[i] * c->freq_scale;
+    for (int64_t k = 0; k < half; k++) {
+        double th = pf * pow(c->base, -2.0 * (double)k / (double)c->n_rot);
+        if (c->ff) th /= (double)c->ff[k];
+        cs[k] = (float)cos(th);
+        sn[k] = (float)sin(th);
+    }
+    for (int64_t h = 0; h < c->heads; h++) {
+        const float *x = c->x + (i * c->heads + h) * hd;
+        float *y = c->out + (i * c->heads + h) * hd;
+        if (c->neox) {
+            for (int64_t k = 0; k < half; k++) {
+                const float x0 = x[k], x1 = x[k + half];
+                y[k] = x0 * cs[k] - x1 * sn[k];
+                y[k + half] = x0 * sn[k] + x1 * cs[k];
+            }
+        } else {
+            for (int64_t k = 0; k < half; k++) {
+                const float x0 = x[2 * k], x1 = x[2 * k + 1];
+                y[2 * k] = x0 * cs[k] - x1 * sn[k];
+                y[2 * k + 1] = x0 * sn[k] + x1 * cs[k];
+            }
+        }
+        if (y != x && c->n_rot < hd) memcpy(y + c->n_rot, x + c->n_rot, (size_t)(hd - c->n_rot) * sizeof(float));
+    }
+}
+
+void mf_rope_f32(const float *x, float *out, const int32_t *pos, int64_t n, int64_t heads,
+                 int64_t head_dim, int64_t n_rot, double base, double freq_scale, int neox,
+                 const float *freq_factors) {
+    rope_ctx c = {x, out, pos, heads, head_dim, n_rot, base, freq_scale, neox, freq_factors};
+    if (n >= 4 && n * heads * head_dim >= PAR_MIN / 4)
+        mf_parallel_for(n, rope_task, &c);
+    else
+        for (int64_t i = 0; i < n; i++) rope_task(&c, i);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Softmax                                                                                     */
+
+typedef struct {
+    const float *x;
+    float *out;
+    int64_t k;
+} softmax_ctx;
+
+static void softmax_row_scalar(const float *x, float *y, int64_t k) {
+    float m = -INFINITY;
+    for (int64_t j = 0; j < k; j++) m = x[j] > m ? x[j] : m;
+    double s = 0.0;
+    for (int64_t j = 0; j < k; j++) {
+        const float e = expf(x[j] - m);
+        y[j] = e;
+        s += e;
+    }
+    const float inv = (float)(1.0 / s);
+    for (int64_t j = 0; j < k; j++) y[j] *= inv;
+}
+
+#ifdef MF_X86
+MF_AVX2 static void softmax_row_avx2(const float *x, float *y, int64_t k) {
+    __m256 vm = _mm256_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 8 <= k; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(x + j));
+    float m = hmax8(vm);
+    for (; j < k; j++) m = x[j] > m ? x[j] : m;
+    vm = _mm256_set1_ps(m);
+    __m256 vs = _mm256_setzero_ps();
+    for (j = 0; j + 8 <= k; j += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), vm));
+        _mm256_storeu_ps(y + j, e);
+        vs = _mm256_add_ps(vs, e);
+    }
+    double s = hsum8(vs);
+    for (; j < k; j++) {
+        const float e = expf(x[j] - m);
+        y[j] = e;
+        s += e;
+    }
+    const float inv = (float)(1.0 / s);
+    const __m256 vi = _mm256_set1_ps(inv);
+    for (j = 0; j + 8 <= k; j += 8) _mm256_storeu_ps(y + j, _mm256_mul_ps(_mm256_loadu_ps(y + j), vi));
+    for (; j < k; j++) y[j] *= inv;
+}
+#endif
+
+static void softmax_task(void *p, int64_t r) {
+    const softmax_ctx *c = p;
+#ifdef MF_X86
+    if (use_avx2()) {
+        softmax_row_avx2(c->x + r * c->k, c->out + r * c->k, c->k);
+        return;
+    }
+#endif
+    softmax_row_scalar(c->x + r * c->k, c->out + r * c->k, c->k);
+}
+
+void mf_softmax_f32(const float *x, float *out, int64_t rows, int64_t k) {
+    softmax_ctx c = {x, out, k};
+    if (rows > 1 && rows * k >= PAR_MIN)
+        mf_parallel_for(rows, softmax_task, &c);
+    else
+        for (int64_t r = 0; r < rows; r++) softmax_task(&c, r);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Gated activations. gelu_tanh(g) = 0.5 g (1 + tanh(y)) = g / (1 + exp(-2y)),
+ * y = sqrt(2/pi) (g + 0.044715 g^3); the sigmoid form avoids cancellation for g < 0. */
+
+#define GELU_C 0.7978845608028654f
+#define GELU_A 0.044715f
+
+typedef struct {
+    const float *g, *u;
+    float *out;
+    int64_t n;
+    int gelu;
+} gate_ctx;
+
+static void gate_scalar(const float *g, const float *u, float *y, int64_t n, int gelu) {
+    if (gelu) {
+        for (int64_t j = 0; j < n; j++) {
+            const float x = g[j];
+            const float t = GELU_C * (x + GELU_A * x * x * x);
+            y[j] = x * u[j] / (1.0f + expf(-2.0f * t));
+        }
+    } else {
+        for (int64_t j = 0; j < n; j++) y[j] = g[j] * u[j] / (1.0f + expf(-g[j]));
+    }
+}
+
+#ifdef MF_X86
+MF_AVX2 static void gate_avx2(const float *g, const float *u, float *y, int64_t n, int gelu) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    int64_t j = 0;
+    if (gelu) {
+        const __m256 c2 = _mm256_set1_ps(-2.0f * GELU_C), a = _mm256_set1_ps(GELU_A);
+        for (; j + 8 <= n; j += 8) {
+            __m256 x = _mm256_loadu_ps(g + j);
+            __m256 x2 = _mm256_mul_ps(x, x);
+            __m256 t = _mm256_mul_ps(c2, _mm256_fmadd_ps(_mm256_mul_ps(a, x2), x, x));
+            __m256 num = _mm256_mul_ps(x, _mm256_loadu_ps(u + j));
+            _mm256_storeu_ps(y + j, _mm256_div_ps(num, _mm256_add_ps(one, exp8(t))));
+        }
+    } else {
+        const __m256 neg = _mm256_set1_ps(-0.0f);
+        for (; j + 8 <= n; j += 8) {
+            __m256 x = _mm256_loadu_ps(g + j);
+            __m256 num = _mm256_mul_ps(x, _mm256_loadu_ps(u + j));
+            _mm256_storeu_ps(y + j, _mm256_div_ps(num, _mm256_add_ps(one, exp8(_mm256_xor_ps(x, neg)))));
+        }
+    }
+    gate_scalar(g + j, u + j, y + j, n - j, gelu);
+}
+#endif
+
+static void gate_task(void *p, int64_t ci) {
+    const gate_ctx *c = p;
+    const int64_t j0 = ci * CHUNK, len = c->n - j0 < CHUNK ? c->n - j0 : CHUNK;
+#ifdef MF_X86
+    if (use_avx2()) {
+        gate_avx2(c->g + j0, c->u + j0, c->out + j0, len, c->gelu);
+        return;
+    }
+#endif
+    gate_scalar(c->g + j0, c->u + j0, c->out + j0, len, c->gelu);
+}
+
+static void gate_run(const float *g, const float *u, float *out, int64_t n, int gelu) {
+    gate_ctx c = {g, u, out, n, gelu};
+    const int64_t chunks = (n + CHUNK - 1) / CHUNK;
+    if (n >= PAR_MIN)
+        mf_parallel_for(chunks, gate_task, &c);
+    else
+        for (int64_t i = 0; i < chunks; i++) gate_task(&c, i);
+}
+
+void mf_silu_mul_f32(const float *g, const float *u, float *out, int64_t n) { gate_run(g, u, out, n, 0); }
+void mf_gelu_mul_f32(const float *g, const float *u, float *out, int64_t n) { gate_run(g, u, out, n, 1); }
+
+/* ------------------------------------------------------------------------------------------ */
+/* Attention: one task per (query row, q head); keys in blocks of KB with an online softmax
+ * (running max m, running sum l, accumulator acc[Dv]), so no T-sized buffer exists. */
+
+#define KB 64
+
+static inline int visible(const mf_attn_args *a, int64_t qp, int64_t t) {
+    const int64_t kp = a->kv_pos[t];
+    return kp <= qp && (a->window <= 0 || qp - kp < a->window);
+}
+
+static inline float cap(const mf_attn_args *a, float s) {
+    return a->softcap > 0.0f ? a->softcap * tanhf(s / a->softcap) : s;
+}
+
+static void attn_task_scalar(const mf_attn_args *a, int64_t i, int64_t h) {
+    const int64_t D = a->D, Dv = a->Dv, g = h / (a->Hq / a->Hkv), qp = a->q_pos[i];
+    const float *q = a->q + (i * a->Hq + h) * D;
+    float *o = a->out + (i * a->Hq + h) * Dv;
+    float acc[MF_ATTN_MAX_DIM], s[KB];
+    float m = -INFINITY, l = 0.0f;
+    memset(acc, 0, (size_t)Dv * sizeof(float));
+    for (int64_t t0 = 0; t0 < a->T; t0 += KB) {
+        const int64_t nb = a->T - t0 < KB ? a->T - t0 : KB;
+        float mb = -INFINITY;
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t t = t0 + b;
+            if (!visible(a, qp, t)) { s[b] = -INFINITY; continue; }
+            const float *k = a->k + (t * a->Hkv + g) * D;
+            float d = 0.0f;
+            for (int64_t j = 0; j < D; j++) d += q[j] * k[j];
+            s[b] = cap(a, d * a->scale);
+            mb = s[b] > mb ? s[b] : mb;
+        }
+        if (mb == -INFINITY) continue;
+        if (mb > m) {
+            const float corr = expf(m - mb); /* 0 on the first visible block */
+            for (int64_t j = 0; j < Dv; j++) acc[j] *= corr;
+            l *= corr;
+            m = mb;
+        }
+        for (int64_t b = 0; b < nb; b++) {
+            if (s[b] == -INFINITY) continue;
+            const float p = expf(s[b] - m);
+            const float *v = a->v + ((t0 + b) * a->Hkv + g) * Dv;
+            l += p;
+            for (int64_t j = 0; j < Dv; j++) acc[j] += p * v[j];
+        }
+    }
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    for (int64_t j = 0; j < Dv; j++) o[j] = acc[j] * inv;
+}
+
+#ifdef MF_X86
+/* 4 dot products of q with 4 key rows, reduced into one __m128 [d0, d1, d2, d3]. */
+MF_AVX2 static inline __m128 dot4_avx2(const float *q, const float *k0, const float *k1,
+                                       const float *k2, const float *k3, int64_t D) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t j = 0;
+    for (; j + 8 <= D; j += 8) {
+        const __m256 vq = _mm256_loadu_ps(q + j);
+        a0 = _mm256_fmadd_ps(vq, _mm256_loadu_ps(k0 + j), a0);
+        a1 = _mm256_fmadd_ps(vq, _mm256_loadu_ps(k1 + j), a1);
+        a2 = _mm256_fmadd_ps(vq, _mm256_loadu_ps(k2 + j), a2);
+        a3 = _mm256_fmadd_ps(vq, _mm256_loadu_ps(k3 + j), a3);
+    }
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    if (j < D) {
+        float t[4] = {0, 0, 0, 0};
+        for (; j < D; j++) {
+            t[0] += q[j] * k0[j];
+            t[1] += q[j] * k1[j];
+            t[2] += q[j] * k2[j];
+            t[3] += q[j] * k3[j];
+        }
+        r = _mm_add_ps(r, _mm_loadu_ps(t));
+    }
+    return r;
+}
+
+MF_AVX2 static inline float dot1_avx2(const float *q, const float *k, int64_t D) {
+    __m256 a0 = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= D; j += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(k + j), a0);
+    float d = hsum8(a0);
+    for (; j < D; j++) d += q[j] * k[j];
+    return d;
+}
+
+MF_AVX2 static void attn_task_avx2(const mf_attn_args *a, int64_t i, int64_t h) {
+    const int64_t D = a->D, Dv = a->Dv, g = h / (a->Hq / a->Hkv), qp = a->q_pos[i];
+    const int64_t ks = a->Hkv * D, vs = a->Hkv * Dv; /* row strides over t */
+    const float *q = a->q + (i * a->Hq + h) * D;
+    const float *kb = a->k + g * D, *vb = a->v + g * Dv;
+    float *o = a->out + (i * a->Hq + h) * Dv;
+    float acc[MF_ATTN_MAX_DIM], s[KB];
+    int32_t idx[KB];
+    float m = -INFINITY, l = 0.0f;
+    memset(acc, 0, (size_t)Dv * sizeof(float));
+    for (int64_t t0 = 0; t0 < a->T; t0 += KB) {
+        const int64_t nb = a->T - t0 < KB ? a->T - t0 : KB;
+        int nv = 0; /* visible keys of this block, compacted into idx */
+        for (int64_t b = 0; b < nb; b++)
+            if (visible(a, qp, t0 + b)) idx[nv++] = (int32_t)(t0 + b);
+        if (nv == 0) continue;
+        int b = 0;
+        for (; b + 4 <= nv; b += 4) {
+            __m128 d = dot4_avx2(q, kb + idx[b] * ks, kb + idx[b + 1] * ks, kb + idx[b + 2] * ks,
+                                 kb + idx[b + 3] * ks, D);
+            _mm_storeu_ps(s + b, _mm_mul_ps(d, _mm_set1_ps(a->scale)));
+        }
+        for (; b < nv; b++) s[b] = dot1_avx2(q, kb + idx[b] * ks, D) * a->scale;
+        float mb = -INFINITY;
+        for (b = 0; b < nv; b++) {
+            s[b] = cap(a, s[b]);
+            mb = s[b] > mb ? s[b] : mb;
+        }
+        if (mb > m) {
+            const float corr = expf(m - mb);
+            const __m256 vc = _mm256_set1_ps(corr);
+            int64_t j = 0;
+            for (; j + 8 <= Dv; j += 8) _mm256_storeu_ps(acc + j, _mm256_mul_ps(_mm256_loadu_ps(acc + j), vc));
+            for (; j < Dv; j++) acc[j] *= corr;
+            l *= corr;
+            m = mb;
+        }
+        const __m256 vm = _mm256_set1_ps(m);
+        __m256 vl = _mm256_setzero_ps();
+        for (b = 0; b + 8 <= nv; b += 8) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + b), vm));
+            _mm256_storeu_ps(s + b, e);
+            vl = _mm256_add_ps(vl, e);
+        }
+        l += hsum8(vl);
+        for (; b < nv; b++) {
+            s[b] = expf(s[b] - m);
+            l += s[b];
+        }
+        /* acc += sum_b p_b * v_b, 4 value rows per pass over acc */
+        b = 0;
+        for (; b + 4 <= nv; b += 4) {
+            const float *v0 = vb + idx[b] * vs, *v1 = vb + idx[b + 1] * vs;
+            const float *v2 = vb + idx[b + 2] * vs, *v3 = vb + idx[b + 3] * vs;
+            const __m256 p0 = _mm256_set1_ps(s[b]), p1 = _mm256_set1_ps(s[b + 1]);
+            const __m256 p2 = _mm256_set1_ps(s[b + 2]), p3 = _mm256_set1_ps(s[b + 3]);
+            int64_t j = 0;
+            for (; j + 8 <= Dv; j += 8) {
+                __m256 r = _mm256_loadu_ps(acc + j);
+                r = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + j), r);
+                r = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v1 + j), r);
+                r = _mm256_fmadd_ps(p2, _mm256_loadu_ps(v2 + j), r);
+                r = _mm256_fmadd_ps(p3, _mm256_loadu_ps(v3 + j), r);
+                _mm256_storeu_ps(acc + j, r);
+            }
+            for (; j < Dv; j++) acc[j] += s[b] * v0[j] + s[b + 1] * v1[j] + s[b + 2] * v2[j] + s[b + 3] * v3[j];
+        }
+        for (; b < nv; b++) {
+            const float *v0 = vb + idx[b] * vs;
+            const __m256 p0 = _mm256_set1_ps(s[b]);
+            int64_t j = 0;
+            for (; j + 8 <= Dv; j += 8)
+                _mm256_storeu_ps(acc + j, _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + j), _mm256_loadu_ps(acc + j)));
+            for (; j < Dv; j++) acc[j] += s[b] * v0[j];
+        }
+    }
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const __m256 vi = _mm256_set1_ps(inv);
+    int64_t j = 0;
+    for (; j + 8 <= Dv; j += 8) _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_loadu_ps(acc + j), vi));
+    for (; j < Dv; j++) o[j] = acc[j] * inv;
+}
+#endif
+
+static void attn_task(void *p, int64_t task) {
+    const mf_attn_args *a = p;
+    const int64_t i = task / a->Hq, h = task % a->Hq;
+#ifdef MF_X86
+    if (use_avx2()) {
+        attn_task_avx2(a, i, h);
+        return;
+    }
+#endif
+    attn_task_scalar(a, i, h);
+}
+
+void mf_attention_f32(const mf_attn_args *a) {
+    const int64_t tasks = a->n * a->Hq;
+    if (tasks > 1 && tasks * a->T * (a->D + a->Dv) >= PAR_MIN)
+        mf_parallel_for(tasks, attn_task, (void *)a);
+    else
+        for (int64_t t = 0; t < tasks; t++) attn_task((void *)a, t);
+}

@@ -1,0 +1,44 @@
+/* Forward-pass kernels besides matmul (csrc/ops.c). float32, C-contiguous buffers; all are
+ * called without the GIL and may split work over the pool. `out` may alias the (first) input
+ * for every op except attention. */
+#ifndef MEMFIT_OPS_H
+#define MEMFIT_OPS_H
+
+#include <stdint.h>
+
+#define MF_ROPE_MAX_ROT 2048 /* n_rot limit: cos/sin tables live on the stack */
+#define MF_ATTN_MAX_DIM 1024 /* D and Dv limit: per-task q copy and accumulator on the stack */
+
+/* out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w   (w may be NULL) */
+void mf_rmsnorm_f32(const float *x, const float *w, float *out, int64_t rows, int64_t d, float eps);
+
+/* x, out: [n, heads, head_dim]; pos: [n]. theta_i = pos * freq_scale * base^(-2i/n_rot) / ff[i]
+ * (ff = freq_factors[n_rot/2] or NULL). Normal rotates (2i, 2i+1), neox (i, i + n_rot/2);
+ * dims >= n_rot pass through. */
+void mf_rope_f32(const float *x, float *out, const int32_t *pos, int64_t n, int64_t heads,
+                 int64_t head_dim, int64_t n_rot, double base, double freq_scale, int neox,
+                 const float *freq_factors);
+
+/* Row-wise softmax over the last axis k (max-subtracted). */
+void mf_softmax_f32(const float *x, float *out, int64_t rows, int64_t k);
+
+/* out = silu(g) * u  and  out = gelu_tanh(g) * u, elementwise over n values. */
+void mf_silu_mul_f32(const float *g, const float *u, float *out, int64_t n);
+void mf_gelu_mul_f32(const float *g, const float *u, float *out, int64_t n);
+
+/* q[n, Hq, D], k[T, Hkv, D], v[T, Hkv, Dv], out[n, Hq, Dv]. Key t is visible to query i iff
+ * kv_pos[t] <= q_pos[i] and (window == 0 or q_pos[i] - kv_pos[t] < window). Score =
+ * scale * q.k, then softcap * tanh(score / softcap) when softcap > 0. A query that sees no key
+ * gets zeros. */
+typedef struct {
+    const float *q, *k, *v;
+    float *out;
+    const int32_t *q_pos, *kv_pos;
+    int64_t n, T;
+    int64_t Hq, Hkv, D, Dv;
+    float scale, softcap;
+    int64_t window;
+} mf_attn_args;
+void mf_attention_f32(const mf_attn_args *a);
+
+#endif
