@@ -1,0 +1,301 @@
+"""Tokenizer from GGUF metadata with llama.cpp's semantics (llama-vocab.cpp).
+
+    tok = Tokenizer.from_metadata(open_gguf(path).metadata)
+    tok.encode(text, add_special=True, parse_special=True) -> list[int]
+    tok.decode(ids, skip_special=False) -> str
+
+``encode``: special-token text is split out first (llama.cpp tokenizer_st_partition: longest
+token first; USER_DEFINED tokens always, CONTROL/UNKNOWN ones only with parse_special), then each
+plain fragment goes through the model: gpt2 byte-level BPE (HF `tokenizers`, see bpe.py) or
+llama SPM (spm.py). ``decode`` concatenates the pieces of llama.cpp's token_to_piece.
+"""
+
+from __future__ import annotations
+
+from ..errors import ModelError, UnsupportedError
+from .bpe import build_bpe, decode_bytelevel
+from .spm import SPMModel
+
+# GGUF token types (llama.cpp LLAMA_TOKEN_TYPE_*)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+# llama.cpp token attributes (bit flags; the type maps to one, fix-ups OR more in)
+A_UNKNOWN, A_UNUSED, A_NORMAL, A_CONTROL, A_USER_DEFINED, A_BYTE = 1, 2, 4, 8, 16, 32
+_TYPE_TO_ATTR = {UNKNOWN: A_UNKNOWN, UNUSED: A_UNUSED, NORMAL: A_NORMAL, CONTROL: A_CONTROL,
+                 USER_DEFINED: A_USER_DEFINED, BYTE: A_BYTE}
+_SPECIAL = A_UNKNOWN | A_CONTROL                # rendered only when special=True
+
+# token texts llama.cpp treats as end-of-generation (and forces to CONTROL)
+_EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>",
+              "<|calls|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>",
+              "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>", "<end_of_utterance>", "<eos>",
+              "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[")
+_EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+              "<|end_of_text|>", "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>",
+              "<end_of_utterance>")
+_FIM_PAD = ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]")
+_FIM_REP = ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>")
+_FIM_SEP = ("<|file_sep|>",)
+
+
+def _get(md: dict, key: str, default=None):
+    return md.get(key, default)
+
+
+class Tokenizer:
+    """A GGUF vocabulary; build with ``Tokenizer.from_metadata``."""
+
+    def __init__(self, *, kind: str, pre: str | None, tokens: list[str], types: list[int],
+                 scores: list[float] | None, merges: list[str] | None, bos_id: int | None,
+                 eos_id: int | None, add_bos: bool, add_eos: bool, add_space_prefix: bool,
+                 chat_template: str | None, extra_ids: dict[str, int | None],
+                 forced_control: frozenset[int] = frozenset()):
+        self.kind = kind
+        self.pre = pre
+        self._tokens = tokens
+        self._types = types
+        self.n_vocab = len(tokens)
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.add_bos = add_bos
+        self.add_eos = add_eos
+        self.add_space_prefix = add_space_prefix
+        self.chat_template = chat_template
+        # text -> id; on duplicate text the last id wins, as in llama.cpp's token_to_id map
+        self._t2i = dict(zip(tokens, range(len(tokens))))
+
+        # attributes as llama.cpp derives them (llama_vocab::impl::load)
+        attrs = [_TYPE_TO_ATTR.get(t, 0) for t in types]
+        self._attrs = attrs
+        for i in forced_control:
+            attrs[i] |= A_CONTROL               # eot/eom/fim tokens found by their text
+        for i, a in enumerate(attrs):
+            if a & A_CONTROL and "unused" in tokens[i]:
+                attrs[i] |= A_UNUSED
+        eog = {i for i in (extra_ids.get("fim_pad"), extra_ids.get("fim_rep"),
+                           extra_ids.get("fim_sep")) if i is not None}
+        for text in _EOG_TEXTS:
+            i = self._t2i.get(text)
+            if i is not None:
+                eog.add(i)
+                attrs[i] |= A_CONTROL
+        for i in (eos_id, extra_ids.get("eot"), extra_ids.get("eom")):
+            if i is not None:
+                eog.add(i)
+        texts = {tokens[i]: i for i in eog}
+        if "<|end|>" in texts and (("<|return|>" in texts and "<|call|>" in texts)
+                                   or ("<|calls|>" in texts and "<|flush|>" in texts)):
+            eog.discard(texts["<|end|>"])       # harmony / solar-open: <|end|> ends a message only
+            attrs[texts["<|end|>"]] = A_USER_DEFINED
+        if "<|tool_response>" in texts and "</s>" in texts:
+            eog.discard(texts["</s>"])          # gemma4: </s> is plain text
+            attrs[texts["</s>"]] = A_NORMAL
+        self.eog_ids = frozenset(eog)
+
+        # special tokens split out before the model runs: longest (in bytes) first
+        special = [i for i, a in enumerate(attrs) if a & (A_CONTROL | A_USER_DEFINED | A_UNKNOWN)]
+        special.sort(key=lambda i: -len(tokens[i].encode("utf-8")))
+        self._special = [(tokens[i], i, not attrs[i] & _SPECIAL) for i in special]
+
+        self._piece_cache: dict[int, bytes] = {}
+        if kind == "gpt2":
+            self._hf = build_bpe(tokens, merges or [], pre or "default")
+            self._spm = None
+        else:
+            self._hf = None
+            if scores is None:
+                scores = [0.0] * len(tokens)
+            self._spm = SPMModel(self._t2i, scores)
+
+    # -- construction -------------------------------------------------------------------
+
+    @classmethod
+    def from_metadata(cls, metadata: dict) -> "Tokenizer":
+        md = metadata
+        model = _get(md, "tokenizer.ggml.model")
+        if model is None:
+            raise ModelError("GGUF metadata has no tokenizer.ggml.model; the file carries no "
+                             "tokenizer, so memfit cannot tokenize text for it")
+        tokens = _get(md, "tokenizer.ggml.tokens")
+        if not isinstance(tokens, list) or not tokens:
+            raise ModelError("GGUF metadata tokenizer.ggml.tokens is missing or empty")
+        tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        n = len(tokens)
+        types = _get(md, "tokenizer.ggml.token_type")
+        if types is None:
+            types = [NORMAL] * n
+        elif len(types) != n:
+            raise ModelError(f"tokenizer.ggml.token_type has {len(types)} entries but "
+                             f"tokenizer.ggml.tokens has {n}")
+        types = list(types)
+        scores = _get(md, "tokenizer.ggml.scores")
+        if scores is not None and len(scores) != n:
+            raise ModelError(f"tokenizer.ggml.scores has {len(scores)} entries but "
+                             f"tokenizer.ggml.tokens has {n}")
+
+        pre = _get(md, "tokenizer.ggml.pre")
+        merges = None
+        if model == "gpt2":
+            merges = _get(md, "tokenizer.ggml.merges")
+            if merges is None:
+                raise ModelError("gpt2 tokenizer without tokenizer.ggml.merges in the GGUF metadata")
+            bos, eos, add_bos, add_eos, add_space_prefix = 11, 11, False, False, False
+            pre = pre or "default"
+            if pre in ("llama3", "llama-v3", "llama-bpe", "falcon3"):
+                add_bos = True
+        elif model == "llama":
+            bos, eos, add_bos, add_eos, add_space_prefix = 1, 2, True, False, True
+        else:
+            raise UnsupportedError(
+                f"tokenizer.ggml.model={model!r} is not supported; memfit supports 'gpt2' (BPE) "
+                "and 'llama' (SPM)")
+
+        def tok_id(key: str, default: int | None) -> int | None:
+            v = _get(md, key)
+            if v is None:
+                return default
+            if not isinstance(v, int) or not 0 <= v < n:
+                return default                  # llama.cpp: bad special id -> keep the default
+            return v
+
+        bos = tok_id("tokenizer.ggml.bos_token_id", bos)
+        eos = tok_id("tokenizer.ggml.eos_token_id", eos)
+        extra = {k: tok_id(f"tokenizer.ggml.{k}_token_id", None)
+                 for k in ("eot", "eom", "fim_pad", "fim_rep", "fim_sep")}
+        # ids not given in the metadata are found by token text, as llama.cpp does
+        wanted = set(_EOT_TEXTS + _FIM_PAD + _FIM_REP + _FIM_SEP + ("<|eom_id|>",))
+        forced: set[int] = set()
+        by_text = {t: i for i, t in enumerate(tokens) if t in wanted}
+        for key, texts in (("eot", _EOT_TEXTS), ("eom", ("<|eom_id|>",)), ("fim_pad", _FIM_PAD),
+                           ("fim_rep", _FIM_REP), ("fim_sep", _FIM_SEP)):
+            if extra[key] is None:
+                extra[key] = next((by_text[t] for t in texts if t in by_text), None)
+                if extra[key] is not None:
+                    forced.add(extra[key])
+
+        v = _get(md, "tokenizer.ggml.add_bos_token")
+        if v is not None:
+            add_bos = bool(v)
+        v = _get(md, "tokenizer.ggml.add_eos_token")
+        if v is not None:
+            add_eos = bool(v)
+        v = _get(md, "tokenizer.ggml.add_space_prefix")
+        if v is not None:
+            add_space_prefix = bool(v)
+        if add_bos and bos is None:
+            raise ModelError("tokenizer.ggml.add_bos_token is true but the model has no BOS token")
+        template = _get(md, "tokenizer.chat_template")
+        return cls(kind=model, pre=pre, tokens=tokens, types=types,
+                   scores=list(scores) if scores is not None else None, merges=merges,
+                   bos_id=bos, eos_id=eos, add_bos=add_bos, add_eos=add_eos,
+                   add_space_prefix=add_space_prefix,
+                   chat_template=template if isinstance(template, str) and template else None,
+                   extra_ids=extra, forced_control=frozenset(forced))
+
+    # -- encode -------------------------------------------------------------------------
+
+    def _partition(self, text: str, parse_special: bool) -> list[str | int]:
+        """Split special-token text out of ``text``: a list of plain str fragments and ids."""
+        frags: list[str | int] = [text]
+        for tok_text, tid, user_defined in self._special:
+            if not parse_special and not user_defined:
+                continue
+            if tok_text not in text:            # cheap filter on the whole text first
+                continue
+            out: list[str | int] = []
+            for f in frags:
+                if isinstance(f, int) or tok_text not in f:
+                    out.append(f)
+                    continue
+                parts = f.split(tok_text)
+                for k, p in enumerate(parts):
+                    if k:
+                        out.append(tid)
+                    if p:
+                        out.append(p)
+            frags = out
+        return frags
+
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            from ..errors import RequestError
+            raise RequestError(f"text to tokenize must be a str, got {type(text).__name__}")
+        out: list[int] = []
+        frags = self._partition(text, parse_special) if text else []
+        if add_special and self.add_bos:
+            out.append(self.bos_id)
+        if self.kind == "llama":
+            prev_special = True                 # a space prefix goes before the first fragment
+            for f in frags:
+                if isinstance(f, int):
+                    out.append(f)
+                    prev_special = True
+                    continue
+                if self.add_space_prefix and prev_special:
+                    f = " " + f
+                self._spm.encode(f.replace(" ", "\u2581"), out)
+                prev_special = False
+        else:
+            for f in frags:
+                if isinstance(f, int):
+                    out.append(f)
+                else:
+                    out.extend(self._hf.encode(f, add_special_tokens=False).ids)
+        if add_special and self.add_eos:
+            out.append(self.eos_id)
+        return out
+
+    # -- decode -------------------------------------------------------------------------
+
+    def _check_id(self, tid: int) -> None:
+        if not isinstance(tid, int) or not 0 <= tid < self.n_vocab:
+            from ..errors import RequestError
+            raise RequestError(f"token id {tid!r} is out of range for a vocabulary of {self.n_vocab}")
+
+    def token_to_bytes(self, tid: int, special: bool = True) -> bytes:
+        """The raw bytes of one token (llama.cpp token_to_piece); control tokens only if special."""
+        piece = self._piece_cache.get(tid)
+        if piece is None:
+            self._check_id(tid)
+            a, text = self._attrs[tid], self._tokens[tid]
+            if a & (_SPECIAL | A_USER_DEFINED):
+                piece = text.encode("utf-8")
+            elif a & A_NORMAL:
+                piece = (text.replace("\u2581", " ").encode("utf-8") if self.kind == "llama"
+                         else decode_bytelevel(text))
+            elif a & A_BYTE:
+                piece = bytes([int(text[3:5], 16)])
+            else:
+                piece = b""                     # unused / undefined tokens render as nothing
+            self._piece_cache[tid] = piece
+        if not special and self._attrs[tid] & _SPECIAL:
+            return b""
+        return piece
+
+    def decode_bytes(self, ids, skip_special: bool = False) -> bytes:
+        return b"".join(self.token_to_bytes(int(i), not skip_special) for i in ids)
+
+    def decode(self, ids, skip_special: bool = False) -> str:
+        """Concatenated pieces (what llama-server's /detokenize returns); bad UTF-8 -> U+FFFD."""
+        return self.decode_bytes(ids, skip_special).decode("utf-8", errors="replace")
+
+    def token_text(self, tid: int) -> str:
+        """The vocabulary entry as stored in the GGUF (byte-level / '▁'-escaped form)."""
+        self._check_id(tid)
+        return self._tokens[tid]
+
+    def token_type(self, tid: int) -> int:
+        """The GGUF token type (1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte)."""
+        self._check_id(tid)
+        return self._types[tid]
+
+    def token_id(self, text: str) -> int | None:
+        """Id of a vocabulary entry given its stored text, or None."""
+        return self._t2i.get(text)
+
+    def is_control(self, tid: int) -> bool:
+        """True for control/unknown tokens: decode(skip_special=True) drops them."""
+        return bool(self._attrs[tid] & _SPECIAL)
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer(kind={self.kind!r}, pre={self.pre!r}, n_vocab={self.n_vocab}, "
+                f"bos={self.bos_id}, eos={self.eos_id}, add_bos={self.add_bos})")
