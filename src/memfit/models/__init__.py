@@ -1,0 +1,55 @@
+"""Model architectures: one short file each over shared blocks (layers.py), and a registry.
+
+    model = load_model(path | GGUFFile | metadata_dict, weights=None, ops=None)
+    cache = model.new_cache(n_ctx)
+    logits = model.forward(ids, cache, all_logits=False)   # f32 [n_vocab] or [n, n_vocab]
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import UnsupportedError
+from .config import ModelConfig
+from .gemma3 import Gemma3
+from .layers import Model
+from .llama import Llama
+from .qwen2 import Qwen2
+from .qwen3 import Qwen3
+from .weights import GGUFWeights, WeightSource
+
+REGISTRY: dict[str, type[Model]] = {"llama": Llama, "qwen2": Qwen2, "qwen3": Qwen3, "gemma3": Gemma3}
+
+
+def load_model(source, weights: WeightSource | None = None, ops=None) -> Model:
+    """Build the model for a GGUF path, an open GGUFFile, or a metadata dict plus a
+    WeightSource. Checks every tensor's presence, shape and type before returning."""
+    opened = None
+    if isinstance(source, (str, Path)):
+        from ..gguf import open_gguf
+        source = opened = open_gguf(source)
+    if isinstance(source, dict):
+        metadata = source
+        assert weights is not None, "a metadata dict needs a WeightSource"
+    else:
+        metadata = source.metadata
+        weights = weights if weights is not None else GGUFWeights(source)
+    try:
+        arch = metadata.get("general.architecture")
+        cls = REGISTRY.get(arch)
+        if cls is None:
+            raise UnsupportedError(f"architecture {arch!r} is not supported; supported: "
+                                   f"{', '.join(sorted(REGISTRY))}")
+        if not metadata.get(f"{arch}.vocab_size") and not metadata.get("tokenizer.ggml.tokens") \
+                and weights.has("token_embd.weight"):
+            metadata = {**metadata, f"{arch}.vocab_size": weights.info("token_embd.weight")[0][0]}
+        model = cls(ModelConfig.from_metadata(metadata), weights, ops)
+    except BaseException:
+        if opened is not None:
+            opened.close()
+        raise
+    model.file = opened
+    return model
+
+
+__all__ = ["REGISTRY", "Model", "ModelConfig", "GGUFWeights", "WeightSource", "load_model"]

@@ -1,0 +1,61 @@
+"""Contiguous per-sequence KV cache: the tiny protocol model code relies on.
+
+Per layer, K is float32 [n_ctx, n_kv_head, head_dim_k] and V [n_ctx, n_kv_head, head_dim_v].
+A forward pass of n tokens calls ``positions(n)`` once, ``update_and_fetch`` once per layer
+(writes rows offset..offset+n), then ``advance(n)``; so ``offset`` only moves when every
+layer has its rows. Model code never sees the layout.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import RequestError
+
+
+class KVCache:
+    def __init__(self, n_layer: int, n_ctx: int, n_kv_head: int, head_dim_k: int,
+                 head_dim_v: int | None = None, dtype=np.float32):
+        if n_ctx <= 0:
+            raise RequestError(f"context size must be positive, got {n_ctx}")
+        head_dim_v = head_dim_k if head_dim_v is None else head_dim_v
+        self.n_ctx = n_ctx
+        self.k = [np.zeros((n_ctx, n_kv_head, head_dim_k), dtype) for _ in range(n_layer)]
+        self.v = [np.zeros((n_ctx, n_kv_head, head_dim_v), dtype) for _ in range(n_layer)]
+        self.offset = 0  # tokens stored (== position of the next token)
+        self._pos = np.arange(n_ctx, dtype=np.int32)
+
+    def positions(self, n: int) -> np.ndarray:
+        """Positions of the next n tokens (int32[n]); RequestError if they do not fit."""
+        if self.offset + n > self.n_ctx:
+            raise RequestError(f"context overflow: {self.offset} cached + {n} new tokens > "
+                               f"context size {self.n_ctx}; use a larger context or a shorter "
+                               f"prompt")
+        return self._pos[self.offset:self.offset + n]
+
+    def update_and_fetch(self, layer: int, k: np.ndarray, v: np.ndarray):
+        """Store k[n, Hkv, Dk], v[n, Hkv, Dv] at offset; return (K, V, kv_pos) over all
+        offset + n cached positions (views, not copies)."""
+        n = k.shape[0]
+        end = self.offset + n
+        assert end <= self.n_ctx, "positions(n) must be called first"
+        self.k[layer][self.offset:end] = k
+        self.v[layer][self.offset:end] = v
+        return self.k[layer][:end], self.v[layer][:end], self._pos[:end]
+
+    def advance(self, n: int) -> None:
+        assert self.offset + n <= self.n_ctx
+        self.offset += n
+
+    def trim(self, n: int) -> int:
+        """Drop the last n tokens (for speculative decoding / prompt reuse); returns how many."""
+        n = max(0, min(n, self.offset))
+        self.offset -= n
+        return n
+
+    def reset(self) -> None:
+        self.offset = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)

@@ -1,0 +1,111 @@
+"""The numpy backend: readable float32 definitions of every compute op (the oracle).
+
+Weights are dequantized per use through memfit.quant.reference.dequantize: one whole tensor
+per matmul, only the requested rows in get_rows; never the whole model. Signatures are those
+in the docstring of memfit.ops.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..quant.reference import dequantize
+from . import QTensor
+
+
+def dequant(w: QTensor) -> np.ndarray:
+    """The whole tensor as float32 in its numpy shape."""
+    n = 1
+    for d in w.shape:
+        n *= d
+    return dequantize(w.type.id, w.data.reshape(-1), n).reshape(w.shape)
+
+
+def matmul(x: np.ndarray, w: QTensor) -> np.ndarray:
+    # x[n, cols] @ W(rows, cols)^T -> y[n, rows]
+    rows, cols = w.shape
+    assert x.ndim == 2 and x.shape[1] == cols, (x.shape, w.name, w.shape)
+    return np.ascontiguousarray(x, dtype=np.float32) @ dequant(w).T
+
+
+def get_rows(w: QTensor, ids: np.ndarray) -> np.ndarray:
+    # W(vocab, dim): gather the raw bytes of the requested rows, dequantize only those
+    rows, cols = w.shape
+    rb = w.type.row_bytes(cols)
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    raw = w.data.reshape(-1)[: rows * rb].reshape(rows, rb)[ids]
+    return dequantize(w.type.id, raw.reshape(-1), ids.size * cols).reshape(ids.size, cols)
+
+
+def rmsnorm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
+    # x / sqrt(mean(x^2) + eps) over the last axis, times weight
+    ms = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True)
+    y = x * (1.0 / np.sqrt(ms + np.float32(eps)))
+    if weight is not None:
+        y = y * weight
+    return y.astype(np.float32, copy=False)
+
+
+def rope(x: np.ndarray, pos: np.ndarray, n_rot: int, theta_base: float, freq_scale: float,
+         neox: bool, freq_factors: np.ndarray | None = None) -> np.ndarray:
+    """x[n, heads, head_dim]; dims >= n_rot pass through. theta_i = pos * freq_scale *
+    base^(-2i/n_rot) / freq_factors[i] (freq_factors: llama3-style rope_freqs, optional)."""
+    half = n_rot // 2
+    inv = theta_base ** (-np.arange(half, dtype=np.float64) * 2.0 / n_rot)
+    if freq_factors is not None:
+        inv = inv / np.asarray(freq_factors, dtype=np.float64)
+    ang = np.asarray(pos, dtype=np.float64)[:, None] * (freq_scale * inv)[None, :]  # [n, half]
+    cos = np.cos(ang).astype(np.float32)[:, None, :]
+    sin = np.sin(ang).astype(np.float32)[:, None, :]
+    out = np.array(x, dtype=np.float32, copy=True)
+    if neox:
+        a, b = x[..., :half], x[..., half:n_rot]
+        out[..., :half] = a * cos - b * sin
+        out[..., half:n_rot] = a * sin + b * cos
+    else:
+        a, b = x[..., 0:n_rot:2], x[..., 1:n_rot:2]
+        out[..., 0:n_rot:2] = a * cos - b * sin
+        out[..., 1:n_rot:2] = a * sin + b * cos
+    return out
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - np.max(x, axis=-1, keepdims=True))
+    return (e / np.sum(e, axis=-1, keepdims=True)).astype(np.float32, copy=False)
+
+
+def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    return (gate / (1.0 + np.exp(-gate)) * up).astype(np.float32, copy=False)
+
+
+_GELU_C = np.float32(np.sqrt(2.0 / np.pi))
+
+
+def gelu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    # tanh approximation, as ggml_gelu
+    g = 0.5 * gate * (1.0 + np.tanh(_GELU_C * (gate + np.float32(0.044715) * gate ** 3)))
+    return (g * up).astype(np.float32, copy=False)
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
+              kv_pos: np.ndarray, scale: float, window: int = 0,
+              softcap: float = 0.0) -> np.ndarray:
+    # q[n, Hq, D], k[T, Hkv, D], v[T, Hkv, Dv] -> [n, Hq, Dv]; q head h uses kv head h // G
+    n, hq, d = q.shape
+    t, hkv, dv = v.shape
+    g = hq // hkv
+    qg = q.reshape(n, hkv, g, d).transpose(1, 2, 0, 3).reshape(hkv, g * n, d)
+    s = (qg @ k.transpose(1, 2, 0)) * np.float32(scale)            # [Hkv, G*n, T]
+    s = s.reshape(hkv, g, n, t)
+    if softcap > 0.0:
+        s = np.float32(softcap) * np.tanh(s / np.float32(softcap))
+    qp = np.asarray(q_pos)[:, None].astype(np.int64)
+    kp = np.asarray(kv_pos)[None, :].astype(np.int64)
+    allowed = kp <= qp
+    if window > 0:
+        allowed &= (qp - kp) < window   # llama.cpp: masked when q_pos - kv_pos >= n_swa
+    s = np.where(allowed[None, None], s, np.float32(-np.inf))
+    p = softmax(s).reshape(hkv, g * n, t)
+    o = p @ v.transpose(1, 0, 2)                                      # [Hkv, G*n, Dv]
+    return np.ascontiguousarray(o.reshape(hkv, g, n, dv).transpose(2, 0, 1, 3).reshape(n, hq, dv),
+                                dtype=np.float32)
