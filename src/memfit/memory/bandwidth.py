@@ -1,0 +1,176 @@
+"""Measured memory and disk read bandwidth, for the Plan's tokens/s bound.
+
+Results are cached in ~/.cache/memfit/bandwidth.json (memory keyed by CPU model + MemTotal,
+disk keyed by the device number of the file), so a budgeted run never allocates the probe
+buffer: ``get_bandwidth(path, measure=False)`` only reads the cache or the defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_MEM_BW = 10e9    # bytes/s, used when nothing was measured
+DEFAULT_DISK_BW = 1e9
+ALIGN = 4096
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    mem_read_bytes_per_s: float = DEFAULT_MEM_BW
+    disk_read_bytes_per_s: float = DEFAULT_DISK_BW
+    source: str = "default"  # 'measured', 'cached' or 'default' (may be joined: 'cached+default')
+
+
+def cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "memfit" / "bandwidth.json"
+
+
+def _load_cache() -> dict:
+    try:
+        return json.loads(cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_cache(d: dict) -> None:
+    p = cache_path()
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(".tmp")
+        tmp.write_text(json.dumps(d, indent=1, sort_keys=True))
+        os.replace(tmp, p)
+    except OSError:
+        pass
+
+
+def machine_key() -> str:
+    cpu = "cpu"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemTotal:"):
+                cpu += f"|{line.split()[1]}kB"
+                break
+    except OSError:
+        pass
+    return cpu
+
+
+def device_key(path: str | os.PathLike) -> str:
+    st = os.stat(path)
+    return f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+
+
+def measure_memory_bandwidth(nbytes: int = 256 << 20, threads: int | None = None,
+                             repeats: int = 3) -> float:
+    """Read bandwidth (bytes/s) of a multi-threaded sum over an nbytes buffer; best of repeats.
+    numpy releases the GIL inside the reduction, so the threads read in parallel."""
+    threads = threads or os.cpu_count() or 1
+    buf = np.ones(nbytes // 8, dtype=np.float64)  # touched: pages are real, not the zero page
+    parts = np.array_split(buf, threads)
+    best = 0.0
+    for _ in range(repeats):
+        ts = [threading.Thread(target=np.sum, args=(p,)) for p in parts]
+        t0 = time.perf_counter()
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        dt = time.perf_counter() - t0
+        best = max(best, buf.nbytes / dt)
+    del buf, parts
+    return best
+
+
+def measure_disk_bandwidth(path: str | os.PathLike, sample_bytes: int = 256 << 20,
+                           chunk: int = 8 << 20, workers: int = 4, max_s: float = 1.0) -> float:
+    """Cold sequential-read bandwidth (bytes/s) of the file's device: O_DIRECT reads of chunk
+    bytes by `workers` threads spread over the file (bypassing the page cache, so the result
+    is the disk's, not RAM's). Raises OSError where O_DIRECT is not possible."""
+    size = os.path.getsize(path)
+    n_chunks = max(1, min(sample_bytes, size) // chunk)
+    span = max(1, (size - chunk) // ALIGN)
+    offsets = [((span * i // n_chunks) * ALIGN) for i in range(n_chunks)]
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    done = [0]
+    lock = threading.Lock()
+    t0 = time.perf_counter()
+
+    def work(my):
+        mm = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT requires
+        try:
+            for off in my:
+                if time.perf_counter() - t0 > max_s:
+                    break
+                n = os.preadv(fd, [mm], off)
+                with lock:
+                    done[0] += n
+        finally:
+            mm.close()
+
+    try:
+        ts = [threading.Thread(target=work, args=(offsets[w::workers],)) for w in range(workers)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    finally:
+        os.close(fd)
+    dt = time.perf_counter() - t0
+    if done[0] == 0:
+        raise OSError(f"no bytes read from {path}")
+    return done[0] / dt
+
+
+def get_bandwidth(path: str | os.PathLike | None = None, *, measure: bool = True,
+                  refresh: bool = False) -> Bandwidth:
+    """Bandwidth for plans: cached values, else measured (if measure) and cached, else the
+    defaults. Never raises."""
+    cache = _load_cache()
+    src = []
+    mkey = machine_key()
+    mem = None if refresh else cache.get("mem", {}).get(mkey)
+    if mem is not None:
+        src.append("cached")
+    elif measure:
+        try:
+            mem = measure_memory_bandwidth()
+            cache.setdefault("mem", {})[mkey] = mem
+            src.append("measured")
+        except (MemoryError, OSError):
+            mem = None
+    if mem is None:
+        mem, _ = DEFAULT_MEM_BW, src.append("default")
+    disk = None
+    if path is not None:
+        try:
+            dkey = device_key(path)
+        except OSError:
+            dkey = None
+        disk = None if refresh or dkey is None else cache.get("disk", {}).get(dkey)
+        if disk is not None:
+            src.append("cached")
+        elif measure and dkey is not None:
+            try:
+                disk = measure_disk_bandwidth(path)
+                cache.setdefault("disk", {})[dkey] = disk
+                src.append("measured")
+            except OSError:
+                disk = None
+    if disk is None:
+        disk, _ = DEFAULT_DISK_BW, src.append("default")
+    if "measured" in src:
+        _save_cache(cache)
+    return Bandwidth(float(mem), float(disk), "+".join(dict.fromkeys(src)))
