@@ -276,3 +276,22 @@ def test_gemma_fast_and_consistent(gemma_path):
         for a, b in zip(ts, ts[1:]):
             assert 0 <= b.offset - (a.offset + a.nbytes) < f.alignment
         assert ts[-1].offset + ts[-1].nbytes == f.file_size
+
+
+def test_split_bad_metadata_and_corrupt_part(tmp_path):
+    parts, _ = _write_split(tmp_path)
+    # a truncated later part: the error names that part
+    data = parts[2].read_bytes()
+    parts[2].write_bytes(data[:len(data) // 2])
+    with pytest.raises(GGUFError, match=r"model-00003-of-00003\.gguf: byte \d+"):
+        open_gguf(parts[0])
+    # split.count must be an integer
+    p = tmp_path / "odd-00001-of-00002.gguf"
+    w = gguf.GGUFWriter(p, "llama")
+    w.add_string("split.count", "2")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(GGUFError, match=r"byte \d+: metadata 'split.count': expected an integer"):
+        open_gguf(p)

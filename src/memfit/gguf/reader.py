@@ -254,6 +254,7 @@ class _Part:
 
         self.metadata: dict[str, Any] = {}
         self.value_types: dict[str, str] = {}
+        self.value_offsets: dict[str, int] = {}  # where each value starts, for messages
         for i in range(n_kv):
             at = p.pos
             key = p.string(f"kv[{i}] key")
@@ -267,6 +268,7 @@ class _Part:
             if vtype == T_ARRAY and p.size - p.pos >= 4:
                 sub = _U32.unpack_from(self.mm, p.pos)[0]
                 tname = f"array[{VALUE_TYPE_NAMES.get(sub, sub)}]"
+            self.value_offsets[key] = p.pos
             self.metadata[key] = p.value(vtype, f"kv[{i}] {key!r}")
             self.value_types[key] = tname
 
@@ -277,7 +279,7 @@ class _Part:
             if t not in ("uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32",
                          "int64") or a <= 0 or a & (a - 1):
                 p.fail("general.alignment", f"must be a nonzero power of two integer, got "
-                       f"{a!r} ({t})", 0)
+                       f"{a!r} ({t})", self.value_offsets["general.alignment"])
             self.alignment = a
 
         self.tensors: list[TensorInfo] = []
@@ -362,7 +364,8 @@ def _int_meta(part: _Part, key: str) -> int | None:
     v = part.metadata[key]
     if part.value_types[key] not in ("uint8", "uint16", "uint32", "uint64", "int8", "int16",
                                      "int32", "int64"):
-        raise GGUFError(f"{part.path}: metadata {key!r}: expected an integer, got "
+        raise GGUFError(f"{part.path}: byte {part.value_offsets[key]}: metadata {key!r}: "
+                        f"expected an integer, got "
                         f"{part.value_types[key]} {v!r}")
     return v
 
