@@ -37,13 +37,25 @@ def _strftime_now(fmt):
     return datetime.now().strftime(fmt)
 
 
+def _env_class():
+    from jinja2.exceptions import SecurityError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class _Env(ImmutableSandboxedEnvironment):
+        # jinja2 would return a silent Undefined for `x.__class__`; refuse at once instead
+        def unsafe_undefined(self, obj, attribute):
+            raise SecurityError(f"access to attribute {attribute!r} of a "
+                                f"{type(obj).__name__} object is not allowed")
+
+    return _Env
+
+
 @lru_cache(maxsize=8)
 def _compile(template: str):
     from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+    env = _env_class()(trim_blocks=True, lstrip_blocks=True,
+                       extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
