@@ -1,4 +1,123 @@
-/* Placeholder: quant bindings (dequantize, matmul, get_rows) land here. */
+/* Python bindings for the quant kernels: raw buffers in, caller-allocated f32 out, GIL released.
+ *   dequantize(type, src, n, out)                   out: f32[n]
+ *   matmul(type, w, rows, cols, x, n, out)          x: f32[n, cols], out: f32[n, rows]
+ *   get_rows(type, w, rows, cols, ids, out)         ids: int64[k], out: f32[k, cols] */
 #include "memfit.h"
+#include "quant_common.h"
 
-PyMethodDef mf_quant_methods[] = {{NULL, NULL, 0, NULL}};
+int mf_matmul(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t n, float *y);
+int mf_get_rows(int type, const uint8_t *w, int64_t cols, const int64_t *ids, int64_t n, float *out);
+int mf_dequantize(int type, const uint8_t *src, int64_t n, float *dst);
+
+static int get_buf(PyObject *o, Py_buffer *v, int writable, const char *what) {
+    if (PyObject_GetBuffer(o, v, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) {
+        PyErr_Format(PyExc_TypeError, "%s must be a C-contiguous%s buffer", what, writable ? " writable" : "");
+        return -1;
+    }
+    return 0;
+}
+
+static int check_type(long type) {
+    if (type < 0 || type >= T_MAX || mf_qtypes[type].block == 0) {
+        PyErr_Format(PyExc_ValueError, "ggml type %ld is not supported by the native kernels", type);
+        return -1;
+    }
+    return 0;
+}
+
+static int64_t type_bytes(int type, int64_t n) { return n / mf_qtypes[type].block * mf_qtypes[type].bytes; }
+
+static PyObject *raise_rc(int rc, long type, long long cols) {
+    if (rc == -2) return PyErr_Format(PyExc_ValueError, "cols %lld is not a multiple of the block size %d of type %ld", cols, mf_qtypes[type].block, type);
+    if (rc == -3) return PyErr_NoMemory();
+    return PyErr_Format(PyExc_ValueError, "native kernel failed for type %ld (%d)", type, rc);
+}
+
+static PyObject *py_dequantize(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    if (na != 4) return PyErr_Format(PyExc_TypeError, "dequantize(type, src, n, out)");
+    long type = PyLong_AsLong(a[0]);
+    long long n = PyLong_AsLongLong(a[2]);
+    if (PyErr_Occurred() || check_type(type) < 0) return NULL;
+    if (n < 0 || n % mf_qtypes[type].block)
+        return PyErr_Format(PyExc_ValueError, "n=%lld is not a multiple of the block size %d", n, mf_qtypes[type].block);
+    Py_buffer src, out;
+    if (get_buf(a[1], &src, 0, "src") < 0) return NULL;
+    if (get_buf(a[3], &out, 1, "out") < 0) { PyBuffer_Release(&src); return NULL; }
+    int rc = 0;
+    if (src.len < type_bytes((int)type, n) || out.len < n * 4) rc = -4;
+    else {
+        Py_BEGIN_ALLOW_THREADS
+        rc = mf_dequantize((int)type, src.buf, n, out.buf);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&out);
+    if (rc == -4) return PyErr_Format(PyExc_ValueError, "dequantize: src or out buffer too small for n=%lld", n);
+    if (rc) return raise_rc(rc, type, n);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_matmul(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    if (na != 7) return PyErr_Format(PyExc_TypeError, "matmul(type, w, rows, cols, x, n, out)");
+    long type = PyLong_AsLong(a[0]);
+    long long rows = PyLong_AsLongLong(a[2]), cols = PyLong_AsLongLong(a[3]), n = PyLong_AsLongLong(a[5]);
+    if (PyErr_Occurred() || check_type(type) < 0) return NULL;
+    if (rows < 0 || cols <= 0 || n < 0) return PyErr_Format(PyExc_ValueError, "bad matmul shape rows=%lld cols=%lld n=%lld", rows, cols, n);
+    if (cols % mf_qtypes[type].block) return raise_rc(-2, type, cols);
+    Py_buffer w, x, out;
+    if (get_buf(a[1], &w, 0, "w") < 0) return NULL;
+    if (get_buf(a[4], &x, 0, "x") < 0) { PyBuffer_Release(&w); return NULL; }
+    if (get_buf(a[6], &out, 1, "out") < 0) { PyBuffer_Release(&w); PyBuffer_Release(&x); return NULL; }
+    int rc = 0;
+    if (w.len < rows * type_bytes((int)type, cols) || x.len < n * cols * 4 || out.len < n * rows * 4) rc = -4;
+    else {
+        Py_BEGIN_ALLOW_THREADS
+        rc = mf_matmul((int)type, w.buf, rows, cols, x.buf, n, out.buf);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&out);
+    if (rc == -4) return PyErr_Format(PyExc_ValueError, "matmul: w, x or out buffer too small for rows=%lld cols=%lld n=%lld", rows, cols, n);
+    if (rc) return raise_rc(rc, type, cols);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_get_rows(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    if (na != 6) return PyErr_Format(PyExc_TypeError, "get_rows(type, w, rows, cols, ids, out)");
+    long type = PyLong_AsLong(a[0]);
+    long long rows = PyLong_AsLongLong(a[2]), cols = PyLong_AsLongLong(a[3]);
+    if (PyErr_Occurred() || check_type(type) < 0) return NULL;
+    if (rows < 0 || cols <= 0) return PyErr_Format(PyExc_ValueError, "bad get_rows shape rows=%lld cols=%lld", rows, cols);
+    if (cols % mf_qtypes[type].block) return raise_rc(-2, type, cols);
+    Py_buffer w, ids, out;
+    if (get_buf(a[1], &w, 0, "w") < 0) return NULL;
+    if (get_buf(a[4], &ids, 0, "ids") < 0) { PyBuffer_Release(&w); return NULL; }
+    if (get_buf(a[5], &out, 1, "out") < 0) { PyBuffer_Release(&w); PyBuffer_Release(&ids); return NULL; }
+    int64_t k = ids.len / 8;
+    const int64_t *id = ids.buf;
+    long long bad = -1;
+    int rc = 0;
+    if (ids.itemsize != 8 || w.len < rows * type_bytes((int)type, cols) || out.len < k * cols * 4) rc = -4;
+    for (int64_t i = 0; rc == 0 && i < k; i++)
+        if (id[i] < 0 || id[i] >= rows) { bad = id[i]; rc = -5; }
+    if (rc == 0) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = mf_get_rows((int)type, w.buf, cols, id, k, out.buf);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&ids);
+    PyBuffer_Release(&out);
+    if (rc == -4) return PyErr_Format(PyExc_ValueError, "get_rows: ids must be int64 and w/out large enough (rows=%lld cols=%lld)", rows, cols);
+    if (rc == -5) return PyErr_Format(PyExc_IndexError, "row id %lld out of range [0, %lld)", bad, rows);
+    if (rc) return raise_rc(rc, type, cols);
+    Py_RETURN_NONE;
+}
+
+PyMethodDef mf_quant_methods[] = {
+    {"dequantize", (PyCFunction)(void (*)(void))py_dequantize, METH_FASTCALL, "dequantize(type, src, n, out)"},
+    {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "matmul(type, w, rows, cols, x, n, out): out[n, rows] = x[n, cols] @ W^T"},
+    {"get_rows", (PyCFunction)(void (*)(void))py_get_rows, METH_FASTCALL, "get_rows(type, w, rows, cols, ids int64, out)"},
+    {NULL, NULL, 0, NULL},
+};

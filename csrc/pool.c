@@ -56,7 +56,10 @@ static int isa_from_name(const char *s) {
     return -1;
 }
 
+void mf_quant_init(void); /* quant.c: f16 table */
+
 void mf_init_isa(void) {
+    mf_quant_init();
     mf_isa_hw = detect_isa();
     mf_isa = mf_isa_hw;
     const char *env = getenv("MEMFIT_ISA");

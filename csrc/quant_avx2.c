@@ -1,0 +1,418 @@
+/* AVX2+FMA+F16C kernels: activation quantizers and integer vec-dots (maddubs/madd), one per
+ * weight type. Weights stay unsigned where possible (q in 0..2^k-1) so maddubs(q, x8) applies
+ * directly; the offset (e.g. -8 for Q4_0) is folded in with the precomputed sum of x. */
+#include "quant_common.h"
+
+#include <immintrin.h>
+#include <math.h>
+#include <string.h>
+
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+
+AVX2 static inline float hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+AVX2 static inline int hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+AVX2 static inline float hmax_ps(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+/* 16 bytes of nibbles -> 32 bytes: low nibbles (elements 0..15), then high (16..31) */
+AVX2 static inline __m256i nibbles32(const uint8_t *p) {
+    __m128i t = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0xF));
+}
+/* 32 bits -> 32 bytes, 0xFF where the bit is set */
+AVX2 static inline __m256i bits32(const uint8_t *p) {
+    uint32_t x;
+    memcpy(&x, p, 4);
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                           0x0101010101010101, 0x0000000000000000);
+    __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32((int)x), shuf);
+    b = _mm256_or_si256(b, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1));
+}
+/* signed x signed bytes -> 16 int32 pair sums via |a| * sign(b, a) */
+AVX2 static inline __m256i dot_ss(__m256i a, __m256i b) {
+    return _mm256_maddubs_epi16(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
+}
+AVX2 static inline __m256i lane_scales(int a, int b) {
+    return _mm256_set_m128i(_mm_set1_epi16((short)b), _mm_set1_epi16((short)a));
+}
+AVX2 static inline float f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* ---------------- activation quantizers ---------------- */
+
+AVX2 static inline __m256i q8_round(__m256 v, __m256 id) {
+    return _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+/* 32 floats -> 32 int8 (in element order) with scale id; returns the int8 vector */
+AVX2 static inline __m256i q8_pack32(const float *x, __m256 id) {
+    __m256i i0 = q8_round(_mm256_loadu_ps(x), id), i1 = q8_round(_mm256_loadu_ps(x + 8), id);
+    __m256i i2 = q8_round(_mm256_loadu_ps(x + 16), id), i3 = q8_round(_mm256_loadu_ps(x + 24), id);
+    __m256i p01 = _mm256_packs_epi32(i0, i1), p23 = _mm256_packs_epi32(i2, i3);
+    __m256i p = _mm256_packs_epi16(p01, p23);
+    return _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+AVX2 static inline float amax32(const float *x) {
+    const __m256 sgn = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_andnot_ps(sgn, _mm256_loadu_ps(x));
+    for (int k = 8; k < 32; k += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sgn, _mm256_loadu_ps(x + k)));
+    return hmax_ps(m);
+}
+AVX2 static inline int sum_i8(__m256i q) {
+    __m256i s16 = _mm256_maddubs_epi16(_mm256_set1_epi8(1), q);
+    return hsum_i32(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
+}
+
+AVX2 void mf_quantize_q8_32_avx2(const float *x, mf_q8_32 *y, int64_t n) {
+    for (int64_t b = 0; b < n / 32; b++, x += 32) {
+        float amax = amax32(x), d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        __m256i q = q8_pack32(x, _mm256_set1_ps(id));
+        _mm256_storeu_si256((__m256i *)y[b].qs, q);
+        y[b].d = d;
+        y[b].s = d * (float)sum_i8(q);
+    }
+}
+
+AVX2 void mf_quantize_q8_256_avx2(const float *x, mf_q8_256 *y, int64_t n) {
+    for (int64_t b = 0; b < n / 256; b++, x += 256) {
+        float amax = 0;
+        for (int k = 0; k < 256; k += 32) { float a = amax32(x + k); amax = a > amax ? a : amax; }
+        float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        __m256 idv = _mm256_set1_ps(id);
+        for (int k = 0; k < 8; k++) {
+            __m256i q = q8_pack32(x + 32 * k, idv);
+            _mm256_storeu_si256((__m256i *)(y[b].qs + 32 * k), q);
+            /* two sums of 16 */
+            __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q), _mm256_set1_epi16(1));
+            __m128i lo = _mm256_castsi256_si128(s), hi = _mm256_extracti128_si256(s, 1);
+            lo = _mm_add_epi32(lo, _mm_shuffle_epi32(lo, 0x4e)); lo = _mm_add_epi32(lo, _mm_shuffle_epi32(lo, 0xb1));
+            hi = _mm_add_epi32(hi, _mm_shuffle_epi32(hi, 0x4e)); hi = _mm_add_epi32(hi, _mm_shuffle_epi32(hi, 0xb1));
+            y[b].bsums[2 * k] = (int16_t)_mm_cvtsi128_si32(lo);
+            y[b].bsums[2 * k + 1] = (int16_t)_mm_cvtsi128_si32(hi);
+        }
+        y[b].d = d;
+    }
+}
+
+/* ---------------- 32-element block types x Q8_32 ---------------- */
+
+AVX2 static float vd_q4_0(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_32 *x = xv;
+    __m256 acc = _mm256_setzero_ps();
+    float corr = 0;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; b++, w += 18) {
+        float d = f16(w);
+        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(nibbles32(w + 2), _mm256_loadu_si256((const __m256i *)x[b].qs)), ones);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x[b].d), _mm256_cvtepi32_ps(p), acc);
+        corr += d * x[b].s;
+    }
+    return hsum_ps(acc) - 8.0f * corr;
+}
+AVX2 static float vd_q4_1(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_32 *x = xv;
+    __m256 acc = _mm256_setzero_ps();
+    float corr = 0;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; b++, w += 20) {
+        float d = f16(w), m = f16(w + 2);
+        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(nibbles32(w + 4), _mm256_loadu_si256((const __m256i *)x[b].qs)), ones);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x[b].d), _mm256_cvtepi32_ps(p), acc);
+        corr += m * x[b].s;
+    }
+    return hsum_ps(acc) + corr;
+}
+AVX2 static float vd_q5_0(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_32 *x = xv;
+    __m256 acc = _mm256_setzero_ps();
+    float corr = 0;
+    const __m256i ones = _mm256_set1_epi16(1), b4 = _mm256_set1_epi8(0x10);
+    for (int64_t b = 0; b < nb; b++, w += 22) {
+        float d = f16(w);
+        __m256i q = _mm256_or_si256(nibbles32(w + 6), _mm256_and_si256(bits32(w + 2), b4));
+        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)x[b].qs)), ones);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x[b].d), _mm256_cvtepi32_ps(p), acc);
+        corr += d * x[b].s;
+    }
+    return hsum_ps(acc) - 16.0f * corr;
+}
+AVX2 static float vd_q5_1(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_32 *x = xv;
+    __m256 acc = _mm256_setzero_ps();
+    float corr = 0;
+    const __m256i ones = _mm256_set1_epi16(1), b4 = _mm256_set1_epi8(0x10);
+    for (int64_t b = 0; b < nb; b++, w += 24) {
+        float d = f16(w), m = f16(w + 2);
+        __m256i q = _mm256_or_si256(nibbles32(w + 8), _mm256_and_si256(bits32(w + 4), b4));
+        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)x[b].qs)), ones);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x[b].d), _mm256_cvtepi32_ps(p), acc);
+        corr += m * x[b].s;
+    }
+    return hsum_ps(acc) + corr;
+}
+AVX2 static float vd_q8_0(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_32 *x = xv;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2, w += 68) {
+        __m256i p0 = _mm256_madd_epi16(dot_ss(_mm256_loadu_si256((const __m256i *)(w + 2)), _mm256_loadu_si256((const __m256i *)x[b].qs)), ones);
+        __m256i p1 = _mm256_madd_epi16(dot_ss(_mm256_loadu_si256((const __m256i *)(w + 36)), _mm256_loadu_si256((const __m256i *)x[b + 1].qs)), ones);
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(f16(w) * x[b].d), _mm256_cvtepi32_ps(p0), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(f16(w + 34) * x[b + 1].d), _mm256_cvtepi32_ps(p1), acc1);
+    }
+    for (; b < nb; b++, w += 34) {
+        __m256i p0 = _mm256_madd_epi16(dot_ss(_mm256_loadu_si256((const __m256i *)(w + 2)), _mm256_loadu_si256((const __m256i *)x[b].qs)), ones);
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(f16(w) * x[b].d), _mm256_cvtepi32_ps(p0), acc0);
+    }
+    return hsum_ps(_mm256_add_ps(acc0, acc1));
+}
+AVX2 static float vd_iq4_nl(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_32 *x = xv;
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)mf_kvalues_iq4nl));
+    for (int64_t b = 0; b < nb; b++, w += 18) {
+        __m256i q = _mm256_shuffle_epi8(kv, nibbles32(w + 2));
+        __m256i p = _mm256_madd_epi16(dot_ss(q, _mm256_loadu_si256((const __m256i *)x[b].qs)), ones);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w) * x[b].d), _mm256_cvtepi32_ps(p), acc);
+    }
+    return hsum_ps(acc);
+}
+
+/* ---------------- K-quants x Q8_256 ---------------- */
+
+AVX2 static float vd_q4_k(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_256 *x = xv;
+    __m256 acc = _mm256_setzero_ps();
+    float accm = 0;
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    for (int64_t b = 0; b < nb; b++, w += 144) {
+        uint8_t sc[8], mn[8];
+        for (int j = 0; j < 8; j++) mf_get_scale_min_k4(j, w + 4, &sc[j], &mn[j]);
+        int summ = 0;
+        for (int j = 0; j < 8; j++) summ += mn[j] * (x[b].bsums[2 * j] + x[b].bsums[2 * j + 1]);
+        const uint8_t *qs = w + 16;
+        const int8_t *y = x[b].qs;
+        __m256i sumi = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+            __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(y + 64 * j)));
+            __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(y + 64 * j + 32)));
+            p0 = _mm256_madd_epi16(p0, _mm256_set1_epi16(sc[2 * j]));
+            p1 = _mm256_madd_epi16(p1, _mm256_set1_epi16(sc[2 * j + 1]));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p1));
+        }
+        float dx = x[b].d;
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w) * dx), _mm256_cvtepi32_ps(sumi), acc);
+        accm += f16(w + 2) * dx * (float)summ;
+    }
+    return hsum_ps(acc) - accm;
+}
+AVX2 static float vd_q5_k(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_256 *x = xv;
+    __m256 acc = _mm256_setzero_ps();
+    float accm = 0;
+    const __m256i m4 = _mm256_set1_epi8(0xF), b4 = _mm256_set1_epi8(0x10);
+    for (int64_t b = 0; b < nb; b++, w += 176) {
+        uint8_t sc[8], mn[8];
+        for (int j = 0; j < 8; j++) mf_get_scale_min_k4(j, w + 4, &sc[j], &mn[j]);
+        int summ = 0;
+        for (int j = 0; j < 8; j++) summ += mn[j] * (x[b].bsums[2 * j] + x[b].bsums[2 * j + 1]);
+        const uint8_t *qs = w + 48;
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 16));
+        const int8_t *y = x[b].qs;
+        __m256i sumi = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+            __m256i mlo = _mm256_set1_epi8((char)(1 << (2 * j))), mhi = _mm256_set1_epi8((char)(1 << (2 * j + 1)));
+            __m256i hlo = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, mlo), mlo), b4);
+            __m256i hhi = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, mhi), mhi), b4);
+            __m256i lo = _mm256_or_si256(_mm256_and_si256(q, m4), hlo);
+            __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4), hhi);
+            __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(y + 64 * j)));
+            __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(y + 64 * j + 32)));
+            p0 = _mm256_madd_epi16(p0, _mm256_set1_epi16(sc[2 * j]));
+            p1 = _mm256_madd_epi16(p1, _mm256_set1_epi16(sc[2 * j + 1]));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p1));
+        }
+        float dx = x[b].d;
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w) * dx), _mm256_cvtepi32_ps(sumi), acc);
+        accm += f16(w + 2) * dx * (float)summ;
+    }
+    return hsum_ps(acc) - accm;
+}
+AVX2 static float vd_q6_k(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_256 *x = xv;
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3);
+    for (int64_t b = 0; b < nb; b++, w += 210) {
+        const int8_t *sc = (const int8_t *)(w + 192);
+        int corr = 0;
+        for (int i = 0; i < 16; i++) corr += sc[i] * x[b].bsums[i];
+        __m256i sumi = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = w + 64 * h, *qhp = w + 128 + 32 * h;
+            const int8_t *y = x[b].qs + 128 * h, *s = sc + 8 * h;
+            __m256i a = _mm256_loadu_si256((const __m256i *)ql), c = _mm256_loadu_si256((const __m256i *)(ql + 32));
+            __m256i qh = _mm256_loadu_si256((const __m256i *)qhp);
+            __m256i v0 = _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
+            __m256i v1 = _mm256_or_si256(_mm256_and_si256(c, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4));
+            __m256i v2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4));
+            __m256i v3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4));
+            __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(v0, _mm256_loadu_si256((const __m256i *)y)), lane_scales(s[0], s[1]));
+            __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(v1, _mm256_loadu_si256((const __m256i *)(y + 32))), lane_scales(s[2], s[3]));
+            __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(v2, _mm256_loadu_si256((const __m256i *)(y + 64))), lane_scales(s[4], s[5]));
+            __m256i p3 = _mm256_madd_epi16(_mm256_maddubs_epi16(v3, _mm256_loadu_si256((const __m256i *)(y + 96))), lane_scales(s[6], s[7]));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)));
+        }
+        __m256i tot = _mm256_sub_epi32(sumi, _mm256_setr_epi32(32 * corr, 0, 0, 0, 0, 0, 0, 0));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w + 208) * x[b].d), _mm256_cvtepi32_ps(tot), acc);
+    }
+    return hsum_ps(acc);
+}
+/* Q3_K / Q2_K: 2-bit fields at shift 2s of qs[32c + l] for element 128c + 32s + l */
+AVX2 static float vd_q3_k(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_256 *x = xv;
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i m2 = _mm256_set1_epi8(3), b2 = _mm256_set1_epi8(4);
+    for (int64_t b = 0; b < nb; b++, w += 110) {
+        int8_t sc[16];
+        for (int i = 0; i < 16; i++) {
+            const uint8_t *s = w + 96;
+            int lo = (i < 8 ? s[i] : s[i - 8] >> 4) & 0xF, hi = (s[8 + i % 4] >> (2 * (i / 4))) & 3;
+            sc[i] = (int8_t)((lo | (hi << 4)) - 32);
+        }
+        int corr = 0;
+        for (int i = 0; i < 16; i++) corr += sc[i] * x[b].bsums[i];
+        __m256i hm = _mm256_loadu_si256((const __m256i *)w);
+        __m256i sumi = _mm256_setzero_si256();
+        for (int c = 0; c < 2; c++) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)(w + 32 + 32 * c));
+            for (int s = 0; s < 4; s++) {
+                int k = 4 * c + s;
+                __m256i mk = _mm256_set1_epi8((char)(1 << k));
+                __m256i h = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hm, mk), mk), b2);
+                __m256i v = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2 * s), m2), h);
+                __m256i p = _mm256_maddubs_epi16(v, _mm256_loadu_si256((const __m256i *)(x[b].qs + 32 * k)));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, lane_scales(sc[2 * k], sc[2 * k + 1])));
+            }
+        }
+        __m256i tot = _mm256_sub_epi32(sumi, _mm256_setr_epi32(4 * corr, 0, 0, 0, 0, 0, 0, 0));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w + 108) * x[b].d), _mm256_cvtepi32_ps(tot), acc);
+    }
+    return hsum_ps(acc);
+}
+AVX2 static float vd_q2_k(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_256 *x = xv;
+    __m256 acc = _mm256_setzero_ps();
+    float accm = 0;
+    const __m256i m2 = _mm256_set1_epi8(3);
+    for (int64_t b = 0; b < nb; b++, w += 84) {
+        const uint8_t *sc = w;
+        int summ = 0;
+        for (int i = 0; i < 16; i++) summ += (sc[i] >> 4) * x[b].bsums[i];
+        __m256i sumi = _mm256_setzero_si256();
+        for (int c = 0; c < 2; c++) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * c));
+            for (int s = 0; s < 4; s++) {
+                int k = 4 * c + s;
+                __m256i v = _mm256_and_si256(_mm256_srli_epi16(q, 2 * s), m2);
+                __m256i p = _mm256_maddubs_epi16(v, _mm256_loadu_si256((const __m256i *)(x[b].qs + 32 * k)));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, lane_scales(sc[2 * k] & 0xF, sc[2 * k + 1] & 0xF)));
+            }
+        }
+        float dx = x[b].d;
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w + 80) * dx), _mm256_cvtepi32_ps(sumi), acc);
+        accm += f16(w + 82) * dx * (float)summ;
+    }
+    return hsum_ps(acc) - accm;
+}
+AVX2 static float vd_iq4_xs(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_256 *x = xv;
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)mf_kvalues_iq4nl));
+    for (int64_t b = 0; b < nb; b++, w += 136) {
+        uint16_t sh = (uint16_t)(w[2] | (w[3] << 8));
+        __m256i sumi = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            int ls = (((w[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((sh >> (2 * j)) & 3) << 4)) - 32;
+            __m256i q = _mm256_shuffle_epi8(kv, nibbles32(w + 8 + 16 * j));
+            __m256i p = dot_ss(q, _mm256_loadu_si256((const __m256i *)(x[b].qs + 32 * j)));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, _mm256_set1_epi16((short)ls)));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w) * x[b].d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    return hsum_ps(acc);
+}
+
+/* ---------------- float weights x f32 activations ---------------- */
+
+AVX2 static float vd_f32(const uint8_t *wb, const void *xv, int64_t n) {
+    const float *w = (const float *)wb, *x = xv;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= n; k += 32) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);
+    }
+    for (; k + 8 <= n; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
+    float s = hsum_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; k < n; k++) s += w[k] * x[k];
+    return s;
+}
+AVX2 static inline __m256 ld_f16(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+AVX2 static inline __m256 ld_bf16(const uint8_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#define VD_HALF(NAME, LD, SCALAR)                                                                 \
+    AVX2 static float NAME(const uint8_t *w, const void *xv, int64_t n) {                        \
+        const float *x = xv;                                                                     \
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),     \
+               a3 = _mm256_setzero_ps();                                                         \
+        int64_t k = 0;                                                                           \
+        for (; k + 32 <= n; k += 32) {                                                           \
+            a0 = _mm256_fmadd_ps(LD(w + 2 * k), _mm256_loadu_ps(x + k), a0);                     \
+            a1 = _mm256_fmadd_ps(LD(w + 2 * k + 16), _mm256_loadu_ps(x + k + 8), a1);            \
+            a2 = _mm256_fmadd_ps(LD(w + 2 * k + 32), _mm256_loadu_ps(x + k + 16), a2);           \
+            a3 = _mm256_fmadd_ps(LD(w + 2 * k + 48), _mm256_loadu_ps(x + k + 24), a3);           \
+        }                                                                                        \
+        for (; k + 8 <= n; k += 8) a0 = _mm256_fmadd_ps(LD(w + 2 * k), _mm256_loadu_ps(x + k), a0); \
+        float s = hsum_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));          \
+        for (; k < n; k++) s += SCALAR(w + 2 * k) * x[k];                                        \
+        return s;                                                                                \
+    }
+static inline float bf16s(const uint8_t *p) {
+    uint32_t bits = (uint32_t)(p[0] | (p[1] << 8)) << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+VD_HALF(vd_f16, ld_f16, mf_f16)
+VD_HALF(vd_bf16, ld_bf16, bf16s)
+
+mf_vecdot_fn mf_vecdot_avx2[T_MAX] = {
+    [T_F32] = vd_f32, [T_F16] = vd_f16, [T_BF16] = vd_bf16,
+    [T_Q4_0] = vd_q4_0, [T_Q4_1] = vd_q4_1, [T_Q5_0] = vd_q5_0, [T_Q5_1] = vd_q5_1,
+    [T_Q8_0] = vd_q8_0, [T_IQ4_NL] = vd_iq4_nl, [T_Q2_K] = vd_q2_k, [T_Q3_K] = vd_q3_k,
+    [T_Q4_K] = vd_q4_k, [T_Q5_K] = vd_q5_k, [T_Q6_K] = vd_q6_k, [T_IQ4_XS] = vd_iq4_xs,
+};

@@ -1,0 +1,43 @@
+/* Quant kernels: block layouts (ggml), activation formats, per-ISA vec-dot tables. */
+#ifndef MF_QUANT_COMMON_H
+#define MF_QUANT_COMMON_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+enum {
+    T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+    T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20,
+    T_IQ4_XS = 23, T_BF16 = 30, T_MAX = 40
+};
+
+/* Activation formats the integer vec-dots consume (memfit's own, not ggml's byte layout). */
+enum { XF_F32 = 0, XF_Q8_32 = 1, XF_Q8_256 = 2 };
+typedef struct { float d; float s; int8_t qs[32]; } mf_q8_32;                /* s = d * sum(qs) */
+typedef struct { float d; int16_t bsums[16]; int8_t qs[256]; } mf_q8_256;    /* bsums per 16 */
+
+/* One row of W (nb blocks) against one prepared activation row. */
+typedef float (*mf_vecdot_fn)(const uint8_t *w, const void *x, int64_t nb);
+
+typedef struct {
+    int block;      /* elements per block */
+    int bytes;      /* bytes per block */
+    int xfmt;       /* activation format for the avx2/avx512 vec-dot */
+} mf_qinfo;
+
+extern const mf_qinfo mf_qtypes[T_MAX];
+extern const int8_t mf_kvalues_iq4nl[16];
+extern float mf_f16_table[65536];
+
+static inline float mf_f16(const uint8_t *p) { return mf_f16_table[p[0] | (p[1] << 8)]; }
+
+void mf_quant_init(void);
+int mf_dequant_row(int type, const uint8_t *src, float *dst, int64_t n);
+void mf_get_scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m);
+
+/* AVX2 (quant_avx2.c) */
+extern mf_vecdot_fn mf_vecdot_avx2[T_MAX];
+void mf_quantize_q8_32_avx2(const float *x, mf_q8_32 *y, int64_t n);
+void mf_quantize_q8_256_avx2(const float *x, mf_q8_256 *y, int64_t n);
+
+#endif

@@ -1,0 +1,177 @@
+/* matmul Y[n, rows] = X[n, cols] · W[rows, cols]^T and get_rows, over the pool.
+ * avx2+: X is quantized once per call (Q8 per 32 or per 256 like llama.cpp's vec_dot_type),
+ * then each task takes a tile of W rows and dots every row with every X row (tiled so the
+ * W tile stays in L1/L2 while X rows stream). scalar: each W row is dequantized into
+ * per-thread scratch and dotted in f32. */
+#include "memfit.h"
+#include "quant_common.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    int type, xfmt;
+    const uint8_t *w;
+    int64_t rows, cols, rb, nb; /* row bytes, blocks per row */
+    const float *x;
+    int64_t n;
+    float *y;
+    const uint8_t *xq;
+    size_t xs; /* bytes per prepared X row */
+    mf_vecdot_fn vd;
+    int64_t rt; /* W rows per task */
+} mm_ctx;
+
+static _Thread_local float *tl_buf;
+static _Thread_local size_t tl_cap;
+
+static float *scratch_f32(size_t n) {
+    if (n > tl_cap) {
+        free(tl_buf);
+        tl_buf = malloc(n * sizeof(float));
+        tl_cap = tl_buf ? n : 0;
+    }
+    return tl_buf;
+}
+
+static void mm_task_scalar(void *p, int64_t t) {
+    mm_ctx *c = p;
+    int64_t r0 = t * c->rt, r1 = r0 + c->rt < c->rows ? r0 + c->rt : c->rows;
+    float *buf = scratch_f32((size_t)c->cols);
+    if (!buf) return; /* allocation failure leaves y untouched; caller pre-checks memory */
+    for (int64_t r = r0; r < r1; r++) {
+        mf_dequant_row(c->type, c->w + r * c->rb, buf, c->cols);
+        for (int64_t i = 0; i < c->n; i++) {
+            const float *x = c->x + i * c->cols;
+            float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+            int64_t k = 0;
+            for (; k + 4 <= c->cols; k += 4) {
+                s0 += buf[k] * x[k]; s1 += buf[k + 1] * x[k + 1];
+                s2 += buf[k + 2] * x[k + 2]; s3 += buf[k + 3] * x[k + 3];
+            }
+            for (; k < c->cols; k++) s0 += buf[k] * x[k];
+            c->y[i * c->rows + r] = (s0 + s1) + (s2 + s3);
+        }
+    }
+}
+
+#define XT 8 /* X rows per inner tile */
+static void mm_task_vec(void *p, int64_t t) {
+    mm_ctx *c = p;
+    int64_t r0 = t * c->rt, r1 = r0 + c->rt < c->rows ? r0 + c->rt : c->rows;
+    for (int64_t i0 = 0; i0 < c->n; i0 += XT) {
+        int64_t i1 = i0 + XT < c->n ? i0 + XT : c->n;
+        for (int64_t r = r0; r < r1; r++) {
+            const uint8_t *w = c->w + r * c->rb;
+            for (int64_t i = i0; i < i1; i++)
+                c->y[i * c->rows + r] = c->vd(w, c->xq + (size_t)i * c->xs, c->nb);
+        }
+    }
+}
+
+static void quant_x_task(void *p, int64_t i) {
+    mm_ctx *c = p;
+    const float *x = c->x + i * c->cols;
+    void *dst = (void *)(c->xq + (size_t)i * c->xs);
+    if (c->xfmt == XF_Q8_32) mf_quantize_q8_32_avx2(x, dst, c->cols);
+    else mf_quantize_q8_256_avx2(x, dst, c->cols);
+}
+
+static pthread_mutex_t xq_lock = PTHREAD_MUTEX_INITIALIZER;
+static uint8_t *xq_buf;
+static size_t xq_cap;
+
+/* Returns 0, or -1 unknown type / -2 bad cols / -3 out of memory. Call without the GIL. */
+int mf_matmul(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t n,
+              float *y) {
+    if (type < 0 || type >= T_MAX || mf_qtypes[type].block == 0) return -1;
+    const mf_qinfo *q = &mf_qtypes[type];
+    if (cols % q->block) return -2;
+    mm_ctx c = {.type = type, .w = w, .rows = rows, .cols = cols, .nb = cols / q->block,
+                .x = x, .n = n, .y = y};
+    c.rb = c.nb * q->bytes;
+    if (rows == 0 || n == 0) return 0;
+    int nt = mf_n_threads();
+    /* ~4 tasks per thread at least; 16 rows keeps a Q4_K 4096-col tile at 36 KB */
+    int64_t rt = 16;
+    while (rt > 1 && (rows + rt - 1) / rt < 4 * nt) rt /= 2;
+    c.rt = rt;
+    int64_t ntasks = (rows + rt - 1) / rt;
+    mf_vecdot_fn vd = mf_isa >= MF_ISA_AVX2 ? mf_vecdot_avx2[type] : NULL;
+    if (!vd) {
+        mf_parallel_for(ntasks, mm_task_scalar, &c);
+        return 0;
+    }
+    c.vd = vd;
+    c.xfmt = q->xfmt;
+    if (q->xfmt == XF_F32) {
+        c.xq = (const uint8_t *)x;
+        c.xs = (size_t)cols * 4;
+        mf_parallel_for(ntasks, mm_task_vec, &c);
+        return 0;
+    }
+    c.xs = q->xfmt == XF_Q8_32 ? (size_t)(cols / 32) * sizeof(mf_q8_32)
+                               : (size_t)(cols / 256) * sizeof(mf_q8_256);
+    if (q->xfmt == XF_Q8_256 && cols % 256) return -2;
+    pthread_mutex_lock(&xq_lock);
+    size_t need = c.xs * (size_t)n;
+    if (need > xq_cap) {
+        free(xq_buf);
+        xq_buf = aligned_alloc(64, (need + 63) & ~(size_t)63);
+        xq_cap = xq_buf ? need : 0;
+        if (!xq_buf) { pthread_mutex_unlock(&xq_lock); return -3; }
+    }
+    c.xq = xq_buf;
+    mf_parallel_for(n, quant_x_task, &c);
+    mf_parallel_for(ntasks, mm_task_vec, &c);
+    pthread_mutex_unlock(&xq_lock);
+    return 0;
+}
+
+typedef struct {
+    int type;
+    const uint8_t *w;
+    int64_t cols, rb;
+    const int64_t *ids;
+    float *out;
+} gr_ctx;
+
+static void gr_task(void *p, int64_t i) {
+    gr_ctx *c = p;
+    mf_dequant_row(c->type, c->w + c->ids[i] * c->rb, c->out + i * c->cols, c->cols);
+}
+
+/* ids already range-checked by the caller. */
+int mf_get_rows(int type, const uint8_t *w, int64_t cols, const int64_t *ids, int64_t n, float *out) {
+    if (type < 0 || type >= T_MAX || mf_qtypes[type].block == 0) return -1;
+    const mf_qinfo *q = &mf_qtypes[type];
+    if (cols % q->block) return -2;
+    gr_ctx c = {type, w, cols, cols / q->block * q->bytes, ids, out};
+    mf_parallel_for(n, gr_task, &c);
+    return 0;
+}
+
+typedef struct {
+    int type;
+    const uint8_t *src;
+    float *dst;
+    int64_t chunk, n;
+    int bytes, block;
+} dq_ctx;
+
+static void dq_task(void *p, int64_t t) {
+    dq_ctx *c = p;
+    int64_t e0 = t * c->chunk, e1 = e0 + c->chunk < c->n ? e0 + c->chunk : c->n;
+    mf_dequant_row(c->type, c->src + e0 / c->block * c->bytes, c->dst + e0, e1 - e0);
+}
+
+int mf_dequantize(int type, const uint8_t *src, int64_t n, float *dst) {
+    if (type < 0 || type >= T_MAX || mf_qtypes[type].block == 0) return -1;
+    const mf_qinfo *q = &mf_qtypes[type];
+    if (n % q->block) return -2;
+    int64_t chunk = (int64_t)q->block * 256;
+    dq_ctx c = {type, src, dst, chunk, n, q->bytes, q->block};
+    mf_parallel_for((n + chunk - 1) / chunk, dq_task, &c);
+    return 0;
+}

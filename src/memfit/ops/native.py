@@ -1,0 +1,93 @@
+"""The native backend: the ops of memfit.ops over the C extension memfit._native.
+
+matmul and get_rows run the quant kernels (csrc/quant*.c); rmsnorm, rope, softmax, silu_mul,
+gelu_mul and attention come from csrc/ops.c when the extension has them (else the numpy
+reference stands in, so get_ops('native') always works end to end).
+
+Tolerance. On AVX2/AVX-512 the quantized matmul quantizes each activation row to 8 bits per
+block (per 32 values for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL, per 256 for the K-quants and
+IQ4_XS), as llama.cpp's vec_dot_type does, then dots in integers. Against a float64 product
+with the dequantized weights the relative error max|y - ref| / max|ref| measures ~1e-3 to
+5e-3 on random data (see tests/test_native_quant.py; the test bound is 2e-2). F32/F16/BF16
+weights use f32 FMA (error ~1e-6). The scalar path dequantizes each W row to f32 and dots in
+f32 (no activation quantization; error ~1e-6).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _native
+from ..errors import UnsupportedError
+from . import QTensor
+from . import reference as _ref
+
+_BLOCK = {0: 1, 1: 1, 30: 1, 2: 32, 3: 32, 6: 32, 7: 32, 8: 32, 20: 32,
+          10: 256, 11: 256, 12: 256, 13: 256, 14: 256, 23: 256}
+
+
+def _unsupported(w: QTensor):
+    raise UnsupportedError(f"tensor {w.name!r}: type {w.type.name} has no native kernel; "
+                           f"supported: F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K..Q6_K IQ4_NL IQ4_XS")
+
+
+def matmul(x: np.ndarray, w: QTensor, out: np.ndarray | None = None) -> np.ndarray:
+    # x[n, cols] @ W(rows, cols)^T -> y[n, rows]
+    rows, cols = w.shape
+    if x.dtype != np.float32 or not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+    assert x.ndim == 2 and x.shape[1] == cols, (x.shape, w.name, w.shape)
+    n = x.shape[0]
+    if out is None:
+        out = np.empty((n, rows), dtype=np.float32)
+    if w.type.id not in _BLOCK:
+        _unsupported(w)
+    _native.matmul(w.type.id, w.data, rows, cols, x, n, out)
+    return out
+
+
+def get_rows(w: QTensor, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    # W(vocab, dim)[ids] -> [n, dim] f32
+    rows, cols = w.shape
+    ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+    if out is None:
+        out = np.empty((ids.size, cols), dtype=np.float32)
+    if w.type.id not in _BLOCK:
+        _unsupported(w)
+    _native.get_rows(w.type.id, w.data, rows, cols, ids, out)
+    return out
+
+
+def dequantize(type_id: int, raw: np.ndarray, n: int, out: np.ndarray | None = None) -> np.ndarray:
+    """n elements of raw GGUF bytes as float32 (bit-exact with gguf.quants.dequantize)."""
+    if type_id not in _BLOCK:
+        raise UnsupportedError(f"type id {type_id} has no native dequantize")
+    if out is None:
+        out = np.empty(n, dtype=np.float32)
+    _native.dequantize(type_id, raw, n, out)
+    return out
+
+
+def set_threads(n: int) -> int:
+    """Restart the kernel pool with n threads (n <= 0: physical cores); returns the count."""
+    return _native.set_threads(n)
+
+
+def get_threads() -> int:
+    return _native.get_threads()
+
+
+def isa() -> str:
+    return _native.isa()
+
+
+def _pick(name):
+    return getattr(_native, name, None) or getattr(_ref, name)
+
+
+rmsnorm = _pick("rmsnorm")
+rope = _pick("rope")
+softmax = _pick("softmax")
+silu_mul = _pick("silu_mul")
+gelu_mul = _pick("gelu_mul")
+attention = _pick("attention")
