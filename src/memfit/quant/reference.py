@@ -210,7 +210,8 @@ def _type(type_id: int) -> GGMLType:
 
 
 def dequantize(type_id: int, raw: np.ndarray, n_elements: int) -> np.ndarray:
-    """The first `n_elements` values stored in `raw` (GGUF bytes of type `type_id`) as float32."""
+    """The first `n_elements` values stored in `raw` (GGUF bytes of type `type_id`) as float32.
+    For F32 this is a view of `raw` (read-only if raw is): never write into the result."""
     t = _type(type_id)
     assert n_elements % t.block_size == 0, (t.name, n_elements)
     n_blocks = n_elements // t.block_size
