@@ -80,7 +80,8 @@ static Py_buffer *get_buf(bufs *bs, PyObject *o, const char *fn, const char *nam
     int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(o, b, flags) < 0) {
         PyErr_Clear();
-        PyErr_Format(writable ? PyExc_ValueError : PyExc_TypeError,
+        /* a buffer that exists but is strided or read-only is a ValueError; no buffer: TypeError */
+        PyErr_Format(PyObject_CheckBuffer(o) ? PyExc_ValueError : PyExc_TypeError,
                      "%s: %s must be a C-contiguous%s %s array (got %.100s)", fn, name,
                      writable ? " writable" : "", kind == 'f' ? "float32" : "int32", Py_TYPE(o)->tp_name);
         return NULL;
