@@ -189,3 +189,28 @@ def test_errors_are_clear():
     tok = Tokenizer.from_metadata(_bpe_md("default"))
     with pytest.raises(MemfitError, match="out of range"):
         tok.decode([10**6])
+
+
+@pytest.mark.realmodel
+def test_perplexity_text_token_counts(toks):
+    # llama-perplexity: one trailing newline stripped, add_special, no special parsing
+    import json
+    pj = GOLDEN / "perplexity.json"
+    if not pj.is_file():
+        pytest.skip(f"no {pj}")
+    text = (GOLDEN / "GPL-3.txt").read_text(encoding="utf-8")
+    text = text[:-1] if text.endswith("\n") else text
+    counts = {r["model"]: r["n_tokens"] for r in json.loads(pj.read_text())["results"]}
+    for model, stem in MODELS.items():
+        assert len(toks[model].encode(text, add_special=True, parse_special=False)) == counts[stem + ".gguf"]
+
+
+def test_ids_accept_numpy_and_reject_bad_input():
+    import numpy as np
+    tok = Tokenizer.from_metadata(_bpe_md("default"))
+    ids = tok.encode("hello", add_special=False)
+    assert tok.decode(np.array(ids, dtype=np.int32)) == "hello"
+    with pytest.raises(MemfitError, match="not an integer"):
+        tok.token_to_bytes("7")
+    with pytest.raises(MemfitError, match="lone surrogate"):
+        tok.encode("a\ud800b")

@@ -12,7 +12,9 @@ llama SPM (spm.py). ``decode`` concatenates the pieces of llama.cpp's token_to_p
 
 from __future__ import annotations
 
-from ..errors import ModelError, UnsupportedError
+import operator
+
+from ..errors import ModelError, RequestError, UnsupportedError
 from .bpe import build_bpe, decode_bytelevel
 from .spm import SPMModel
 
@@ -217,8 +219,12 @@ class Tokenizer:
 
     def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         if not isinstance(text, str):
-            from ..errors import RequestError
             raise RequestError(f"text to tokenize must be a str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise RequestError(f"text to tokenize is not valid Unicode (lone surrogate at "
+                               f"character {e.start}); send UTF-8 text") from None
         out: list[int] = []
         frags = self._partition(text, parse_special) if text else []
         if add_special and self.add_bos:
@@ -246,16 +252,20 @@ class Tokenizer:
 
     # -- decode -------------------------------------------------------------------------
 
-    def _check_id(self, tid: int) -> None:
-        if not isinstance(tid, int) or not 0 <= tid < self.n_vocab:
-            from ..errors import RequestError
+    def _check_id(self, tid) -> int:
+        try:
+            i = operator.index(tid)             # int or numpy integer
+        except TypeError:
+            raise RequestError(f"token id {tid!r} is not an integer") from None
+        if not 0 <= i < self.n_vocab:
             raise RequestError(f"token id {tid!r} is out of range for a vocabulary of {self.n_vocab}")
+        return i
 
     def token_to_bytes(self, tid: int, special: bool = True) -> bytes:
         """The raw bytes of one token (llama.cpp token_to_piece); control tokens only if special."""
         piece = self._piece_cache.get(tid)
         if piece is None:
-            self._check_id(tid)
+            tid = self._check_id(tid)
             a, text = self._attrs[tid], self._tokens[tid]
             if a & (_SPECIAL | A_USER_DEFINED):
                 piece = text.encode("utf-8")
@@ -272,7 +282,7 @@ class Tokenizer:
         return piece
 
     def decode_bytes(self, ids, skip_special: bool = False) -> bytes:
-        return b"".join(self.token_to_bytes(int(i), not skip_special) for i in ids)
+        return b"".join([self.token_to_bytes(i, not skip_special) for i in ids])
 
     def decode(self, ids, skip_special: bool = False) -> str:
         """Concatenated pieces (what llama-server's /detokenize returns); bad UTF-8 -> U+FFFD."""
@@ -280,13 +290,11 @@ class Tokenizer:
 
     def token_text(self, tid: int) -> str:
         """The vocabulary entry as stored in the GGUF (byte-level / '▁'-escaped form)."""
-        self._check_id(tid)
-        return self._tokens[tid]
+        return self._tokens[self._check_id(tid)]
 
     def token_type(self, tid: int) -> int:
         """The GGUF token type (1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte)."""
-        self._check_id(tid)
-        return self._types[tid]
+        return self._types[self._check_id(tid)]
 
     def token_id(self, text: str) -> int | None:
         """Id of a vocabulary entry given its stored text, or None."""
@@ -294,7 +302,7 @@ class Tokenizer:
 
     def is_control(self, tid: int) -> bool:
         """True for control/unknown tokens: decode(skip_special=True) drops them."""
-        return bool(self._attrs[tid] & _SPECIAL)
+        return bool(self._attrs[self._check_id(tid)] & _SPECIAL)
 
     def __repr__(self) -> str:
         return (f"Tokenizer(kind={self.kind!r}, pre={self.pre!r}, n_vocab={self.n_vocab}, "
