@@ -235,11 +235,11 @@ done:
     return NULL;
 }
 
-/* ---- rope(x, pos, n_rot, theta_base, freq_scale, neox, out=None, freq_factors=None) ------ */
+/* ---- rope(x, pos, n_rot, theta_base, freq_scale, neox, freq_factors=None, out=None) ------ */
 
 static PyObject *py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kw) {
-    static const char *const names[] = {"x", "pos", "n_rot", "theta_base", "freq_scale", "neox", "out",
-                                        "freq_factors"};
+    static const char *const names[] = {"x", "pos", "n_rot", "theta_base", "freq_scale", "neox",
+                                        "freq_factors", "out"};
     const char *fn = "rope";
     PyObject *a[8], *res = NULL;
     bufs bs = {.n = 0};
@@ -269,15 +269,15 @@ static PyObject *py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         PyErr_Format(PyExc_ValueError, "%s: theta_base (%g) and freq_scale (%g) must be > 0", fn, base, fscale);
         goto done;
     }
-    if (a[7]) {
-        if (!(ff = get_buf(&bs, a[7], fn, "freq_factors", 'f', 0, 1, 1))) goto done;
+    if (a[6]) {
+        if (!(ff = get_buf(&bs, a[6], fn, "freq_factors", 'f', 0, 1, 1))) goto done;
         if (ff->shape[0] != n_rot / 2) {
             PyErr_Format(PyExc_ValueError, "%s: freq_factors must have n_rot/2 = %lld values, got %zd", fn,
                          n_rot / 2, ff->shape[0]);
             goto done;
         }
     }
-    if (!(o = get_out(&bs, a[6], fn, 3, x->shape, &res))) goto done;
+    if (!(o = get_out(&bs, a[7], fn, 3, x->shape, &res))) goto done;
     {
         const float *xp = x->buf, *ffp = ff ? ff->buf : NULL;
         const int32_t *pp = pos->buf;
@@ -432,8 +432,8 @@ PyMethodDef mf_ops_methods[] = {
     {"rmsnorm", (PyCFunction)(void (*)(void))py_rmsnorm, FC,
      "rmsnorm(x[..., d] f32, weight[d] f32 | None, eps, out=None) -> out: x / sqrt(mean(x^2) + eps) * weight"},
     {"rope", (PyCFunction)(void (*)(void))py_rope, FC,
-     "rope(x[n, heads, head_dim] f32, pos[n] i32, n_rot, theta_base, freq_scale, neox, out=None, "
-     "freq_factors=None) -> out\ntheta_i = pos * freq_scale * theta_base^(-2i/n_rot) / freq_factors[i]; "
+     "rope(x[n, heads, head_dim] f32, pos[n] i32, n_rot, theta_base, freq_scale, neox, freq_factors=None, "
+     "out=None) -> out\ntheta_i = pos * freq_scale * theta_base^(-2i/n_rot) / freq_factors[i]; "
      "normal rotates (2i, 2i+1), neox (i, i + n_rot/2); dims >= n_rot pass through. out may be x."},
     {"softmax", (PyCFunction)(void (*)(void))py_softmax, FC,
      "softmax(x[..., k] f32, out=None) -> out: softmax over the last axis. out may be x."},

@@ -101,6 +101,7 @@ def test_rope_freq_factors_and_in_place():
     for neox in (False, True):
         ref = R.rope(x, pos, 64, 500000.0, 1.0, neox, freq_factors=ff)
         close(N.rope(x, pos, 64, 500000.0, 1.0, neox, freq_factors=ff), ref)
+        close(N.rope(x, pos, 64, 500000.0, 1.0, neox, ff), ref)  # positional, as in reference.rope
         xc = x.copy()
         assert N.rope(xc, pos, 64, 500000.0, 1.0, neox, out=xc) is xc
         close(xc, R.rope(x, pos, 64, 500000.0, 1.0, neox))
