@@ -5,14 +5,19 @@
     tok.decode(ids, skip_special=False) -> str
 
 ``encode``: special-token text is split out first (llama.cpp tokenizer_st_partition: longest
-token first; USER_DEFINED tokens always, CONTROL/UNKNOWN ones only with parse_special), then each
+token first; user-defined tokens always, control/unknown ones only with parse_special), then each
 plain fragment goes through the model: gpt2 byte-level BPE (HF `tokenizers`, see bpe.py) or
 llama SPM (spm.py). ``decode`` concatenates the pieces of llama.cpp's token_to_piece.
+Token attributes follow llama.cpp's load-time fix-ups: end-of-generation texts (<|im_end|>,
+<end_of_turn>, </s>, ...) become control tokens, so gemma's user-defined "</s>" is not split
+out of plain text and is an EOG id, exactly as llama.cpp does.
 """
 
 from __future__ import annotations
 
 import operator
+
+import numpy as np
 
 from ..errors import ModelError, RequestError, UnsupportedError
 from .bpe import build_bpe, decode_bytelevel
@@ -39,10 +44,6 @@ _FIM_REP = ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>
 _FIM_SEP = ("<|file_sep|>",)
 
 
-def _get(md: dict, key: str, default=None):
-    return md.get(key, default)
-
-
 class Tokenizer:
     """A GGUF vocabulary; build with ``Tokenizer.from_metadata``."""
 
@@ -66,13 +67,18 @@ class Tokenizer:
         self._t2i = dict(zip(tokens, range(len(tokens))))
 
         # attributes as llama.cpp derives them (llama_vocab::impl::load)
-        attrs = [_TYPE_TO_ATTR.get(t, 0) for t in types]
-        self._attrs = attrs
+        types_np = np.asarray(types, dtype=np.int64)
+        table = np.zeros(8, dtype=np.int64)     # other types map to UNDEFINED (0)
+        for t, a in _TYPE_TO_ATTR.items():
+            table[t] = a
+        attrs_np = table[np.where((types_np >= 0) & (types_np < 8), types_np, 7)]
         for i in forced_control:
-            attrs[i] |= A_CONTROL               # eot/eom/fim tokens found by their text
-        for i, a in enumerate(attrs):
-            if a & A_CONTROL and "unused" in tokens[i]:
-                attrs[i] |= A_UNUSED
+            attrs_np[i] |= A_CONTROL            # eot/eom/fim tokens found by their text
+        for i in np.flatnonzero(attrs_np & A_CONTROL).tolist():
+            if "unused" in tokens[i]:
+                attrs_np[i] |= A_UNUSED
+        attrs = attrs_np.tolist()
+        self._attrs = attrs
         eog = {i for i in (extra_ids.get("fim_pad"), extra_ids.get("fim_rep"),
                            extra_ids.get("fim_sep")) if i is not None}
         for text in _EOG_TEXTS:
@@ -94,7 +100,8 @@ class Tokenizer:
         self.eog_ids = frozenset(eog)
 
         # special tokens split out before the model runs: longest (in bytes) first
-        special = [i for i, a in enumerate(attrs) if a & (A_CONTROL | A_USER_DEFINED | A_UNKNOWN)]
+        mask = np.asarray(attrs, dtype=np.int64) & (A_CONTROL | A_USER_DEFINED | A_UNKNOWN)
+        special = np.flatnonzero(mask).tolist()
         special.sort(key=lambda i: -len(tokens[i].encode("utf-8")))
         self._special = [(tokens[i], i, not attrs[i] & _SPECIAL) for i in special]
 
@@ -113,33 +120,40 @@ class Tokenizer:
     @classmethod
     def from_metadata(cls, metadata: dict) -> "Tokenizer":
         md = metadata
-        model = _get(md, "tokenizer.ggml.model")
+        model = md.get("tokenizer.ggml.model")
         if model is None:
             raise ModelError("GGUF metadata has no tokenizer.ggml.model; the file carries no "
                              "tokenizer, so memfit cannot tokenize text for it")
-        tokens = _get(md, "tokenizer.ggml.tokens")
-        if not isinstance(tokens, list) or not tokens:
-            raise ModelError("GGUF metadata tokenizer.ggml.tokens is missing or empty")
-        tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        tokens = md.get("tokenizer.ggml.tokens")
+        if not isinstance(tokens, list) or not tokens or set(map(type, tokens)) != {str}:
+            raise ModelError("GGUF metadata tokenizer.ggml.tokens is missing, empty or not a "
+                             "list of strings; the file's vocabulary is unusable")
+        if "" in tokens:
+            tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
         n = len(tokens)
-        types = _get(md, "tokenizer.ggml.token_type")
+        types = md.get("tokenizer.ggml.token_type")
         if types is None:
             types = [NORMAL] * n
         elif len(types) != n:
             raise ModelError(f"tokenizer.ggml.token_type has {len(types)} entries but "
                              f"tokenizer.ggml.tokens has {n}")
         types = list(types)
-        scores = _get(md, "tokenizer.ggml.scores")
+        scores = md.get("tokenizer.ggml.scores")
         if scores is not None and len(scores) != n:
             raise ModelError(f"tokenizer.ggml.scores has {len(scores)} entries but "
                              f"tokenizer.ggml.tokens has {n}")
+        if not set(map(type, types)) <= {int} or (
+                scores is not None and not set(map(type, scores)) <= {int, float}):
+            raise ModelError("tokenizer.ggml.token_type / tokenizer.ggml.scores hold values of the "
+                             "wrong type (expected integers / numbers)")
 
-        pre = _get(md, "tokenizer.ggml.pre")
+        pre = md.get("tokenizer.ggml.pre")
         merges = None
         if model == "gpt2":
-            merges = _get(md, "tokenizer.ggml.merges")
-            if merges is None:
-                raise ModelError("gpt2 tokenizer without tokenizer.ggml.merges in the GGUF metadata")
+            merges = md.get("tokenizer.ggml.merges")
+            if not isinstance(merges, list) or not set(map(type, merges)) <= {str}:
+                raise ModelError("gpt2 tokenizer without a tokenizer.ggml.merges list of strings "
+                                 "in the GGUF metadata")
             bos, eos, add_bos, add_eos, add_space_prefix = 11, 11, False, False, False
             pre = pre or "default"
             if pre in ("llama3", "llama-v3", "llama-bpe", "falcon3"):
@@ -152,7 +166,7 @@ class Tokenizer:
                 "and 'llama' (SPM)")
 
         def tok_id(key: str, default: int | None) -> int | None:
-            v = _get(md, key)
+            v = md.get(key)
             if v is None:
                 return default
             if not isinstance(v, int) or not 0 <= v < n:
@@ -174,18 +188,18 @@ class Tokenizer:
                 if extra[key] is not None:
                     forced.add(extra[key])
 
-        v = _get(md, "tokenizer.ggml.add_bos_token")
+        v = md.get("tokenizer.ggml.add_bos_token")
         if v is not None:
             add_bos = bool(v)
-        v = _get(md, "tokenizer.ggml.add_eos_token")
+        v = md.get("tokenizer.ggml.add_eos_token")
         if v is not None:
             add_eos = bool(v)
-        v = _get(md, "tokenizer.ggml.add_space_prefix")
+        v = md.get("tokenizer.ggml.add_space_prefix")
         if v is not None:
             add_space_prefix = bool(v)
         if add_bos and bos is None:
             raise ModelError("tokenizer.ggml.add_bos_token is true but the model has no BOS token")
-        template = _get(md, "tokenizer.chat_template")
+        template = md.get("tokenizer.chat_template")
         return cls(kind=model, pre=pre, tokens=tokens, types=types,
                    scores=list(scores) if scores is not None else None, merges=merges,
                    bos_id=bos, eos_id=eos, add_bos=add_bos, add_eos=add_eos,
