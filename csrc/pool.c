@@ -110,16 +110,15 @@ static struct {
     pthread_mutex_t call_lock; /* serializes concurrent mf_parallel_for callers */
     pthread_mutex_t mu;
     pthread_cond_t wake;
-    pthread_cond_t idle;
-    atomic_int gen;       /* bumped per job */
-    atomic_int active;    /* workers still inside the current job */
+    atomic_uint gen;      /* seqlock-style: odd while the caller rewrites job, even once published */
+    atomic_int inflight;  /* workers registered on the current gen */
     atomic_int stop;
     job_t job;
     int n_workers;        /* threads besides the caller */
     pthread_t tid[MF_MAX_THREADS];
     int started;
 } P = {.call_lock = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER,
-       .wake = PTHREAD_COND_INITIALIZER, .idle = PTHREAD_COND_INITIALIZER};
+       .wake = PTHREAD_COND_INITIALIZER};
 
 static _Thread_local int in_task;
 static int n_threads = 1;
@@ -140,29 +139,38 @@ static inline void cpu_relax(void) {
 #endif
 }
 
+/* A worker registers (inflight++) and re-checks gen before touching the job, so the caller
+ * only ever waits for workers that are really inside the job: a worker the OS has not yet
+ * scheduled costs nothing (important when cores are oversubscribed). */
 static void *worker(void *arg) {
     (void)arg;
-    int seen = 0;
+    unsigned seen = 0;
     for (;;) {
-        int g = atomic_load_explicit(&P.gen, memory_order_acquire);
-        for (int s = 0; g == seen && s < MF_SPIN_ITERS; s++) {
+        unsigned g = atomic_load_explicit(&P.gen, memory_order_acquire);
+        for (int s = 0; (g == seen || (g & 1)) && s < MF_SPIN_ITERS; s++) {
             cpu_relax();
             g = atomic_load_explicit(&P.gen, memory_order_acquire);
         }
-        if (g == seen) {
+        if (g == seen || (g & 1)) {
             pthread_mutex_lock(&P.mu);
-            while ((g = atomic_load(&P.gen)) == seen && !atomic_load(&P.stop))
+            while (((g = atomic_load(&P.gen)) == seen || (g & 1)) && !atomic_load(&P.stop))
                 pthread_cond_wait(&P.wake, &P.mu);
             pthread_mutex_unlock(&P.mu);
         }
         if (atomic_load(&P.stop)) return NULL;
-        seen = g;
-        run_job(&P.job);
-        if (atomic_fetch_sub_explicit(&P.active, 1, memory_order_acq_rel) == 1) {
-            pthread_mutex_lock(&P.mu);
-            pthread_cond_signal(&P.idle);
-            pthread_mutex_unlock(&P.mu);
+        atomic_fetch_add_explicit(&P.inflight, 1, memory_order_seq_cst);
+        if (atomic_load_explicit(&P.gen, memory_order_seq_cst) == g) {
+            seen = g;
+            run_job(&P.job);
         }
+        atomic_fetch_sub_explicit(&P.inflight, 1, memory_order_release);
+    }
+}
+
+static void wait_inflight(void) {
+    for (int s = 0; atomic_load_explicit(&P.inflight, memory_order_acquire) > 0; s++) {
+        if (s < 20000) cpu_relax();
+        else sched_yield();
     }
 }
 
@@ -208,23 +216,18 @@ void mf_parallel_for(int64_t n, mf_task_fn fn, void *ctx) {
         return;
     }
     pthread_mutex_lock(&P.call_lock);
+    atomic_fetch_add_explicit(&P.gen, 1, memory_order_seq_cst); /* odd: job being rewritten */
+    wait_inflight();                                             /* stale registrants leave */
     P.job.fn = fn;
     P.job.ctx = ctx;
     P.job.n = n;
     atomic_store_explicit(&P.job.next, 0, memory_order_relaxed);
-    atomic_store_explicit(&P.active, P.n_workers, memory_order_relaxed);
     pthread_mutex_lock(&P.mu);
-    atomic_fetch_add_explicit(&P.gen, 1, memory_order_release);
+    atomic_fetch_add_explicit(&P.gen, 1, memory_order_seq_cst); /* even: published */
     pthread_cond_broadcast(&P.wake);
     pthread_mutex_unlock(&P.mu);
     run_job(&P.job);
-    for (int s = 0; atomic_load_explicit(&P.active, memory_order_acquire) > 0 && s < MF_SPIN_ITERS; s++)
-        cpu_relax();
-    if (atomic_load_explicit(&P.active, memory_order_acquire) > 0) {
-        pthread_mutex_lock(&P.mu);
-        while (atomic_load(&P.active) > 0) pthread_cond_wait(&P.idle, &P.mu);
-        pthread_mutex_unlock(&P.mu);
-    }
+    wait_inflight();
     pthread_mutex_unlock(&P.call_lock);
 }
 

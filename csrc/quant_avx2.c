@@ -196,6 +196,23 @@ AVX2 static float vd_iq4_nl(const uint8_t *w, const void *xv, int64_t nb) {
     return hsum_ps(acc);
 }
 
+/* Q4_K/Q5_K 12-byte scales -> sc[0..7] in bytes 0..7, mins in bytes 8..15 (ggml's packing) */
+static inline void k4_scales(const uint8_t *q, uint32_t u[4]) {
+    memcpy(u, q, 12);
+    const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+    uint32_t mins_lo = u[1] & k1;
+    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+    u[2] = mins_lo;
+    u[0] &= k1;
+}
+/* sum_j mins[j] * (bsums[2j] + bsums[2j+1]) as 4 int32 lanes */
+AVX2 static inline __m128i k4_minsum(const uint32_t u[4], const int16_t *bsums) {
+    __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(u + 2)));
+    __m128i pairs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bsums), _mm_loadu_si128((const __m128i *)(bsums + 8)));
+    return _mm_madd_epi16(mins, pairs);
+}
+
 /* ---------------- K-quants x Q8_256 ---------------- */
 
 AVX2 static float vd_q4_k(const uint8_t *w, const void *xv, int64_t nb) {
@@ -204,10 +221,13 @@ AVX2 static float vd_q4_k(const uint8_t *w, const void *xv, int64_t nb) {
     float accm = 0;
     const __m256i m4 = _mm256_set1_epi8(0xF);
     for (int64_t b = 0; b < nb; b++, w += 144) {
-        uint8_t sc[8], mn[8];
-        for (int j = 0; j < 8; j++) mf_get_scale_min_k4(j, w + 4, &sc[j], &mn[j]);
-        int summ = 0;
-        for (int j = 0; j < 8; j++) summ += mn[j] * (x[b].bsums[2 * j] + x[b].bsums[2 * j + 1]);
+        uint32_t u[4];
+        k4_scales(w + 4, u);
+        const uint8_t *sc = (const uint8_t *)u;
+        __m128i mm = k4_minsum(u, x[b].bsums);
+        mm = _mm_add_epi32(mm, _mm_shuffle_epi32(mm, 0x4e));
+        mm = _mm_add_epi32(mm, _mm_shuffle_epi32(mm, 0xb1));
+        int summ = _mm_cvtsi128_si32(mm);
         const uint8_t *qs = w + 16;
         const int8_t *y = x[b].qs;
         __m256i sumi = _mm256_setzero_si256();
@@ -232,10 +252,13 @@ AVX2 static float vd_q5_k(const uint8_t *w, const void *xv, int64_t nb) {
     float accm = 0;
     const __m256i m4 = _mm256_set1_epi8(0xF), b4 = _mm256_set1_epi8(0x10);
     for (int64_t b = 0; b < nb; b++, w += 176) {
-        uint8_t sc[8], mn[8];
-        for (int j = 0; j < 8; j++) mf_get_scale_min_k4(j, w + 4, &sc[j], &mn[j]);
-        int summ = 0;
-        for (int j = 0; j < 8; j++) summ += mn[j] * (x[b].bsums[2 * j] + x[b].bsums[2 * j + 1]);
+        uint32_t u[4];
+        k4_scales(w + 4, u);
+        const uint8_t *sc = (const uint8_t *)u;
+        __m128i mm = k4_minsum(u, x[b].bsums);
+        mm = _mm_add_epi32(mm, _mm_shuffle_epi32(mm, 0x4e));
+        mm = _mm_add_epi32(mm, _mm_shuffle_epi32(mm, 0xb1));
+        int summ = _mm_cvtsi128_si32(mm);
         const uint8_t *qs = w + 48;
         __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 16));
         const int8_t *y = x[b].qs;
@@ -265,8 +288,8 @@ AVX2 static float vd_q6_k(const uint8_t *w, const void *xv, int64_t nb) {
     const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3);
     for (int64_t b = 0; b < nb; b++, w += 210) {
         const int8_t *sc = (const int8_t *)(w + 192);
-        int corr = 0;
-        for (int i = 0; i < 16; i++) corr += sc[i] * x[b].bsums[i];
+        __m256i cv = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc)), _mm256_loadu_si256((const __m256i *)x[b].bsums));
+        int corr = hsum_i32(cv);
         __m256i sumi = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
             const uint8_t *ql = w + 64 * h, *qhp = w + 128 + 32 * h;
