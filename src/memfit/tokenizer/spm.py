@@ -41,8 +41,7 @@ class SPMModel:
         if n == 0:
             return
         t2i, scores = self.token_to_id, self.scores
-        start = list(range(n))                  # symbol i covers text[start[i]:start[i]+length[i]]
-        length = [1] * n
+        length = [1] * n                        # symbol i covers text[i:i + length[i]]; 0 = merged away
         prev = list(range(-1, n - 1))
         nxt = list(range(1, n + 1))
         nxt[-1] = -1
@@ -51,9 +50,8 @@ class SPMModel:
         def add(left: int, right: int) -> None:
             if left < 0 or right < 0:
                 return
-            s = start[left]
             size = length[left] + length[right]
-            tid = t2i.get(text[s:s + size])
+            tid = t2i.get(text[left:left + size])
             if tid is not None:
                 # highest score first, then leftmost
                 heapq.heappush(heap, (-scores[tid], left, right, size))
@@ -76,7 +74,7 @@ class SPMModel:
         i = 0
         byte_ids = None
         while i != -1:
-            piece = text[start[i]:start[i] + length[i]]
+            piece = text[i:i + length[i]]
             tid = t2i.get(piece)
             if tid is not None:
                 out.append(tid)
