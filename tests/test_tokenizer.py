@@ -71,6 +71,8 @@ def test_real_model_properties(toks):
     assert s.chat_template and "<|im_start|>" in s.chat_template
     assert g.chat_template is None
     assert s.token_text(1) == "<|im_start|>"
+    hello = s.encode(" hello", add_special=False)
+    assert [s.token_text(i) for i in hello] == ["Ġhello"] and s.piece(hello[0]) == " hello"
     assert g.token_to_bytes(g.token_id("<0x0A>")) == b"\n"
 
 

@@ -306,6 +306,10 @@ class Tokenizer:
         """The vocabulary entry as stored in the GGUF (byte-level / '▁'-escaped form)."""
         return self._tokens[self._check_id(tid)]
 
+    def piece(self, tid: int) -> str:
+        """One token as text (what llama-tokenize prints); a partial UTF-8 character -> U+FFFD."""
+        return self.token_to_bytes(tid).decode("utf-8", errors="replace")
+
     def token_type(self, tid: int) -> int:
         """The GGUF token type (1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte)."""
         return self._types[self._check_id(tid)]
