@@ -31,6 +31,7 @@ RUNTIME_EXTRA_BYTES = 48 * MiB    # allocator arenas, thread stacks, model/runne
 TOKENIZER_BYTES_PER_TOKEN = 400   # `tokenizers` vocab + merges, measured order of magnitude
 MIN_BATCH = 64                    # smallest prefill batch the planner will choose
 THREAD_SCRATCH_BYTES = 2 * MiB    # per-thread kernel scratch (quantized activations, tiles)
+ATTN_Q_BLOCK = 64                 # query rows whose scores over the context exist at once
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.")
 
 
@@ -65,7 +66,11 @@ class ModelDesc:
     @property
     def kv_bytes_per_token(self) -> int:
         """f32 K and V of every layer for one position."""
-        return self.n_layer * self.n_head_kv * (self.head_dim + self.head_dim_v) * 4
+        return self.kv_elems_per_token * 4
+
+    @property
+    def kv_elems_per_token(self) -> int:
+        return self.n_layer * self.n_head_kv * (self.head_dim + self.head_dim_v)
 
     @property
     def weight_bytes(self) -> int:
@@ -242,7 +247,7 @@ class Plan:
                  f"planned {format_size(self.planned_bytes)}",
                  row("runtime baseline", self.baseline_bytes, "measured + allowance"),
                  row(f"scratch (n_batch {self.n_batch})", self.scratch_bytes),
-                 row(f"KV cache (ctx {self.n_ctx}, f32)", self.kv_bytes),
+                 row(f"KV cache (ctx {self.n_ctx})", self.kv_bytes),
                  row("I/O staging", self.io_staging_bytes),
                  row("stream slots (2 units)", self.stream_slot_bytes,
                      f"largest unit {format_size(self.stream_slot_bytes // 2)}"),
@@ -285,10 +290,12 @@ def scratch_bytes(m: ModelDesc, n_batch: int, n_ctx: int, threads: int,
     kv_dim = m.n_head_kv * (m.head_dim + m.head_dim_v)
     per_tok = 6 * m.n_embd + q_dim + kv_dim + m.n_head * m.head_dim_v + 3 * m.n_ff
     per_tok *= 2  # numpy temporaries beside the named buffers
-    scores = m.n_head * n_ctx  # attention scores of one query row over the context
+    # attention scores [rows, heads, n_ctx] for a block of at most ATTN_Q_BLOCK query rows
+    scores = min(n_batch, ATTN_Q_BLOCK) * m.n_head * n_ctx
     logits = m.n_vocab * (n_batch if logits_all else 1)
     quant_act = n_batch * max(m.n_embd, m.n_ff)  # Q8-style activation copy, ~1 byte/elem
-    return 4 * (n_batch * (per_tok + scores) + logits) + quant_act + threads * THREAD_SCRATCH_BYTES
+    return (4 * (n_batch * per_tok + scores + logits) + quant_act
+            + threads * THREAD_SCRATCH_BYTES)
 
 
 def _units(m: ModelDesc, streamed: set[str]) -> list[Unit]:
@@ -322,11 +329,12 @@ def _max_unit(units: list[Unit]) -> int:
 
 def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Bandwidth,
          *, baseline_bytes: int, n_batch: int = 512, overlap_io: bool = True,
-         logits_all: bool = False) -> Plan:
-    """Place every tensor in a tier within `budget` bytes. Pure: no I/O, no measurement."""
+         logits_all: bool = False, kv_bytes_per_elem: float = 4) -> Plan:
+    """Place every tensor in a tier within `budget` bytes. Pure: no I/O, no measurement.
+    baseline_bytes: the measured runtime RSS; kv_bytes_per_elem: 4 for an f32 cache."""
     assert n_ctx > 0 and threads > 0 and n_batch > 0
     m = model
-    kv = m.kv_bytes_per_token * n_ctx
+    kv = int(m.kv_elems_per_token * n_ctx * kv_bytes_per_elem)
     baseline = baseline_bytes + RUNTIME_EXTRA_BYTES + TOKENIZER_BYTES_PER_TOKEN * m.n_vocab
     all_stream = _units(m, {t.name for t in m.tensors})
     max_unit_all = _max_unit(all_stream)
@@ -398,13 +406,23 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
     def streamed_bytes(pinned: set[str]) -> int:
         return sum(t.touched_per_token for t in m.tensors if t.name not in pinned)
 
+    # candidates: pin the k largest units and/or one role (attn_q, ffn_up, ...) in every layer
+    # before the greedy fill, because a smaller largest-streamed-unit frees slot memory
+    roles: list[str] = []
+    for t in cands:
+        if t.layer is not None and role(t) not in roles:
+            roles.append(role(t))
+    role_sets = [[]] + [[n for n in size if _LAYER_RE.sub("", n) in roles[:j]]
+                        for j in range(1, len(roles) + 1)]
     best = None
     for k in sorted({0, 1, 2, 3, best_k}):
         if k > len(cand_units):
             continue
-        p = place(cand_units[:k])
-        if p is not None and (best is None or streamed_bytes(p) < streamed_bytes(best)):
-            best = p
+        for rs in role_sets:
+            pre = [Unit("", [n for u in cand_units[:k] for n in u.tensors] + rs, 0)]
+            p = place(pre)
+            if p is not None and (best is None or streamed_bytes(p) < streamed_bytes(best)):
+                best = p
     assert best is not None, "the floor check guarantees the floor's own placement fits"
     pinned = best
     streamed = {t.name for t in m.tensors if t.name not in pinned}
@@ -465,7 +483,8 @@ def _round_up_mib(n: int) -> int:
 
 def plan_for_path(path, budget: int, n_ctx: int | None = None, threads: int | None = None, *,
                   baseline_bytes: int | None = None, bandwidth: Bandwidth | None = None,
-                  measure_bandwidth: bool = False, n_batch: int = 512) -> Plan:
+                  measure_bandwidth: bool = False, n_batch: int = 512,
+                  kv_bytes_per_elem: float = 4) -> Plan:
     """Convenience for the CLI/API: open the GGUF, describe it, measure baseline (this
     process's RSS) and bandwidth (cached/default unless measure_bandwidth), and plan.
     n_ctx defaults to min(model context_length, 4096)."""
@@ -482,7 +501,7 @@ def plan_for_path(path, budget: int, n_ctx: int | None = None, threads: int | No
     bw = bandwidth or get_bandwidth(path, measure=measure_bandwidth)
     return plan(desc, budget, n_ctx, threads or os.cpu_count() or 1, bw,
                 baseline_bytes=measure_baseline() if baseline_bytes is None else baseline_bytes,
-                n_batch=n_batch)
+                n_batch=n_batch, kv_bytes_per_elem=kv_bytes_per_elem)
 
 
 __all__ = ["TensorDesc", "ModelDesc", "Unit", "Plan", "plan", "plan_for_path", "scratch_bytes",

@@ -1,0 +1,164 @@
+"""The planner as a pure function: floor refusal, tier priorities, disk bytes/token math."""
+
+from __future__ import annotations
+
+import pytest
+
+from memfit.errors import BudgetError
+from memfit.memory.bandwidth import Bandwidth
+from memfit.memory.planner import (IO_STAGING_BYTES, ModelDesc, describe_tensor, plan,
+                                   plan_for_path, scratch_bytes)
+
+MiB = 1 << 20
+BW = Bandwidth(10e9, 1e9, "test")
+
+
+def toy(n_layer=4, layer_mb=10, out_mb=8, tied=False, experts=0, used=0):
+    """Hand-made dense (or MoE) model: per layer norms + attn 4 MiB + ffn (layer_mb - 4) MiB."""
+    ts = [describe_tensor("token_embd.weight", out_mb * MiB, (1000, 64), tied)]
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        ts += [describe_tensor(p + "attn_norm.weight", 256, (64,)),
+               describe_tensor(p + "attn_q.weight", 2 * MiB, (64, 64)),
+               describe_tensor(p + "attn_output.weight", 2 * MiB, (64, 64)),
+               describe_tensor(p + "ffn_norm.weight", 256, (64,))]
+        if experts:
+            ts += [describe_tensor(p + "ffn_gate_inp.weight", 64 * 1024, (experts, 64)),
+                   describe_tensor(p + "ffn_up_exps.weight", experts * MiB, (experts, 64, 64),
+                                   n_expert=experts, n_used=used)]
+        else:
+            ts += [describe_tensor(p + "ffn_up.weight", (layer_mb - 4) * MiB, (64, 64))]
+    ts.append(describe_tensor("output_norm.weight", 256, (64,)))
+    if not tied:
+        ts.append(describe_tensor("output.weight", out_mb * MiB, (1000, 64)))
+    return ModelDesc("llama", n_layer, 64, 4, 2, 16, 16, 1000, 128, tuple(ts),
+                     n_expert=experts, n_expert_used=used, tied_output=tied, name="toy")
+
+
+def fixed_bytes(m, n_ctx=128, threads=2, baseline=10 * MiB, n_batch=64):
+    p = plan(m, 10**12, n_ctx, threads, BW, baseline_bytes=baseline, n_batch=n_batch)
+    return p.baseline_bytes + p.scratch_bytes + p.kv_bytes + IO_STAGING_BYTES
+
+
+def test_floor_refusal_names_minimum_and_floor_is_exact():
+    m = toy()
+    big = plan(m, 10**12, 128, 2, BW, baseline_bytes=10 * MiB, n_batch=64)
+    floor = big.min_budget_bytes
+    # two layer units (10 MiB + two 256 B norms) stream; fixed part + 2 units
+    layer = sum(t.nbytes for t in m.tensors if t.layer == 0)
+    assert layer == 10 * MiB + 512 and floor == fixed_bytes(m) + 2 * layer
+    with pytest.raises(BudgetError) as e:
+        plan(m, floor - 1, 128, 2, BW, baseline_bytes=10 * MiB, n_batch=64)
+    msg = str(e.value)
+    assert str(floor) in msg and "MiB" in msg and "smallest budget" in msg
+    p = plan(m, floor, 128, 2, BW, baseline_bytes=10 * MiB, n_batch=64)
+    assert p.planned_bytes <= floor and p.stream_slot_bytes == 2 * layer
+
+
+def test_floor_pins_an_outlier_unit_instead_of_double_buffering_it():
+    m = toy(out_mb=40, tied=True)  # tied 40 MiB embedding is also the output matrix
+    p = plan(m, 10**12, 128, 2, BW, baseline_bytes=10 * MiB, n_batch=64)
+    # pinning the 40 MiB unit once beats two 40 MiB slots
+    assert p.min_budget_bytes == fixed_bytes(m) + 40 * MiB + 2 * (10 * MiB + 512)
+    tight = plan(m, p.min_budget_bytes, 128, 2, BW, baseline_bytes=10 * MiB, n_batch=64)
+    assert tight.tier_of("token_embd.weight") == "pinned"
+    assert tight.embedding_by_rows is None
+
+
+def test_everything_pinned_when_it_fits():
+    m = toy()
+    p = plan(m, 10**10, 128, 2, BW, baseline_bytes=10 * MiB)
+    assert p.tiers["file"] == [] and p.disk_bytes_per_token == 0 and p.units == []
+    assert p.stream_slot_bytes == 0
+    assert p.predicted_tg_tokens_per_s == pytest.approx(BW.mem_read_bytes_per_s / p.mem_bytes_per_token)
+
+
+def test_priorities_norms_then_attention_then_ffn_and_embedding_last():
+    m = toy()
+    base = fixed_bytes(m)
+    # with attention pinned the largest streamed unit is output.weight (8 MiB > 6 MiB ffn):
+    # room for 2 slots of it, all norms and attention (16 MiB) and a bit
+    budget = base + 2 * 8 * MiB + 16 * MiB + 4096 + MiB
+    p = plan(m, budget, 128, 2, BW, baseline_bytes=10 * MiB, n_batch=64)
+    pinned = set(p.tiers["pinned"])
+    assert all(f"blk.{i}.attn_norm.weight" in pinned for i in range(4))
+    assert all(f"blk.{i}.attn_q.weight" in pinned and f"blk.{i}.attn_output.weight" in pinned
+               for i in range(4))
+    assert not any("ffn_up" in n for n in pinned)
+    assert "token_embd.weight" not in pinned and p.embedding_by_rows == "token_embd.weight"
+    assert p.stream_slot_bytes == 2 * 8 * MiB
+    assert [u.name for u in p.units] == ["blk.0", "blk.1", "blk.2", "blk.3", "output.weight"]
+    assert p.planned_bytes <= budget
+
+
+def test_disk_bytes_per_token_and_prediction():
+    m = toy()
+    base = fixed_bytes(m)
+    budget = base + 2 * (10 * MiB + 512) + 1024  # only norms fit beside the slots
+    p = plan(m, budget, 128, 2, BW, baseline_bytes=10 * MiB, n_batch=64)
+    big = [t.name for t in m.tensors if t.kind in ("attn", "ffn", "output")]
+    assert set(big) <= set(p.tiers["file"])      # nothing larger than a norm fits
+    streamed = sum(t.nbytes for t in m.tensors if t.name in p.tiers["file"] and t.kind != "embedding")
+    assert 4 * 10 * MiB + 8 * MiB <= streamed < 4 * 10 * MiB + 8 * MiB + 4096
+    emb_row = 8 * MiB // 1000                    # one embedding row per token
+    assert p.disk_bytes_per_token == streamed + emb_row
+    touched = sum(t.touched_per_token for t in m.tensors)
+    assert p.mem_bytes_per_token == touched
+    t = max(touched / 10e9, (streamed + emb_row) / 1e9)
+    assert p.predicted_tg_tokens_per_s == pytest.approx(1 / t)
+    serial = plan(m, budget, 128, 2, BW, baseline_bytes=10 * MiB, n_batch=64, overlap_io=False)
+    assert serial.predicted_tg_tokens_per_s == pytest.approx(1 / (touched / 10e9 + (streamed + emb_row) / 1e9))
+    assert any("~0%" in n for n in p.notes)  # LRU over a cyclic scan: said, not pretended
+    j = p.to_json()
+    for k in ("min_budget_bytes", "disk_bytes_per_token", "predicted_tg_tokens_per_s"):
+        assert k in j
+    assert "file tier" in p.format()
+
+
+def test_batch_lowered_before_refusing():
+    m = toy()
+    hi = scratch_bytes(m, 512, 128, 2)
+    lo = scratch_bytes(m, 64, 128, 2)
+    assert hi > lo
+    p = plan(m, fixed_bytes(m, n_batch=64) + 2 * (10 * MiB + 512), 128, 2, BW,
+             baseline_bytes=10 * MiB, n_batch=512)
+    assert p.n_batch == 64 and any("prefill batch" in n for n in p.notes)
+
+
+def test_kv_scales_with_context_and_enters_floor():
+    m = toy()
+    assert m.kv_bytes_per_token == 4 * 2 * (16 + 16) * 4
+    a = plan(m, 10**12, 128, 2, BW, baseline_bytes=10 * MiB, n_batch=64)
+    b = plan(m, 10**12, 4096, 2, BW, baseline_bytes=10 * MiB, n_batch=64)
+    assert b.kv_bytes == 32 * a.kv_bytes
+    assert b.min_budget_bytes - a.min_budget_bytes >= b.kv_bytes - a.kv_bytes
+
+
+def test_moe_experts_go_to_cache_with_stated_hit_rate():
+    m = toy(experts=8, used=2)
+    p = plan(m, 10**12, 128, 2, BW, baseline_bytes=10 * MiB, n_batch=64)
+    assert all("exps" in n for n in p.tiers["cache"]) and len(p.tiers["cache"]) == 4
+    assert p.cache_slot_bytes == MiB and p.cache_hit_rate == 1.0
+    assert p.disk_bytes_per_token == 0
+    dense = sum(t.nbytes for t in m.tensors if t.kind != "expert")
+    budget = fixed_bytes(m) + dense + 2 * 2 * MiB + 16 * MiB  # 16 expert slots of 32
+    q = plan(m, budget, 128, 2, BW, baseline_bytes=10 * MiB, n_batch=64)
+    assert q.cache_slots == 16 and q.cache_hit_rate == pytest.approx(0.5)
+    assert q.disk_bytes_per_token == pytest.approx(4 * 2 * MiB * 0.5, abs=1)
+    assert any("uniform routing" in n for n in q.notes)
+
+
+def test_plan_for_real_gguf(tmp_path):
+    from memfit.synth import synth
+    path = synth(tmp_path / "t.gguf", "llama", "tiny", "Q4_K_M", progress=False).path
+    full = plan_for_path(path, 4 << 30, n_ctx=256, threads=2, baseline_bytes=50 * MiB,
+                         bandwidth=BW)
+    assert full.tiers["file"] == [] and full.arch == "llama" and full.n_layer == 4
+    assert full.weight_bytes < path.stat().st_size
+    floor = full.min_budget_bytes
+    tight = plan_for_path(path, floor, n_ctx=256, threads=2, baseline_bytes=50 * MiB,
+                          bandwidth=BW)
+    assert tight.disk_bytes_per_token > 0 and tight.planned_bytes <= floor
+    with pytest.raises(BudgetError):
+        plan_for_path(path, floor - 1, n_ctx=256, threads=2, baseline_bytes=50 * MiB,
+                      bandwidth=BW)
