@@ -146,7 +146,7 @@ typedef struct {
     int64_t heads, head_dim, n_rot;
     double base, freq_scale;
     int neox;
-    const float *ff;
+    const double *inv; /* [n_rot/2] base^(-2k/n_rot) / ff[k], computed once per call */
 } rope_ctx;
 
 static void rope_task(void *p, int64_t i) {
@@ -156,8 +156,7 @@ static void rope_task(void *p, int64_t i) {
     /* angles in double: pos * scale reaches ~1e5 rad, where float loses ~1e-2 rad */
     const double pf = (double)c->pos[i] * c->freq_scale;
     for (int64_t k = 0; k < half; k++) {
-        double th = pf * pow(c->base, -2.0 * (double)k / (double)c->n_rot);
-        if (c->ff) th /= (double)c->ff[k];
+        const double th = pf * c->inv[k];
         cs[k] = (float)cos(th);
         sn[k] = (float)sin(th);
     }
@@ -184,7 +183,12 @@ static void rope_task(void *p, int64_t i) {
 void mf_rope_f32(const float *x, float *out, const int32_t *pos, int64_t n, int64_t heads,
                  int64_t head_dim, int64_t n_rot, double base, double freq_scale, int neox,
                  const float *freq_factors) {
-    rope_ctx c = {x, out, pos, heads, head_dim, n_rot, base, freq_scale, neox, freq_factors};
+    double inv[MF_ROPE_MAX_ROT / 2];
+    for (int64_t k = 0; k < n_rot / 2; k++) {
+        inv[k] = pow(base, -2.0 * (double)k / (double)n_rot);
+        if (freq_factors) inv[k] /= (double)freq_factors[k];
+    }
+    rope_ctx c = {x, out, pos, heads, head_dim, n_rot, base, freq_scale, neox, inv};
     if (n >= 4 && n * heads * head_dim >= PAR_MIN / 4)
         mf_parallel_for(n, rope_task, &c);
     else
@@ -447,11 +451,12 @@ MF_AVX2 static void attn_task_avx2(const mf_attn_args *a, int64_t i, int64_t h) 
             _mm_storeu_ps(s + b, _mm_mul_ps(d, _mm_set1_ps(a->scale)));
         }
         for (; b < nv; b++) s[b] = dot1_avx2(q, kb + idx[b] * ks, D) * a->scale;
-        float mb = -INFINITY;
-        for (b = 0; b < nv; b++) {
-            s[b] = cap(a, s[b]);
-            mb = s[b] > mb ? s[b] : mb;
-        }
+        if (a->softcap > 0.0f)
+            for (b = 0; b < nv; b++) s[b] = cap(a, s[b]);
+        __m256 vmb = _mm256_set1_ps(-INFINITY);
+        for (b = 0; b + 8 <= nv; b += 8) vmb = _mm256_max_ps(vmb, _mm256_loadu_ps(s + b));
+        float mb = hmax8(vmb);
+        for (; b < nv; b++) mb = s[b] > mb ? s[b] : mb;
         if (mb > m) {
             const float corr = expf(m - mb);
             const __m256 vc = _mm256_set1_ps(corr);
