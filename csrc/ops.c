@@ -343,6 +343,7 @@ void mf_gelu_mul_f32(const float *g, const float *u, float *out, int64_t n) { ga
  * (running max m, running sum l, accumulator acc[Dv]), so no T-sized buffer exists. */
 
 #define KB 64
+#define HG 4 /* q heads per task at most (they share one kv head) */
 
 static inline int visible(const mf_attn_args *a, int64_t qp, int64_t t) {
     const int64_t kp = a->kv_pos[t];
@@ -428,107 +429,135 @@ MF_AVX2 static inline float dot1_avx2(const float *q, const float *k, int64_t D)
     return d;
 }
 
-MF_AVX2 static void attn_task_avx2(const mf_attn_args *a, int64_t i, int64_t h) {
-    const int64_t D = a->D, Dv = a->Dv, g = h / (a->Hq / a->Hkv), qp = a->q_pos[i];
-    const int64_t ks = a->Hkv * D, vs = a->Hkv * Dv; /* row strides over t */
-    const float *q = a->q + (i * a->Hq + h) * D;
+/* One key block for one q head: scores of the nv visible keys idx[], online-softmax update of
+ * (m, l, acc). s is scratch [KB]. */
+MF_AVX2 static void attn_block_avx2(const mf_attn_args *a, const float *q, const float *kb, const float *vb,
+                                    const int32_t *idx, int nv, float *s, float *pm, float *pl, float *acc) {
+    const int64_t D = a->D, Dv = a->Dv, ks = a->Hkv * D, vs = a->Hkv * Dv; /* row strides over t */
+    int b = 0;
+    for (; b + 4 <= nv; b += 4) {
+        __m128 d = dot4_avx2(q, kb + idx[b] * ks, kb + idx[b + 1] * ks, kb + idx[b + 2] * ks,
+                             kb + idx[b + 3] * ks, D);
+        _mm_storeu_ps(s + b, _mm_mul_ps(d, _mm_set1_ps(a->scale)));
+    }
+    for (; b < nv; b++) s[b] = dot1_avx2(q, kb + idx[b] * ks, D) * a->scale;
+    if (a->softcap > 0.0f)
+        for (b = 0; b < nv; b++) s[b] = cap(a, s[b]);
+    __m256 vmb = _mm256_set1_ps(-INFINITY);
+    for (b = 0; b + 8 <= nv; b += 8) vmb = _mm256_max_ps(vmb, _mm256_loadu_ps(s + b));
+    float mb = hmax8(vmb), m = *pm, l = *pl;
+    for (; b < nv; b++) mb = s[b] > mb ? s[b] : mb;
+    if (mb > m) {
+        const float corr = expf(m - mb); /* 0 on the first visible block */
+        const __m256 vc = _mm256_set1_ps(corr);
+        int64_t j = 0;
+        for (; j + 8 <= Dv; j += 8) _mm256_storeu_ps(acc + j, _mm256_mul_ps(_mm256_loadu_ps(acc + j), vc));
+        for (; j < Dv; j++) acc[j] *= corr;
+        l *= corr;
+        m = mb;
+    }
+    const __m256 vm = _mm256_set1_ps(m);
+    __m256 vl = _mm256_setzero_ps();
+    for (b = 0; b + 8 <= nv; b += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + b), vm));
+        _mm256_storeu_ps(s + b, e);
+        vl = _mm256_add_ps(vl, e);
+    }
+    l += hsum8(vl);
+    for (; b < nv; b++) {
+        s[b] = expf(s[b] - m);
+        l += s[b];
+    }
+    /* acc += sum_b p_b * v_b, 4 value rows per pass over acc */
+    for (b = 0; b + 4 <= nv; b += 4) {
+        const float *v0 = vb + idx[b] * vs, *v1 = vb + idx[b + 1] * vs;
+        const float *v2 = vb + idx[b + 2] * vs, *v3 = vb + idx[b + 3] * vs;
+        const __m256 p0 = _mm256_set1_ps(s[b]), p1 = _mm256_set1_ps(s[b + 1]);
+        const __m256 p2 = _mm256_set1_ps(s[b + 2]), p3 = _mm256_set1_ps(s[b + 3]);
+        int64_t j = 0;
+        for (; j + 8 <= Dv; j += 8) {
+            __m256 r = _mm256_loadu_ps(acc + j);
+            r = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + j), r);
+            r = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v1 + j), r);
+            r = _mm256_fmadd_ps(p2, _mm256_loadu_ps(v2 + j), r);
+            r = _mm256_fmadd_ps(p3, _mm256_loadu_ps(v3 + j), r);
+            _mm256_storeu_ps(acc + j, r);
+        }
+        for (; j < Dv; j++) acc[j] += s[b] * v0[j] + s[b + 1] * v1[j] + s[b + 2] * v2[j] + s[b + 3] * v3[j];
+    }
+    for (; b < nv; b++) {
+        const float *v0 = vb + idx[b] * vs;
+        const __m256 p0 = _mm256_set1_ps(s[b]);
+        int64_t j = 0;
+        for (; j + 8 <= Dv; j += 8)
+            _mm256_storeu_ps(acc + j, _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + j), _mm256_loadu_ps(acc + j)));
+        for (; j < Dv; j++) acc[j] += s[b] * v0[j];
+    }
+    *pm = m;
+    *pl = l;
+}
+
+/* Query row i, q heads h0 .. h0+nh-1 (nh <= HG, one kv head): each key block is compacted once
+ * and its K/V rows serve all nh heads while they are in cache. */
+MF_AVX2 static void attn_task_avx2(const mf_attn_args *a, int64_t i, int64_t h0, int64_t nh) {
+    const int64_t D = a->D, Dv = a->Dv, g = h0 / (a->Hq / a->Hkv), qp = a->q_pos[i];
     const float *kb = a->k + g * D, *vb = a->v + g * Dv;
-    float *o = a->out + (i * a->Hq + h) * Dv;
-    float acc[MF_ATTN_MAX_DIM], s[KB];
+    float acc[HG][MF_ATTN_MAX_DIM], s[KB], m[HG], l[HG];
     int32_t idx[KB];
-    float m = -INFINITY, l = 0.0f;
-    memset(acc, 0, (size_t)Dv * sizeof(float));
+    for (int64_t hh = 0; hh < nh; hh++) {
+        m[hh] = -INFINITY;
+        l[hh] = 0.0f;
+        memset(acc[hh], 0, (size_t)Dv * sizeof(float));
+    }
     for (int64_t t0 = 0; t0 < a->T; t0 += KB) {
         const int64_t nb = a->T - t0 < KB ? a->T - t0 : KB;
         int nv = 0; /* visible keys of this block, compacted into idx */
         for (int64_t b = 0; b < nb; b++)
             if (visible(a, qp, t0 + b)) idx[nv++] = (int32_t)(t0 + b);
         if (nv == 0) continue;
-        int b = 0;
-        for (; b + 4 <= nv; b += 4) {
-            __m128 d = dot4_avx2(q, kb + idx[b] * ks, kb + idx[b + 1] * ks, kb + idx[b + 2] * ks,
-                                 kb + idx[b + 3] * ks, D);
-            _mm_storeu_ps(s + b, _mm_mul_ps(d, _mm_set1_ps(a->scale)));
-        }
-        for (; b < nv; b++) s[b] = dot1_avx2(q, kb + idx[b] * ks, D) * a->scale;
-        if (a->softcap > 0.0f)
-            for (b = 0; b < nv; b++) s[b] = cap(a, s[b]);
-        __m256 vmb = _mm256_set1_ps(-INFINITY);
-        for (b = 0; b + 8 <= nv; b += 8) vmb = _mm256_max_ps(vmb, _mm256_loadu_ps(s + b));
-        float mb = hmax8(vmb);
-        for (; b < nv; b++) mb = s[b] > mb ? s[b] : mb;
-        if (mb > m) {
-            const float corr = expf(m - mb);
-            const __m256 vc = _mm256_set1_ps(corr);
-            int64_t j = 0;
-            for (; j + 8 <= Dv; j += 8) _mm256_storeu_ps(acc + j, _mm256_mul_ps(_mm256_loadu_ps(acc + j), vc));
-            for (; j < Dv; j++) acc[j] *= corr;
-            l *= corr;
-            m = mb;
-        }
-        const __m256 vm = _mm256_set1_ps(m);
-        __m256 vl = _mm256_setzero_ps();
-        for (b = 0; b + 8 <= nv; b += 8) {
-            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + b), vm));
-            _mm256_storeu_ps(s + b, e);
-            vl = _mm256_add_ps(vl, e);
-        }
-        l += hsum8(vl);
-        for (; b < nv; b++) {
-            s[b] = expf(s[b] - m);
-            l += s[b];
-        }
-        /* acc += sum_b p_b * v_b, 4 value rows per pass over acc */
-        b = 0;
-        for (; b + 4 <= nv; b += 4) {
-            const float *v0 = vb + idx[b] * vs, *v1 = vb + idx[b + 1] * vs;
-            const float *v2 = vb + idx[b + 2] * vs, *v3 = vb + idx[b + 3] * vs;
-            const __m256 p0 = _mm256_set1_ps(s[b]), p1 = _mm256_set1_ps(s[b + 1]);
-            const __m256 p2 = _mm256_set1_ps(s[b + 2]), p3 = _mm256_set1_ps(s[b + 3]);
-            int64_t j = 0;
-            for (; j + 8 <= Dv; j += 8) {
-                __m256 r = _mm256_loadu_ps(acc + j);
-                r = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + j), r);
-                r = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v1 + j), r);
-                r = _mm256_fmadd_ps(p2, _mm256_loadu_ps(v2 + j), r);
-                r = _mm256_fmadd_ps(p3, _mm256_loadu_ps(v3 + j), r);
-                _mm256_storeu_ps(acc + j, r);
-            }
-            for (; j < Dv; j++) acc[j] += s[b] * v0[j] + s[b + 1] * v1[j] + s[b + 2] * v2[j] + s[b + 3] * v3[j];
-        }
-        for (; b < nv; b++) {
-            const float *v0 = vb + idx[b] * vs;
-            const __m256 p0 = _mm256_set1_ps(s[b]);
-            int64_t j = 0;
-            for (; j + 8 <= Dv; j += 8)
-                _mm256_storeu_ps(acc + j, _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + j), _mm256_loadu_ps(acc + j)));
-            for (; j < Dv; j++) acc[j] += s[b] * v0[j];
-        }
+        for (int64_t hh = 0; hh < nh; hh++)
+            attn_block_avx2(a, a->q + (i * a->Hq + h0 + hh) * D, kb, vb, idx, nv, s, &m[hh], &l[hh], acc[hh]);
     }
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    const __m256 vi = _mm256_set1_ps(inv);
-    int64_t j = 0;
-    for (; j + 8 <= Dv; j += 8) _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_loadu_ps(acc + j), vi));
-    for (; j < Dv; j++) o[j] = acc[j] * inv;
+    for (int64_t hh = 0; hh < nh; hh++) {
+        float *o = a->out + (i * a->Hq + h0 + hh) * Dv;
+        const float inv = l[hh] > 0.0f ? 1.0f / l[hh] : 0.0f;
+        const __m256 vi = _mm256_set1_ps(inv);
+        int64_t j = 0;
+        for (; j + 8 <= Dv; j += 8) _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_loadu_ps(acc[hh] + j), vi));
+        for (; j < Dv; j++) o[j] = acc[hh][j] * inv;
+    }
 }
 #endif
 
+typedef struct {
+    const mf_attn_args *a;
+    int64_t hc, cpg; /* heads per task, tasks per kv head */
+} attn_ctx;
+
 static void attn_task(void *p, int64_t task) {
-    const mf_attn_args *a = p;
-    const int64_t i = task / a->Hq, h = task % a->Hq;
+    const attn_ctx *c = p;
+    const mf_attn_args *a = c->a;
+    const int64_t G = a->Hq / a->Hkv, per_row = a->Hkv * c->cpg;
+    const int64_t i = task / per_row, r = task % per_row, g = r / c->cpg, ch = r % c->cpg;
+    const int64_t h0 = g * G + ch * c->hc, nh = G - ch * c->hc < c->hc ? G - ch * c->hc : c->hc;
 #ifdef MF_X86
     if (use_avx2()) {
-        attn_task_avx2(a, i, h);
+        attn_task_avx2(a, i, h0, nh);
         return;
     }
 #endif
-    attn_task_scalar(a, i, h);
+    for (int64_t hh = 0; hh < nh; hh++) attn_task_scalar(a, i, h0 + hh);
 }
 
 void mf_attention_f32(const mf_attn_args *a) {
-    const int64_t tasks = a->n * a->Hq;
-    if (tasks > 1 && tasks * a->T * (a->D + a->Dv) >= PAR_MIN)
-        mf_parallel_for(tasks, attn_task, (void *)a);
+    /* group up to HG q heads of one kv head per task, but keep >= 2 tasks per thread */
+    const int64_t G = a->Hq / a->Hkv, want = 2 * (int64_t)mf_n_threads();
+    int64_t hc = G < HG ? G : HG;
+    while (hc > 1 && a->n * a->Hkv * ((G + hc - 1) / hc) < want) hc--;
+    attn_ctx c = {a, hc, (G + hc - 1) / hc};
+    const int64_t tasks = a->n * a->Hkv * c.cpg;
+    if (tasks > 1 && a->n * a->Hq * a->T * (a->D + a->Dv) >= PAR_MIN)
+        mf_parallel_for(tasks, attn_task, &c);
     else
-        for (int64_t t = 0; t < tasks; t++) attn_task((void *)a, t);
+        for (int64_t t = 0; t < tasks; t++) attn_task(&c, t);
 }

@@ -188,6 +188,8 @@ ATTN_CASES = [
     (5, 40, 2, 2, 80, 80, 7, 2.0),         # window + softcap
     (6, 50, 8, 8, 20, 12, 0, 0.0),         # odd head dims, D != Dv
     (64, 64, 8, 4, 64, 64, 0, 0.0),        # bigger prefill, through the pool
+    (1, 300, 9, 3, 64, 64, 0, 0.0),        # smollm2 decode: head groups split unevenly per task
+    (3, 40, 8, 1, 64, 64, 0, 0.0),         # GQA 8: more heads per kv head than one task takes
 ]
 
 
