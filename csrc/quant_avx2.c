@@ -439,3 +439,147 @@ mf_vecdot_fn mf_vecdot_avx2[T_MAX] = {
     [T_Q8_0] = vd_q8_0, [T_IQ4_NL] = vd_iq4_nl, [T_Q2_K] = vd_q2_k, [T_Q3_K] = vd_q3_k,
     [T_Q4_K] = vd_q4_k, [T_Q5_K] = vd_q5_k, [T_Q6_K] = vd_q6_k, [T_IQ4_XS] = vd_iq4_xs,
 };
+
+/* ---------------- prefill: K-quant rows unpacked once, dotted with 4 X rows at a time ------
+ * Every K-quant block becomes: unsigned q[256] (0..63), an int16 scale vector per 32-chunk,
+ * and a correction cc[16] · bsums(x) (mins or the -32/-4 offsets). Then
+ * dot = sum_b dx_b * (d_b * sum_c madd(maddubs(q_c, y_c), sv_c) + dc_b * cc_b · bsums_b). */
+
+AVX2 static void up_q4_k(const uint8_t *w, mf_kblk *o) {
+    uint32_t u[4];
+    k4_scales(w + 4, u);
+    const uint8_t *sc = (const uint8_t *)u, *mn = sc + 8;
+    o->d = f16(w);
+    o->dc = -f16(w + 2);
+    for (int i = 0; i < 16; i++) o->cc[i] = mn[i / 2];
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    for (int j = 0; j < 4; j++) {
+        __m256i q = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
+        _mm256_storeu_si256((__m256i *)(o->q + 64 * j), _mm256_and_si256(q, m4));
+        _mm256_storeu_si256((__m256i *)(o->q + 64 * j + 32), _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
+    }
+    for (int c = 0; c < 8; c++) _mm256_storeu_si256((__m256i *)o->sv[c], _mm256_set1_epi16(sc[c]));
+}
+AVX2 static void up_q5_k(const uint8_t *w, mf_kblk *o) {
+    uint32_t u[4];
+    k4_scales(w + 4, u);
+    const uint8_t *sc = (const uint8_t *)u, *mn = sc + 8;
+    o->d = f16(w);
+    o->dc = -f16(w + 2);
+    for (int i = 0; i < 16; i++) o->cc[i] = mn[i / 2];
+    const __m256i m4 = _mm256_set1_epi8(0xF), b4 = _mm256_set1_epi8(0x10);
+    __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 16));
+    for (int j = 0; j < 4; j++) {
+        __m256i q = _mm256_loadu_si256((const __m256i *)(w + 48 + 32 * j));
+        __m256i mlo = _mm256_set1_epi8((char)(1 << (2 * j))), mhi = _mm256_set1_epi8((char)(1 << (2 * j + 1)));
+        __m256i hlo = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, mlo), mlo), b4);
+        __m256i hhi = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, mhi), mhi), b4);
+        _mm256_storeu_si256((__m256i *)(o->q + 64 * j), _mm256_or_si256(_mm256_and_si256(q, m4), hlo));
+        _mm256_storeu_si256((__m256i *)(o->q + 64 * j + 32), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4), hhi));
+    }
+    for (int c = 0; c < 8; c++) _mm256_storeu_si256((__m256i *)o->sv[c], _mm256_set1_epi16(sc[c]));
+}
+AVX2 static void up_q6_k(const uint8_t *w, mf_kblk *o) {
+    const int8_t *sc = (const int8_t *)(w + 192);
+    o->d = o->dc = f16(w + 208);
+    for (int i = 0; i < 16; i++) o->cc[i] = (int16_t)(-32 * sc[i]);
+    const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *ql = w + 64 * h;
+        __m256i a = _mm256_loadu_si256((const __m256i *)ql), c = _mm256_loadu_si256((const __m256i *)(ql + 32));
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
+        uint8_t *q = o->q + 128 * h;
+        _mm256_storeu_si256((__m256i *)q, _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4)));
+        _mm256_storeu_si256((__m256i *)(q + 32), _mm256_or_si256(_mm256_and_si256(c, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4)));
+        _mm256_storeu_si256((__m256i *)(q + 64), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4)));
+        _mm256_storeu_si256((__m256i *)(q + 96), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4)));
+    }
+    for (int k = 0; k < 8; k++) _mm256_storeu_si256((__m256i *)o->sv[k], lane_scales(sc[2 * k], sc[2 * k + 1]));
+}
+AVX2 static void up_q3_k(const uint8_t *w, mf_kblk *o) {
+    int8_t sc[16];
+    for (int i = 0; i < 16; i++) {
+        const uint8_t *s = w + 96;
+        int lo = (i < 8 ? s[i] : s[i - 8] >> 4) & 0xF, hi = (s[8 + i % 4] >> (2 * (i / 4))) & 3;
+        sc[i] = (int8_t)((lo | (hi << 4)) - 32);
+    }
+    o->d = o->dc = f16(w + 108);
+    for (int i = 0; i < 16; i++) o->cc[i] = (int16_t)(-4 * sc[i]);
+    const __m256i m2 = _mm256_set1_epi8(3), b2 = _mm256_set1_epi8(4);
+    __m256i hm = _mm256_loadu_si256((const __m256i *)w);
+    for (int c = 0; c < 2; c++) {
+        __m256i q = _mm256_loadu_si256((const __m256i *)(w + 32 + 32 * c));
+        for (int s = 0; s < 4; s++) {
+            int k = 4 * c + s;
+            __m256i mk = _mm256_set1_epi8((char)(1 << k));
+            __m256i h = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hm, mk), mk), b2);
+            _mm256_storeu_si256((__m256i *)(o->q + 32 * k), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2 * s), m2), h));
+            _mm256_storeu_si256((__m256i *)o->sv[k], lane_scales(sc[2 * k], sc[2 * k + 1]));
+        }
+    }
+}
+AVX2 static void up_q2_k(const uint8_t *w, mf_kblk *o) {
+    const uint8_t *sc = w;
+    o->d = f16(w + 80);
+    o->dc = -f16(w + 82);
+    for (int i = 0; i < 16; i++) o->cc[i] = sc[i] >> 4;
+    const __m256i m2 = _mm256_set1_epi8(3);
+    for (int c = 0; c < 2; c++) {
+        __m256i q = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * c));
+        for (int s = 0; s < 4; s++) {
+            int k = 4 * c + s;
+            _mm256_storeu_si256((__m256i *)(o->q + 32 * k), _mm256_and_si256(_mm256_srli_epi16(q, 2 * s), m2));
+            _mm256_storeu_si256((__m256i *)o->sv[k], lane_scales(sc[2 * k] & 0xF, sc[2 * k + 1] & 0xF));
+        }
+    }
+}
+
+mf_kunpack_fn mf_kunpack_avx2[T_MAX] = {
+    [T_Q2_K] = up_q2_k, [T_Q3_K] = up_q3_k, [T_Q4_K] = up_q4_k, [T_Q5_K] = up_q5_k, [T_Q6_K] = up_q6_k,
+};
+
+/* unpacked W row (nb blocks) x M prepared X rows (stride xs bytes) -> out[M] */
+#define KDOT(M)                                                                                        \
+    AVX2 static void kdot##M(const mf_kblk *w, int64_t nb, const uint8_t *xb, size_t xs, float *out) { \
+        __m256 acc[M];                                                                                 \
+        for (int i = 0; i < M; i++) acc[i] = _mm256_setzero_ps();                                      \
+        for (int64_t b = 0; b < nb; b++) {                                                             \
+            const mf_kblk *k = w + b;                                                                  \
+            const mf_q8_256 *x[M];                                                                     \
+            __m256i s[M];                                                                              \
+            for (int i = 0; i < M; i++) {                                                              \
+                x[i] = (const mf_q8_256 *)(xb + i * xs) + b;                                           \
+                s[i] = _mm256_setzero_si256();                                                         \
+            }                                                                                          \
+            for (int c = 0; c < 8; c++) {                                                              \
+                __m256i q = _mm256_loadu_si256((const __m256i *)(k->q + 32 * c));                      \
+                __m256i sv = _mm256_loadu_si256((const __m256i *)k->sv[c]);                            \
+                for (int i = 0; i < M; i++)                                                            \
+                    s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(_mm256_maddubs_epi16(q,            \
+                               _mm256_loadu_si256((const __m256i *)(x[i]->qs + 32 * c))), sv));        \
+            }                                                                                          \
+            __m256i cc = _mm256_loadu_si256((const __m256i *)k->cc);                                   \
+            __m256 d = _mm256_set1_ps(k->d), dc = _mm256_set1_ps(k->dc);                               \
+            for (int i = 0; i < M; i++) {                                                              \
+                __m256i cr = _mm256_madd_epi16(cc, _mm256_loadu_si256((const __m256i *)x[i]->bsums));  \
+                __m256 t = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s[i]), _mm256_mul_ps(dc, _mm256_cvtepi32_ps(cr))); \
+                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(x[i]->d), t, acc[i]);                          \
+            }                                                                                          \
+        }                                                                                              \
+        for (int i = 0; i < M; i++) out[i] = hsum_ps(acc[i]);                                          \
+    }
+KDOT(4)
+KDOT(1)
+
+AVX2 void mf_kdot_avx2(const mf_kblk *w, int64_t nb, const uint8_t *x, size_t xs, int64_t m, float *out, int64_t ostride) {
+    int64_t i = 0;
+    float o[4];
+    for (; i + 4 <= m; i += 4) {
+        kdot4(w, nb, x + i * xs, xs, o);
+        for (int k = 0; k < 4; k++) out[(i + k) * ostride] = o[k];
+    }
+    for (; i < m; i++) {
+        kdot1(w, nb, x + i * xs, xs, o);
+        out[i * ostride] = o[0];
+    }
+}

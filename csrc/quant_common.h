@@ -35,7 +35,13 @@ void mf_quant_init(void);
 int mf_dequant_row(int type, const uint8_t *src, float *dst, int64_t n);
 void mf_get_scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m);
 
+/* A K-quant block unpacked for the prefill kernel (see quant_avx2.c). */
+typedef struct { float d, dc; int16_t cc[16]; int16_t sv[8][16]; uint8_t q[256]; } mf_kblk;
+typedef void (*mf_kunpack_fn)(const uint8_t *w, mf_kblk *o);
+
 /* AVX2 (quant_avx2.c) */
+extern mf_kunpack_fn mf_kunpack_avx2[T_MAX];
+void mf_kdot_avx2(const mf_kblk *w, int64_t nb, const uint8_t *x, size_t xs, int64_t m, float *out, int64_t ostride);
 extern mf_vecdot_fn mf_vecdot_avx2[T_MAX];
 void mf_quantize_q8_32_avx2(const float *x, mf_q8_32 *y, int64_t n);
 void mf_quantize_q8_256_avx2(const float *x, mf_q8_256 *y, int64_t n);

@@ -57,6 +57,7 @@ static void mm_task_scalar(void *p, int64_t t) {
 }
 
 #define XT 8 /* X rows per inner tile */
+#define MF_KBLK_MIN_N 4 /* from this many X rows, K-quant W rows are unpacked once per task */
 static void mm_task_vec(void *p, int64_t t) {
     mm_ctx *c = p;
     int64_t r0 = t * c->rt, r1 = r0 + c->rt < c->rows ? r0 + c->rt : c->rows;
@@ -67,6 +68,34 @@ static void mm_task_vec(void *p, int64_t t) {
             for (int64_t i = i0; i < i1; i++)
                 c->y[i * c->rows + r] = c->vd(w, c->xq + (size_t)i * c->xs, c->nb);
         }
+    }
+}
+
+static _Thread_local mf_kblk *tl_kb;
+static _Thread_local size_t tl_kcap;
+
+/* prefill, K-quants: unpack the task's W rows once, then 4 X rows per kernel call over X tiles
+ * of XT2 rows (the unpacked tile + X tile stay in L2). */
+#define XT2 16
+static void mm_task_kblk(void *p, int64_t t) {
+    mm_ctx *c = p;
+    int64_t r0 = t * c->rt, r1 = r0 + c->rt < c->rows ? r0 + c->rt : c->rows;
+    size_t need = (size_t)((r1 - r0) * c->nb);
+    if (need > tl_kcap) {
+        free(tl_kb);
+        tl_kb = aligned_alloc(64, need * sizeof(mf_kblk));
+        tl_kcap = tl_kb ? need : 0;
+        if (!tl_kb) { mm_task_vec(p, t); return; }
+    }
+    mf_kunpack_fn up = mf_kunpack_avx2[c->type];
+    int bytes = mf_qtypes[c->type].bytes;
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t b = 0; b < c->nb; b++) up(c->w + r * c->rb + b * bytes, tl_kb + (r - r0) * c->nb + b);
+    for (int64_t i0 = 0; i0 < c->n; i0 += XT2) {
+        int64_t m = c->n - i0 < XT2 ? c->n - i0 : XT2;
+        for (int64_t r = r0; r < r1; r++)
+            mf_kdot_avx2(tl_kb + (r - r0) * c->nb, c->nb, c->xq + (size_t)i0 * c->xs, c->xs, m,
+                         c->y + i0 * c->rows + r, c->rows);
     }
 }
 
@@ -124,7 +153,13 @@ int mf_matmul(int type, const uint8_t *w, int64_t rows, int64_t cols, const floa
     }
     c.xq = xq_buf;
     mf_parallel_for(n, quant_x_task, &c);
-    mf_parallel_for(ntasks, mm_task_vec, &c);
+    if (n >= MF_KBLK_MIN_N && mf_kunpack_avx2[type]) {
+        int64_t rk = (192 * 1024) / (c.nb * (int64_t)sizeof(mf_kblk));
+        rk = rk < 1 ? 1 : rk > c.rt ? c.rt : rk;
+        c.rt = rk;
+        mf_parallel_for((rows + rk - 1) / rk, mm_task_kblk, &c);
+    } else
+        mf_parallel_for(ntasks, mm_task_vec, &c);
     pthread_mutex_unlock(&xq_lock);
     return 0;
 }
