@@ -583,3 +583,76 @@ AVX2 void mf_kdot_avx2(const mf_kblk *w, int64_t nb, const uint8_t *x, size_t xs
         out[i * ostride] = o[0];
     }
 }
+
+/* ---------------- prefill: 32-element block types ----------------
+ * Block b of a row becomes q[32] (unsigned for Q4_0/Q4_1/Q5_0/Q5_1, signed for Q8_0/IQ4_NL),
+ * its d, and c with w = d*q + c... folded as dot += d*dx*isum + c*s_x (s_x = dx*sum(x)). */
+
+AVX2 static void up_q4_0(const uint8_t *w, mf_b32 *o) {
+    o->d = f16(w); o->c = -8.0f * o->d;
+    _mm256_storeu_si256((__m256i *)o->q, nibbles32(w + 2));
+}
+AVX2 static void up_q4_1(const uint8_t *w, mf_b32 *o) {
+    o->d = f16(w); o->c = f16(w + 2);
+    _mm256_storeu_si256((__m256i *)o->q, nibbles32(w + 4));
+}
+AVX2 static void up_q5_0(const uint8_t *w, mf_b32 *o) {
+    o->d = f16(w); o->c = -16.0f * o->d;
+    _mm256_storeu_si256((__m256i *)o->q, _mm256_or_si256(nibbles32(w + 6), _mm256_and_si256(bits32(w + 2), _mm256_set1_epi8(0x10))));
+}
+AVX2 static void up_q5_1(const uint8_t *w, mf_b32 *o) {
+    o->d = f16(w); o->c = f16(w + 2);
+    _mm256_storeu_si256((__m256i *)o->q, _mm256_or_si256(nibbles32(w + 8), _mm256_and_si256(bits32(w + 4), _mm256_set1_epi8(0x10))));
+}
+AVX2 static void up_q8_0(const uint8_t *w, mf_b32 *o) {
+    o->d = f16(w); o->c = 0;
+    memcpy(o->q, w + 2, 32);
+}
+AVX2 static void up_iq4_nl(const uint8_t *w, mf_b32 *o) {
+    const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)mf_kvalues_iq4nl));
+    o->d = f16(w); o->c = 0;
+    _mm256_storeu_si256((__m256i *)o->q, _mm256_shuffle_epi8(kv, nibbles32(w + 2)));
+}
+
+mf_b32unpack_fn mf_b32unpack_avx2[T_MAX] = {
+    [T_Q4_0] = up_q4_0, [T_Q4_1] = up_q4_1, [T_Q5_0] = up_q5_0, [T_Q5_1] = up_q5_1,
+    [T_Q8_0] = up_q8_0, [T_IQ4_NL] = up_iq4_nl,
+};
+
+#define BDOT(M, SIGNED)                                                                              \
+    AVX2 static void bdot##M##_##SIGNED(const mf_b32 *w, int64_t nb, const uint8_t *xb, size_t xs, float *out) { \
+        __m256 acc[M];                                                                               \
+        float corr[M];                                                                               \
+        const __m256i ones = _mm256_set1_epi16(1);                                                   \
+        for (int i = 0; i < M; i++) { acc[i] = _mm256_setzero_ps(); corr[i] = 0; }                   \
+        for (int64_t b = 0; b < nb; b++) {                                                           \
+            __m256i q = _mm256_loadu_si256((const __m256i *)w[b].q);                                 \
+            __m256i aq = SIGNED ? _mm256_sign_epi8(q, q) : q;                                        \
+            for (int i = 0; i < M; i++) {                                                            \
+                const mf_q8_32 *x = (const mf_q8_32 *)(xb + i * xs) + b;                             \
+                __m256i y = _mm256_loadu_si256((const __m256i *)x->qs);                              \
+                if (SIGNED) y = _mm256_sign_epi8(y, q);                                              \
+                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, y), ones);                    \
+                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(w[b].d * x->d), _mm256_cvtepi32_ps(p), acc[i]); \
+                if (!SIGNED) corr[i] += w[b].c * x->s;                                               \
+            }                                                                                        \
+        }                                                                                            \
+        for (int i = 0; i < M; i++) out[i] = hsum_ps(acc[i]) + corr[i];                              \
+    }
+BDOT(4, 0)
+BDOT(1, 0)
+BDOT(4, 1)
+BDOT(1, 1)
+
+AVX2 void mf_bdot_avx2(const mf_b32 *w, int64_t nb, int sgn, const uint8_t *x, size_t xs, int64_t m, float *out, int64_t ostride) {
+    int64_t i = 0;
+    float o[4];
+    for (; i + 4 <= m; i += 4) {
+        if (sgn) bdot4_1(w, nb, x + i * xs, xs, o); else bdot4_0(w, nb, x + i * xs, xs, o);
+        for (int k = 0; k < 4; k++) out[(i + k) * ostride] = o[k];
+    }
+    for (; i < m; i++) {
+        if (sgn) bdot1_1(w, nb, x + i * xs, xs, o); else bdot1_0(w, nb, x + i * xs, xs, o);
+        out[i * ostride] = o[0];
+    }
+}

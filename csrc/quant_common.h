@@ -39,7 +39,13 @@ void mf_get_scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m);
 typedef struct { float d, dc; int16_t cc[16]; int16_t sv[8][16]; uint8_t q[256]; } mf_kblk;
 typedef void (*mf_kunpack_fn)(const uint8_t *w, mf_kblk *o);
 
+/* A 32-element block unpacked for the prefill kernel: w = d*q + c (q signed for Q8_0/IQ4_NL). */
+typedef struct { float d, c; uint8_t q[32]; } mf_b32;
+typedef void (*mf_b32unpack_fn)(const uint8_t *w, mf_b32 *o);
+
 /* AVX2 (quant_avx2.c) */
+extern mf_b32unpack_fn mf_b32unpack_avx2[T_MAX];
+void mf_bdot_avx2(const mf_b32 *w, int64_t nb, int sgn, const uint8_t *x, size_t xs, int64_t m, float *out, int64_t ostride);
 extern mf_kunpack_fn mf_kunpack_avx2[T_MAX];
 void mf_kdot_avx2(const mf_kblk *w, int64_t nb, const uint8_t *x, size_t xs, int64_t m, float *out, int64_t ostride);
 extern mf_vecdot_fn mf_vecdot_avx2[T_MAX];

@@ -99,6 +99,31 @@ static void mm_task_kblk(void *p, int64_t t) {
     }
 }
 
+static _Thread_local mf_b32 *tl_bb;
+static _Thread_local size_t tl_bcap;
+
+static void mm_task_b32(void *p, int64_t t) {
+    mm_ctx *c = p;
+    int64_t r0 = t * c->rt, r1 = r0 + c->rt < c->rows ? r0 + c->rt : c->rows;
+    size_t need = (size_t)((r1 - r0) * c->nb);
+    if (need > tl_bcap) {
+        free(tl_bb);
+        tl_bb = aligned_alloc(64, need * sizeof(mf_b32));
+        tl_bcap = tl_bb ? need : 0;
+        if (!tl_bb) { mm_task_vec(p, t); return; }
+    }
+    mf_b32unpack_fn up = mf_b32unpack_avx2[c->type];
+    int bytes = mf_qtypes[c->type].bytes, sgn = c->type == T_Q8_0 || c->type == T_IQ4_NL;
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t b = 0; b < c->nb; b++) up(c->w + r * c->rb + b * bytes, tl_bb + (r - r0) * c->nb + b);
+    for (int64_t i0 = 0; i0 < c->n; i0 += XT2) {
+        int64_t m = c->n - i0 < XT2 ? c->n - i0 : XT2;
+        for (int64_t r = r0; r < r1; r++)
+            mf_bdot_avx2(tl_bb + (r - r0) * c->nb, c->nb, sgn, c->xq + (size_t)i0 * c->xs, c->xs, m,
+                         c->y + i0 * c->rows + r, c->rows);
+    }
+}
+
 static void quant_x_task(void *p, int64_t i) {
     mm_ctx *c = p;
     const float *x = c->x + i * c->cols;
@@ -158,6 +183,11 @@ int mf_matmul(int type, const uint8_t *w, int64_t rows, int64_t cols, const floa
         rk = rk < 1 ? 1 : rk > c.rt ? c.rt : rk;
         c.rt = rk;
         mf_parallel_for((rows + rk - 1) / rk, mm_task_kblk, &c);
+    } else if (n >= MF_KBLK_MIN_N && mf_b32unpack_avx2[type]) {
+        int64_t rk = (192 * 1024) / (c.nb * (int64_t)sizeof(mf_b32));
+        rk = rk < 1 ? 1 : rk > c.rt ? c.rt : rk;
+        c.rt = rk;
+        mf_parallel_for((rows + rk - 1) / rk, mm_task_b32, &c);
     } else
         mf_parallel_for(ntasks, mm_task_vec, &c);
     pthread_mutex_unlock(&xq_lock);
