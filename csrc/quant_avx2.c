@@ -656,3 +656,47 @@ AVX2 void mf_bdot_avx2(const mf_b32 *w, int64_t nb, int sgn, const uint8_t *x, s
         out[i * ostride] = o[0];
     }
 }
+
+/* Decode, 32-element types: 4 W rows per call share each X block and one horizontal sum
+ * (rows of 576-640 columns are only 18-20 blocks, so per-row overhead mattered). */
+AVX2 static inline __m128 hsum4_ps(__m256 a, __m256 b, __m256 c, __m256 d) {
+    __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+    __m256 s = _mm256_hadd_ps(ab, cd); /* lane k: partial of row k (low half) and (high half) */
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+#define VD4(NAME, UP, SGN)                                                                         \
+    AVX2 static void NAME(const uint8_t *w, size_t rb, const void *xv, int64_t nb, float *out) {   \
+        const mf_q8_32 *x = xv;                                                                    \
+        const int bytes = (int)(rb / (size_t)nb);                                                  \
+        __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}; \
+        __m128 cacc = _mm_setzero_ps();                                                            \
+        const __m256i ones = _mm256_set1_epi16(1);                                                 \
+        for (int64_t b = 0; b < nb; b++) {                                                         \
+            __m256i y = _mm256_loadu_si256((const __m256i *)x[b].qs);                              \
+            float dx = x[b].d;                                                                     \
+            float cs[4];                                                                           \
+            for (int r = 0; r < 4; r++) {                                                          \
+                mf_b32 u;                                                                          \
+                UP(w + r * rb + b * bytes, &u);                                                    \
+                __m256i q = _mm256_loadu_si256((const __m256i *)u.q);                              \
+                __m256i p = SGN ? _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(y, q)) \
+                                : _mm256_maddubs_epi16(q, y);                                      \
+                p = _mm256_madd_epi16(p, ones);                                                    \
+                a[r] = _mm256_fmadd_ps(_mm256_set1_ps(u.d * dx), _mm256_cvtepi32_ps(p), a[r]);     \
+                cs[r] = u.c;                                                                       \
+            }                                                                                      \
+            if (!SGN) cacc = _mm_fmadd_ps(_mm_loadu_ps(cs), _mm_set1_ps(x[b].s), cacc);            \
+        }                                                                                          \
+        _mm_storeu_ps(out, _mm_add_ps(hsum4_ps(a[0], a[1], a[2], a[3]), cacc));                    \
+    }
+VD4(vd4_q4_0, up_q4_0, 0)
+VD4(vd4_q4_1, up_q4_1, 0)
+VD4(vd4_q5_0, up_q5_0, 0)
+VD4(vd4_q5_1, up_q5_1, 0)
+VD4(vd4_q8_0, up_q8_0, 1)
+VD4(vd4_iq4_nl, up_iq4_nl, 1)
+
+mf_vecdot4_fn mf_vecdot4_avx2[T_MAX] = {
+    [T_Q4_0] = vd4_q4_0, [T_Q4_1] = vd4_q4_1, [T_Q5_0] = vd4_q5_0, [T_Q5_1] = vd4_q5_1,
+    [T_Q8_0] = vd4_q8_0, [T_IQ4_NL] = vd4_iq4_nl,
+};

@@ -43,7 +43,11 @@ typedef void (*mf_kunpack_fn)(const uint8_t *w, mf_kblk *o);
 typedef struct { float d, c; uint8_t q[32]; } mf_b32;
 typedef void (*mf_b32unpack_fn)(const uint8_t *w, mf_b32 *o);
 
+/* 4 consecutive W rows (row stride rb bytes) against one prepared X row -> out[4] */
+typedef void (*mf_vecdot4_fn)(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out);
+
 /* AVX2 (quant_avx2.c) */
+extern mf_vecdot4_fn mf_vecdot4_avx2[T_MAX];
 extern mf_b32unpack_fn mf_b32unpack_avx2[T_MAX];
 void mf_bdot_avx2(const mf_b32 *w, int64_t nb, int sgn, const uint8_t *x, size_t xs, int64_t m, float *out, int64_t ostride);
 extern mf_kunpack_fn mf_kunpack_avx2[T_MAX];

@@ -20,6 +20,7 @@ typedef struct {
     const uint8_t *xq;
     size_t xs; /* bytes per prepared X row */
     mf_vecdot_fn vd;
+    mf_vecdot4_fn vd4; /* optional 4-row variant */
     int64_t rt; /* W rows per task */
 } mm_ctx;
 
@@ -63,7 +64,15 @@ static void mm_task_vec(void *p, int64_t t) {
     int64_t r0 = t * c->rt, r1 = r0 + c->rt < c->rows ? r0 + c->rt : c->rows;
     for (int64_t i0 = 0; i0 < c->n; i0 += XT) {
         int64_t i1 = i0 + XT < c->n ? i0 + XT : c->n;
-        for (int64_t r = r0; r < r1; r++) {
+        int64_t r = r0;
+        if (c->vd4)
+            for (; r + 4 <= r1; r += 4)
+                for (int64_t i = i0; i < i1; i++) {
+                    float o[4];
+                    c->vd4(c->w + r * c->rb, (size_t)c->rb, c->xq + (size_t)i * c->xs, c->nb, o);
+                    for (int k = 0; k < 4; k++) c->y[i * c->rows + r + k] = o[k];
+                }
+        for (; r < r1; r++) {
             const uint8_t *w = c->w + r * c->rb;
             for (int64_t i = i0; i < i1; i++)
                 c->y[i * c->rows + r] = c->vd(w, c->xq + (size_t)i * c->xs, c->nb);
@@ -158,6 +167,7 @@ int mf_matmul(int type, const uint8_t *w, int64_t rows, int64_t cols, const floa
         return 0;
     }
     c.vd = vd;
+    c.vd4 = mf_vecdot4_avx2[type];
     c.xfmt = q->xfmt;
     if (q->xfmt == XF_F32) {
         c.xq = (const uint8_t *)x;
