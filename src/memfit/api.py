@@ -70,13 +70,15 @@ class Model:
     """A loaded GGUF model: tokenizer, architecture, compute backend."""
 
     def __init__(self, model: str | os.PathLike | None = None, threads: int | None = None,
-                 n_ctx: int | None = None, backend: str | None = None, quiet: bool = True):
+                 n_ctx: int | None = None, backend: str | None = None, quiet: bool = True,
+                 mem_budget: int | str | None = None):
         from .gguf import open_gguf
         from .models import load_model
         from .ops import get_ops
         from .pull import resolve_model
         from .tokenizer import Tokenizer
 
+        self.store = None
         self.path = Path(resolve_model(str(model) if model is not None else None, quiet=quiet))
         self.file = open_gguf(self.path)
         try:
@@ -88,18 +90,40 @@ class Model:
                 if hasattr(self.ops, "set_threads"):
                     self.ops.set_threads(threads)
             self.threads = threads
-            self.model = load_model(self.file, ops=self.ops)
+            self.plan = self.ledger = self.store = None
+            if mem_budget is not None or os.environ.get("MEMFIT_MEM_BUDGET"):
+                self._plan_budget(mem_budget, n_ctx, quiet)
+            self.model = load_model(self.file, weights=self.store, ops=self.ops)
             self.config = self.model.config
             train_ctx = int(getattr(self.config, "n_ctx_train", 0) or 4096)
             self.n_ctx = int(n_ctx) if n_ctx else min(train_ctx, 4096)
+            self.n_batch = int(getattr(self.plan, "n_batch", 0) or 512)
             if self.n_ctx < 8:
                 raise RequestError(f"context size {self.n_ctx} is too small (minimum 8)")
         except BaseException:
-            self.file.close()
+            self.close()
             raise
+
+    def _plan_budget(self, mem_budget, n_ctx, quiet: bool) -> None:
+        """Plan tiers for the budget (refusing below the floor before anything loads), then
+        open a WeightStore that executes the plan inside a ledger of the budget."""
+        from .memory.budget import measure_baseline, resolve_budget
+        from .memory.ledger import Ledger
+        from .memory.planner import plan_for_path
+        from .memory.store import WeightStore
+
+        budget, _why = resolve_budget(mem_budget)
+        baseline = measure_baseline()
+        self.plan = plan_for_path(self.path, budget, n_ctx=n_ctx, threads=self.threads,
+                                  baseline_bytes=baseline)
+        self.ledger = Ledger(budget)
+        self.ledger.alloc("baseline", "runtime", baseline)
+        self.store = WeightStore(self.file, self.plan, self.ledger)
 
     # --- lifecycle
     def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
         self.file.close()
 
     def __enter__(self) -> "Model":
@@ -142,7 +166,7 @@ class Model:
         st = state if state is not None else GenerationState(ids)
         st.prompt_ids = ids
         return st, generate_steps(self.model, self.tokenizer, ids, params, self.n_ctx,
-                                  n_top=n_top, state=st)
+                                  n_top=n_top, state=st, n_batch=self.n_batch)
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 128,
                  top_logprobs: int = 0, **sampling) -> Completion:

@@ -22,9 +22,13 @@ def _add_model_arg(p, optional: bool = False) -> None:
         p.add_argument("model", help="GGUF file or built-in model name (see `memfit pull --list`)")
 
 
-def _add_runtime_args(p) -> None:
+def _add_runtime_args(p, budget: bool = True) -> None:
     p.add_argument("-t", "--threads", type=int, default=None,
                    help="compute threads (default: physical cores)")
+    if budget:
+        p.add_argument("--mem-budget", default=None, metavar="SIZE",
+                       help="hard ceiling on peak RSS, e.g. 2.5GiB, 800MiB (also MEMFIT_MEM_BUDGET); "
+                            "weights that do not fit are streamed from the file")
     p.add_argument("--backend", choices=["native", "numpy"], default=None,
                    help="compute backend (default: native when built, else numpy)")
 
@@ -54,7 +58,8 @@ def _sampling_kwargs(a) -> dict:
 def _load(a, n_ctx=None):
     from .api import Model
     return Model(a.model, threads=getattr(a, "threads", None), n_ctx=n_ctx,
-                 backend=getattr(a, "backend", None), quiet=getattr(a, "json", False))
+                 backend=getattr(a, "backend", None), quiet=getattr(a, "json", False),
+                 mem_budget=getattr(a, "mem_budget", None))
 
 
 def _read_text(a) -> str:
@@ -86,13 +91,16 @@ def cmd_run(a) -> int:
             r = m.generate(prompt, max_tokens=a.n_predict, top_logprobs=a.top_logprobs, **kw)
             d = r.to_dict()
             d["peak_rss_bytes"] = peak_rss_bytes()
+            if m.store is not None:
+                d["mem_budget_bytes"] = m.ledger.budget
+                d["store"] = m.store.stats()
             print(json.dumps(d, ensure_ascii=False))
             return 0
         from .engine.generate import GenerationState
         st = GenerationState([])
         _, steps = m._steps(prompt, 0, st, max_tokens=a.n_predict, **kw)
-        if not a.no_echo:
-            sys.stdout.write(prompt if isinstance(prompt, str) else "")
+        if not a.no_echo and not a.chat:
+            sys.stdout.write(prompt)
         for step in steps:
             if step.text:
                 sys.stdout.write(step.text)
@@ -101,7 +109,9 @@ def cmd_run(a) -> int:
         t = st.timings
         print(f"memfit: prompt {t.prompt_n} tok, {t.prompt_per_second:.1f} tok/s | "
               f"generated {t.predicted_n} tok, {t.predicted_per_second:.1f} tok/s | "
-              f"finish {st.finish_reason} | peak RSS {_mib(peak_rss_bytes())}",
+              f"finish {st.finish_reason} | peak RSS {_mib(peak_rss_bytes())}"
+              + (f" of budget {_mib(m.ledger.budget)} | {m.store.format_stats()}"
+                 if m.store is not None else ""),
               file=sys.stderr)
     return 0
 
@@ -180,6 +190,61 @@ def cmd_info(a) -> int:
     return 0
 
 
+def cmd_plan(a) -> int:
+    from .memory.budget import resolve_budget
+    from .memory.planner import plan_for_path
+    from .pull import resolve_model
+    path = resolve_model(a.model, quiet=True)
+    budget, why = resolve_budget(a.mem_budget)
+    p = plan_for_path(path, budget, n_ctx=a.ctx_size, threads=a.threads,
+                      measure_bandwidth=not a.no_measure)
+    if a.json:
+        print(p.to_json_str())
+    else:
+        print(f"budget: {_mib(budget)} ({why})")
+        print(p.format())
+    return 0
+
+
+def cmd_synth(a) -> int:
+    from .synth import synth
+    r = synth(a.output, arch=a.arch, size=a.size, quant=a.quant, seed=a.seed,
+              progress=not a.json)
+    if a.json:
+        print(json.dumps({"path": str(r.path), "bytes": r.nbytes, "tensors": r.n_tensors,
+                          "seconds": round(r.seconds, 3)}))
+    else:
+        print(f"wrote {r.path}: {r.nbytes / 2**30:.2f} GiB, {r.n_tensors} tensors, "
+              f"{r.mb_per_s:.0f} MB/s")
+    return 0
+
+
+def cmd_bench(a) -> int:
+    from .api import peak_rss_bytes
+    from .bench.llama_bench import markdown_table, run_bench
+    if a.kernels:
+        from .bench.kernels import run_kernel_bench
+        return run_kernel_bench(types=a.types, rows=a.rows, cols=a.cols, threads=a.threads,
+                                as_json=a.json)
+    with _load(a, n_ctx=a.n_prompt + a.n_gen + 8) as m:
+        threads = a.threads or (m.ops.get_threads() if hasattr(m.ops, "get_threads") else 1)
+        name = m.path.name
+
+        def emit(r):
+            if m.store is not None:
+                r.extra.update({"mem_budget_bytes": m.ledger.budget, **{
+                    k: m.store.stats()[k] for k in ("bytes_read", "io_stall_s")}})
+            r.extra["peak_rss_bytes"] = peak_rss_bytes()
+            if a.json:
+                print(json.dumps(r.to_dict()), flush=True)
+
+        res = run_bench(m.model, name, m.tokenizer.n_vocab, a.n_prompt, a.n_gen, a.repetitions,
+                        threads, progress=not a.json, on_result=emit)
+        if not a.json:
+            print(markdown_table(res, "native" if "native" in m.ops.__name__ else "numpy"))
+    return 0
+
+
 # ---------------------------------------------------------------------------- parser
 
 def build_parser() -> argparse.ArgumentParser:
@@ -226,6 +291,37 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--json", action="store_true", help='print {"ppl", "ppl_err", "chunks", ...}')
     _add_runtime_args(pp)
     pp.set_defaults(func=cmd_perplexity, text=None, prompt=None)
+
+    b = sub.add_parser("bench", help="llama-bench-style throughput (pp/tg tokens/s), or --kernels GB/s")
+    _add_model_arg(b, optional=True)
+    b.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens for the pp test (default 512; 0 = skip)")
+    b.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens for the tg test (default 128; 0 = skip)")
+    b.add_argument("-r", "--repetitions", type=int, default=5, help="repetitions after one warm-up (default 5)")
+    b.add_argument("--json", action="store_true", help="one JSON object per line per test")
+    b.add_argument("--kernels", action="store_true", help="kernel micro-benchmark: matvec GB/s per type vs memory bandwidth")
+    b.add_argument("--types", default="Q4_0,Q8_0,Q4_K,Q6_K", help="with --kernels: comma-separated types")
+    b.add_argument("--rows", type=int, default=14336, help="with --kernels: matrix rows")
+    b.add_argument("--cols", type=int, default=4096, help="with --kernels: matrix cols")
+    _add_runtime_args(b)
+    b.set_defaults(func=cmd_bench)
+
+    pn = sub.add_parser("plan", help="print the memory plan for a budget before anything loads")
+    _add_model_arg(pn)
+    pn.add_argument("--mem-budget", default=None, metavar="SIZE", help="budget (default: detected)")
+    pn.add_argument("-c", "--ctx", "--ctx-size", dest="ctx_size", type=int, default=None, help="context size (default: min(training context, 4096))")
+    pn.add_argument("-t", "--threads", type=int, default=None)
+    pn.add_argument("--no-measure", action="store_true", help="use cached/default bandwidths instead of measuring")
+    pn.add_argument("--json", action="store_true", help="min_budget_bytes, disk_bytes_per_token, predicted_tg_tokens_per_s, tiers...")
+    pn.set_defaults(func=cmd_plan)
+
+    sy = sub.add_parser("synth", help="write a synthetic GGUF with real shapes and random valid blocks (for budget tests)")
+    sy.add_argument("output", help="output .gguf path")
+    sy.add_argument("--arch", default="llama", help="llama | qwen2 (default llama)")
+    sy.add_argument("--size", default="7b", help="tiny | 1b | 1.5b | 7b (default 7b)")
+    sy.add_argument("--quant", default="Q4_K_M", help="Q4_K_M | Q5_K_M | Q4_0 | Q8_0 | ... (default Q4_K_M)")
+    sy.add_argument("--seed", type=int, default=0)
+    sy.add_argument("--json", action="store_true")
+    sy.set_defaults(func=cmd_synth)
 
     i = sub.add_parser("info", help="describe a GGUF model: architecture, hyperparameters, tensors by type")
     _add_model_arg(i)

@@ -60,8 +60,8 @@ class GenerationState:
 
 
 def generate_steps(model, tokenizer, prompt_ids: list[int], params: SamplingParams,
-                   n_ctx: int, n_top: int = 0, state: GenerationState | None = None
-                   ) -> Iterator[Step]:
+                   n_ctx: int, n_top: int = 0, state: GenerationState | None = None,
+                   n_batch: int = 512) -> Iterator[Step]:
     """Yield a Step per generated token; fills ``state`` (ids, text, finish_reason, timings)."""
     from ..tokenizer import StreamDecoder
 
@@ -82,7 +82,9 @@ def generate_steps(model, tokenizer, prompt_ids: list[int], params: SamplingPara
 
     cache = model.new_cache(n_ctx)
     t0 = time.perf_counter()
-    logits = model.forward(np.asarray(prompt_ids, dtype=np.int32), cache)
+    ids = np.asarray(prompt_ids, dtype=np.int32)
+    for b in range(0, len(ids), n_batch):  # prefill in batches of n_batch (scratch is sized for it)
+        logits = model.forward(ids[b:b + n_batch], cache)
     t1 = time.perf_counter()
     st.timings.prompt_n = len(prompt_ids)
     st.timings.prompt_ms = (t1 - t0) * 1e3

@@ -1,0 +1,83 @@
+"""llama-bench-style throughput: pp (prefill of N random ids) and tg (N single-token decodes
+from an empty context), each repeated r times after one warm-up, median and spread reported.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class BenchResult:
+    model: str
+    test: str  # "pp512" | "tg128"
+    threads: int
+    samples: list[float] = field(default_factory=list)  # tokens/s per repetition
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def stdev(self) -> float:
+        return statistics.stdev(self.samples) if len(self.samples) > 1 else 0.0
+
+    def to_dict(self) -> dict:
+        d = {"model": self.model, "test": self.test, "threads": self.threads,
+             "tokens_per_s": round(self.tokens_per_s, 3),
+             "samples": [round(s, 3) for s in self.samples]}
+        d.update(self.extra)
+        return d
+
+
+def _pp(model, ids: np.ndarray) -> float:
+    cache = model.new_cache(len(ids) + 1)
+    t0 = time.perf_counter()
+    model.forward(ids, cache)
+    return len(ids) / (time.perf_counter() - t0)
+
+
+def _tg(model, ids: np.ndarray) -> float:
+    cache = model.new_cache(len(ids) + 1)
+    t0 = time.perf_counter()
+    for i in range(len(ids)):
+        model.forward(ids[i:i + 1], cache)
+    return len(ids) / (time.perf_counter() - t0)
+
+
+def run_bench(model, name: str, n_vocab: int, n_prompt: int = 512, n_gen: int = 128,
+              reps: int = 5, threads: int = 1, seed: int = 0, progress: bool = True,
+              on_result=None) -> list[BenchResult]:
+    """Measure pp{n_prompt} and tg{n_gen}; ``on_result(BenchResult)`` after each test."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for kind, n, fn in (("pp", n_prompt, _pp), ("tg", n_gen, _tg)):
+        if n <= 0:
+            continue
+        res = BenchResult(name, f"{kind}{n}", threads)
+        for r in range(reps + 1):  # first run is the warm-up
+            ids = rng.integers(0, n_vocab, size=n, dtype=np.int32)
+            tps = fn(model, ids)
+            if progress:
+                what = "warm-up" if r == 0 else f"rep {r}/{reps}"
+                print(f"  {kind}{n} {what}: {tps:.2f} tok/s", file=sys.stderr, flush=True)
+            if r > 0:
+                res.samples.append(tps)
+        out.append(res)
+        if on_result:
+            on_result(res)
+    return out
+
+
+def markdown_table(results: list[BenchResult], backend: str) -> str:
+    rows = ["| model | backend | threads | test | t/s |", "|---|---|---:|---:|---:|"]
+    for r in results:
+        rows.append(f"| {r.model} | {backend} | {r.threads} | {r.test} | "
+                    f"{r.tokens_per_s:.2f} ± {r.stdev:.2f} |")
+    return "\n".join(rows)
