@@ -4,7 +4,10 @@
 void mf_init_isa(void);  /* pool.c */
 void mf_init_pool(void); /* pool.c */
 
-static PyMethodDef *tables[] = {mf_quant_methods, mf_ops_methods, mf_pool_methods};
+extern PyMethodDef mf_bench_methods[]; /* csrc/membw.c */
+
+static PyMethodDef *tables[] = {mf_quant_methods, mf_ops_methods, mf_pool_methods,
+                                mf_bench_methods};
 static PyMethodDef all_methods[256];
 
 static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_native",

@@ -1,0 +1,70 @@
+"""Kernel micro-benchmark: GB/s of weight bytes streamed by a large matvec (n = 1, the decode
+case) per quant type, next to the machine's read bandwidth measured in the same run."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+
+def memory_read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
+    """Bytes/s of one parallel read pass over a buffer larger than any cache (best of reps)."""
+    from .. import _native
+    buf = np.full(nbytes, 7, dtype=np.uint8)  # written: real pages, not the shared zero page
+    _native.read_buffer(buf)
+    best = 0.0
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        _native.read_buffer(buf)
+        best = max(best, nbytes / (time.perf_counter() - t0))
+    return best
+
+
+def matvec_bandwidth(type_name: str, rows: int, cols: int, reps: int = 10, seed: int = 0) -> dict:
+    from ..ops import QTensor
+    from ..ops import native
+    from ..quant.random import random_weight
+    from ..quant.types import BY_NAME
+    t = BY_NAME[type_name]
+    rng = np.random.default_rng(seed)
+    w = random_weight(t, (rows, cols), rng).reshape(-1)
+    qt = QTensor("bench", t, (rows, cols), w)
+    x = rng.standard_normal((1, cols)).astype(np.float32)
+    out = np.empty((1, rows), np.float32)
+    native.matmul(x, qt, out=out)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        native.matmul(x, qt, out=out)
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    return {"type": type_name, "rows": rows, "cols": cols, "weight_bytes": int(w.nbytes),
+            "seconds": med, "gb_per_s": w.nbytes / med / 1e9}
+
+
+def run_kernel_bench(types: str = "Q4_0,Q8_0,Q4_K,Q6_K", rows: int = 14336, cols: int = 4096,
+                     threads: int | None = None, as_json: bool = False) -> int:
+    from ..ops import native
+    if threads:
+        native.set_threads(threads)
+    threads = native.get_threads() if hasattr(native, "get_threads") else threads
+    bw = memory_read_bandwidth()
+    if not as_json:
+        print(f"memory read bandwidth: {bw / 1e9:.1f} GB/s ({threads} threads)", file=sys.stderr)
+        print("| type | matrix | weight MB | GB/s | % of memory bandwidth |")
+        print("|---|---|---:|---:|---:|")
+    for name in [t.strip() for t in types.split(",") if t.strip()]:
+        r = matvec_bandwidth(name, rows, cols)
+        r["mem_read_gb_per_s"] = bw / 1e9
+        r["fraction_of_bandwidth"] = r["gb_per_s"] * 1e9 / bw
+        r["threads"] = threads
+        if as_json:
+            print(json.dumps(r), flush=True)
+        else:
+            print(f"| {name} | {rows}x{cols} | {r['weight_bytes'] / 1e6:.1f} | {r['gb_per_s']:.1f} | "
+                  f"{100 * r['fraction_of_bandwidth']:.0f}% |", flush=True)
+    return 0
