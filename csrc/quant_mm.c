@@ -92,7 +92,7 @@ static void mm_task_kblk(void *p, int64_t t) {
     size_t need = (size_t)((r1 - r0) * c->nb);
     if (need > tl_kcap) {
         free(tl_kb);
-        tl_kb = aligned_alloc(64, need * sizeof(mf_kblk));
+        tl_kb = aligned_alloc(64, (need * sizeof(mf_kblk) + 63) & ~(size_t)63); /* C11: size % align == 0 */
         tl_kcap = tl_kb ? need : 0;
         if (!tl_kb) { mm_task_vec(p, t); return; }
     }
@@ -117,7 +117,7 @@ static void mm_task_b32(void *p, int64_t t) {
     size_t need = (size_t)((r1 - r0) * c->nb);
     if (need > tl_bcap) {
         free(tl_bb);
-        tl_bb = aligned_alloc(64, need * sizeof(mf_b32));
+        tl_bb = aligned_alloc(64, (need * sizeof(mf_b32) + 63) & ~(size_t)63);
         tl_bcap = tl_bb ? need : 0;
         if (!tl_bb) { mm_task_vec(p, t); return; }
     }
