@@ -199,7 +199,19 @@ static int pool_start(int threads) {
     return n_threads;
 }
 
+/* A forked child has no workers: run inline there until set_threads() starts a new pool. */
+static void atfork_child(void) {
+    pthread_mutex_init(&P.call_lock, NULL);
+    pthread_mutex_init(&P.mu, NULL);
+    pthread_cond_init(&P.wake, NULL);
+    atomic_store(&P.inflight, 0);
+    P.n_workers = 0;
+    P.started = 0;
+    n_threads = 1;
+}
+
 void mf_init_pool(void) {
+    pthread_atfork(NULL, NULL, atfork_child);
     int t = 0;
     const char *env = getenv("MEMFIT_THREADS");
     if (env && *env) t = atoi(env);

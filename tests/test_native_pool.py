@@ -77,3 +77,16 @@ def test_env_overrides_in_subprocess():
     out = subprocess.run([sys.executable, "-c", "import memfit._native as n; print(n.isa(), n.get_threads())"],
                          env=env, capture_output=True, text=True, timeout=60, check=True).stdout.split()
     assert out == ["scalar", "3"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_forked_child_computes_inline():
+    # the child inherits no worker threads; kernels must still finish (inline) and be right
+    w, x = _case(2)
+    want = nat.matmul(x, w)
+    pid = os.fork()
+    if pid == 0:
+        ok = nat.get_threads() == 1 and np.array_equal(nat.matmul(x, w), want)
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
