@@ -81,11 +81,12 @@ AVX2 static inline int sum_i8(__m256i q) {
 
 AVX2 void mf_quantize_q8_32_avx2(const float *x, mf_q8_32 *y, int64_t n) {
     for (int64_t b = 0; b < n / 32; b++, x += 32) {
+        /* as ggml's Q8_0/Q8_1: q from the f32 scale, the stored scale rounded to f16 */
         float amax = amax32(x), d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
         __m256i q = q8_pack32(x, _mm256_set1_ps(id));
         _mm256_storeu_si256((__m256i *)y[b].qs, q);
-        y[b].d = d;
-        y[b].s = d * (float)sum_i8(q);
+        y[b].d = _cvtsh_ss(_cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT));
+        y[b].s = y[b].d * (float)sum_i8(q);
     }
 }
 
@@ -93,7 +94,8 @@ AVX2 void mf_quantize_q8_256_avx2(const float *x, mf_q8_256 *y, int64_t n) {
     for (int64_t b = 0; b < n / 256; b++, x += 256) {
         float amax = 0;
         for (int k = 0; k < 256; k += 32) { float a = amax32(x + k); amax = a > amax ? a : amax; }
-        float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        /* as ggml's Q8_K: iscale = 127/amax, d = 1/iscale (f32) */
+        float id = amax != 0.0f ? 127.0f / amax : 0.0f, d = amax != 0.0f ? 1.0f / id : 0.0f;
         __m256 idv = _mm256_set1_ps(id);
         for (int k = 0; k < 8; k++) {
             __m256i q = q8_pack32(x + 32 * k, idv);
