@@ -58,7 +58,11 @@ static void mm_task_scalar(void *p, int64_t t) {
 }
 
 #define XT 8 /* X rows per inner tile */
-#define MF_KBLK_MIN_N 4 /* from this many X rows, K-quant W rows are unpacked once per task */
+/* From this many X rows, W rows are unpacked once per task (measured crossovers, 1 thread,
+ * 2048-4096 square): K-quants 4, unsigned 32-blocks 6, signed 32-blocks (Q8_0, IQ4_NL) 16. */
+#define MF_KBLK_MIN_N 4
+#define MF_B32_MIN_N 6
+#define MF_B32S_MIN_N 16
 static void mm_task_vec(void *p, int64_t t) {
     mm_ctx *c = p;
     int64_t r0 = t * c->rt, r1 = r0 + c->rt < c->rows ? r0 + c->rt : c->rows;
@@ -193,7 +197,8 @@ int mf_matmul(int type, const uint8_t *w, int64_t rows, int64_t cols, const floa
         rk = rk < 1 ? 1 : rk > c.rt ? c.rt : rk;
         c.rt = rk;
         mf_parallel_for((rows + rk - 1) / rk, mm_task_kblk, &c);
-    } else if (n >= MF_KBLK_MIN_N && mf_b32unpack_avx2[type]) {
+    } else if (mf_b32unpack_avx2[type] &&
+               n >= (type == T_Q8_0 || type == T_IQ4_NL ? MF_B32S_MIN_N : MF_B32_MIN_N)) {
         int64_t rk = (192 * 1024) / (c.nb * (int64_t)sizeof(mf_b32));
         rk = rk < 1 ? 1 : rk > c.rt ? c.rt : rk;
         c.rt = rk;
