@@ -47,6 +47,8 @@ typedef void (*mf_b32unpack_fn)(const uint8_t *w, mf_b32 *o);
 typedef void (*mf_vecdot4_fn)(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out);
 
 /* AVX2 (quant_avx2.c) */
+void mf_row_f32_avx2(int type, const uint8_t *w, float *dst, int64_t n);
+void mf_fgemm_avx2(const float *wf, int64_t nr, const float *x, int64_t m, int64_t cols, float *y, int64_t ys);
 extern mf_vecdot4_fn mf_vecdot4_avx2[T_MAX];
 extern mf_b32unpack_fn mf_b32unpack_avx2[T_MAX];
 void mf_bdot_avx2(const mf_b32 *w, int64_t nb, int sgn, const uint8_t *x, size_t xs, int64_t m, float *out, int64_t ostride);

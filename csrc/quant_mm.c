@@ -63,6 +63,7 @@ static void mm_task_scalar(void *p, int64_t t) {
 #define MF_KBLK_MIN_N 4
 #define MF_B32_MIN_N 6
 #define MF_B32S_MIN_N 16
+#define MF_FLOAT_MIN_N 4
 static void mm_task_vec(void *p, int64_t t) {
     mm_ctx *c = p;
     int64_t r0 = t * c->rt, r1 = r0 + c->rt < c->rows ? r0 + c->rt : c->rows;
@@ -137,6 +138,19 @@ static void mm_task_b32(void *p, int64_t t) {
     }
 }
 
+/* prefill, float weights: convert the task's W rows to f32 once, 2x4 FMA kernel over X tiles */
+static void mm_task_float(void *p, int64_t t) {
+    mm_ctx *c = p;
+    int64_t r0 = t * c->rt, r1 = r0 + c->rt < c->rows ? r0 + c->rt : c->rows;
+    float *wf = scratch_f32((size_t)((r1 - r0) * c->cols));
+    if (!wf) { mm_task_vec(p, t); return; }
+    for (int64_t r = r0; r < r1; r++) mf_row_f32_avx2(c->type, c->w + r * c->rb, wf + (r - r0) * c->cols, c->cols);
+    for (int64_t i0 = 0; i0 < c->n; i0 += XT2) {
+        int64_t m = c->n - i0 < XT2 ? c->n - i0 : XT2;
+        mf_fgemm_avx2(wf, r1 - r0, c->x + i0 * c->cols, m, c->cols, c->y + i0 * c->rows + r0, c->rows);
+    }
+}
+
 static void quant_x_task(void *p, int64_t i) {
     mm_ctx *c = p;
     const float *x = c->x + i * c->cols;
@@ -176,7 +190,12 @@ int mf_matmul(int type, const uint8_t *w, int64_t rows, int64_t cols, const floa
     if (q->xfmt == XF_F32) {
         c.xq = (const uint8_t *)x;
         c.xs = (size_t)cols * 4;
-        mf_parallel_for(ntasks, mm_task_vec, &c);
+        if (n >= MF_FLOAT_MIN_N) {
+            int64_t rk = (128 * 1024) / (cols * 4);
+            c.rt = rk < 2 ? 2 : rk > c.rt ? c.rt : rk;
+            mf_parallel_for((rows + c.rt - 1) / c.rt, mm_task_float, &c);
+        } else
+            mf_parallel_for(ntasks, mm_task_vec, &c);
         return 0;
     }
     c.xs = q->xfmt == XF_Q8_32 ? (size_t)(cols / 32) * sizeof(mf_q8_32)
