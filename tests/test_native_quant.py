@@ -3,7 +3,19 @@
 Every ISA path this CPU can run is exercised in-process through _native.set_isa; the AVX2
 matmul quantizes activations to 8 bits per block, hence the 3e-2 relative bound (measured
 <= ~1.1e-2 on these shapes; against a product with the 8-bit x the kernels agree to ~1e-6,
-Q4_K/Q5_K ~1e-3 from the f32 cancellation of the min term); the scalar path dots in f32 (measured ~4e-7, bound 1e-5).
+Q4_K/Q5_K ~1e-3 from the f32 cancellation of the min term); the scalar path dots in f32
+(measured ~4e-7, bound 1e-5).
+
+ASan/UBSan (documented command, not run in CI): build a sanitized copy outside the tree and
+put it first on PYTHONPATH:
+  cp -r setup.py csrc /tmp/asan && cd /tmp/asan && MEMFIT_SANITIZE=1 python setup.py build_ext \
+      --build-lib out --build-temp tmp && mkdir pkg && cp -r /work/main/src/memfit pkg/ && \
+      cp out/memfit/_native*.so pkg/memfit/ && cd /work/main && \
+  LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.so)" \
+  ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+  PYTHONPATH=/tmp/asan/pkg python -m pytest -s -p no:cacheprovider tests/test_native_quant.py \
+      tests/test_native_pool.py
+(-s: a sanitizer report is written to fd 2, which pytest would otherwise swallow on abort.)
 """
 
 import gguf
