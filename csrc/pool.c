@@ -14,7 +14,7 @@
 #include <unistd.h>
 
 #define MF_MAX_THREADS 256
-#define MF_SPIN_ITERS 200000
+#define MF_SPIN_ITERS 50000 /* ~1-2 ms of pause: covers the Python gap between ops of a decode step */
 
 int mf_isa = MF_ISA_SCALAR;
 static int mf_isa_hw = MF_ISA_SCALAR; /* best the CPU + OS support */
