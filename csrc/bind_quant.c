@@ -5,13 +5,28 @@
 #include "memfit.h"
 #include "quant_common.h"
 
+#include <string.h>
+
 int mf_matmul(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t n, float *y);
 int mf_get_rows(int type, const uint8_t *w, int64_t cols, const int64_t *ids, int64_t n, float *out);
 int mf_dequantize(int type, const uint8_t *src, int64_t n, float *dst);
 
 static int get_buf(PyObject *o, Py_buffer *v, int writable, const char *what) {
-    if (PyObject_GetBuffer(o, v, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) {
+    if (PyObject_GetBuffer(o, v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0) {
         PyErr_Format(PyExc_TypeError, "%s must be a C-contiguous%s buffer", what, writable ? " writable" : "");
+        return -1;
+    }
+    return 0;
+}
+
+/* x and out are float32 arrays: refuse e.g. a float64 out that would be silently half-filled */
+static int get_f32(PyObject *o, Py_buffer *v, int writable, const char *what) {
+    if (get_buf(o, v, writable, what) < 0) return -1;
+    const char *f = v->format ? v->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    if (strcmp(f, "f") != 0 || v->itemsize != 4) {
+        PyErr_Format(PyExc_TypeError, "%s must be float32 (got format %s)", what, v->format ? v->format : "B");
+        PyBuffer_Release(v);
         return -1;
     }
     return 0;
@@ -42,7 +57,7 @@ static PyObject *py_dequantize(PyObject *self, PyObject *const *a, Py_ssize_t na
         return PyErr_Format(PyExc_ValueError, "n=%lld is not a multiple of the block size %d", n, mf_qtypes[type].block);
     Py_buffer src, out;
     if (get_buf(a[1], &src, 0, "src") < 0) return NULL;
-    if (get_buf(a[3], &out, 1, "out") < 0) { PyBuffer_Release(&src); return NULL; }
+    if (get_f32(a[3], &out, 1, "out") < 0) { PyBuffer_Release(&src); return NULL; }
     int rc = 0;
     if (src.len < type_bytes((int)type, n) || out.len < n * 4) rc = -4;
     else {
@@ -66,8 +81,8 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     if (cols % mf_qtypes[type].block) return raise_rc(-2, type, cols);
     Py_buffer w, x, out;
     if (get_buf(a[1], &w, 0, "w") < 0) return NULL;
-    if (get_buf(a[4], &x, 0, "x") < 0) { PyBuffer_Release(&w); return NULL; }
-    if (get_buf(a[6], &out, 1, "out") < 0) { PyBuffer_Release(&w); PyBuffer_Release(&x); return NULL; }
+    if (get_f32(a[4], &x, 0, "x") < 0) { PyBuffer_Release(&w); return NULL; }
+    if (get_f32(a[6], &out, 1, "out") < 0) { PyBuffer_Release(&w); PyBuffer_Release(&x); return NULL; }
     int rc = 0;
     if (w.len < rows * type_bytes((int)type, cols) || x.len < n * cols * 4 || out.len < n * rows * 4) rc = -4;
     else {
@@ -93,7 +108,7 @@ static PyObject *py_get_rows(PyObject *self, PyObject *const *a, Py_ssize_t na) 
     Py_buffer w, ids, out;
     if (get_buf(a[1], &w, 0, "w") < 0) return NULL;
     if (get_buf(a[4], &ids, 0, "ids") < 0) { PyBuffer_Release(&w); return NULL; }
-    if (get_buf(a[5], &out, 1, "out") < 0) { PyBuffer_Release(&w); PyBuffer_Release(&ids); return NULL; }
+    if (get_f32(a[5], &out, 1, "out") < 0) { PyBuffer_Release(&w); PyBuffer_Release(&ids); return NULL; }
     int64_t k = ids.len / 8;
     const int64_t *id = ids.buf;
     long long bad = -1;

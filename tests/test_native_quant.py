@@ -140,3 +140,5 @@ def test_bad_shapes_raise():
         _native.matmul(t.id, W, 3, 256, np.zeros((1, 256), np.float32), 1, np.empty((1, 3), np.float32))
     with pytest.raises(ValueError, match="not supported"):
         _native.dequantize(9, W, 32, np.empty(32, np.float32))  # Q8_1: no kernel
+    with pytest.raises(TypeError, match="float32"):
+        _native.matmul(t.id, W, 2, 256, np.zeros((1, 256), np.float32), 1, np.empty((1, 2), np.float64))
