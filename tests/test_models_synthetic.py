@@ -115,6 +115,7 @@ def rel_err(a, b):
 
 def check_model(path, arch, cfg, ids=IDS, split=4, **ref_kw):
     m = load_model(path, ops=get_ops("numpy"))
+    m.kv_f16 = False  # exact float32 math against the float64 recomputation
     ref = reference_logits(path, arch, ids, cfg, **ref_kw)
     # all positions at once
     full = m.forward(ids, m.new_cache(32), all_logits=True)
@@ -164,6 +165,7 @@ def test_gemma3_sliding_window_and_global_layers(tmp_path):
 def test_cache_overflow_and_bad_ids(tmp_path):
     path = write_tiny_model(tmp_path / "m.gguf", "llama", "F16", seed=5, **CFG["llama"])
     m = load_model(path, ops=get_ops("numpy"))
+    m.kv_f16 = False  # exact float32 math against the float64 recomputation
     cache = m.new_cache(4)
     m.forward(np.array([1, 2, 3]), cache)
     with pytest.raises(RequestError, match="context"):

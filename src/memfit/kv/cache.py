@@ -1,6 +1,9 @@
 """Contiguous per-sequence KV cache: the tiny protocol model code relies on.
 
 Per layer, K is float32 [n_ctx, n_kv_head, head_dim_k] and V [n_ctx, n_kv_head, head_dim_v].
+With ``f16_values`` (the default, as llama.cpp's f16 KV cache) stored values are rounded to
+float16 precision, so attention sees exactly the numbers llama.cpp's does; the storage is
+still float32 (TODO: store f16 and let the attention kernel read it, halving KV memory).
 A forward pass of n tokens calls ``positions(n)`` once, ``update_and_fetch`` once per layer
 (writes rows offset..offset+n), then ``advance(n)``; so ``offset`` only moves when every
 layer has its rows. Model code never sees the layout.
@@ -15,7 +18,7 @@ from ..errors import RequestError
 
 class KVCache:
     def __init__(self, n_layer: int, n_ctx: int, n_kv_head: int, head_dim_k: int,
-                 head_dim_v: int | None = None, dtype=np.float32):
+                 head_dim_v: int | None = None, dtype=np.float32, f16_values: bool = False):
         if n_ctx <= 0:
             raise RequestError(f"context size must be positive, got {n_ctx}")
         head_dim_v = head_dim_k if head_dim_v is None else head_dim_v
@@ -23,6 +26,7 @@ class KVCache:
         self.k = [np.zeros((n_ctx, n_kv_head, head_dim_k), dtype) for _ in range(n_layer)]
         self.v = [np.zeros((n_ctx, n_kv_head, head_dim_v), dtype) for _ in range(n_layer)]
         self.offset = 0  # tokens stored (== position of the next token)
+        self.f16_values = f16_values
         self._pos = np.arange(n_ctx, dtype=np.int32)
 
     def positions(self, n: int) -> np.ndarray:
@@ -39,6 +43,8 @@ class KVCache:
         n = k.shape[0]
         end = self.offset + n
         assert end <= self.n_ctx, "positions(n) must be called first"
+        if self.f16_values:
+            k, v = k.astype(np.float16), v.astype(np.float16)
         self.k[layer][self.offset:end] = k
         self.v[layer][self.offset:end] = v
         return self.k[layer][:end], self.v[layer][:end], self._pos[:end]

@@ -20,6 +20,10 @@ class Model:
     arch = ""
     act = "silu"              # gated FFN activation: silu | gelu
 
+    # KV values rounded to f16 as llama.cpp's default cache (and its f16 flash attention reads
+    # Q as f16); tests of exact float math switch it off.
+    kv_f16 = True
+
     def __init__(self, config: ModelConfig, weights, ops=None):
         from ..ops import get_ops
         self.config = config
@@ -91,7 +95,8 @@ class Model:
     # --- compute -------------------------------------------------------------------------
     def new_cache(self, n_ctx: int) -> KVCache:
         c = self.config
-        return KVCache(c.n_layer, n_ctx, c.n_head_kv, c.head_dim_k, c.head_dim_v)
+        return KVCache(c.n_layer, n_ctx, c.n_head_kv, c.head_dim_k, c.head_dim_v,
+                       f16_values=self.kv_f16)
 
     def forward(self, ids, cache: KVCache, all_logits: bool = False) -> np.ndarray:
         """Logits f32 [n_vocab] of the last token, or [n, n_vocab] with all_logits; the tokens
@@ -153,6 +158,8 @@ class Model:
         K, V, kv_pos = cache.update_and_fetch(il, k, v)
         if last is not None:
             q, pos = q[last], pos[last]
+        if cache.f16_values:
+            q = q.astype(np.float16).astype(np.float32)
         o = ops.attention(np.ascontiguousarray(q), K, V, pos, kv_pos, c.attn_scale, window,
                           c.attn_softcap)
         return self.linear(o.reshape(o.shape[0], c.n_head * c.head_dim_v), p + "attn_output")
