@@ -34,6 +34,10 @@ CONFIGS: dict[tuple[str, str], dict] = {
                             n_vocab=2048, n_ctx=2048, rope_base=1e6, tied=False),
     ("llama", "1b"): dict(n_embd=2048, n_layer=16, n_head=32, n_head_kv=8, n_ff=8192,
                           n_vocab=32000, n_ctx=4096, rope_base=500000.0, tied=False),
+    # 1B layer shapes, 24 layers (~0.95 GB Q4_K_M): the budget tests' model, big enough that
+    # 35% of the file clears the floor (two streaming slots of the 54 MB output matrix)
+    ("llama", "1b-24l"): dict(n_embd=2048, n_layer=24, n_head=32, n_head_kv=8, n_ff=8192,
+                              n_vocab=32000, n_ctx=4096, rope_base=500000.0, tied=False),
     ("llama", "7b"): dict(n_embd=4096, n_layer=32, n_head=32, n_head_kv=32, n_ff=11008,
                           n_vocab=32000, n_ctx=4096, rope_base=10000.0, tied=False),
     ("qwen2", "1.5b"): dict(n_embd=1536, n_layer=28, n_head=12, n_head_kv=2, n_ff=8960,

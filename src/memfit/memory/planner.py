@@ -26,9 +26,21 @@ KINDS = ("embedding", "output", "norm", "attn", "ffn", "router", "expert", "othe
 # pin order among tensors touched in full per token: small + always-needed first
 _KIND_PRIORITY = {"norm": 0, "other": 1, "router": 2, "attn": 3, "output": 4, "ffn": 5,
                   "expert": 6, "embedding": 7}
-IO_STAGING_BYTES = 16 * MiB       # aligned bounce buffers for O_DIRECT head/tail reads
-RUNTIME_EXTRA_BYTES = 48 * MiB    # allocator arenas, thread stacks, model/runner objects
-TOKENIZER_BYTES_PER_TOKEN = 400   # `tokenizers` vocab + merges, measured order of magnitude
+# The store reads straight into its page-aligned slots/pinned buffers (O_DIRECT), so no bounce
+# buffers exist; the ledger category stays for backends that need them.
+IO_STAGING_BYTES = 0
+# Runtime RSS predicted from the model alone, so `memfit plan` and `memfit run` agree on the
+# floor (the planner takes max(prediction, measured RSS)). Measured on x86-64 Linux, Python
+# 3.11: python + numpy + memfit + native ext + tokenizers imported = 35 MiB; GGUF metadata
+# parse + tokenizer build, peak above that, per vocabulary entry: BPE 440 B (+ 550 B per
+# merge), SentencePiece 290 B (Qwen2-1.5B-shaped 152k BPE 65 MiB, SmolLM2 49k+49k merges
+# 48 MiB, Gemma-3 262k SPM 72 MiB). The constants below carry ~10% on top of that.
+RUNTIME_BASE_BYTES = 40 * MiB
+TOKENIZER_BYTES_PER_TOKEN = 480   # BPE; SentencePiece (tokenizer model 'llama') costs less
+SPM_BYTES_PER_TOKEN = 320
+TOKENIZER_BYTES_PER_MERGE = 600
+# after the plan: model objects, float32 norms, I/O + kernel thread stacks, allocator slack
+RUNTIME_EXTRA_BYTES = 24 * MiB
 MIN_BATCH = 64                    # smallest prefill batch the planner will choose
 THREAD_SCRATCH_BYTES = 2 * MiB    # per-thread kernel scratch (quantized activations, tiles)
 ATTN_Q_BLOCK = 64                 # query rows whose scores over the context exist at once
@@ -62,6 +74,15 @@ class ModelDesc:
     tied_output: bool = False
     file_bytes: int = 0
     name: str = ""
+    tokenizer_model: str = ""   # tokenizer.ggml.model: 'gpt2' (BPE), 'llama' (SPM), ...
+    n_merges: int = 0
+
+    @property
+    def runtime_bytes(self) -> int:
+        """Predicted RSS of the runtime with this model's metadata and tokenizer loaded."""
+        per_tok = SPM_BYTES_PER_TOKEN if self.tokenizer_model == "llama" else TOKENIZER_BYTES_PER_TOKEN
+        return (RUNTIME_BASE_BYTES + per_tok * self.n_vocab
+                + TOKENIZER_BYTES_PER_MERGE * self.n_merges)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -106,9 +127,12 @@ class ModelDesc:
             ts.append(describe_tensor(ti.name, ti.nbytes, ti.shape, tied, n_expert, n_used))
         if not n_vocab and "token_embd.weight" in f.tensors:
             n_vocab = f.tensors["token_embd.weight"].shape[0]
+        merges = md.get("tokenizer.ggml.merges")
         return ModelDesc(arch, n_layer, n_embd, n_head, n_head_kv, head_dim, head_dim_v,
                          n_vocab, n_ff, tuple(ts), n_expert, n_used, tied,
-                         int(getattr(f, "file_size", 0) or 0), name or str(md.get("general.name", "")))
+                         int(getattr(f, "file_size", 0) or 0), name or str(md.get("general.name", "")),
+                         str(md.get("tokenizer.ggml.model", "") or ""),
+                         len(merges) if isinstance(merges, list) else 0)
 
 
 def tensor_kind(name: str) -> str:
@@ -189,6 +213,7 @@ class Plan:
     weight_bytes: int = 0
     notes: list[str] = field(default_factory=list)
     tensor_bytes: dict[str, int] = field(default_factory=dict)
+    floor_parts: dict[str, Any] = field(default_factory=dict)  # what min_budget_bytes is made of
 
     def tier_of(self, name: str) -> str:
         for tier, names in self.tiers.items():
@@ -213,6 +238,7 @@ class Plan:
             "model": self.model_name, "arch": self.arch, "n_layer": self.n_layer,
             "weight_bytes": self.weight_bytes,
             "budget_bytes": self.budget_bytes, "min_budget_bytes": self.min_budget_bytes,
+            "floor": self.floor_parts,
             "planned_bytes": self.planned_bytes,
             "n_ctx": self.n_ctx, "n_batch": self.n_batch, "threads": self.threads,
             "baseline_bytes": self.baseline_bytes, "scratch_bytes": self.scratch_bytes,
@@ -335,9 +361,10 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
     assert n_ctx > 0 and threads > 0 and n_batch > 0
     m = model
     kv = int(m.kv_elems_per_token * n_ctx * kv_bytes_per_elem)
-    baseline = baseline_bytes + RUNTIME_EXTRA_BYTES + TOKENIZER_BYTES_PER_TOKEN * m.n_vocab
+    # the larger of the measured RSS and the model's predicted runtime (see RUNTIME_BASE_BYTES)
+    baseline = max(baseline_bytes, m.runtime_bytes) + RUNTIME_EXTRA_BYTES
+    n_batch = min(n_batch, n_ctx)  # a prefill batch never exceeds the context
     all_stream = _units(m, {t.name for t in m.tensors})
-    max_unit_all = _max_unit(all_stream)
 
     def fixed(nb: int) -> int:
         return baseline + scratch_bytes(m, nb, n_ctx, threads, logits_all) + kv + IO_STAGING_BYTES
@@ -356,14 +383,22 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
         if k >= 16:
             break
     floor = fixed(min_batch) + need
+    floor_parts = {"baseline_bytes": baseline,
+                   "scratch_bytes": scratch_bytes(m, min_batch, n_ctx, threads, logits_all),
+                   "kv_bytes": kv, "io_staging_bytes": IO_STAGING_BYTES,
+                   "weights_bytes": need, "pinned_units": [u.name for u in cand_units[:best_k]],
+                   "stream_unit_bytes": max(cand_units[best_k].nbytes
+                                            if best_k < len(cand_units) else 0, exp_unit),
+                   "n_batch": min_batch}
     if budget < floor:
+        unit = format_size(floor_parts["stream_unit_bytes"])
         parts = (f"baseline {format_size(baseline)}, scratch "
-                 f"{format_size(scratch_bytes(m, min_batch, n_ctx, threads, logits_all))}, "
-                 f"KV for ctx {n_ctx} {format_size(kv)}, I/O staging "
-                 f"{format_size(IO_STAGING_BYTES)}, weights that must be held "
-                 f"{format_size(need)} (2 streaming slots of {format_size(max_unit_all)}"
-                 + (f", or the {best_k} largest units pinned plus 2 slots" if best_k else "")
-                 + ")")
+                 f"{format_size(floor_parts['scratch_bytes'])}, KV for ctx {n_ctx} "
+                 f"{format_size(kv)}"
+                 + (f", I/O staging {format_size(IO_STAGING_BYTES)}" if IO_STAGING_BYTES else "")
+                 + f", weights that must be held {format_size(need)} ("
+                 + (f"the {best_k} largest units pinned plus " if best_k else "")
+                 + f"2 streaming slots of {unit})")
         raise BudgetError(
             f"memory budget {format_size(budget)} ({budget} bytes) is below the floor for this "
             f"model: the smallest budget that works is {format_size(floor)} ({floor} bytes) "
@@ -474,7 +509,8 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
     return Plan(budget, n_ctx, nb, threads, baseline, scratch_bytes(m, nb, n_ctx, threads,
                 logits_all), kv, IO_STAGING_BYTES, slots, tiers, tier_bytes, cache_bytes,
                 slot_bytes, n_slots, hit, units, emb_rows, floor, mem, disk, bandwidth,
-                overlap_io, tps, m.name, m.arch, m.n_layer, m.weight_bytes, notes, tb)
+                overlap_io, tps, m.name, m.arch, m.n_layer, m.weight_bytes, notes, tb,
+                floor_parts)
 
 
 def _round_up_mib(n: int) -> int:
@@ -498,10 +534,14 @@ def plan_for_path(path, budget: int, n_ctx: int | None = None, threads: int | No
         desc = ModelDesc.from_gguf(f)
         if n_ctx is None:
             n_ctx = min(int(f.metadata.get(f"{f.arch}.context_length", 4096) or 4096), 4096)
+    args = (desc, budget, n_ctx, threads or os.cpu_count() or 1)
+    kw = dict(baseline_bytes=measure_baseline() if baseline_bytes is None else baseline_bytes,
+              n_batch=n_batch, kv_bytes_per_elem=kv_bytes_per_elem)
+    if bandwidth is None and measure_bandwidth:
+        # refuse a budget below the floor before the probes allocate or write anything
+        plan(*args, Bandwidth(source="default"), **kw)
     bw = bandwidth or get_bandwidth(path, measure=measure_bandwidth)
-    return plan(desc, budget, n_ctx, threads or os.cpu_count() or 1, bw,
-                baseline_bytes=measure_baseline() if baseline_bytes is None else baseline_bytes,
-                n_batch=n_batch, kv_bytes_per_elem=kv_bytes_per_elem)
+    return plan(*args, bw, **kw)
 
 
 __all__ = ["TensorDesc", "ModelDesc", "Unit", "Plan", "plan", "plan_for_path", "scratch_bytes",

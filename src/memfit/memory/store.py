@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from ..ops import QTensor
-from .ledger import Ledger
+from .ledger import Ledger, LedgerDriftError
 from .planner import Plan
 
 PAGE = 4096
@@ -43,6 +43,7 @@ def _ceil(n: int) -> int:
 class WeightStore:
     def __init__(self, gguf_file, plan: Plan, ledger: Ledger | None = None, *,
                  direct: bool = True, prefetch: bool = True):
+        self._closed = False
         self.file = gguf_file
         self.plan = plan
         self.ledger = ledger
@@ -69,6 +70,16 @@ class WeightStore:
         self._pool = ThreadPoolExecutor(IO_WORKERS, thread_name_prefix="memfit-io")
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="memfit-prefetch")
 
+        # the plan's reservations nobody else registers (activations, KV, staging), so the
+        # ledger total is the planned total and the debug watchdog compares RSS with it
+        self._reserved: list[tuple[str, str]] = []
+        if ledger is not None:
+            for cat, n in (("scratch", plan.scratch_bytes), ("kv", plan.kv_bytes),
+                           ("io_staging", plan.io_staging_bytes)):
+                if not ledger.items(cat):
+                    ledger.alloc(cat, "plan", n)
+                    self._reserved.append((cat, "plan"))
+
         # pinned tier
         self._pinned: dict[str, np.ndarray] = {}
         for name in plan.tiers["pinned"]:
@@ -84,6 +95,7 @@ class WeightStore:
         self.units = plan.units
         self._unit_of: dict[str, int] = {}
         self._layout: list[dict[str, tuple[int, int]]] = []   # name -> (slot offset, delta)
+        self._unit_read_bytes: list[int] = []
         slot_bytes = 0
         for ui, u in enumerate(self.units):
             lay, pos = {}, 0
@@ -93,6 +105,7 @@ class WeightStore:
                 lay[name] = (pos, ti.offset - _floor(ti.offset))
                 pos += _ceil(ti.offset + ti.nbytes) - _floor(ti.offset)
             self._layout.append(lay)
+            self._unit_read_bytes.append(pos)
             slot_bytes = max(slot_bytes, pos)
         self._slot_mm = [mmap.mmap(-1, max(slot_bytes, PAGE)) for _ in range(2 if self.units else 0)]
         self._slots = [np.frombuffer(m, np.uint8) for m in self._slot_mm]
@@ -112,6 +125,8 @@ class WeightStore:
                 self._emb_mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
             self._emb_range = (_floor(ti.offset), _ceil(ti.offset + ti.nbytes))
             self._emb_fd = os.open(gguf_file.paths[ti.file_index], os.O_RDONLY)
+        if ledger is not None and ledger.debug:
+            ledger.start_watchdog()
 
     # ---- WeightSource ----
     def has(self, name: str) -> bool:
@@ -159,6 +174,7 @@ class WeightStore:
                 fut.result()
             self._slot_unit[slot] = ui
             self._slot_future[slot] = None
+            self._count(self._unit_read_bytes[ui])
             self._read_unit(ui, slot)
             self.io_stall_s += time.perf_counter() - t0
         if ui != self._current:
@@ -170,8 +186,14 @@ class WeightStore:
                 if prev is not None:
                     prev.result()
                 self._slot_unit[other] = nxt
+                self._count(self._unit_read_bytes[nxt])
                 self._slot_future[other] = self._prefetcher.submit(self._read_unit, nxt, other)
         return slot
+
+    def _count(self, n: int) -> None:
+        # bytes are counted when a read is issued, so statistics do not race the prefetcher
+        with self._lock:
+            self.bytes_read += n
 
     def _read_unit(self, ui: int, slot: int) -> None:
         buf = self._slots[slot]
@@ -198,8 +220,6 @@ class WeightStore:
             done += n
         if not self.direct:
             os.posix_fadvise(fd, offset, len(mv), os.POSIX_FADV_DONTNEED)
-        with self._lock:
-            self.bytes_read += done
 
     def _alloc_aligned(self, offset: int, nbytes: int) -> tuple[np.ndarray, np.ndarray]:
         start, end = _floor(offset), _ceil(offset + nbytes)
@@ -209,6 +229,7 @@ class WeightStore:
 
     def _read_into(self, file_index: int, offset: int, buf: np.ndarray, view: np.ndarray) -> None:
         start = _floor(offset)
+        self._count(buf.nbytes)
         futs = [self._pool.submit(self._pread, file_index, start + c, buf[c: c + IO_CHUNK])
                 for c in range(0, buf.nbytes, IO_CHUNK)]
         for f in futs:
@@ -237,6 +258,9 @@ class WeightStore:
                 f"I/O stall {s['io_stall_s']:.2f} s" + ("" if s["o_direct"] else " (buffered)"))
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         for f in self._slot_future:
             if f is not None:
                 try:
@@ -252,11 +276,17 @@ class WeightStore:
             os.close(self._emb_fd)
             self._emb_mm = None  # views may still reference it; the GC closes it
         if self.ledger is not None:
+            self.ledger.stop_watchdog()
+            for cat, name in self._reserved:
+                self.ledger.free(cat, name)
+            self._reserved = []
             for name in list(self._pinned):
                 self.ledger.free("resident_weights", name)
             for i in range(len(self._slots)):
                 self.ledger.free("weight_cache", f"stream_slot_{i}")
         self._pinned = {}
+        if self.ledger is not None and self.ledger.debug == "raise" and self.ledger.violation:
+            raise LedgerDriftError(f"memfit ledger drift during the run: {self.ledger.violation}")
 
     def __enter__(self):
         return self
