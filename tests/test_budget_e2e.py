@@ -1,0 +1,231 @@
+"""The hard memory budget, end to end (issue 4): real `python -m memfit` processes whose peak
+RSS (VmHWM, interpreter included) is read from /proc while they run, at budgets down to 35% of
+the model file, with greedy tokens identical to the unconstrained run; and refusals below the
+floor that happen before anything loads and write nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+MiB = 1 << 20
+PROMPT = "The quick brown fox"          # one prefill chunk at every budget (< 64 tokens)
+N_GEN = 6
+CTX = 128
+
+# Runs memfit's __main__ exactly as `python -m memfit`, then reports VmHWM at exit: the final
+# peak that 20 ms polling from outside could miss.
+WRAP = ("import runpy, sys\n"
+        "sys.argv = ['memfit', *sys.argv[1:]]\n"
+        "try:\n"
+        "    runpy.run_module('memfit', run_name='__main__', alter_sys=True)\n"
+        "finally:\n"
+        "    hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0]\n"
+        "    print('MEMFIT_TEST_VMHWM_KB', hwm.split()[1], file=sys.stderr, flush=True)\n")
+
+
+@dataclass
+class Proc:
+    rc: int
+    out: str
+    err: str
+    peak_rss: int       # max of VmHWM polled from /proc/<pid>/status and reported at exit
+    polled_rss: int
+    seconds: float
+
+    def json(self) -> dict:
+        assert self.rc == 0, self.err[-3000:]
+        return json.loads(self.out)
+
+
+def memfit(*args, env: dict | None = None, cwd: Path | None = None, timeout: float = 240) -> Proc:
+    """Run `python -m memfit ARGS`, polling its VmHWM every 20 ms until it exits."""
+    full_env = {k: v for k, v in os.environ.items()
+                if k not in ("MEMFIT_MEM_BUDGET", "MEMFIT_DEBUG_LEDGER")}
+    full_env.update(env or {})
+    t0 = time.perf_counter()
+    p = subprocess.Popen([sys.executable, "-c", WRAP, *map(str, args)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=full_env, cwd=cwd)
+    res: dict = {}
+    reader = threading.Thread(target=lambda: res.update(zip(("out", "err"), p.communicate())))
+    reader.start()
+    polled = 0
+    while reader.is_alive() and time.perf_counter() - t0 < timeout:
+        try:
+            with open(f"/proc/{p.pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        polled = max(polled, int(line.split()[1]) * 1024)
+        except (OSError, ValueError):
+            pass  # exiting (zombie: no mm any more)
+        time.sleep(0.02)
+    if reader.is_alive():
+        p.kill()
+        reader.join()
+        pytest.fail(f"memfit {' '.join(map(str, args))} ran over {timeout} s")
+    reader.join()
+    err_lines = res["err"].splitlines()
+    reported = [int(line.split()[1]) * 1024 for line in err_lines
+                if line.startswith("MEMFIT_TEST_VMHWM_KB")]
+    assert reported, res["err"][-3000:]
+    err = "\n".join(line for line in err_lines if not line.startswith("MEMFIT_TEST_VMHWM_KB"))
+    return Proc(p.returncode, res["out"], err, max(polled, *reported), polled,
+                time.perf_counter() - t0)
+
+
+def budgeted_run(model: Path, budget: int) -> Proc:
+    # the debug ledger watchdog also fails the run if RSS ever exceeds what the ledger explains
+    return memfit("run", model, "-p", PROMPT, "-n", N_GEN, "--temp", 0, "--json", "-c", CTX,
+                  "--mem-budget", budget, env={"MEMFIT_DEBUG_LEDGER": "1"})
+
+
+def check_within_budget(r: Proc, budget: int, reference: dict) -> dict:
+    d = r.json()
+    print(f"budget {budget / MiB:.1f} MiB: peak RSS {r.peak_rss / MiB:.1f} MiB, read "
+          f"{d['store']['bytes_read'] / 1e6:.0f} MB, {r.seconds:.1f} s")  # shown with -s
+    assert r.peak_rss <= budget, (
+        f"peak RSS {r.peak_rss / MiB:.1f} MiB > budget {budget / MiB:.1f} MiB (polled "
+        f"{r.polled_rss / MiB:.1f} MiB; in-process {d['peak_rss_bytes'] / MiB:.1f} MiB)")
+    assert d["peak_rss_bytes"] <= budget
+    assert d["mem_budget_bytes"] == budget
+    assert d["prompt_ids"] == reference["prompt_ids"]
+    assert d["ids"] == reference["ids"], "greedy tokens differ from the unconstrained run"
+    return d
+
+
+# ---- a 1B-shaped synthetic model, ~0.97 GB: 35% of it clears the floor at ctx 128 ----------
+
+@pytest.fixture(scope="module")
+def synth_model(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("budget_e2e") / "llama-1b-24l-q4_k_m.gguf"
+    r = memfit("synth", path, "--arch", "llama", "--size", "1b-24l", "--quant", "Q4_K_M",
+               "--seed", 7, "--json")
+    assert r.json()["bytes"] == path.stat().st_size
+    return path
+
+
+@pytest.fixture(scope="module")
+def synth_reference(synth_model) -> tuple[dict, Proc]:
+    r = memfit("run", synth_model, "-p", PROMPT, "-n", N_GEN, "--temp", 0, "--json", "-c", CTX)
+    d = r.json()
+    assert len(d["ids"]) == N_GEN and "store" not in d  # no budget: no weight store
+    return d, r
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fraction", [1.0, 0.6, 0.35])
+def test_synthetic_model_within_budget(synth_model, synth_reference, fraction):
+    reference, unconstrained = synth_reference
+    size = synth_model.stat().st_size
+    budget = int(size * fraction)
+    r = budgeted_run(synth_model, budget)
+    d = check_within_budget(r, budget, reference)
+    store = d["store"]
+    # the budget really bit: the unconstrained process maps the whole file, this one streams
+    assert unconstrained.peak_rss > size * 0.9
+    assert store["bytes_read"] > 0 and 0.0 <= store["hit_rate"] <= 1.0 and store["io_stall_s"] >= 0
+    if fraction < 1.0:
+        assert store["bytes_read"] > size, "a model larger than the budget is re-read per token"
+
+
+@pytest.mark.timeout(120)
+def test_synthetic_floor_is_below_35_percent(synth_model):
+    """The test model stays meaningful: planner floor (from `memfit plan --json`) < 35%."""
+    plan = memfit("plan", synth_model, "--mem-budget", "64GiB", "-c", CTX, "--json",
+                  "--no-measure").json()
+    assert plan["min_budget_bytes"] < 0.35 * synth_model.stat().st_size * 0.9
+
+
+# ---- Gemma-3-270M at 60% of its file, or at the floor `memfit plan` states ---------------
+
+@pytest.mark.timeout(300)
+def test_gemma_within_budget(gemma_path):
+    size = Path(gemma_path).stat().st_size
+    plan = memfit("plan", gemma_path, "--mem-budget", "64GiB", "-c", CTX, "--json",
+                  "--no-measure").json()
+    floor, parts = plan["min_budget_bytes"], plan["floor"]
+    # what the floor is made of: runtime, activations, KV, staging and the weights held
+    assert floor == sum(parts[k] for k in ("baseline_bytes", "scratch_bytes", "kv_bytes",
+                                           "io_staging_bytes", "weights_bytes"))
+    assert all(parts[k] > 0 for k in ("baseline_bytes", "scratch_bytes", "kv_bytes",
+                                      "weights_bytes", "stream_unit_bytes"))
+    budget = max(int(0.6 * size), floor)
+    if budget == floor:  # the text plan names the floor too
+        text = memfit("plan", gemma_path, "--mem-budget", budget, "-c", CTX, "--no-measure")
+        assert text.rc == 0 and f"floor {floor / MiB:.2f} MiB ({floor} bytes)" in text.out
+
+    reference = memfit("run", gemma_path, "-p", PROMPT, "-n", N_GEN, "--temp", 0, "--json",
+                       "-c", CTX).json()
+    r = budgeted_run(gemma_path, budget)
+    check_within_budget(r, budget, reference)
+
+
+# ---- below the floor: refused before loading, minimum stated, nothing written ----------------
+
+def _snapshot(*dirs: Path) -> dict:
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns)
+            for d in dirs for p in sorted(d.rglob("*"))}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("command", ["run", "plan", "perplexity"])
+def test_below_floor_refused_before_loading(synth_model, tmp_path, command):
+    cwd, cache, inputs = tmp_path / "cwd", tmp_path / "cache", tmp_path / "in"
+    for d in (cwd, cache, inputs):
+        d.mkdir()
+    text = inputs / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    extra = {"run": ["-p", PROMPT, "-n", 4, "-c", CTX],
+             "plan": ["-c", CTX],           # measures bandwidth (and caches it) if it gets far
+             "perplexity": ["-f", text, "-c", CTX]}[command]
+    before = _snapshot(cwd, cache, inputs)
+    model_stat = synth_model.stat()
+    r = memfit(command, synth_model, *extra, "--mem-budget", "50MiB", cwd=cwd,
+               env={"XDG_CACHE_HOME": str(cache), "MEMFIT_DEBUG": ""})
+    assert r.rc != 0
+    assert "Traceback" not in r.err and r.out == ""
+    assert "below the floor" in r.err and "raise --mem-budget to at least" in r.err, r.err
+    minimum = int(r.err.split("at least ")[1].split("MiB")[0])
+    assert minimum > 50 and "50.00 MiB" in r.err
+    # refused before reading weights: fast, and far less resident than the 0.97 GB model
+    assert r.seconds < 5.0 and r.peak_rss < 150 * MiB, (r.seconds, r.peak_rss)
+    assert _snapshot(cwd, cache, inputs) == before, "a refused command wrote files"
+    assert synth_model.stat().st_mtime_ns == model_stat.st_mtime_ns
+
+
+# ---- what `run` and `bench` report under a budget ------------------------------------------
+
+@pytest.mark.timeout(180)
+def test_run_and_bench_report_store_statistics(smollm2_path):
+    floor = memfit("plan", smollm2_path, "--mem-budget", "64GiB", "-c", 64, "--json",
+                   "--no-measure").json()["min_budget_bytes"]
+    budget = floor + 8 * MiB  # streams most layers: the statistics are not trivially zero
+    r = memfit("run", smollm2_path, "-p", "Hello", "-n", 3, "--temp", 0, "-c", 64,
+               "--mem-budget", budget)
+    assert r.rc == 0, r.err
+    summary = [line for line in r.err.splitlines() if line.startswith("memfit: prompt")]
+    assert len(summary) == 1, r.err
+    line = summary[0]
+    assert "peak RSS" in line and "of budget" in line
+    assert "store: read" in line and "hit rate" in line and "I/O stall" in line
+    assert r.peak_rss <= budget
+
+    # bench's context is n_prompt + n_gen + 8 = 18 <= 64: the floor planned for ctx 64 holds
+    b = memfit("bench", smollm2_path, "-p", 8, "-n", 2, "-r", 1, "--json", "--mem-budget", budget)
+    assert b.rc == 0, b.err
+    rows = [json.loads(x) for x in b.out.splitlines() if x.strip()]
+    assert rows
+    for row in rows:
+        flat = {**row, **row.get("extra", {})}
+        assert flat["mem_budget_bytes"] == budget
+        assert 0 < flat["peak_rss_bytes"] <= budget
+        assert flat["bytes_read"] > 0 and flat["io_stall_s"] >= 0
+    assert b.peak_rss <= budget
