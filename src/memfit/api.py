@@ -207,13 +207,15 @@ class Model:
             if bos is not None:
                 chunk[0] = bos
             cache = self.model.new_cache(ctx)
-            logits = self.model.forward(np.asarray(chunk, dtype=np.int32), cache,
-                                        all_logits=True)
-            lg = logits[first:ctx - 1].astype(np.float64)
-            lg -= lg.max(axis=1, keepdims=True)
-            logp = lg - np.log(np.exp(lg).sum(axis=1, keepdims=True))
-            tgt = np.asarray(chunk[first + 1:ctx])
-            v = -logp[np.arange(len(tgt)), tgt]
+            h = self.model.forward(np.asarray(chunk, dtype=np.int32), cache, hidden_from=first)
+            tgt_all = np.asarray(chunk[first + 1:ctx])
+            v = np.empty(len(tgt_all))
+            for j in range(0, len(tgt_all), 64):  # logits in slices: [64, n_vocab] at a time
+                lg = self.model.logits(h[j:j + 64][:len(tgt_all) - j]).astype(np.float64)
+                lg -= lg.max(axis=1, keepdims=True)
+                logz = np.log(np.exp(lg).sum(axis=1))
+                tgt = tgt_all[j:j + 64]
+                v[j:j + len(tgt)] = logz - lg[np.arange(len(tgt)), tgt]
             nll += float(v.sum())
             nll2 += float((v * v).sum())
             count += len(v)

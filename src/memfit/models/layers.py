@@ -98,9 +98,13 @@ class Model:
         return KVCache(c.n_layer, n_ctx, c.n_head_kv, c.head_dim_k, c.head_dim_v,
                        f16_values=self.kv_f16)
 
-    def forward(self, ids, cache: KVCache, all_logits: bool = False) -> np.ndarray:
+    def forward(self, ids, cache: KVCache, all_logits: bool = False,
+                hidden_from: int | None = None) -> np.ndarray:
         """Logits f32 [n_vocab] of the last token, or [n, n_vocab] with all_logits; the tokens
-        are placed at positions cache.offset.. and the cache advances by len(ids)."""
+        are placed at positions cache.offset.. and the cache advances by len(ids).
+        With hidden_from=k, returns the final-normed hidden states [n - k, n_embd] of rows
+        k.. instead, for the caller to turn into logits in slices (``logits``)."""
+        all_logits = all_logits or hidden_from is not None
         c, ops = self.config, self.ops
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
@@ -117,11 +121,21 @@ class Model:
             last = None if all_logits or il < c.n_layer - 1 else slice(-1, None)
             x = self.block(il, x, pos, cache, last)
         cache.advance(ids.size)
+        if hidden_from is not None:
+            x = x[hidden_from:]
         x = ops.rmsnorm(x, self.vec["output_norm.weight"], c.rms_eps)
-        logits = ops.matmul(x, self.weights.get(self.output))
+        if hidden_from is not None:
+            return x
+        logits = self.logits(x)
+        return logits if all_logits else logits[-1]
+
+    def logits(self, h: np.ndarray) -> np.ndarray:
+        """Final-normed hidden states [n, n_embd] -> logits [n, n_vocab]."""
+        c = self.config
+        logits = self.ops.matmul(np.ascontiguousarray(h), self.weights.get(self.output))
         if c.final_softcap > 0.0:
             logits = np.float32(c.final_softcap) * np.tanh(logits / np.float32(c.final_softcap))
-        return logits if all_logits else logits[-1]
+        return logits
 
     def block(self, il: int, x: np.ndarray, pos: np.ndarray, cache: KVCache, last) -> np.ndarray:
         raise NotImplementedError
