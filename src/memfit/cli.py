@@ -126,7 +126,7 @@ def cmd_tokenize(a) -> int:
     with open_gguf(resolve_model(a.model, quiet=True)) as f:
         tok = Tokenizer.from_metadata(f.metadata)
     ids = tok.encode(text, add_special=not a.no_add_special, parse_special=not a.no_parse_special)
-    pieces = [tok.token_text(i) for i in ids]
+    pieces = [tok.piece(i) for i in ids]  # decoded text of each token, as llama-tokenize prints
     if a.json:
         print(json.dumps({"ids": ids, "pieces": pieces}, ensure_ascii=False))
     elif a.ids:
