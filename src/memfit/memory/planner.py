@@ -44,6 +44,9 @@ RUNTIME_EXTRA_BYTES = 24 * MiB
 MIN_BATCH = 64                    # smallest prefill batch the planner will choose
 THREAD_SCRATCH_BYTES = 2 * MiB    # per-thread kernel scratch (quantized activations, tiles)
 ATTN_Q_BLOCK = 64                 # query rows whose scores over the context exist at once
+# logits rows alive at once outside the forward (perplexity scores slices of this many rows;
+# the sampler copies one row), each with an f32 shifted copy and f64 exp: 16 bytes per entry
+LOGITS_SLICE_ROWS = 8
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.")
 
 
@@ -318,9 +321,9 @@ def scratch_bytes(m: ModelDesc, n_batch: int, n_ctx: int, threads: int,
     per_tok *= 2  # numpy temporaries beside the named buffers
     # attention scores [rows, heads, n_ctx] for a block of at most ATTN_Q_BLOCK query rows
     scores = min(n_batch, ATTN_Q_BLOCK) * m.n_head * n_ctx
-    logits = m.n_vocab * (n_batch if logits_all else 1)
+    logits = m.n_vocab * (4 * n_batch if logits_all else 16 * LOGITS_SLICE_ROWS)
     quant_act = n_batch * max(m.n_embd, m.n_ff)  # Q8-style activation copy, ~1 byte/elem
-    return (4 * (n_batch * per_tok + scores + logits) + quant_act
+    return (4 * (n_batch * per_tok + scores) + logits + quant_act
             + threads * THREAD_SCRATCH_BYTES)
 
 
@@ -545,4 +548,4 @@ def plan_for_path(path, budget: int, n_ctx: int | None = None, threads: int | No
 
 
 __all__ = ["TensorDesc", "ModelDesc", "Unit", "Plan", "plan", "plan_for_path", "scratch_bytes",
-           "tensor_kind", "describe_tensor", "IO_STAGING_BYTES", "GiB"]
+           "tensor_kind", "describe_tensor", "IO_STAGING_BYTES", "LOGITS_SLICE_ROWS", "GiB"]
