@@ -168,6 +168,33 @@ def test_gemma_within_budget(gemma_path):
     check_within_budget(r, budget, reference)
 
 
+# ---- the planner's runtime prediction covers the real runtime ------------------------------
+
+PROBE = ("import sys, gc, memfit.api, memfit.cli\n"
+         "from memfit.ops import get_ops; get_ops(None)\n"
+         "from memfit.gguf import open_gguf\n"
+         "from memfit.tokenizer import Tokenizer\n"
+         "from memfit.memory.planner import ModelDesc\n"
+         "f = open_gguf(sys.argv[1]); tok = Tokenizer.from_metadata(f.metadata); gc.collect()\n"
+         "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0]\n"
+         "print(int(hwm.split()[1]) * 1024, ModelDesc.from_gguf(f).runtime_bytes)\n")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("which", ["synth", "smollm2", "gemma"])
+def test_runtime_prediction_covers_measured(which, request):
+    """ModelDesc.runtime_bytes (interpreter, libraries, metadata, tokenizer) is >= the peak RSS
+    of a process that has loaded exactly that, so plan and run agree on the floor."""
+    path = request.getfixturevalue({"synth": "synth_model", "smollm2": "smollm2_path",
+                                    "gemma": "gemma_path"}[which])
+    out = subprocess.run([sys.executable, "-c", PROBE, str(path)], capture_output=True,
+                         text=True, timeout=100)
+    assert out.returncode == 0, out.stderr[-2000:]
+    measured, predicted = map(int, out.stdout.split())
+    assert measured <= predicted, (f"runtime RSS {measured / MiB:.1f} MiB > predicted "
+                                   f"{predicted / MiB:.1f} MiB: recalibrate planner.RUNTIME_*")
+
+
 # ---- below the floor: refused before loading, minimum stated, nothing written ----------------
 
 def _snapshot(*dirs: Path) -> dict:
