@@ -1,13 +1,16 @@
 /* Python bindings for the quant kernels: raw buffers in, caller-allocated f32 out, GIL released.
  *   dequantize(type, src, n, out)                   out: f32[n]
  *   matmul(type, w, rows, cols, x, n, out)          x: f32[n, cols], out: f32[n, rows]
- *   get_rows(type, w, rows, cols, ids, out)         ids: int64[k], out: f32[k, cols] */
+ *   get_rows(type, w, rows, cols, ids, out)         ids: int64[k], out: f32[k, cols]
+ *   matmul_multi(x, n, cols, type1, w1, rows1, out1, ...)  1..4 weights sharing x */
 #include "memfit.h"
 #include "quant_common.h"
 
 #include <string.h>
 
 int mf_matmul(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t n, float *y);
+int mf_matmul_multi(int k, const int *types, const uint8_t *const *ws, const int64_t *rows,
+                    int64_t cols, const float *x, int64_t n, float *const *ys);
 int mf_get_rows(int type, const uint8_t *w, int64_t cols, const int64_t *ids, int64_t n, float *out);
 int mf_dequantize(int type, const uint8_t *src, int64_t n, float *dst);
 
@@ -130,9 +133,58 @@ static PyObject *py_get_rows(PyObject *self, PyObject *const *a, Py_ssize_t na) 
     Py_RETURN_NONE;
 }
 
+static PyObject *py_matmul_multi(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    if (na < 7 || na > 19 || (na - 3) % 4)
+        return PyErr_Format(PyExc_TypeError, "matmul_multi(x, n, cols, type, w, rows, out, ...) takes 1..4 weights");
+    const int k = (int)((na - 3) / 4);
+    long long n = PyLong_AsLongLong(a[1]), cols = PyLong_AsLongLong(a[2]);
+    int types[4];
+    int64_t rows[4];
+    for (int j = 0; j < k; j++) {
+        long t = PyLong_AsLong(a[3 + 4 * j]);
+        long long r = PyLong_AsLongLong(a[5 + 4 * j]);
+        if (PyErr_Occurred() || check_type(t) < 0) return NULL;
+        if (r < 0) return PyErr_Format(PyExc_ValueError, "bad matmul_multi rows=%lld", r);
+        if (cols % mf_qtypes[t].block) return raise_rc(-2, t, cols);
+        types[j] = (int)t;
+        rows[j] = r;
+    }
+    if (PyErr_Occurred()) return NULL;
+    if (cols <= 0 || n < 0) return PyErr_Format(PyExc_ValueError, "bad matmul_multi shape cols=%lld n=%lld", cols, n);
+    Py_buffer x, w[4], out[4];
+    int got = 0, rc = 0;
+    if (get_f32(a[0], &x, 0, "x") < 0) return NULL;
+    for (; got < k; got++) {
+        if (get_buf(a[4 + 4 * got], &w[got], 0, "w") < 0) { rc = -9; break; }
+        if (get_f32(a[6 + 4 * got], &out[got], 1, "out") < 0) { PyBuffer_Release(&w[got]); rc = -9; break; }
+    }
+    const uint8_t *wp[4];
+    float *yp[4];
+    if (rc == 0) {
+        if (x.len < n * cols * 4) rc = -4;
+        for (int j = 0; j < k; j++) {
+            if (w[j].len < rows[j] * type_bytes(types[j], cols) || out[j].len < n * rows[j] * 4) rc = -4;
+            wp[j] = w[j].buf;
+            yp[j] = out[j].buf;
+        }
+    }
+    if (rc == 0) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = mf_matmul_multi(k, types, wp, rows, cols, x.buf, n, yp);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&x);
+    for (int j = 0; j < got; j++) { PyBuffer_Release(&w[j]); PyBuffer_Release(&out[j]); }
+    if (rc == -9) return NULL;
+    if (rc == -4) return PyErr_Format(PyExc_ValueError, "matmul_multi: w, x or out buffer too small for cols=%lld n=%lld", cols, n);
+    if (rc) return raise_rc(rc, types[0], cols);
+    Py_RETURN_NONE;
+}
+
 PyMethodDef mf_quant_methods[] = {
     {"dequantize", (PyCFunction)(void (*)(void))py_dequantize, METH_FASTCALL, "dequantize(type, src, n, out)"},
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "matmul(type, w, rows, cols, x, n, out): out[n, rows] = x[n, cols] @ W^T"},
+    {"matmul_multi", (PyCFunction)(void (*)(void))py_matmul_multi, METH_FASTCALL, "matmul_multi(x, n, cols, type, w, rows, out, ...): out_j = x @ W_j^T for 1..4 weights"},
     {"get_rows", (PyCFunction)(void (*)(void))py_get_rows, METH_FASTCALL, "get_rows(type, w, rows, cols, ids int64, out)"},
     {NULL, NULL, 0, NULL},
 };

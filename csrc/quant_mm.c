@@ -6,6 +6,9 @@
 #include "memfit.h"
 #include "quant_common.h"
 
+#define MF_MM_MAX 4 /* weights per multi-matmul call */
+
+#include <assert.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -163,69 +166,129 @@ static pthread_mutex_t xq_lock = PTHREAD_MUTEX_INITIALIZER;
 static uint8_t *xq_buf;
 static size_t xq_cap;
 
-/* Returns 0, or -1 unknown type / -2 bad cols / -3 out of memory. Call without the GIL. */
-int mf_matmul(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t n,
-              float *y) {
+/* One weight's share of a (multi-)matmul: its context, task function and task count. */
+typedef struct {
+    mm_ctx c;
+    mf_task_fn fn;
+    int64_t ntasks;
+} mm_plan;
+
+/* Fill p for Y = X · W^T (everything but c.xq for quantized activations). 0 or -1/-2. */
+static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, int64_t cols,
+                        const float *x, int64_t n, float *y) {
     if (type < 0 || type >= T_MAX || mf_qtypes[type].block == 0) return -1;
     const mf_qinfo *q = &mf_qtypes[type];
     if (cols % q->block) return -2;
     mm_ctx c = {.type = type, .w = w, .rows = rows, .cols = cols, .nb = cols / q->block,
                 .x = x, .n = n, .y = y};
     c.rb = c.nb * q->bytes;
-    if (rows == 0 || n == 0) return 0;
     int nt = mf_n_threads();
     /* ~4 tasks per thread at least; 16 rows keeps a Q4_K 4096-col tile at 36 KB */
     int64_t rt = 16;
     while (rt > 1 && (rows + rt - 1) / rt < 4 * nt) rt /= 2;
     c.rt = rt;
-    int64_t ntasks = (rows + rt - 1) / rt;
+    p->fn = mm_task_vec;
     mf_vecdot_fn vd = mf_isa >= MF_ISA_AVX2 ? mf_vecdot_avx2[type] : NULL;
     if (!vd) {
-        mf_parallel_for(ntasks, mm_task_scalar, &c);
+        p->fn = mm_task_scalar;
+        c.xfmt = XF_F32;
+    } else {
+        c.vd = vd;
+        c.vd4 = mf_vecdot4_avx2[type];
+        c.xfmt = q->xfmt;
+        if (q->xfmt == XF_F32) {
+            c.xq = (const uint8_t *)x;
+            c.xs = (size_t)cols * 4;
+            if (n >= MF_FLOAT_MIN_N) {
+                int64_t rk = (128 * 1024) / (cols * 4);
+                c.rt = rk < 2 ? 2 : rk > c.rt ? c.rt : rk;
+                p->fn = mm_task_float;
+            }
+        } else {
+            if (q->xfmt == XF_Q8_256 && cols % 256) return -2;
+            c.xs = q->xfmt == XF_Q8_32 ? (size_t)(cols / 32) * sizeof(mf_q8_32)
+                                       : (size_t)(cols / 256) * sizeof(mf_q8_256);
+            if (n >= MF_KBLK_MIN_N && mf_kunpack_avx2[type]) {
+                int64_t rk = (192 * 1024) / (c.nb * (int64_t)sizeof(mf_kblk));
+                c.rt = rk < 1 ? 1 : rk > c.rt ? c.rt : rk;
+                p->fn = mm_task_kblk;
+            } else if (mf_b32unpack_avx2[type] &&
+                       n >= (type == T_Q8_0 || type == T_IQ4_NL ? MF_B32S_MIN_N : MF_B32_MIN_N)) {
+                int64_t rk = (192 * 1024) / (c.nb * (int64_t)sizeof(mf_b32));
+                c.rt = rk < 1 ? 1 : rk > c.rt ? c.rt : rk;
+                p->fn = mm_task_b32;
+            }
+        }
+    }
+    p->ntasks = rows == 0 ? 0 : (rows + c.rt - 1) / c.rt;
+    p->c = c;
+    return 0;
+}
+
+typedef struct {
+    mm_plan *p;
+    int k;
+    int64_t off[MF_MM_MAX + 1]; /* task prefix sums */
+} multi_ctx;
+
+static void multi_task(void *v, int64_t t) {
+    multi_ctx *m = v;
+    int j = 0;
+    while (t >= m->off[j + 1]) j++;
+    m->p[j].fn(&m->p[j].c, t - m->off[j]);
+}
+
+/* Y_j[n, rows_j] = X[n, cols] · W_j^T for k <= MF_MM_MAX weights sharing X: X is quantized
+ * once per activation format and all weights' row tiles run as one pool job (decode issues
+ * Q/K/V and gate/up this way: fewer wake-ups, one quantization).
+ * Returns 0, or -1 unknown type / -2 bad cols / -3 out of memory. Call without the GIL. */
+int mf_matmul_multi(int k, const int *types, const uint8_t *const *ws, const int64_t *rows,
+                    int64_t cols, const float *x, int64_t n, float *const *ys) {
+    assert(k >= 1 && k <= MF_MM_MAX);
+    mm_plan p[MF_MM_MAX];
+    multi_ctx m = {p, k, {0}};
+    int need_fmt[3] = {0, 0, 0};
+    for (int j = 0; j < k; j++) {
+        int rc = mm_plan_init(&p[j], types[j], ws[j], rows[j], cols, x, n, ys[j]);
+        if (rc) return rc;
+        m.off[j + 1] = m.off[j] + p[j].ntasks;
+        if (p[j].c.xfmt != XF_F32) need_fmt[p[j].c.xfmt] = 1;
+    }
+    if (n == 0 || m.off[k] == 0) return 0;
+    size_t sz[3] = {0, 0, 0}, at[3] = {0, 0, 0}, total = 0;
+    if (need_fmt[XF_Q8_32]) sz[XF_Q8_32] = (size_t)(cols / 32) * sizeof(mf_q8_32) * (size_t)n;
+    if (need_fmt[XF_Q8_256]) sz[XF_Q8_256] = (size_t)(cols / 256) * sizeof(mf_q8_256) * (size_t)n;
+    at[XF_Q8_256] = (sz[XF_Q8_32] + 63) & ~(size_t)63;
+    total = at[XF_Q8_256] + sz[XF_Q8_256];
+    if (total == 0) {
+        mf_parallel_for(m.off[k], multi_task, &m);
         return 0;
     }
-    c.vd = vd;
-    c.vd4 = mf_vecdot4_avx2[type];
-    c.xfmt = q->xfmt;
-    if (q->xfmt == XF_F32) {
-        c.xq = (const uint8_t *)x;
-        c.xs = (size_t)cols * 4;
-        if (n >= MF_FLOAT_MIN_N) {
-            int64_t rk = (128 * 1024) / (cols * 4);
-            c.rt = rk < 2 ? 2 : rk > c.rt ? c.rt : rk;
-            mf_parallel_for((rows + c.rt - 1) / c.rt, mm_task_float, &c);
-        } else
-            mf_parallel_for(ntasks, mm_task_vec, &c);
-        return 0;
-    }
-    c.xs = q->xfmt == XF_Q8_32 ? (size_t)(cols / 32) * sizeof(mf_q8_32)
-                               : (size_t)(cols / 256) * sizeof(mf_q8_256);
-    if (q->xfmt == XF_Q8_256 && cols % 256) return -2;
     pthread_mutex_lock(&xq_lock);
-    size_t need = c.xs * (size_t)n;
-    if (need > xq_cap) {
+    if (total > xq_cap) {
         free(xq_buf);
-        xq_buf = aligned_alloc(64, (need + 63) & ~(size_t)63);
-        xq_cap = xq_buf ? need : 0;
+        xq_buf = aligned_alloc(64, (total + 63) & ~(size_t)63);
+        xq_cap = xq_buf ? total : 0;
         if (!xq_buf) { pthread_mutex_unlock(&xq_lock); return -3; }
     }
-    c.xq = xq_buf;
-    mf_parallel_for(n, quant_x_task, &c);
-    if (n >= MF_KBLK_MIN_N && mf_kunpack_avx2[type]) {
-        int64_t rk = (192 * 1024) / (c.nb * (int64_t)sizeof(mf_kblk));
-        rk = rk < 1 ? 1 : rk > c.rt ? c.rt : rk;
-        c.rt = rk;
-        mf_parallel_for((rows + rk - 1) / rk, mm_task_kblk, &c);
-    } else if (mf_b32unpack_avx2[type] &&
-               n >= (type == T_Q8_0 || type == T_IQ4_NL ? MF_B32S_MIN_N : MF_B32_MIN_N)) {
-        int64_t rk = (192 * 1024) / (c.nb * (int64_t)sizeof(mf_b32));
-        rk = rk < 1 ? 1 : rk > c.rt ? c.rt : rk;
-        c.rt = rk;
-        mf_parallel_for((rows + rk - 1) / rk, mm_task_b32, &c);
-    } else
-        mf_parallel_for(ntasks, mm_task_vec, &c);
+    for (int f = XF_Q8_32; f <= XF_Q8_256; f++) {
+        if (!need_fmt[f]) continue;
+        int j = 0;
+        while (p[j].c.xfmt != f) j++;
+        p[j].c.xq = xq_buf + at[f];
+        mf_parallel_for(n, quant_x_task, &p[j].c);
+        for (int i = 0; i < k; i++)
+            if (p[i].c.xfmt == f) p[i].c.xq = xq_buf + at[f];
+    }
+    mf_parallel_for(m.off[k], multi_task, &m);
     pthread_mutex_unlock(&xq_lock);
     return 0;
+}
+
+/* Returns 0, or -1 unknown type / -2 bad cols / -3 out of memory. Call without the GIL. */
+int mf_matmul(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t n,
+              float *y) {
+    return mf_matmul_multi(1, &type, &w, &rows, cols, x, n, &y);
 }
 
 typedef struct {

@@ -150,6 +150,19 @@ class Model:
         b = self.vec.get(name + ".bias")
         return y if b is None else y + b
 
+    def linears(self, x: np.ndarray, names: tuple[str, ...]) -> list[np.ndarray]:
+        """[linear(x, name) for name in names], as one backend call when it has matmul_multi
+        (weights sharing x: Q/K/V, gate/up)."""
+        mm = getattr(self.ops, "matmul_multi", None)
+        if mm is None:
+            return [self.linear(x, nm) for nm in names]
+        ys = mm(x, [self.weights.get(nm + ".weight") for nm in names])
+        for i, nm in enumerate(names):
+            b = self.vec.get(nm + ".bias")
+            if b is not None:
+                ys[i] = ys[i] + b
+        return ys
+
     def attention(self, il: int, x: np.ndarray, pos: np.ndarray, cache: KVCache, last, *,
                   qk_norm: bool = False, rope_base: float | None = None,
                   freq_scale: float | None = None, window: int = 0) -> np.ndarray:
@@ -157,9 +170,10 @@ class Model:
         optional per-head RMS norm of Q and K, RoPE, cached causal attention, output proj."""
         c, ops, p = self.config, self.ops, f"blk.{il}."
         n = x.shape[0]
-        q = self.linear(x, p + "attn_q").reshape(n, c.n_head, c.head_dim_k)
-        k = self.linear(x, p + "attn_k").reshape(n, c.n_head_kv, c.head_dim_k)
-        v = self.linear(x, p + "attn_v").reshape(n, c.n_head_kv, c.head_dim_v)
+        q, k, v = self.linears(x, (p + "attn_q", p + "attn_k", p + "attn_v"))
+        q = q.reshape(n, c.n_head, c.head_dim_k)
+        k = k.reshape(n, c.n_head_kv, c.head_dim_k)
+        v = v.reshape(n, c.n_head_kv, c.head_dim_v)
         if qk_norm:
             q = self.norm(q, p + "attn_q_norm.weight")
             k = self.norm(k, p + "attn_k_norm.weight")
@@ -181,7 +195,6 @@ class Model:
     def ffn(self, il: int, x: np.ndarray) -> np.ndarray:
         # gated FFN: down(act(gate x) * up x)
         p = f"blk.{il}."
-        g = self.linear(x, p + "ffn_gate")
-        u = self.linear(x, p + "ffn_up")
+        g, u = self.linears(x, (p + "ffn_gate", p + "ffn_up"))
         h = self.ops.silu_mul(g, u) if self.act == "silu" else self.ops.gelu_mul(g, u)
         return self.linear(h, p + "ffn_down")

@@ -52,6 +52,26 @@ def matmul(x: np.ndarray, w: QTensor, out: np.ndarray | None = None) -> np.ndarr
     return out
 
 
+def matmul_multi(x: np.ndarray, ws: list[QTensor]) -> list[np.ndarray]:
+    """[x @ W^T for W in ws] (1..4 weights with equal cols) in one native call: x is quantized
+    once and all row tiles run as one pool job; each result equals matmul(x, W) bit for bit."""
+    cols = ws[0].shape[1]
+    if x.dtype != np.float32 or not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+    assert x.ndim == 2 and x.shape[1] == cols and 1 <= len(ws) <= 4, (x.shape, [w.name for w in ws])
+    n = x.shape[0]
+    args, outs = [x, n, cols], []
+    for w in ws:
+        if w.type.id not in _BLOCK:
+            _unsupported(w)
+        assert w.shape[1] == cols, (w.name, w.shape, cols)
+        y = np.empty((n, w.shape[0]), dtype=np.float32)
+        args += (w.type.id, w.data, w.shape[0], y)
+        outs.append(y)
+    _native.matmul_multi(*args)
+    return outs
+
+
 def get_rows(w: QTensor, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     # W(vocab, dim)[ids] -> [n, dim] f32
     rows, cols = w.shape
