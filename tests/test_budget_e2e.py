@@ -170,9 +170,6 @@ def test_gemma_within_budget(gemma_path):
 
 # ---- perplexity at the floor ---------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="api.Model.perplexity forwards whole ctx chunks and "
-                   "scores 64-row f64 logit slices, beyond the plan's n_batch scratch; needs "
-                   "n_batch pieces + LOGITS_SLICE_ROWS slices (lead: api.py)")
 @pytest.mark.timeout(180)
 def test_perplexity_within_budget(smollm2_path, tmp_path):
     words = ("time people year way day man thing woman life child world school state family "

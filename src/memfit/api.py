@@ -82,17 +82,16 @@ class Model:
         self.path = Path(resolve_model(str(model) if model is not None else None, quiet=quiet))
         self.file = open_gguf(self.path)
         try:
+            if threads is not None and threads < 1:
+                raise RequestError(f"threads must be >= 1, got {threads}")
+            self.threads = threads
+            self.plan = self.ledger = None
+            if mem_budget is not None or os.environ.get("MEMFIT_MEM_BUDGET"):
+                self._plan_budget(mem_budget, n_ctx, quiet)  # refuses before anything loads
             self.tokenizer = Tokenizer.from_metadata(self.file.metadata)
             self.ops = get_ops(backend)
-            if threads is not None:
-                if threads < 1:
-                    raise RequestError(f"threads must be >= 1, got {threads}")
-                if hasattr(self.ops, "set_threads"):
-                    self.ops.set_threads(threads)
-            self.threads = threads
-            self.plan = self.ledger = self.store = None
-            if mem_budget is not None or os.environ.get("MEMFIT_MEM_BUDGET"):
-                self._plan_budget(mem_budget, n_ctx, quiet)
+            if threads is not None and hasattr(self.ops, "set_threads"):
+                self.ops.set_threads(threads)
             self.model = load_model(self.file, weights=self.store, ops=self.ops)
             self.config = self.model.config
             train_ctx = int(getattr(self.config, "n_ctx_train", 0) or 4096)
@@ -191,6 +190,7 @@ class Model:
         the second half of each chunk scored. ``progress(i, n, running_ppl)`` per chunk."""
         if ctx < 16:
             raise RequestError(f"perplexity context {ctx} is too small (minimum 16)")
+        from .memory.planner import LOGITS_SLICE_ROWS as rows
         t0 = time.perf_counter()
         toks = self.tokenize(text, add_special=True, parse_special=False)
         n_chunks = len(toks) // ctx
@@ -207,14 +207,22 @@ class Model:
             if bos is not None:
                 chunk[0] = bos
             cache = self.model.new_cache(ctx)
-            h = self.model.forward(np.asarray(chunk, dtype=np.int32), cache, hidden_from=first)
+            # forward in the plan's n_batch pieces (scratch is sized for it); keep rows first..
+            hs = []
+            for b in range(0, ctx, self.n_batch):
+                piece = np.asarray(chunk[b:b + self.n_batch], dtype=np.int32)
+                if b + len(piece) <= first:
+                    self.model.forward(piece, cache)
+                else:
+                    hs.append(self.model.forward(piece, cache, hidden_from=max(0, first - b)))
+            h = np.concatenate(hs) if len(hs) > 1 else hs[0]
             tgt_all = np.asarray(chunk[first + 1:ctx])
             v = np.empty(len(tgt_all))
-            for j in range(0, len(tgt_all), 64):  # logits in slices: [64, n_vocab] at a time
-                lg = self.model.logits(h[j:j + 64][:len(tgt_all) - j]).astype(np.float64)
-                lg -= lg.max(axis=1, keepdims=True)
-                logz = np.log(np.exp(lg).sum(axis=1))
-                tgt = tgt_all[j:j + 64]
+            for j in range(0, len(tgt_all), rows):  # f32 logits [rows, n_vocab] at a time
+                lg = self.model.logits(h[j:j + rows][:len(tgt_all) - j])
+                mx = lg.max(axis=1, keepdims=True)
+                logz = np.log(np.exp(lg - mx, dtype=np.float64).sum(axis=1)) + mx[:, 0]
+                tgt = tgt_all[j:j + rows]
                 v[j:j + len(tgt)] = logz - lg[np.arange(len(tgt)), tgt]
             nll += float(v.sum())
             nll2 += float((v * v).sum())
