@@ -51,7 +51,7 @@ def test_greedy_matches_llamacpp(model_and_golden):
     (golden top1 - top2 < 0.05). llama.cpp's own batched vs step-by-step evaluation moves
     these probabilities by up to 0.03 (SmolLM2) / 0.06 (gemma), and memfit's Q8 activation
     rounding (the same scheme as llama.cpp's) meets different float orders, so the strict rule
-    is reported, and the assertions use the bounds this path holds: see NOTES in README."""
+    is reported, and the assertions use the bounds this path holds: see docs/NOTES.md."""
     m, stem, golden_dir = model_and_golden
     cases = load_jsonl(golden_dir / f"greedy_{stem}.jsonl")
     assert len(cases) >= 12
