@@ -70,7 +70,8 @@ def machine_key() -> str:
 
 def device_key(path: str | os.PathLike) -> str:
     st = os.stat(path)
-    return f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    # "v2": the probe walks a contiguous region with the store's request size and depth
+    return f"v2:{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
 
 
 def measure_memory_bandwidth(nbytes: int = 256 << 20, threads: int | None = None,
@@ -94,26 +95,35 @@ def measure_memory_bandwidth(nbytes: int = 256 << 20, threads: int | None = None
     return best
 
 
-def measure_disk_bandwidth(path: str | os.PathLike, sample_bytes: int = 256 << 20,
-                           chunk: int = 8 << 20, workers: int = 4, max_s: float = 1.0) -> float:
-    """Cold sequential-read bandwidth (bytes/s) of the file's device: O_DIRECT reads of chunk
-    bytes by `workers` threads spread over the file (bypassing the page cache, so the result
-    is the disk's, not RAM's). Raises OSError where O_DIRECT is not possible."""
+def measure_disk_bandwidth(path: str | os.PathLike, sample_bytes: int = 512 << 20,
+                           chunk: int | None = None, workers: int | None = None,
+                           max_s: float = 1.5) -> float:
+    """Cold read bandwidth (bytes/s) of the file's device with the weight store's own access
+    pattern: O_DIRECT requests of IO_CHUNK bytes, IO_WORKERS in flight, walking one contiguous
+    region (a streamed unit is contiguous in the file). O_DIRECT bypasses the page cache, so
+    the result is the disk's, not RAM's. Raises OSError where O_DIRECT is not possible."""
+    from .store import IO_CHUNK, IO_WORKERS
+    chunk = chunk or IO_CHUNK
+    workers = workers or IO_WORKERS
     size = os.path.getsize(path)
     n_chunks = max(1, min(sample_bytes, size) // chunk)
-    span = max(1, (size - chunk) // ALIGN)
-    offsets = [((span * i // n_chunks) * ALIGN) for i in range(n_chunks)]
+    start = ((size - n_chunks * chunk) // 2) // ALIGN * ALIGN if size > n_chunks * chunk else 0
+    offsets = [start + i * chunk for i in range(n_chunks)]
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
     done = [0]
+    nxt = [0]
     lock = threading.Lock()
     t0 = time.perf_counter()
 
-    def work(my):
+    def work():
         mm = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT requires
         try:
-            for off in my:
-                if time.perf_counter() - t0 > max_s:
-                    break
+            while time.perf_counter() - t0 < max_s:
+                with lock:
+                    if nxt[0] >= len(offsets):
+                        break
+                    off = offsets[nxt[0]]
+                    nxt[0] += 1
                 n = os.preadv(fd, [mm], off)
                 with lock:
                     done[0] += n
@@ -121,7 +131,7 @@ def measure_disk_bandwidth(path: str | os.PathLike, sample_bytes: int = 256 << 2
             mm.close()
 
     try:
-        ts = [threading.Thread(target=work, args=(offsets[w::workers],)) for w in range(workers)]
+        ts = [threading.Thread(target=work) for _ in range(workers)]
         for t in ts:
             t.start()
         for t in ts:
