@@ -692,9 +692,41 @@ AVX2 static inline __m128 hsum4_ps(__m256 a, __m256 b, __m256 c, __m256 d) {
         _mm_storeu_ps(out, _mm_add_ps(hsum4_ps(a[0], a[1], a[2], a[3]), cacc));                    \
     }
 VD4(vd4_q4_0, up_q4_0, 0)
-VD4(vd4_q4_1, up_q4_1, 0)
 VD4(vd4_q5_0, up_q5_0, 0)
 VD4(vd4_q5_1, up_q5_1, 0)
+
+/* Q4_1, 4 rows, same arithmetic as VD4 in ~half the instructions: the 4 rows' (d, m) f16 pairs
+ * convert in one vcvtph2ps and multiply with the (dx, s) pair broadcast as one 64-bit value;
+ * the 16 nibble bytes load into both lanes and one per-lane shift splits low/high. */
+AVX2 static void vd4_q4_1(const uint8_t *w, size_t rb, const void *xv, int64_t nb, float *out) {
+    const mf_q8_32 *x = xv;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, macc = a0;
+    const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0xF);
+    const __m256i sh = _mm256_set_epi64x(4, 4, 0, 0);
+    const __m256i i0 = _mm256_set1_epi32(0), i1 = _mm256_set1_epi32(2);
+    const __m256i i2 = _mm256_set1_epi32(4), i3 = _mm256_set1_epi32(6);
+    const uint8_t *w0 = w, *w1 = w + rb, *w2 = w + 2 * rb, *w3 = w + 3 * rb;
+    for (int64_t b = 0; b < nb; b++, w0 += 20, w1 += 20, w2 += 20, w3 += 20) {
+        const __m256i y = _mm256_loadu_si256((const __m256i *)x[b].qs);
+        const __m256 xs = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)&x[b])); /* dx s dx s .. */
+        int32_t h0, h1, h2, h3;
+        memcpy(&h0, w0, 4); memcpy(&h1, w1, 4); memcpy(&h2, w2, 4); memcpy(&h3, w3, 4);
+        const __m256 dm = _mm256_cvtph_ps(_mm_setr_epi32(h0, h1, h2, h3)); /* d0 m0 d1 m1 .. */
+        const __m256 sc = _mm256_mul_ps(dm, xs);                            /* d_r * dx in even lanes */
+        macc = _mm256_fmadd_ps(dm, xs, macc);                               /* += m_r * s in odd lanes */
+#define Q41_ROW(W, A, I)                                                                            \
+        {                                                                                           \
+            __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)((W) + 4)));  \
+            q = _mm256_and_si256(_mm256_srlv_epi64(q, sh), m4);                                     \
+            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), ones);                  \
+            A = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(sc, I), _mm256_cvtepi32_ps(p), A);         \
+        }
+        Q41_ROW(w0, a0, i0) Q41_ROW(w1, a1, i1) Q41_ROW(w2, a2, i2) Q41_ROW(w3, a3, i3)
+#undef Q41_ROW
+    }
+    const __m128 c = _mm256_castps256_ps128(_mm256_permutevar8x32_ps(macc, _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7)));
+    _mm_storeu_ps(out, _mm_add_ps(hsum4_ps(a0, a1, a2, a3), c));
+}
 
 mf_vecdot4_fn mf_vecdot4_avx2[T_MAX] = {
     [T_Q4_0] = vd4_q4_0, [T_Q4_1] = vd4_q4_1, [T_Q5_0] = vd4_q5_0, [T_Q5_1] = vd4_q5_1,
