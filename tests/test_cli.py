@@ -109,3 +109,15 @@ def test_pull_list():
 def test_bad_flag_values_are_errors(tmp_path):
     p = memfit("pull", "no-such-model", check=False)
     assert p.returncode != 0 and "no-such-model" in p.stderr
+
+
+@pytest.mark.realmodel
+@pytest.mark.parametrize("args, needle", [
+    (["-n", "-5"], "-5"), (["-c", "0"], "context size 0"), (["-c", "100000000"], "100000000"),
+    (["--temp", "nan"], "nan"), (["-t", "0"], "threads"), (["--top-p", "2"], "top_p"),
+    (["--top-k", "-1"], "top_k"), (["--mem-budget", "abc"], "abc"),
+])
+def test_bad_run_arguments_are_clear_errors(smollm2_path, args, needle):
+    p = memfit("run", smollm2_path, "-p", "hi", "--no-echo", *args, check=False, timeout=60)
+    assert p.returncode != 0 and needle in p.stderr
+    assert p.stderr.count("\n") == 1  # one line, no traceback

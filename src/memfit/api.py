@@ -95,13 +95,27 @@ class Model:
             self.model = load_model(self.file, weights=self.store, ops=self.ops)
             self.config = self.model.config
             train_ctx = int(getattr(self.config, "n_ctx_train", 0) or 4096)
-            self.n_ctx = int(n_ctx) if n_ctx else min(train_ctx, 4096)
+            self.n_ctx = int(n_ctx) if n_ctx is not None else min(train_ctx, 4096)
             self.n_batch = int(getattr(self.plan, "n_batch", 0) or 512)
             if self.n_ctx < 8:
                 raise RequestError(f"context size {self.n_ctx} is too small (minimum 8)")
+            if self.n_ctx > train_ctx:
+                raise RequestError(f"context size {self.n_ctx} exceeds the model's training "
+                                   f"context {train_ctx}; use --ctx-size {train_ctx} or less")
+            self._check_kv_fits()
         except BaseException:
             self.close()
             raise
+
+    def _check_kv_fits(self) -> None:
+        """Refuse a context whose KV cache cannot fit in available memory (before allocating)."""
+        import psutil
+        c = self.config
+        kv = 4 * self.n_ctx * c.n_layer * c.n_head_kv * (c.head_dim_k + c.head_dim_v)
+        avail = psutil.virtual_memory().available
+        if kv > avail:
+            raise RequestError(f"context size {self.n_ctx} needs {kv / 2**30:.1f} GiB of KV cache "
+                               f"but {avail / 2**30:.1f} GiB is available; lower --ctx-size")
 
     def _plan_budget(self, mem_budget, n_ctx, quiet: bool) -> None:
         """Plan tiers for the budget (refusing below the floor before anything loads), then
