@@ -56,10 +56,28 @@ def _sampling_kwargs(a) -> dict:
 
 
 def _load(a, n_ctx=None):
-    from .api import Model
-    return Model(a.model, threads=getattr(a, "threads", None), n_ctx=n_ctx,
-                 backend=getattr(a, "backend", None), quiet=getattr(a, "json", False),
-                 mem_budget=getattr(a, "mem_budget", None))
+    import time
+
+    from .api import Model, peak_rss_bytes
+    quiet = getattr(a, "json", False)
+    if not quiet:
+        print(f"memfit: loading {a.model or 'default model'}"
+              + (f" within a budget of {a.mem_budget}" if getattr(a, "mem_budget", None) else "")
+              + " ...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    m = Model(a.model, threads=getattr(a, "threads", None), n_ctx=n_ctx,
+              backend=getattr(a, "backend", None), quiet=quiet,
+              mem_budget=getattr(a, "mem_budget", None))
+    if not quiet:
+        tiers = ""
+        if m.plan is not None:
+            tb = m.plan.tier_bytes
+            tiers = (f", pinned {_mib(tb.get('pinned', 0))}, streamed "
+                     f"{m.plan.disk_bytes_per_token / 2**20:.0f} MiB/token")
+        print(f"memfit: loaded {m.path.name} ({m.config.arch}, {m.n_ctx} ctx) in "
+              f"{time.perf_counter() - t0:.1f} s, RSS {_mib(peak_rss_bytes())}{tiers}",
+              file=sys.stderr, flush=True)
+    return m
 
 
 def _read_text(a) -> str:
