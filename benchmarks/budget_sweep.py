@@ -46,32 +46,44 @@ def run_limited(limit: int, cmd: list[str], timeout: float) -> dict:
     return rec
 
 
-def table(rows: list[dict]) -> str:
-    out = ["| budget (fraction of file) | cgroup limit | memfit tok/s | memfit peak RSS | "
-           "llama.cpp tok/s | llama.cpp note |", "|---|---|---|---|---|---|"]
-    by = {}
+def _group(rows: list[dict]) -> dict:
+    """(side, fraction) -> records; a JSONL may hold several sweeps (repeat runs)."""
+    g: dict = {}
     for r in rows:
-        by.setdefault(r["fraction"], {})[r["side"]] = r
-    for f in sorted(by, reverse=True):
-        m, l = by[f].get("memfit", {}), by[f].get("llama.cpp", {})
-        lim = (m or l).get("limit_bytes", 0)
+        g.setdefault((r["side"], r["fraction"]), []).append(r)
+    return g
 
-        def tps(r):
-            return "—" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:.3f}"
-        note = []
-        if l.get("oom_kill"):
-            note.append("OOM-killed")
-        if l.get("tokens_reached"):
-            note.append(f"{l['tokens_reached'][0]} tokens, {l.get('wall_s')} s wall incl. load")
-        if l and l.get("tokens_per_s") is None and l.get("progress"):
-            note.append(l["progress"])
-        if m.get("oom_kill"):
-            tps_m = "OOM-killed"
-        else:
-            tps_m = tps(m)
-        rss = f"{m['peak_rss_bytes'] / GIB:.2f} GiB" if m.get("peak_rss_bytes") else "—"
-        out.append(f"| {f:.0%} | {lim / GIB:.2f} GiB | {tps_m} | {rss} | {tps(l)} | "
-                   f"{', '.join(note)} |")
+
+def _median(xs):
+    xs = sorted(xs)
+    return None if not xs else (xs[len(xs) // 2] if len(xs) % 2 else
+                                (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2)
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: per fraction, median tok/s of each side (all runs in brackets), ratio."""
+    g = _group(rows)
+    out = ["| budget (fraction of file) | cgroup limit | memfit tok/s | memfit max peak RSS | "
+           "llama.cpp tok/s | memfit / llama.cpp | OOM kills (memfit, llama.cpp) |",
+           "|---|---|---|---|---|---|---|"]
+    for f in sorted({k[1] for k in g}, reverse=True):
+        m, l = g.get(("memfit", f), []), g.get(("llama.cpp", f), [])
+        lim = (m or l)[0]["limit_bytes"]
+
+        def cell(rs):
+            v = [r["tokens_per_s"] for r in rs if r.get("tokens_per_s")]
+            if not v:
+                return "—", None
+            md = _median(v)
+            runs = f" ({', '.join(f'{x:.3f}' for x in v)})" if len(v) > 1 else ""
+            return f"{md:.3f}{runs}", md
+        mc, mm = cell(m)
+        lc, lm = cell(l)
+        rss = max((r.get("peak_rss_bytes") or 0) for r in m) if m else 0
+        ratio = f"{mm / lm:.2f}x" if mm and lm else "—"
+        ooms = (sum(r.get("oom_kill") or 0 for r in m), sum(r.get("oom_kill") or 0 for r in l))
+        out.append(f"| {f:.0%} | {lim / GIB:.2f} GiB | {mc} | "
+                   f"{rss / GIB:.2f} GiB | {lc} | {ratio} | {ooms[0]}, {ooms[1]} |")
     return "\n".join(out)
 
 
@@ -85,12 +97,20 @@ def plot(rows: list[dict], png: str) -> None:
         return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    g = _group(rows)
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
-    for side, mk in (("memfit", "o-"), ("llama.cpp", "s--")):
-        pts = sorted((r["limit_bytes"] / GIB, r["tokens_per_s"]) for r in rows
-                     if r["side"] == side and r.get("tokens_per_s"))
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], mk, label=side)
+    for side, mk, col in (("memfit", "o-", "C0"), ("llama.cpp", "s--", "C1")):
+        fr = sorted(f for s_, f in g if s_ == side)
+        xs, ys = [], []
+        for f in fr:
+            v = [r["tokens_per_s"] for r in g[(side, f)] if r.get("tokens_per_s")]
+            lim = g[(side, f)][0]["limit_bytes"] / GIB
+            if v:
+                xs.append(lim)
+                ys.append(_median(v))
+                ax.scatter([lim] * len(v), v, s=12, color=col, alpha=0.4)
+        if xs:
+            ax.plot(xs, ys, mk, color=col, label=f"{side} (median; dots: runs)")
     size = rows[0]["model_bytes"] / GIB
     ax.axvline(size, color="grey", lw=0.8, ls=":")
     ax.text(size, ax.get_ylim()[1] * 0.95, " model file", color="grey", fontsize=8, va="top")
@@ -140,7 +160,8 @@ def main(argv=None) -> int:
                            "--max-seconds", str(a.peer_max_seconds), "--json"]
                 rec = run_limited(limit, cmd, a.timeout)
                 rec.update(side=side, fraction=frac, limit_bytes=limit, model_bytes=size,
-                           model=os.path.basename(a.model), load1=round(os.getloadavg()[0], 2))
+                           model=os.path.basename(a.model), load1=round(os.getloadavg()[0], 2),
+                           omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"))
                 rows.append(rec)
                 f.write(json.dumps(rec) + "\n")
                 f.flush()
