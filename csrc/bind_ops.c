@@ -362,6 +362,33 @@ static PyObject *py_gelu_mul(PyObject *self, PyObject *const *args, Py_ssize_t n
     return gated("gelu_mul", 1, args, nargs, kw);
 }
 
+/* ---- round_f16(x, out=None): x rounded to float16 precision, kept as float32 ------------- */
+
+static PyObject *py_round_f16(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kw) {
+    static const char *const names[] = {"x", "out"};
+    const char *fn = "round_f16";
+    PyObject *a[2], *res = NULL;
+    bufs bs = {.n = 0};
+    if (parse_args(fn, args, nargs, kw, names, 1, 2, a) < 0) return NULL;
+    Py_buffer *x = get_buf(&bs, a[0], fn, "x", 'f', 0, 1, 64), *o;
+    if (!x) goto done;
+    if (!(o = get_out(&bs, a[1], fn, x->ndim, x->shape, &res))) goto done;
+    {
+        const float *xp = x->buf;
+        float *op = o->buf;
+        const int64_t n = numel(x);
+        Py_BEGIN_ALLOW_THREADS
+        mf_round_f16_f32(xp, op, n);
+        Py_END_ALLOW_THREADS
+    }
+    release(&bs);
+    return res;
+done:
+    release(&bs);
+    Py_XDECREF(res);
+    return NULL;
+}
+
 /* ---- attention(q, k, v, q_pos, kv_pos, scale, window=0, softcap=0.0, out=None) ---------- */
 
 static PyObject *py_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kw) {
@@ -437,6 +464,8 @@ PyMethodDef mf_ops_methods[] = {
      "normal rotates (2i, 2i+1), neox (i, i + n_rot/2); dims >= n_rot pass through. out may be x."},
     {"softmax", (PyCFunction)(void (*)(void))py_softmax, FC,
      "softmax(x[..., k] f32, out=None) -> out: softmax over the last axis. out may be x."},
+    {"round_f16", (PyCFunction)(void (*)(void))py_round_f16, FC,
+     "round_f16(x f32, out=None) -> out: x rounded to the nearest float16 (ties to even), as float32. out may be x."},
     {"silu_mul", (PyCFunction)(void (*)(void))py_silu_mul, FC,
      "silu_mul(gate f32, up f32 (same shape), out=None) -> silu(gate) * up"},
     {"gelu_mul", (PyCFunction)(void (*)(void))py_gelu_mul, FC,

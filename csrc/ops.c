@@ -336,6 +336,57 @@ static void gate_run(const float *g, const float *u, float *out, int64_t n, int 
 }
 
 void mf_silu_mul_f32(const float *g, const float *u, float *out, int64_t n) { gate_run(g, u, out, n, 0); }
+
+/* ------------------------------------------------------------------------------------------ */
+/* float16 rounding of float32 values (the f16 KV cache and f16 Q of llama.cpp's flash path).  */
+
+static float round_f16_scalar(float f) {
+    uint32_t u, a;
+    memcpy(&u, &f, 4);
+    a = u & 0x7fffffffu;
+    if (a >= 0x7f800000u) return f;                 /* inf, nan */
+    if (a >= 0x477ff000u) u = (u & 0x80000000u) | 0x7f800000u; /* >= 65520 rounds to inf */
+    else if (a < 0x38800000u) {                      /* below 2^-14: f16 subnormal, step 2^-24 */
+        float m = nearbyintf(fabsf(f) * 16777216.0f) * (1.0f / 16777216.0f);
+        memcpy(&a, &m, 4);
+        u = (u & 0x80000000u) | a;
+    } else {                                         /* keep 10 mantissa bits, ties to even */
+        a = (a + 0xfffu + ((a >> 13) & 1u)) & ~0x1fffu;
+        u = (u & 0x80000000u) | a;
+    }
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+#ifdef MF_X86
+__attribute__((target("avx2,fma,f16c"))) static void round_f16_avx2(const float *x, float *out, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT)));
+    for (; i < n; i++) out[i] = round_f16_scalar(x[i]);
+}
+#endif
+
+typedef struct { const float *x; float *out; int64_t n; } r16_ctx;
+
+static void r16_run(const float *x, float *out, int64_t n) {
+#ifdef MF_X86
+    if (use_avx2()) { round_f16_avx2(x, out, n); return; }
+#endif
+    for (int64_t i = 0; i < n; i++) out[i] = round_f16_scalar(x[i]);
+}
+
+static void r16_task(void *p, int64_t t) {
+    const r16_ctx *c = p;
+    const int64_t i0 = t * CHUNK, m = c->n - i0 < CHUNK ? c->n - i0 : CHUNK;
+    r16_run(c->x + i0, c->out + i0, m);
+}
+
+void mf_round_f16_f32(const float *x, float *out, int64_t n) {
+    if (n < PAR_MIN) { r16_run(x, out, n); return; }
+    r16_ctx c = {x, out, n};
+    mf_parallel_for((n + CHUNK - 1) / CHUNK, r16_task, &c);
+}
 void mf_gelu_mul_f32(const float *g, const float *u, float *out, int64_t n) { gate_run(g, u, out, n, 1); }
 
 /* ------------------------------------------------------------------------------------------ */

@@ -26,6 +26,10 @@ void mf_softmax_f32(const float *x, float *out, int64_t rows, int64_t k);
 void mf_silu_mul_f32(const float *g, const float *u, float *out, int64_t n);
 void mf_gelu_mul_f32(const float *g, const float *u, float *out, int64_t n);
 
+/* out = float32(float16(x)) elementwise (round to nearest even, IEEE overflow/subnormals), as
+ * numpy's x.astype(float16).astype(float32). */
+void mf_round_f16_f32(const float *x, float *out, int64_t n);
+
 /* q[n, Hq, D], k[T, Hkv, D], v[T, Hkv, Dv], out[n, Hq, Dv]. Key t is visible to query i iff
  * kv_pos[t] <= q_pos[i] and (window == 0 or q_pos[i] - kv_pos[t] < window). Score =
  * scale * q.k, then softcap * tanh(score / softcap) when softcap > 0. A query that sees no key

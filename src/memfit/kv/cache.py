@@ -15,6 +15,22 @@ import numpy as np
 
 from ..errors import RequestError
 
+try:  # float32 -> float16 -> float32 rounding in C (F16C), bit-identical to numpy's astype pair
+    from .._native import round_f16 as _round_f16_native
+except ImportError:  # pragma: no cover - the numpy path below stands in
+    _round_f16_native = None
+
+
+def round_f16(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """x rounded to float16 precision, as float32 (into out when given; out may be x)."""
+    if _round_f16_native is not None and x.dtype == np.float32 and x.flags.c_contiguous:
+        return _round_f16_native(x, out)
+    r = x.astype(np.float16).astype(np.float32)
+    if out is None:
+        return r
+    out[...] = r
+    return out
+
 
 class KVCache:
     def __init__(self, n_layer: int, n_ctx: int, n_kv_head: int, head_dim_k: int,
@@ -43,10 +59,12 @@ class KVCache:
         n = k.shape[0]
         end = self.offset + n
         assert end <= self.n_ctx, "positions(n) must be called first"
+        kd, vd = self.k[layer][self.offset:end], self.v[layer][self.offset:end]
+        kd[...] = k
+        vd[...] = v
         if self.f16_values:
-            k, v = k.astype(np.float16), v.astype(np.float16)
-        self.k[layer][self.offset:end] = k
-        self.v[layer][self.offset:end] = v
+            round_f16(kd, kd)
+            round_f16(vd, vd)
         return self.k[layer][:end], self.v[layer][:end], self._pos[:end]
 
     def advance(self, n: int) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ModelError, RequestError, UnsupportedError
-from ..kv.cache import KVCache
+from ..kv.cache import KVCache, round_f16
 from ..quant.reference import dequantize
 from ..quant.types import SUPPORTED, TYPES
 from .config import ModelConfig
@@ -186,9 +186,10 @@ class Model:
         K, V, kv_pos = cache.update_and_fetch(il, k, v)
         if last is not None:
             q, pos = q[last], pos[last]
+        q = np.ascontiguousarray(q)
         if cache.f16_values:
-            q = q.astype(np.float16).astype(np.float32)
-        o = ops.attention(np.ascontiguousarray(q), K, V, pos, kv_pos, c.attn_scale, window,
+            q = round_f16(q, q)  # q is this layer's own rope output
+        o = ops.attention(q, K, V, pos, kv_pos, c.attn_scale, window,
                           c.attn_softcap)
         return self.linear(o.reshape(o.shape[0], c.n_head * c.head_dim_v), p + "attn_output")
 
