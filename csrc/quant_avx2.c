@@ -621,12 +621,13 @@ mf_b32unpack_fn mf_b32unpack_avx2[T_MAX] = {
     [T_Q8_0] = up_q8_0, [T_IQ4_NL] = up_iq4_nl,
 };
 
+/* The unsigned types' offset term c_b * s_{i,b} is summed per (W row, X row) outside the
+ * integer kernel (mf_b32_corr_avx2, 8 X rows per vector), in the same order and rounding. */
 #define BDOT(M, SIGNED)                                                                              \
     AVX2 static void bdot##M##_##SIGNED(const mf_b32 *w, int64_t nb, const uint8_t *xb, size_t xs, float *out) { \
         __m256 acc[M];                                                                               \
-        float corr[M];                                                                               \
         const __m256i ones = _mm256_set1_epi16(1);                                                   \
-        for (int i = 0; i < M; i++) { acc[i] = _mm256_setzero_ps(); corr[i] = 0; }                   \
+        for (int i = 0; i < M; i++) acc[i] = _mm256_setzero_ps();                                    \
         for (int64_t b = 0; b < nb; b++) {                                                           \
             __m256i q = _mm256_loadu_si256((const __m256i *)w[b].q);                                 \
             __m256i aq = SIGNED ? _mm256_sign_epi8(q, q) : q;                                        \
@@ -636,26 +637,38 @@ mf_b32unpack_fn mf_b32unpack_avx2[T_MAX] = {
                 if (SIGNED) y = _mm256_sign_epi8(y, q);                                              \
                 __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, y), ones);                    \
                 acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(w[b].d * x->d), _mm256_cvtepi32_ps(p), acc[i]); \
-                if (!SIGNED) corr[i] += w[b].c * x->s;                                               \
             }                                                                                        \
         }                                                                                            \
-        for (int i = 0; i < M; i++) out[i] = hsum_ps(acc[i]) + corr[i];                              \
+        for (int i = 0; i < M; i++) out[i] = hsum_ps(acc[i]);                                        \
     }
 BDOT(4, 0)
 BDOT(1, 0)
 BDOT(4, 1)
 BDOT(1, 1)
 
-AVX2 void mf_bdot_avx2(const mf_b32 *w, int64_t nb, int sgn, const uint8_t *x, size_t xs, int64_t m, float *out, int64_t ostride) {
+/* corr[j] = sum_b c_b * st[b * MF_BST + j] for j < m (<= MF_BST), b in order, mul then add */
+AVX2 void mf_b32_corr_avx2(const mf_b32 *w, int64_t nb, const float *st, int64_t m, float *corr) {
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0;
+    for (int64_t b = 0; b < nb; b++) {
+        const __m256 cb = _mm256_set1_ps(w[b].c);
+        c0 = _mm256_add_ps(c0, _mm256_mul_ps(cb, _mm256_loadu_ps(st + b * MF_BST)));
+        if (m > 8) c1 = _mm256_add_ps(c1, _mm256_mul_ps(cb, _mm256_loadu_ps(st + b * MF_BST + 8)));
+    }
+    _mm256_storeu_ps(corr, c0);
+    _mm256_storeu_ps(corr + 8, c1);
+}
+
+AVX2 void mf_bdot_avx2(const mf_b32 *w, int64_t nb, int sgn, const uint8_t *x, size_t xs, int64_t m,
+                       const float *corr, float *out, int64_t ostride) {
     int64_t i = 0;
     float o[4];
     for (; i + 4 <= m; i += 4) {
         if (sgn) bdot4_1(w, nb, x + i * xs, xs, o); else bdot4_0(w, nb, x + i * xs, xs, o);
-        for (int k = 0; k < 4; k++) out[(i + k) * ostride] = o[k];
+        for (int k = 0; k < 4; k++) out[(i + k) * ostride] = sgn ? o[k] : o[k] + corr[i + k];
     }
     for (; i < m; i++) {
         if (sgn) bdot1_1(w, nb, x + i * xs, xs, o); else bdot1_0(w, nb, x + i * xs, xs, o);
-        out[i * ostride] = o[0];
+        out[i * ostride] = sgn ? o[0] : o[0] + corr[i];
     }
 }
 

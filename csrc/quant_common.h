@@ -51,7 +51,10 @@ void mf_row_f32_avx2(int type, const uint8_t *w, float *dst, int64_t n);
 void mf_fgemm_avx2(const float *wf, int64_t nr, const float *x, int64_t m, int64_t cols, float *y, int64_t ys);
 extern mf_vecdot4_fn mf_vecdot4_avx2[T_MAX];
 extern mf_b32unpack_fn mf_b32unpack_avx2[T_MAX];
-void mf_bdot_avx2(const mf_b32 *w, int64_t nb, int sgn, const uint8_t *x, size_t xs, int64_t m, float *out, int64_t ostride);
+#define MF_BST 16 /* X rows per prefill tile: stride of the transposed s table */
+void mf_bdot_avx2(const mf_b32 *w, int64_t nb, int sgn, const uint8_t *x, size_t xs, int64_t m,
+                  const float *corr, float *out, int64_t ostride);
+void mf_b32_corr_avx2(const mf_b32 *w, int64_t nb, const float *st, int64_t m, float *corr);
 extern mf_kunpack_fn mf_kunpack_avx2[T_MAX];
 void mf_kdot_avx2(const mf_kblk *w, int64_t nb, const uint8_t *x, size_t xs, int64_t m, float *out, int64_t ostride);
 extern mf_vecdot_fn mf_vecdot_avx2[T_MAX];

@@ -93,7 +93,7 @@ static _Thread_local size_t tl_kcap;
 
 /* prefill, K-quants: unpack the task's W rows once, then 4 X rows per kernel call over X tiles
  * of XT2 rows (the unpacked tile + X tile stay in L2). */
-#define XT2 16
+#define XT2 16 /* == MF_BST */
 static void mm_task_kblk(void *p, int64_t t) {
     mm_ctx *c = p;
     int64_t r0 = t * c->rt, r1 = r0 + c->rt < c->rows ? r0 + c->rt : c->rows;
@@ -133,11 +133,19 @@ static void mm_task_b32(void *p, int64_t t) {
     int bytes = mf_qtypes[c->type].bytes, sgn = c->type == T_Q8_0 || c->type == T_IQ4_NL;
     for (int64_t r = r0; r < r1; r++)
         for (int64_t b = 0; b < c->nb; b++) up(c->w + r * c->rb + b * bytes, tl_bb + (r - r0) * c->nb + b);
+    float *st = sgn ? NULL : scratch_f32((size_t)(c->nb * MF_BST)), corr[MF_BST];
+    if (!sgn && !st) { mm_task_vec(p, t); return; }
     for (int64_t i0 = 0; i0 < c->n; i0 += XT2) {
         int64_t m = c->n - i0 < XT2 ? c->n - i0 : XT2;
-        for (int64_t r = r0; r < r1; r++)
+        if (!sgn) /* s of the tile's X rows, transposed to [block][row] (zero-padded) */
+            for (int64_t b = 0; b < c->nb; b++)
+                for (int64_t i = 0; i < MF_BST; i++)
+                    st[b * MF_BST + i] = i < m ? ((const mf_q8_32 *)(c->xq + (size_t)(i0 + i) * c->xs))[b].s : 0.0f;
+        for (int64_t r = r0; r < r1; r++) {
+            if (!sgn) mf_b32_corr_avx2(tl_bb + (r - r0) * c->nb, c->nb, st, m, corr);
             mf_bdot_avx2(tl_bb + (r - r0) * c->nb, c->nb, sgn, c->xq + (size_t)i0 * c->xs, c->xs, m,
-                         c->y + i0 * c->rows + r, c->rows);
+                         corr, c->y + i0 * c->rows + r, c->rows);
+        }
     }
 }
 
