@@ -27,6 +27,7 @@ class GGUFWeights:
 
     def __init__(self, gguf_file):
         self.file = gguf_file
+        self._views: dict[str, QTensor] = {}  # views are immutable: build each once (hot path)
 
     def has(self, name: str) -> bool:
         return name in self.file.tensors
@@ -36,5 +37,8 @@ class GGUFWeights:
         return t.shape, t.type
 
     def get(self, name: str) -> QTensor:
-        t = self.file.tensors[name]
-        return QTensor(name, t.type, t.shape, self.file.tensor_data(name))
+        q = self._views.get(name)
+        if q is None:
+            t = self.file.tensors[name]
+            q = self._views[name] = QTensor(name, t.type, t.shape, self.file.tensor_data(name))
+        return q
