@@ -162,3 +162,26 @@ def test_plan_for_real_gguf(tmp_path):
     with pytest.raises(BudgetError):
         plan_for_path(path, floor - 1, n_ctx=256, threads=2, baseline_bytes=50 * MiB,
                       bandwidth=BW)
+
+
+def test_plan_bandwidth_prefers_store_observed_rate_over_probe(tmp_path, monkeypatch):
+    # the store's own streaming rate (re-reads of the same bytes) beats the cold probe's
+    import json
+
+    from memfit.memory import bandwidth as bwmod
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    f = tmp_path / "w.bin"
+    f.write_bytes(b"x" * 8192)
+    key = bwmod.device_key(f)
+    bwmod.cache_path().parent.mkdir(parents=True)
+    bwmod.cache_path().write_text(json.dumps({"mem": {bwmod.machine_key(): 20e9},
+                                              "disk": {key: 0.8e9}}))
+    b = bwmod.get_bandwidth(f, measure=False)
+    assert (b.disk_read_bytes_per_s, b.source) == (0.8e9, "cached")
+    assert bwmod.record_observed_disk(f, bwmod.OBSERVE_MIN_BYTES - 1, 1.0) is None  # too little
+    assert bwmod.get_bandwidth(f, measure=False).source == "cached"
+    assert bwmod.record_observed_disk(f, 3 << 30, 2.0) == (3 << 30) / 2.0
+    b = bwmod.get_bandwidth(f, measure=False)
+    assert (b.disk_read_bytes_per_s, b.source) == ((3 << 30) / 2.0, "cached+observed")
+    assert b.mem_read_bytes_per_s == 20e9
+    assert bwmod.get_bandwidth(f, measure=False, refresh=True).source == "default"

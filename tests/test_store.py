@@ -93,3 +93,29 @@ def test_streamed_bytes_per_token_match_plan(model_path):
     finally:
         store.close()
         f.close()
+
+
+def test_store_records_its_streaming_rate_for_later_plans(model_path, tmp_path, monkeypatch):
+    from memfit.memory import bandwidth as bwmod
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    f = open_gguf(model_path)
+    desc = ModelDesc.from_gguf(f)
+    floor = plan(desc, 1 << 40, 64, 2, BW, baseline_bytes=0, n_batch=64).min_budget_bytes
+    p = plan(desc, floor, 64, 2, BW, baseline_bytes=0, n_batch=64)
+    store = WeightStore(f, p)
+    try:
+        if not store.direct:
+            pytest.skip("O_DIRECT refused here (tmpfs): page-cache reads are never recorded")
+        # a tiny model streams far below OBSERVE_MIN_BYTES; lower it to this run's volume
+        monkeypatch.setattr(bwmod, "OBSERVE_MIN_BYTES", 1)
+        model = load_model(f, weights=store)
+        cache = model.new_cache(64)
+        for tok in (5, 6, 7):
+            model.forward(np.array([tok], np.int32), cache)
+    finally:
+        store.close()  # waits for the last prefetch, then records
+        f.close()
+    rate = store.stats()["stream_read_bytes_per_s"]
+    assert rate > 0
+    b = bwmod.get_bandwidth(model_path, measure=False)
+    assert "observed" in b.source and b.disk_read_bytes_per_s == pytest.approx(rate)

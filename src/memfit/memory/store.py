@@ -66,6 +66,8 @@ class WeightStore:
         self.gets = 0
         self.hits = 0               # served without waiting for I/O
         self.io_stall_s = 0.0
+        self._stream_bytes = 0      # file-tier bytes read, and seconds spent reading them
+        self._stream_s = 0.0
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(IO_WORKERS, thread_name_prefix="memfit-io")
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="memfit-prefetch")
@@ -196,6 +198,7 @@ class WeightStore:
             self.bytes_read += n
 
     def _read_unit(self, ui: int, slot: int) -> None:
+        t0 = time.perf_counter()
         buf = self._slots[slot]
         futs = []
         for name, (off, delta) in self._layout[ui].items():
@@ -207,6 +210,12 @@ class WeightStore:
                 futs.append(self._pool.submit(self._pread, ti.file_index, c, dst))
         for f in futs:
             f.result()
+        # unit reads are serial (one prefetch at a time), so bytes / summed time is the rate
+        # the store streams at under real decode conditions (CPU load included)
+        dt = time.perf_counter() - t0
+        with self._lock:
+            self._stream_bytes += self._unit_read_bytes[ui]
+            self._stream_s += dt
 
     def _pread(self, file_index: int, offset: int, dst: np.ndarray) -> None:
         fd = self._fds[file_index]
@@ -249,6 +258,8 @@ class WeightStore:
         return {"bytes_read": self.bytes_read, "gets": self.gets,
                 "hit_rate": self.hits / self.gets if self.gets else 1.0,
                 "io_stall_s": self.io_stall_s, "o_direct": self.direct,
+                "stream_read_bytes_per_s": (self._stream_bytes / self._stream_s
+                                            if self._stream_s > 0 else 0.0),
                 "pinned_bytes": self.plan.tier_bytes["pinned"],
                 "slot_bytes": sum(s.nbytes for s in self._slots)}
 
@@ -269,6 +280,10 @@ class WeightStore:
                     pass
         self._prefetcher.shutdown(wait=True)
         self._pool.shutdown(wait=True)
+        if self.direct and self.file.paths:
+            # calibrate later plans with this device's streaming rate (page-cache reads excluded)
+            from .bandwidth import record_observed_disk
+            record_observed_disk(self.file.paths[0], self._stream_bytes, self._stream_s)
         for fd in self._fds.values():
             os.close(fd)
         self._fds = {}
