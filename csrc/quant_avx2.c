@@ -704,8 +704,40 @@ AVX2 static inline __m128 hsum4_ps(__m256 a, __m256 b, __m256 c, __m256 d) {
         }                                                                                          \
         _mm_storeu_ps(out, _mm_add_ps(hsum4_ps(a[0], a[1], a[2], a[3]), cacc));                    \
     }
-VD4(vd4_q4_0, up_q4_0, 0)
 VD4(vd4_q5_1, up_q5_1, 0)
+
+/* Q4_0, 4 rows, same arithmetic as VD4 in ~half the instructions: the 4 rows' d convert in one
+ * vcvtph2ps; nibbles load into both lanes and one per-lane shift splits low/high; the offset
+ * c = -8 d (exact) is applied as one 4-lane FMA per block. */
+AVX2 static void vd4_q4_0(const uint8_t *w, size_t rb, const void *xv, int64_t nb, float *out) {
+    const mf_q8_32 *x = xv;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m128 cacc = _mm_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0xF);
+    const __m256i sh = _mm256_set_epi64x(4, 4, 0, 0);
+    const __m256i i0 = _mm256_set1_epi32(0), i1 = _mm256_set1_epi32(1);
+    const __m256i i2 = _mm256_set1_epi32(2), i3 = _mm256_set1_epi32(3);
+    const __m128 m8 = _mm_set1_ps(-8.0f);
+    const uint8_t *w0 = w, *w1 = w + rb, *w2 = w + 2 * rb, *w3 = w + 3 * rb;
+    for (int64_t b = 0; b < nb; b++, w0 += 18, w1 += 18, w2 += 18, w3 += 18) {
+        const __m256i y = _mm256_loadu_si256((const __m256i *)x[b].qs);
+        uint16_t h0, h1, h2, h3;
+        memcpy(&h0, w0, 2); memcpy(&h1, w1, 2); memcpy(&h2, w2, 2); memcpy(&h3, w3, 2);
+        const __m128 d4 = _mm_cvtph_ps(_mm_setr_epi16((short)h0, (short)h1, (short)h2, (short)h3, 0, 0, 0, 0));
+        const __m256 sc = _mm256_castps128_ps256(_mm_mul_ps(d4, _mm_set1_ps(x[b].d)));
+        cacc = _mm_fmadd_ps(_mm_mul_ps(d4, m8), _mm_set1_ps(x[b].s), cacc);
+#define Q40_ROW(W, A, I)                                                                            \
+        {                                                                                           \
+            __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)((W) + 2)));  \
+            q = _mm256_and_si256(_mm256_srlv_epi64(q, sh), m4);                                     \
+            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), ones);                  \
+            A = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(sc, I), _mm256_cvtepi32_ps(p), A);         \
+        }
+        Q40_ROW(w0, a0, i0) Q40_ROW(w1, a1, i1) Q40_ROW(w2, a2, i2) Q40_ROW(w3, a3, i3)
+#undef Q40_ROW
+    }
+    _mm_storeu_ps(out, _mm_add_ps(hsum4_ps(a0, a1, a2, a3), cacc));
+}
 
 /* Q5_0, 4 rows, same arithmetic as VD4: the 4 rows' d convert in one vcvtph2ps; the offset
  * c = -16 d (exact) is applied as one 4-lane FMA per block. */
