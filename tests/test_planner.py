@@ -180,8 +180,14 @@ def test_plan_bandwidth_prefers_store_observed_rate_over_probe(tmp_path, monkeyp
     assert (b.disk_read_bytes_per_s, b.source) == (0.8e9, "cached")
     assert bwmod.record_observed_disk(f, bwmod.OBSERVE_MIN_BYTES - 1, 1.0) is None  # too little
     assert bwmod.get_bandwidth(f, measure=False).source == "cached"
-    assert bwmod.record_observed_disk(f, 3 << 30, 2.0) == (3 << 30) / 2.0
+    assert bwmod.record_observed_disk(f, 16 << 30, 8.0) == (16 << 30) / 8.0
     b = bwmod.get_bandwidth(f, measure=False)
-    assert (b.disk_read_bytes_per_s, b.source) == ((3 << 30) / 2.0, "cached+observed")
+    assert (b.disk_read_bytes_per_s, b.source) == ((16 << 30) / 8.0, "cached+observed")
+    # a small slow run shifts the volume-weighted rate a little, not to its own rate
+    r = bwmod.record_observed_disk(f, 1 << 30, 2.0)
+    assert r == pytest.approx((17 << 30) / 10.0)
+    # a run of the whole window's volume replaces the record entirely
+    r = bwmod.record_observed_disk(f, 32 << 30, 32.0)
+    assert r == pytest.approx(float(1 << 30))
     assert b.mem_read_bytes_per_s == 20e9
     assert bwmod.get_bandwidth(f, measure=False, refresh=True).source == "default"

@@ -152,23 +152,38 @@ def measure_disk_bandwidth(path: str | os.PathLike, sample_bytes: int = 512 << 2
 
 
 OBSERVE_MIN_BYTES = 512 << 20  # a store must stream this much before its rate is recorded
+OBSERVE_WINDOW_BYTES = 32 << 30  # the recorded rate is over about the last this-many bytes
 
 
 def record_observed_disk(path: str | os.PathLike, nbytes: int, seconds: float) -> float | None:
-    """Record the weight store's own streaming rate (nbytes read in seconds of reading) for
-    path's device, to be used by later plans. Returns the rate, or None if too little was
-    read to be meaningful. Never raises."""
+    """Add a weight store's streaming (nbytes read in seconds of reading) to path's device
+    record and return the device's rate now: total bytes / total seconds over a window of
+    the last ~OBSERVE_WINDOW_BYTES, so one 7B decode (tens of GB) outweighs a small run's
+    few GB of small requests. None if too little was read to count. Never raises."""
     if nbytes < OBSERVE_MIN_BYTES or seconds <= 0:
         return None
     try:
         dkey = device_key(path)
     except OSError:
         return None
-    rate = nbytes / seconds
     cache = _load_cache()
-    cache.setdefault("disk_observed", {})[dkey] = rate
+    rec = cache.setdefault("disk_observed", {}).get(dkey)
+    b, s = (float(rec["bytes"]), float(rec["seconds"])) if isinstance(rec, dict) else (0.0, 0.0)
+    if b + nbytes > OBSERVE_WINDOW_BYTES and b > 0:  # age the old record out by volume
+        keep = max(0.0, OBSERVE_WINDOW_BYTES - nbytes) / b
+        b, s = b * keep, s * keep
+    b, s = b + nbytes, s + seconds
+    cache["disk_observed"][dkey] = {"bytes": b, "seconds": s}
     _save_cache(cache)
-    return rate
+    return b / s
+
+
+def _observed_rate(cache: dict, dkey: str) -> float | None:
+    rec = cache.get("disk_observed", {}).get(dkey)
+    try:
+        return float(rec["bytes"]) / float(rec["seconds"])
+    except (TypeError, KeyError, ValueError, ZeroDivisionError):
+        return None
 
 
 def get_bandwidth(path: str | os.PathLike | None = None, *, measure: bool = True,
@@ -197,7 +212,7 @@ def get_bandwidth(path: str | os.PathLike | None = None, *, measure: bool = True
             dkey = device_key(path)
         except OSError:
             dkey = None
-        disk = None if refresh or dkey is None else cache.get("disk_observed", {}).get(dkey)
+        disk = None if refresh or dkey is None else _observed_rate(cache, dkey)
         if disk is not None:
             src.append("observed")
         else:

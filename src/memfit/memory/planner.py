@@ -507,6 +507,10 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
     if disk:
         notes.append(f"decode is bounded by the disk: {format_size(disk)} streamed per token"
                      if t_disk >= t_mem else "decode is bounded by memory bandwidth")
+        if t_disk >= t_mem and "observed" not in bandwidth.source:
+            notes.append("disk rate from a cold probe, not yet from the weight store: decode "
+                         "re-reads the same bytes each token, which a virtual disk's host cache "
+                         "can serve faster; after one run plans use the store's own rate")
     if nb < n_batch:
         notes.append(f"prefill batch lowered from {n_batch} to {nb} to fit the budget")
     return Plan(budget, n_ctx, nb, threads, baseline, scratch_bytes(m, nb, n_ctx, threads,
