@@ -208,20 +208,23 @@ static inline void k4_scales(const uint8_t *q, uint32_t u[4]) {
     u[2] = mins_lo;
     u[0] &= k1;
 }
-/* sum_j mins[j] * (bsums[2j] + bsums[2j+1]) as 4 int32 lanes */
-AVX2 static inline __m128i k4_minsum(const uint32_t u[4], const int16_t *bsums) {
-    __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(u + 2)));
+/* sum_j mins[j] * (bsums[2j] + bsums[2j+1]), mins = bytes 8..15 of u, built in registers (an
+ * 8-byte load over two 4-byte stack stores stalled store forwarding every block) */
+AVX2 static inline int k4_minsum(const uint32_t u[4], const int16_t *bsums) {
+    __m128i mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)((uint64_t)u[3] << 32 | u[2])));
     __m128i pairs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bsums), _mm_loadu_si128((const __m128i *)(bsums + 8)));
-    return _mm_madd_epi16(mins, pairs);
+    __m128i mm = _mm_madd_epi16(mins, pairs);
+    mm = _mm_add_epi32(mm, _mm_shuffle_epi32(mm, 0x4e));
+    mm = _mm_add_epi32(mm, _mm_shuffle_epi32(mm, 0xb1));
+    return _mm_cvtsi128_si32(mm);
 }
-
-/* ---------------- K-quants x Q8_256 ---------------- */
-
 /* The 8 scales (bytes 0..7 of u) as 16-bit values in both lanes: scale j broadcast by one vpshufb. */
 AVX2 static inline __m256i k4_sc16(uint32_t u0, uint32_t u1) {
     return _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)((uint64_t)u1 << 32 | u0))));
 }
 #define K4_SHUF(j) _mm256_set1_epi16((short)(((2 * (j) + 1) << 8) | (2 * (j))))
+
+/* ---------------- K-quants x Q8_256 ---------------- */
 
 /* Same arithmetic as the plain form: sumi lanes, d*dx, dmin*dx*summ in the same order; the
  * scales broadcast by vpshufb and d, dmin convert in one vcvtph2ps. */
@@ -233,12 +236,7 @@ AVX2 static float vd_q4_k(const uint8_t *w, const void *xv, int64_t nb) {
     for (int64_t b = 0; b < nb; b++, w += 144) {
         uint32_t u[4];
         k4_scales(w + 4, u);
-        __m128i mm = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)((uint64_t)u[3] << 32 | u[2]))),
-                                    _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)x[b].bsums),
-                                                   _mm_loadu_si128((const __m128i *)(x[b].bsums + 8))));
-        mm = _mm_add_epi32(mm, _mm_shuffle_epi32(mm, 0x4e));
-        mm = _mm_add_epi32(mm, _mm_shuffle_epi32(mm, 0xb1));
-        const int summ = _mm_cvtsi128_si32(mm);
+        const int summ = k4_minsum(u, x[b].bsums);
         const __m256i sc = k4_sc16(u[0], u[1]);
         const uint8_t *qs = w + 16;
         const int8_t *y = x[b].qs;
@@ -268,11 +266,8 @@ AVX2 static float vd_q5_k(const uint8_t *w, const void *xv, int64_t nb) {
     for (int64_t b = 0; b < nb; b++, w += 176) {
         uint32_t u[4];
         k4_scales(w + 4, u);
-        const uint8_t *sc = (const uint8_t *)u;
-        __m128i mm = k4_minsum(u, x[b].bsums);
-        mm = _mm_add_epi32(mm, _mm_shuffle_epi32(mm, 0x4e));
-        mm = _mm_add_epi32(mm, _mm_shuffle_epi32(mm, 0xb1));
-        int summ = _mm_cvtsi128_si32(mm);
+        const int summ = k4_minsum(u, x[b].bsums);
+        const __m256i sc = k4_sc16(u[0], u[1]);
         const uint8_t *qs = w + 48;
         __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 16));
         const int8_t *y = x[b].qs;
@@ -286,13 +281,15 @@ AVX2 static float vd_q5_k(const uint8_t *w, const void *xv, int64_t nb) {
             __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4), hhi);
             __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(y + 64 * j)));
             __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(y + 64 * j + 32)));
-            p0 = _mm256_madd_epi16(p0, _mm256_set1_epi16(sc[2 * j]));
-            p1 = _mm256_madd_epi16(p1, _mm256_set1_epi16(sc[2 * j + 1]));
+            p0 = _mm256_madd_epi16(p0, _mm256_shuffle_epi8(sc, K4_SHUF(2 * j)));
+            p1 = _mm256_madd_epi16(p1, _mm256_shuffle_epi8(sc, K4_SHUF(2 * j + 1)));
             sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p1));
         }
-        float dx = x[b].d;
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w) * dx), _mm256_cvtepi32_ps(sumi), acc);
-        accm += f16(w + 2) * dx * (float)summ;
+        int32_t h;
+        memcpy(&h, w, 4);
+        const __m128 dm = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(h)), _mm_set1_ps(x[b].d)); /* d*dx, dmin*dx */
+        acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(dm), _mm256_cvtepi32_ps(sumi), acc);
+        accm += _mm_cvtss_f32(_mm_movehdup_ps(dm)) * (float)summ;
     }
     return hsum_ps(acc) - accm;
 }
