@@ -183,9 +183,9 @@ def test_plan_bandwidth_prefers_store_observed_rate_over_probe(tmp_path, monkeyp
     assert bwmod.record_observed_disk(f, 16 << 30, 8.0) == (16 << 30) / 8.0
     b = bwmod.get_bandwidth(f, measure=False)
     assert (b.disk_read_bytes_per_s, b.source) == ((16 << 30) / 8.0, "cached+observed")
-    # a small slow run shifts the volume-weighted rate a little, not to its own rate
-    r = bwmod.record_observed_disk(f, 1 << 30, 2.0)
-    assert r == pytest.approx((17 << 30) / 10.0)
+    # a smaller, slower run shifts the volume-weighted rate, not to its own rate
+    r = bwmod.record_observed_disk(f, 8 << 30, 8.0)
+    assert r == pytest.approx((24 << 30) / 16.0)
     # a run of the whole window's volume replaces the record entirely
     r = bwmod.record_observed_disk(f, 32 << 30, 32.0)
     assert r == pytest.approx(float(1 << 30))

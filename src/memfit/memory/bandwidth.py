@@ -6,10 +6,11 @@ buffer: ``get_bandwidth(path, measure=False)`` only reads the cache or the defau
 
 The disk rate a plan uses is, in order: the rate the weight store itself observed while
 streaming on that device (``record_observed_disk``, written when a store closes after
-streaming >= OBSERVE_MIN_BYTES), else the probe's, else the default. The store's own rate
-wins because decode re-reads the same streamed bytes every token, and on a virtual disk the
-host caches recently read blocks (guest drop_caches cannot clear that): measured here, a
-cold probe read 0.6-1.1 GB/s while the store re-reading one token's 2.1 GB got 1.2-2.3 GB/s.
+streaming >= OBSERVE_MIN_BYTES = 8 GiB), else the probe's, else the default. The store's rate
+wins because it averages tens of seconds of the real pattern (the same bytes re-read every
+token), while the probe samples one second of a cold region; on this VM disk re-reads are
+usually faster (likely the host caching recent blocks, which guest drop_caches cannot clear)
+and the rate swings 0.6-2.3 GB/s: a probe read 0.6-1.1 GB/s, the store decoding 1.5-1.7.
 """
 
 from __future__ import annotations
@@ -151,7 +152,10 @@ def measure_disk_bandwidth(path: str | os.PathLike, sample_bytes: int = 512 << 2
     return done[0] / dt
 
 
-OBSERVE_MIN_BYTES = 512 << 20  # a store must stream this much before its rate is recorded
+# a store must stream this much before its rate is recorded: >= ~5 s of reading, to average
+# out this disk's moment-to-moment swings (0.6-2.3 GB/s), and so short runs (tests, small
+# models' few GB of small requests) do not overwrite a 7B decode's record
+OBSERVE_MIN_BYTES = 8 << 30
 OBSERVE_WINDOW_BYTES = 32 << 30  # the recorded rate is over about the last this-many bytes
 
 
