@@ -24,26 +24,32 @@ def memory_read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
     return best
 
 
-def matvec_bandwidth(type_name: str, rows: int, cols: int, reps: int = 10, seed: int = 0) -> dict:
+def matvec_bandwidth(type_name: str, rows: int, cols: int, reps: int = 10, seed: int = 0,
+                     min_total: int = 512 << 20) -> dict:
+    """Median GB/s of one n=1 matvec. Calls cycle over enough distinct copies of the matrix
+    (>= min_total bytes in all) that each call streams its weights from DRAM, not from L3."""
     from ..ops import QTensor
     from ..ops import native
     from ..quant.random import random_weight
     from ..quant.types import BY_NAME
     t = BY_NAME[type_name]
     rng = np.random.default_rng(seed)
-    w = random_weight(t, (rows, cols), rng).reshape(-1)
-    qt = QTensor("bench", t, (rows, cols), w)
+    w0 = random_weight(t, (rows, cols), rng).reshape(-1)
+    copies = max(2, -(-min_total // w0.nbytes))
+    ws = [QTensor("bench", t, (rows, cols), w0 if i == 0 else w0.copy()) for i in range(copies)]
     x = rng.standard_normal((1, cols)).astype(np.float32)
     out = np.empty((1, rows), np.float32)
-    native.matmul(x, qt, out=out)
+    for q in ws:
+        native.matmul(x, q, out=out)
     times = []
-    for _ in range(reps):
+    for r in range(max(reps, copies)):
+        q = ws[r % copies]
         t0 = time.perf_counter()
-        native.matmul(x, qt, out=out)
+        native.matmul(x, q, out=out)
         times.append(time.perf_counter() - t0)
     med = statistics.median(times)
-    return {"type": type_name, "rows": rows, "cols": cols, "weight_bytes": int(w.nbytes),
-            "seconds": med, "gb_per_s": w.nbytes / med / 1e9}
+    return {"type": type_name, "rows": rows, "cols": cols, "weight_bytes": int(w0.nbytes),
+            "copies": copies, "seconds": med, "gb_per_s": w0.nbytes / med / 1e9}
 
 
 def run_kernel_bench(types: str = "Q4_0,Q8_0,Q4_K,Q6_K", rows: int = 14336, cols: int = 4096,
