@@ -54,16 +54,9 @@ class Perplexity:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set (VmHWM) of this process."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """Peak resident set (VmHWM) of this process: the number the budget caps."""
+    from .memory.budget import peak_rss
+    return peak_rss()
 
 
 class Model:
