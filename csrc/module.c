@@ -11,7 +11,8 @@ static PyMethodDef *tables[] = {mf_quant_methods, mf_ops_methods, mf_pool_method
 static PyMethodDef all_methods[256];
 
 static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_native",
-                                       "memfit native kernel core", -1, all_methods};
+                                       "memfit native kernel core", -1, all_methods,
+                                       NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__native(void) {
     size_t k = 0;

@@ -10,6 +10,7 @@
 #if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
 #define MF_X86 1
 #include <immintrin.h>
+#include "simd_x86.h"
 #define MF_AVX2 __attribute__((target("avx2,fma")))
 #endif
 
@@ -30,20 +31,6 @@ static inline int use_avx2(void) {
 /* AVX2 helpers                                                                                */
 
 #ifdef MF_X86
-MF_AVX2 static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-MF_AVX2 static inline float hmax8(__m256 v) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_max_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* exp(x), Cephes-style range reduction + degree-6 polynomial: within ~2 ulp of expf on
  * [-87.3, 88]; below -87.3 (result under FLT_MIN) it returns 0, above 88 it saturates. */
 MF_AVX2 static inline __m256 exp8(__m256 x) {
@@ -100,7 +87,7 @@ MF_AVX2 static void rmsnorm_row_avx2(const float *x, const float *w, float *y, i
         __m256 v0 = _mm256_loadu_ps(x + j);
         a0 = _mm256_fmadd_ps(v0, v0, a0);
     }
-    double ss = hsum8(_mm256_add_ps(a0, a1));
+    double ss = hsum_ps(_mm256_add_ps(a0, a1));
     for (; j < d; j++) ss += (double)x[j] * x[j];
     const float s = (float)(1.0 / sqrt(ss / (double)d + (double)eps));
     const __m256 vs = _mm256_set1_ps(s);
@@ -222,7 +209,7 @@ MF_AVX2 static void softmax_row_avx2(const float *x, float *y, int64_t k) {
     __m256 vm = _mm256_set1_ps(-INFINITY);
     int64_t j = 0;
     for (; j + 8 <= k; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(x + j));
-    float m = hmax8(vm);
+    float m = hmax_ps(vm);
     for (; j < k; j++) m = x[j] > m ? x[j] : m;
     vm = _mm256_set1_ps(m);
     __m256 vs = _mm256_setzero_ps();
@@ -231,7 +218,7 @@ MF_AVX2 static void softmax_row_avx2(const float *x, float *y, int64_t k) {
         _mm256_storeu_ps(y + j, e);
         vs = _mm256_add_ps(vs, e);
     }
-    double s = hsum8(vs);
+    double s = hsum_ps(vs);
     for (; j < k; j++) {
         const float e = expf(x[j] - m);
         y[j] = e;
@@ -475,7 +462,7 @@ MF_AVX2 static inline float dot1_avx2(const float *q, const float *k, int64_t D)
     __m256 a0 = _mm256_setzero_ps();
     int64_t j = 0;
     for (; j + 8 <= D; j += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(k + j), a0);
-    float d = hsum8(a0);
+    float d = hsum_ps(a0);
     for (; j < D; j++) d += q[j] * k[j];
     return d;
 }
@@ -496,7 +483,7 @@ MF_AVX2 static void attn_block_avx2(const mf_attn_args *a, const float *q, const
         for (b = 0; b < nv; b++) s[b] = cap(a, s[b]);
     __m256 vmb = _mm256_set1_ps(-INFINITY);
     for (b = 0; b + 8 <= nv; b += 8) vmb = _mm256_max_ps(vmb, _mm256_loadu_ps(s + b));
-    float mb = hmax8(vmb), m = *pm, l = *pl;
+    float mb = hmax_ps(vmb), m = *pm, l = *pl;
     for (; b < nv; b++) mb = s[b] > mb ? s[b] : mb;
     if (mb > m) {
         const float corr = expf(m - mb); /* 0 on the first visible block */
@@ -514,7 +501,7 @@ MF_AVX2 static void attn_block_avx2(const mf_attn_args *a, const float *q, const
         _mm256_storeu_ps(s + b, e);
         vl = _mm256_add_ps(vl, e);
     }
-    l += hsum8(vl);
+    l += hsum_ps(vl);
     for (; b < nv; b++) {
         s[b] = expf(s[b] - m);
         l += s[b];

@@ -2,6 +2,7 @@
  * weight type. Weights stay unsigned where possible (q in 0..2^k-1) so maddubs(q, x8) applies
  * directly; the offset (e.g. -8 for Q4_0) is folded in with the precomputed sum of x. */
 #include "quant_common.h"
+#include "simd_x86.h"
 
 #include <immintrin.h>
 #include <math.h>
@@ -9,24 +10,6 @@
 
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
-AVX2 static inline float hsum_ps(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-AVX2 static inline int hsum_i32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-    return _mm_cvtsi128_si32(s);
-}
-AVX2 static inline float hmax_ps(__m256 v) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_max_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 /* 16 bytes of nibbles -> 32 bytes: low nibbles (elements 0..15), then high (16..31) */
 AVX2 static inline __m256i nibbles32(const uint8_t *p) {
     __m128i t = _mm_loadu_si128((const __m128i *)p);
