@@ -67,6 +67,11 @@ class KVCache:
             round_f16(vd, vd)
         return self.k[layer][:end], self.v[layer][:end], self._pos[:end]
 
+    def layer_arrays(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """The whole K and V arrays of a layer, for a native decode step that writes row
+        ``offset`` itself (rounding to f16 when f16_values) and reads rows 0..offset."""
+        return self.k[layer], self.v[layer]
+
     def advance(self, n: int) -> None:
         assert self.offset + n <= self.n_ctx
         self.offset += n

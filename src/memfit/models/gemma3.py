@@ -11,6 +11,8 @@ from .layers import Model
 class Gemma3(Model):
     arch = "gemma3"
     act = "gelu"
+    qk_norm = True
+    post_norms = True
 
     def layer_tensors(self, il):
         t = super().layer_tensors(il)
@@ -21,14 +23,8 @@ class Gemma3(Model):
         t[p + "post_ffw_norm.weight"] = ((c.n_embd,), True)
         return t
 
-    def block(self, il, x, pos, cache, last):
-        c, p = self.config, f"blk.{il}."
+    def rope_params(self, il):
+        c = self.config
         if c.is_swa(il):
-            rope = dict(rope_base=c.rope_base_swa, freq_scale=1.0, window=c.sliding_window)
-        else:
-            rope = dict(rope_base=c.rope_base, freq_scale=c.rope_freq_scale, window=0)
-        h = self.attention(il, self.norm(x, p + "attn_norm.weight"), pos, cache, last,
-                           qk_norm=True, **rope)
-        x = (x if last is None else x[last]) + self.norm(h, p + "post_attention_norm.weight")
-        f = self.ffn(il, self.norm(x, p + "ffn_norm.weight"))
-        return x + self.norm(f, p + "post_ffw_norm.weight")
+            return c.rope_base_swa, 1.0, c.sliding_window
+        return c.rope_base, c.rope_freq_scale, 0

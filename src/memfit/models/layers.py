@@ -19,6 +19,8 @@ from .config import ModelConfig
 class Model:
     arch = ""
     act = "silu"              # gated FFN activation: silu | gelu
+    qk_norm = False           # per-head RMS norm of Q and K before RoPE (qwen3, gemma3)
+    post_norms = False        # RMS norm of the attention and FFN outputs too (gemma3)
 
     # KV values rounded to f16 as llama.cpp's default cache (and its f16 flash attention reads
     # Q as f16); tests of exact float math switch it off.
@@ -38,6 +40,7 @@ class Model:
                 q = weights.get(name)
                 self.vec[name] = dequantize(q.type.id, q.data.reshape(-1), shape[0]).copy()
         self.output = "output.weight" if weights.has("output.weight") else "token_embd.weight"
+        self._fused: list | None = None  # prepared native decode layers, built on first use
 
     # --- tensors -------------------------------------------------------------------------
     def layer_tensors(self, il: int) -> dict[str, tuple[tuple[int, ...], bool]]:
@@ -116,10 +119,20 @@ class Model:
         x = ops.get_rows(self.weights.get("token_embd.weight"), ids)
         if c.embd_scale != 1.0:
             x = x * np.float32(c.embd_scale)
-        for il in range(c.n_layer):
-            # only the last row is needed after the last layer's attention
-            last = None if all_logits or il < c.n_layer - 1 else slice(-1, None)
-            x = self.block(il, x, pos, cache, last)
+        fused = self._decode_layers() if ids.size == 1 and not all_logits else None
+        if fused:
+            # one native call per layer (csrc/decode.c): the same kernels in the same order as
+            # block(), without per-op interpreter overhead
+            get, p, f16 = self.weights.get, int(pos[0]), cache.f16_values
+            xr = x.reshape(-1)
+            for il, (layer, names) in enumerate(fused):
+                K, V = cache.layer_arrays(il)
+                ops.decode_layer(layer, xr, p, K, V, f16, *[get(n).data for n in names])
+        else:
+            for il in range(c.n_layer):
+                # only the last row is needed after the last layer's attention
+                last = None if all_logits or il < c.n_layer - 1 else slice(-1, None)
+                x = self.block(il, x, pos, cache, last)
         cache.advance(ids.size)
         if hidden_from is not None:
             x = x[hidden_from:]
@@ -137,8 +150,45 @@ class Model:
             logits = np.float32(c.final_softcap) * np.tanh(logits / np.float32(c.final_softcap))
         return logits
 
-    def block(self, il: int, x: np.ndarray, pos: np.ndarray, cache: KVCache, last) -> np.ndarray:
-        raise NotImplementedError
+    def rope_params(self, il: int) -> tuple[float, float, int]:
+        """(rope base, rope frequency scale, attention window or 0) of layer il."""
+        c = self.config
+        return c.rope_base, c.rope_freq_scale, 0
+
+    _LAYER_MATS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    _LAYER_VECS = ("attn_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight",
+                   "post_attention_norm.weight", "ffn_norm.weight", "post_ffw_norm.weight",
+                   "attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias")
+
+    def _decode_layers(self) -> list | None:
+        """[(native layer, its 7 matrix names)] for one-token decode when the backend has the
+        fused layer (ops.decode_layer) and the block is the standard pre-norm one this file
+        composes (llama/qwen2/qwen3/gemma3 flags above); else None: block() runs op by op."""
+        if self._fused is None:
+            self._fused = []
+            new = getattr(self.ops, "decode_layer_new", None)
+            if new is not None and type(self).block in _STANDARD_BLOCKS:
+                c = self.config
+                ff = self.vec.get("rope_freqs.weight")
+                try:
+                    for il in range(c.n_layer):
+                        p = f"blk.{il}."
+                        base, fs, window = self.rope_params(il)
+                        types = [self.weights.info(p + m + ".weight")[1].id for m in self._LAYER_MATS]
+                        vecs = [self.vec.get(p + v) for v in self._LAYER_VECS]
+                        if not self.qk_norm:
+                            vecs[1] = vecs[2] = None
+                        if not self.post_norms:
+                            vecs[3] = vecs[5] = None
+                        layer = new((c.n_embd, c.n_head, c.n_head_kv, c.head_dim_k, c.head_dim_v,
+                                     c.n_ff, c.n_rot, window, int(c.rope_neox),
+                                     int(self.act == "gelu"), *types),
+                                    (base, fs, c.rms_eps, c.attn_scale, c.attn_softcap),
+                                    (*vecs, ff))
+                        self._fused.append((layer, [p + m + ".weight" for m in self._LAYER_MATS]))
+                except ValueError:  # a shape the fused kernel does not take: op by op instead
+                    self._fused = []
+        return self._fused or None
 
     # --- shared pieces -------------------------------------------------------------------
     def norm(self, x: np.ndarray, name: str) -> np.ndarray:
@@ -163,22 +213,20 @@ class Model:
                 ys[i] = ys[i] + b
         return ys
 
-    def attention(self, il: int, x: np.ndarray, pos: np.ndarray, cache: KVCache, last, *,
-                  qk_norm: bool = False, rope_base: float | None = None,
-                  freq_scale: float | None = None, window: int = 0) -> np.ndarray:
+    def attention(self, il: int, x: np.ndarray, pos: np.ndarray, cache: KVCache, last) -> np.ndarray:
         """Self-attention of x [n, n_embd] -> [n or 1, n_embd]: Q/K/V projections (+bias),
-        optional per-head RMS norm of Q and K, RoPE, cached causal attention, output proj."""
+        per-head RMS norm of Q and K (qk_norm), RoPE (rope_params), cached causal attention,
+        output projection."""
         c, ops, p = self.config, self.ops, f"blk.{il}."
+        base, fs, window = self.rope_params(il)
         n = x.shape[0]
         q, k, v = self.linears(x, (p + "attn_q", p + "attn_k", p + "attn_v"))
         q = q.reshape(n, c.n_head, c.head_dim_k)
         k = k.reshape(n, c.n_head_kv, c.head_dim_k)
         v = v.reshape(n, c.n_head_kv, c.head_dim_v)
-        if qk_norm:
+        if self.qk_norm:
             q = self.norm(q, p + "attn_q_norm.weight")
             k = self.norm(k, p + "attn_k_norm.weight")
-        base = c.rope_base if rope_base is None else rope_base
-        fs = c.rope_freq_scale if freq_scale is None else freq_scale
         ff = self.vec.get("rope_freqs.weight")  # llama3-style per-dim frequency factors
         kw = {} if ff is None else {"freq_factors": ff}
         q = ops.rope(q, pos, c.n_rot, base, fs, c.rope_neox, **kw)
@@ -199,3 +247,22 @@ class Model:
         g, u = self.linears(x, (p + "ffn_gate", p + "ffn_up"))
         h = self.ops.silu_mul(g, u) if self.act == "silu" else self.ops.gelu_mul(g, u)
         return self.linear(h, p + "ffn_down")
+
+    def standard_block(self, il: int, x: np.ndarray, pos: np.ndarray, cache: KVCache,
+                       last) -> np.ndarray:
+        """Pre-norm attention and gated FFN with residuals; with post_norms the outputs of both
+        are RMS-normed before the residual add (gemma3). csrc/decode.c is this, fused."""
+        p = f"blk.{il}."
+        h = self.attention(il, self.norm(x, p + "attn_norm.weight"), pos, cache, last)
+        if self.post_norms:
+            h = self.norm(h, p + "post_attention_norm.weight")
+        x = (x if last is None else x[last]) + h
+        f = self.ffn(il, self.norm(x, p + "ffn_norm.weight"))
+        if self.post_norms:
+            f = self.norm(f, p + "post_ffw_norm.weight")
+        return x + f
+
+    block = standard_block
+
+
+_STANDARD_BLOCKS = (Model.standard_block,)

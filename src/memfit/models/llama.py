@@ -14,8 +14,3 @@ class Llama(Model):
         specs = super().tensor_specs()
         specs["rope_freqs.weight"] = ((self.config.n_rot // 2,), False)
         return specs
-
-    def block(self, il, x, pos, cache, last):
-        h = self.attention(il, self.norm(x, f"blk.{il}.attn_norm.weight"), pos, cache, last)
-        x = (x if last is None else x[last]) + h
-        return x + self.ffn(il, self.norm(x, f"blk.{il}.ffn_norm.weight"))

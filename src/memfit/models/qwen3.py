@@ -8,6 +8,7 @@ from .layers import Model
 
 class Qwen3(Model):
     arch = "qwen3"
+    qk_norm = True
 
     def layer_tensors(self, il):
         t = super().layer_tensors(il)
@@ -15,9 +16,3 @@ class Qwen3(Model):
         t[f"blk.{il}.attn_q_norm.weight"] = ((hd,), True)
         t[f"blk.{il}.attn_k_norm.weight"] = ((hd,), True)
         return t
-
-    def block(self, il, x, pos, cache, last):
-        h = self.attention(il, self.norm(x, f"blk.{il}.attn_norm.weight"), pos, cache, last,
-                           qk_norm=True)
-        x = (x if last is None else x[last]) + h
-        return x + self.ffn(il, self.norm(x, f"blk.{il}.ffn_norm.weight"))

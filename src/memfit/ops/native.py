@@ -117,3 +117,7 @@ softmax = _pick("softmax")
 silu_mul = _pick("silu_mul")
 gelu_mul = _pick("gelu_mul")
 attention = _pick("attention")
+
+# One decoder layer for one token (csrc/decode.c); models/layers.py uses it for decode.
+decode_layer_new = _native.decode_layer_new
+decode_layer = _native.decode_layer
