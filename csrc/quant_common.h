@@ -14,7 +14,9 @@ enum {
 /* Activation formats the integer vec-dots consume (memfit's own, not ggml's byte layout). */
 enum { XF_F32 = 0, XF_Q8_32 = 1, XF_Q8_256 = 2 };
 typedef struct { float d; float s; int8_t qs[32]; } mf_q8_32;                /* s = d * sum(qs) */
-typedef struct { float d; int16_t bsums[16]; int8_t qs[256]; } mf_q8_256;    /* bsums per 16 */
+/* qs first and the struct 64-byte aligned (320 bytes): the prefill kernels' 32-byte loads of
+ * qs never split a cache line (292 packed bytes split half of them) */
+typedef struct { _Alignas(64) int8_t qs[256]; int16_t bsums[16]; float d; } mf_q8_256; /* bsums per 16 */
 
 /* One row of W (nb blocks) against one prepared activation row. */
 typedef float (*mf_vecdot_fn)(const uint8_t *w, const void *x, int64_t nb);
@@ -36,7 +38,7 @@ int mf_dequant_row(int type, const uint8_t *src, float *dst, int64_t n);
 void mf_get_scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m);
 
 /* A K-quant block unpacked for the prefill kernel (see quant_avx2.c). */
-typedef struct { float d, dc; int16_t cc[16]; int16_t sv[8][16]; uint8_t q[256]; } mf_kblk;
+typedef struct { _Alignas(64) uint8_t q[256]; int16_t sv[8][16]; int16_t cc[16]; float d, dc; } mf_kblk; /* 576 B */
 typedef void (*mf_kunpack_fn)(const uint8_t *w, mf_kblk *o);
 
 /* A 32-element block unpacked for the prefill kernel: w = d*q + c (q signed for Q8_0/IQ4_NL). */
@@ -57,6 +59,8 @@ void mf_bdot_avx2(const mf_b32 *w, int64_t nb, int sgn, const uint8_t *x, size_t
 void mf_b32_corr_avx2(const mf_b32 *w, int64_t nb, const float *st, int64_t m, float *corr);
 extern mf_kunpack_fn mf_kunpack_avx2[T_MAX];
 void mf_kdot_avx2(const mf_kblk *w, int64_t nb, const uint8_t *x, size_t xs, int64_t m, float *out, int64_t ostride);
+void mf_kdot2_avx2(const mf_kblk *w0, const mf_kblk *w1, int64_t nb, const uint8_t *x, size_t xs, int64_t m,
+                   float *out0, float *out1, int64_t ostride);
 extern mf_vecdot_fn mf_vecdot_avx2[T_MAX];
 void mf_quantize_q8_32_avx2(const float *x, mf_q8_32 *y, int64_t n);
 void mf_quantize_q8_256_avx2(const float *x, mf_q8_256 *y, int64_t n);
