@@ -322,7 +322,8 @@ def scratch_bytes(m: ModelDesc, n_batch: int, n_ctx: int, threads: int,
     # attention scores [rows, heads, n_ctx] for a block of at most ATTN_Q_BLOCK query rows
     scores = min(n_batch, ATTN_Q_BLOCK) * m.n_head * n_ctx
     logits = m.n_vocab * (4 * n_batch if logits_all else 16 * LOGITS_SLICE_ROWS)
-    quant_act = n_batch * max(m.n_embd, m.n_ff)  # Q8-style activation copy, ~1 byte/elem
+    # Q8-style activation copy (csrc: 40 B per 32 or 320 B per 256 values, 1.25 bytes/elem)
+    quant_act = n_batch * max(m.n_embd, m.n_ff) * 5 // 4
     return (4 * (n_batch * per_tok + scores) + logits + quant_act
             + threads * THREAD_SCRATCH_BYTES)
 

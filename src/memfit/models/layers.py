@@ -41,6 +41,7 @@ class Model:
                 self.vec[name] = dequantize(q.type.id, q.data.reshape(-1), shape[0]).copy()
         self.output = "output.weight" if weights.has("output.weight") else "token_embd.weight"
         self._fused: list | None = None  # prepared native decode layers, built on first use
+        self._bufs: dict[str, np.ndarray] = {}  # prefill scratch reused across layers (_scratch)
 
     # --- tensors -------------------------------------------------------------------------
     def layer_tensors(self, il: int) -> dict[str, tuple[tuple[int, ...], bool]]:
@@ -200,13 +201,13 @@ class Model:
         b = self.vec.get(name + ".bias")
         return y if b is None else y + b
 
-    def linears(self, x: np.ndarray, names: tuple[str, ...]) -> list[np.ndarray]:
+    def linears(self, x: np.ndarray, names: tuple[str, ...], outs=None) -> list[np.ndarray]:
         """[linear(x, name) for name in names], as one backend call when it has matmul_multi
-        (weights sharing x: Q/K/V, gate/up)."""
+        (weights sharing x: Q/K/V, gate/up), into ``outs`` when given (native backend)."""
         mm = getattr(self.ops, "matmul_multi", None)
         if mm is None:
             return [self.linear(x, nm) for nm in names]
-        ys = mm(x, [self.weights.get(nm + ".weight") for nm in names])
+        ys = mm(x, [self.weights.get(nm + ".weight") for nm in names], outs)
         for i, nm in enumerate(names):
             b = self.vec.get(nm + ".bias")
             if b is not None:
@@ -244,9 +245,27 @@ class Model:
     def ffn(self, il: int, x: np.ndarray) -> np.ndarray:
         # gated FFN: down(act(gate x) * up x)
         p = f"blk.{il}."
-        g, u = self.linears(x, (p + "ffn_gate", p + "ffn_up"))
-        h = self.ops.silu_mul(g, u) if self.act == "silu" else self.ops.gelu_mul(g, u)
+        n, F = x.shape[0], self.config.n_ff
+        if n > 1 and hasattr(self.ops, "matmul_multi"):
+            # prefill on the native backend: gate, up and the activation (in place in gate) go
+            # to buffers reused by every layer. Fresh [n, n_ff] arrays are new pages each
+            # time: ~7-25 ms of page faults per 40 MB array here, ~3% of a 7B prefill.
+            g, u = self.linears(x, (p + "ffn_gate", p + "ffn_up"),
+                                [self._scratch(k, n * F).reshape(n, F) for k in ("gate", "up")])
+            act = self.ops.silu_mul if self.act == "silu" else self.ops.gelu_mul
+            h = act(g, u, out=g)
+        else:
+            g, u = self.linears(x, (p + "ffn_gate", p + "ffn_up"))
+            h = self.ops.silu_mul(g, u) if self.act == "silu" else self.ops.gelu_mul(g, u)
         return self.linear(h, p + "ffn_down")
+
+    def _scratch(self, key: str, size: int) -> np.ndarray:
+        """A float32 buffer of `size` values kept by the model across layers and calls (grown
+        when a larger batch comes); its contents are dead once the op that reads it is done."""
+        buf = self._bufs.get(key)
+        if buf is None or buf.size < size:
+            buf = self._bufs[key] = np.empty(size, np.float32)
+        return buf[:size]
 
     def standard_block(self, il: int, x: np.ndarray, pos: np.ndarray, cache: KVCache,
                        last) -> np.ndarray:

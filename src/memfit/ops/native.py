@@ -52,24 +52,27 @@ def matmul(x: np.ndarray, w: QTensor, out: np.ndarray | None = None) -> np.ndarr
     return out
 
 
-def matmul_multi(x: np.ndarray, ws: list[QTensor]) -> list[np.ndarray]:
+def matmul_multi(x: np.ndarray, ws: list[QTensor], outs: list[np.ndarray] | None = None
+                 ) -> list[np.ndarray]:
     """[x @ W^T for W in ws] (1..4 weights with equal cols) in one native call: x is quantized
-    once and all row tiles run as one pool job; each result equals matmul(x, W) bit for bit."""
+    once and all row tiles run as one pool job; each result equals matmul(x, W) bit for bit.
+    outs: preallocated float32 [n, rows_j] results (the caller's reusable buffers)."""
     cols = ws[0].shape[1]
     if x.dtype != np.float32 or not x.flags.c_contiguous:
         x = np.ascontiguousarray(x, dtype=np.float32)
     assert x.ndim == 2 and x.shape[1] == cols and 1 <= len(ws) <= 4, (x.shape, [w.name for w in ws])
     n = x.shape[0]
-    args, outs = [x, n, cols], []
+    args, outs_ = [x, n, cols], []
     for w in ws:
         if w.type.id not in _BLOCK:
             _unsupported(w)
         assert w.shape[1] == cols, (w.name, w.shape, cols)
-        y = np.empty((n, w.shape[0]), dtype=np.float32)
+        y = np.empty((n, w.shape[0]), dtype=np.float32) if outs is None else outs[len(outs_)]
+        assert y.shape == (n, w.shape[0]) and y.dtype == np.float32 and y.flags.c_contiguous
         args += (w.type.id, w.data, w.shape[0], y)
-        outs.append(y)
+        outs_.append(y)
     _native.matmul_multi(*args)
-    return outs
+    return outs_
 
 
 def get_rows(w: QTensor, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
