@@ -778,23 +778,22 @@ AVX2 static void vd4_q4_0(const uint8_t *w, size_t rb, const void *xv, int64_t n
     __m128 cacc = _mm_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0xF);
     const __m256i sh = _mm256_set_epi64x(4, 4, 0, 0);
-    const __m256i i0 = _mm256_set1_epi32(0), i1 = _mm256_set1_epi32(1);
-    const __m256i i2 = _mm256_set1_epi32(2), i3 = _mm256_set1_epi32(3);
     const __m128 m8 = _mm_set1_ps(-8.0f);
     const uint8_t *w0 = w, *w1 = w + rb, *w2 = w + 2 * rb, *w3 = w + 3 * rb;
+    float sc[4]; /* the 4 rows' d * dx: stored once, broadcast from memory (load ports, no shuffle) */
     for (int64_t b = 0; b < nb; b++, w0 += 18, w1 += 18, w2 += 18, w3 += 18) {
         const __m256i y = _mm256_loadu_si256((const __m256i *)x[b].qs);
         const __m128 d4 = _mm_cvtph_ps(ld4_f16(w0, w1, w2, w3));
-        const __m256 sc = _mm256_castps128_ps256(_mm_mul_ps(d4, _mm_set1_ps(x[b].d)));
+        _mm_storeu_ps(sc, _mm_mul_ps(d4, _mm_set1_ps(x[b].d)));
         cacc = _mm_fmadd_ps(_mm_mul_ps(d4, m8), _mm_set1_ps(x[b].s), cacc);
 #define Q40_ROW(W, A, I)                                                                            \
         {                                                                                           \
             __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)((W) + 2)));  \
             q = _mm256_and_si256(_mm256_srlv_epi64(q, sh), m4);                                     \
             const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), ones);                  \
-            A = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(sc, I), _mm256_cvtepi32_ps(p), A);         \
+            A = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + I), _mm256_cvtepi32_ps(p), A);              \
         }
-        Q40_ROW(w0, a0, i0) Q40_ROW(w1, a1, i1) Q40_ROW(w2, a2, i2) Q40_ROW(w3, a3, i3)
+        Q40_ROW(w0, a0, 0) Q40_ROW(w1, a1, 1) Q40_ROW(w2, a2, 2) Q40_ROW(w3, a3, 3)
 #undef Q40_ROW
     }
     _mm_storeu_ps(out, _mm_add_ps(hsum4_ps(a0, a1, a2, a3), cacc));

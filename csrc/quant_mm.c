@@ -68,12 +68,17 @@ static void mm_task_scalar(void *p, int64_t t) {
 #define MF_B32S_MIN_N 16
 #define MF_FLOAT_MIN_N 4
 #define MF_VEC_TASK_BYTES (64 * 1024)
+#ifndef MF_PF_MAX_RB
+#define MF_PF_MAX_RB 1024
+#endif
 #ifndef MF_PF_ROWS
 #define MF_PF_ROWS 8
 #endif
 /* Software prefetch of W rows [a, b) clipped to the task's end: decode reads each weight
  * byte once, and the hardware prefetchers alone left the 2-core matvec of small matrices at
- * ~11 GB/s; 8 rows ahead measured 15-19 GB/s (SmolLM2 decode layers 6.3 -> 4.0 ms). */
+ * ~11 GB/s; 8 rows ahead measured 15-19 GB/s (SmolLM2 decode layers 6.3 -> 4.0 ms). Long
+ * rows stream well without it, and worse with it (Q6_K 14336x4096: 18 -> 15 GB/s): only rows
+ * up to MF_PF_MAX_RB bytes are prefetched. */
 static inline void prefetch_rows(const mm_ctx *c, int64_t a, int64_t b, int64_t end) {
     if (b > end) b = end;
     if (a >= b) return;
@@ -89,7 +94,7 @@ static void mm_task_vec(void *p, int64_t t) {
         int64_t r = r0;
         if (c->vd4)
             for (; r + 4 <= r1; r += 4) {
-                if (i0 == 0) prefetch_rows(c, r + MF_PF_ROWS, r + MF_PF_ROWS + 4, r1);
+                if (i0 == 0 && c->rb <= MF_PF_MAX_RB) prefetch_rows(c, r + MF_PF_ROWS, r + MF_PF_ROWS + 4, r1);
                 for (int64_t i = i0; i < i1; i++) {
                     float o[4];
                     c->vd4(c->w + r * c->rb, (size_t)c->rb, c->xq + (size_t)i * c->xs, c->nb, o);
@@ -98,7 +103,7 @@ static void mm_task_vec(void *p, int64_t t) {
             }
         for (; r < r1; r++) {
             const uint8_t *w = c->w + r * c->rb;
-            if (i0 == 0) prefetch_rows(c, r + MF_PF_ROWS, r + MF_PF_ROWS + 1, r1);
+            if (i0 == 0 && c->rb <= MF_PF_MAX_RB) prefetch_rows(c, r + MF_PF_ROWS, r + MF_PF_ROWS + 1, r1);
             for (int64_t i = i0; i < i1; i++)
                 c->y[i * c->rows + r] = c->vd(w, c->xq + (size_t)i * c->xs, c->nb);
         }
