@@ -18,26 +18,17 @@ GOLDEN_PEER_SERVER_KV=1 (4 seqs, unified KV), GOLDEN_PEER_FA=-1|0|1 (flash atten
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import sys
 
 import numpy as np
+from peer_llamacpp import _quiet_logs  # same folder (run as a script)
 
 MODELS = ["SmolLM2-135M-Instruct.Q4_1", "gemma-3-270m-q4_k_m"]
 MODEL_DIR = os.path.expanduser("~/.cache/memfit/models")
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "golden")
 STEPS, TOL = 32, 0.05
-
-
-def _quiet_logs(L):
-    @L.llama_log_callback
-    def cb(level, text, user_data):
-        if level == 4:  # GGML_LOG_LEVEL_ERROR
-            sys.stderr.write(text.decode(errors="replace"))
-    L.llama_log_set(cb, ctypes.c_void_p(0))
-    return cb  # keep a reference alive
 
 
 class Peer:
