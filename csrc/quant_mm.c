@@ -237,6 +237,7 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
             if (n >= MF_FLOAT_MIN_N) {
                 int64_t rk = (128 * 1024) / (cols * 4);
                 c.rt = rk < 2 ? 2 : rk > c.rt ? c.rt : rk;
+                c.rt += c.rt & 1; /* even: the 2-row kernel pairs the same rows for any split */
                 p->fn = mm_task_float;
             }
         } else {
