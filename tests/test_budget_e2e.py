@@ -272,3 +272,11 @@ def test_run_and_bench_report_store_statistics(smollm2_path):
         assert 0 < flat["peak_rss_bytes"] <= budget
         assert flat["bytes_read"] > 0 and flat["io_stall_s"] >= 0
     assert b.peak_rss <= budget
+
+    # the Markdown table carries the same statistics as columns
+    t = memfit("bench", smollm2_path, "-p", 8, "-n", 2, "-r", 1, "--mem-budget", budget)
+    assert t.rc == 0, t.err
+    head, _, *rows = [x for x in t.out.splitlines() if x.startswith("|")]
+    assert [c.strip() for c in head.strip("|").split("|")][-4:] == [
+        "peak RSS", "budget", "read from disk", "I/O stall"]
+    assert len(rows) == 2 and all(r.rstrip().endswith(" s |") for r in rows)

@@ -76,8 +76,23 @@ def run_bench(model, name: str, n_vocab: int, n_prompt: int = 512, n_gen: int = 
 
 
 def markdown_table(results: list[BenchResult], backend: str) -> str:
-    rows = ["| model | backend | threads | test | t/s |", "|---|---|---:|---:|---:|"]
+    """llama-bench's table, plus peak RSS and, under a memory budget, the budget, the bytes
+    the weight store has read so far and its time stalled on I/O (from ``extra``)."""
+    from ..memory.budget import format_size
+    budget = any("mem_budget_bytes" in r.extra for r in results)
+    head = "| model | backend | threads | test | t/s | peak RSS |"
+    rule = "|---|---|---:|---:|---:|---:|"
+    if budget:
+        head += " budget | read from disk | I/O stall |"
+        rule += "---:|---:|---:|"
+    rows = [head, rule]
     for r in results:
-        rows.append(f"| {r.model} | {backend} | {r.threads} | {r.test} | "
-                    f"{r.tokens_per_s:.2f} ± {r.stdev:.2f} |")
+        e = r.extra
+        rss = format_size(e["peak_rss_bytes"]) if "peak_rss_bytes" in e else "?"
+        row = (f"| {r.model} | {backend} | {r.threads} | {r.test} | "
+               f"{r.tokens_per_s:.2f} ± {r.stdev:.2f} | {rss} |")
+        if budget:
+            row += (f" {format_size(e.get('mem_budget_bytes', 0))} |"
+                    f" {format_size(e.get('bytes_read', 0))} | {e.get('io_stall_s', 0.0):.2f} s |")
+        rows.append(row)
     return "\n".join(rows)
