@@ -87,10 +87,14 @@ static Py_buffer *get_buf(bufs *bs, PyObject *o, const char *fn, const char *nam
         return NULL;
     }
     bs->n++;
-    if (b->itemsize != 4 || !fmt_is(b->format, kind)) {
+    /* kind 'k': float32 or float16 (a K/V cache) */
+    const int ok = kind == 'k' ? (b->itemsize == 4 && fmt_is(b->format, 'f')) || (b->itemsize == 2 && fmt_is(b->format, 'e'))
+                               : b->itemsize == 4 && fmt_is(b->format, kind);
+    if (!ok) {
+        const char *want = kind == 'f' ? "float32" : kind == 'k' ? "float32 or float16" : "int32";
         PyErr_Format(PyExc_TypeError, "%s: %s must have dtype %s (got buffer format '%s'); convert with "
-                     "np.ascontiguousarray(x, dtype=np.%s)", fn, name, kind == 'f' ? "float32" : "int32",
-                     b->format ? b->format : "B", kind == 'f' ? "float32" : "int32");
+                     "np.ascontiguousarray(x, dtype=np.%s)", fn, name, want,
+                     b->format ? b->format : "B", kind == 'i' ? "int32" : "float32");
         return NULL;
     }
     if (b->ndim < ndmin || b->ndim > ndmax) {
@@ -389,6 +393,33 @@ done:
     return NULL;
 }
 
+/* ---- f32_to_f16(x, out): float16 bits, the K/V cache's store conversion ------------------ */
+
+static PyObject *py_f32_to_f16(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) return PyErr_Format(PyExc_TypeError, "f32_to_f16(x float32, out float16) takes 2 arguments");
+    bufs bs = {.n = 0};
+    Py_buffer *x = get_buf(&bs, args[0], "f32_to_f16", "x", 'f', 0, 1, 64), *o;
+    if (!x) goto done;
+    if (!(o = get_buf(&bs, args[1], "f32_to_f16", "out", 'k', 1, 1, 64))) goto done;
+    if (o->itemsize != 2 || o->len != x->len / 2) {
+        PyErr_SetString(PyExc_ValueError, "f32_to_f16: out must be float16 with as many values as x");
+        goto done;
+    }
+    {
+        const float *xp = x->buf;
+        uint16_t *op = o->buf;
+        const int64_t n = numel(x);
+        Py_BEGIN_ALLOW_THREADS
+        mf_f32_to_f16(xp, op, n);
+        Py_END_ALLOW_THREADS
+    }
+    release(&bs);
+    Py_RETURN_NONE;
+done:
+    release(&bs);
+    return NULL;
+}
+
 /* ---- attention(q, k, v, q_pos, kv_pos, scale, window=0, softcap=0.0, out=None) ---------- */
 
 static PyObject *py_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kw) {
@@ -410,8 +441,12 @@ static PyObject *py_attention(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     Py_buffer *q = get_buf(&bs, a[0], fn, "q", 'f', 0, 3, 3), *k, *v, *qp, *kp, *o;
     if (!q) goto done;
-    if (!(k = get_buf(&bs, a[1], fn, "k", 'f', 0, 3, 3))) goto done;
-    if (!(v = get_buf(&bs, a[2], fn, "v", 'f', 0, 3, 3))) goto done;
+    if (!(k = get_buf(&bs, a[1], fn, "k", 'k', 0, 3, 3))) goto done;
+    if (!(v = get_buf(&bs, a[2], fn, "v", 'k', 0, 3, 3))) goto done;
+    if (k->itemsize != v->itemsize) {
+        PyErr_Format(PyExc_TypeError, "%s: k and v must have the same dtype (float32 or float16)", fn);
+        goto done;
+    }
     if (!(qp = get_buf(&bs, a[3], fn, "q_pos", 'i', 0, 1, 1))) goto done;
     if (!(kp = get_buf(&bs, a[4], fn, "kv_pos", 'i', 0, 1, 1))) goto done;
     const int64_t n = q->shape[0], Hq = q->shape[1], D = q->shape[2];
@@ -441,7 +476,8 @@ static PyObject *py_attention(PyObject *self, PyObject *const *args, Py_ssize_t 
     {
         mf_attn_args at = {.q = q->buf, .k = k->buf, .v = v->buf, .out = o->buf, .q_pos = qp->buf,
                            .kv_pos = kp->buf, .n = n, .T = T, .Hq = Hq, .Hkv = Hkv, .D = D, .Dv = Dv,
-                           .scale = (float)scale, .softcap = (float)softcap, .window = window};
+                           .scale = (float)scale, .softcap = (float)softcap, .window = window,
+                           .kv_f16 = k->itemsize == 2};
         Py_BEGIN_ALLOW_THREADS
         mf_attention_f32(&at);
         Py_END_ALLOW_THREADS
@@ -470,8 +506,11 @@ PyMethodDef mf_ops_methods[] = {
      "silu_mul(gate f32, up f32 (same shape), out=None) -> silu(gate) * up"},
     {"gelu_mul", (PyCFunction)(void (*)(void))py_gelu_mul, FC,
      "gelu_mul(gate f32, up f32 (same shape), out=None) -> gelu_tanh(gate) * up"},
+    {"f32_to_f16", (PyCFunction)(void (*)(void))py_f32_to_f16, METH_FASTCALL,
+     "f32_to_f16(x f32, out f16): out = x rounded to float16 (ties to even), as x.astype(float16)"},
     {"attention", (PyCFunction)(void (*)(void))py_attention, FC,
-     "attention(q[n, Hq, D], k[T, Hkv, D], v[T, Hkv, Dv], q_pos[n] i32, kv_pos[T] i32, scale, window=0, "
+     "attention(q[n, Hq, D], k[T, Hkv, D], v[T, Hkv, Dv] (k, v: both float32 or both float16), "
+     "q_pos[n] i32, kv_pos[T] i32, scale, window=0, "
      "softcap=0.0, out=None) -> out[n, Hq, Dv]\nkey t visible to query i iff kv_pos[t] <= q_pos[i] and "
      "(window == 0 or q_pos[i] - kv_pos[t] < window); score = scale * q.k, softcap * tanh(score / softcap) "
      "when softcap > 0; GQA: q head h uses kv head h // (Hq // Hkv). A query with no visible key gets 0. "

@@ -10,7 +10,7 @@
  *   decode_layer(layer, x, pos, K, V, kv_f16, wq, wk, wv, wo, wg, wu, wd)   per token
  *
  * x [n_embd] f32 is updated in place (the residual stream); K/V are the layer's cache arrays
- * [n_ctx, Hkv, D] f32, row pos is written; the w* are the raw GGUF bytes of the 7 matrices.
+ * [n_ctx, Hkv, D], float16 when kv_f16 (else float32), row pos is written; the w* are the raw GGUF bytes of the 7 matrices.
  * Scratch is per calling thread and grows once (no allocation per call after the first). */
 #include "memfit.h"
 #include "ops.h"
@@ -74,7 +74,7 @@ static inline void add_to(float *y, const float *b, int64_t n) {
 }
 
 /* The layer (see the file comment). Returns 0, -3 out of memory, or a matmul error code. */
-static int run_layer(const layer_t *L, float *x, int32_t pos, float *K, float *V, int kv_f16,
+static int run_layer(const layer_t *L, float *x, int32_t pos, void *K, void *V, int kv_f16,
                      const uint8_t *const *w) {
     const int64_t E = L->n_embd, qd = L->n_head * L->dk, kd = L->n_head_kv * L->dk,
                   vd = L->n_head_kv * L->dv, ad = L->n_head * L->dv, F = L->n_ff, T = (int64_t)pos + 1;
@@ -100,17 +100,18 @@ static int run_layer(const layer_t *L, float *x, int32_t pos, float *K, float *V
                 vec[V_FREQ]);
     mf_rope_f32(k, k, &pos, 1, L->n_head_kv, L->dk, L->n_rot, L->rope_base, L->freq_scale, L->neox,
                 vec[V_FREQ]);
-    float *kd_row = K + (int64_t)pos * kd, *vd_row = V + (int64_t)pos * vd;
-    memcpy(kd_row, k, (size_t)kd * sizeof(float));
-    memcpy(vd_row, v, (size_t)vd * sizeof(float));
-    if (kv_f16) {
-        mf_round_f16_f32(kd_row, kd_row, kd);
-        mf_round_f16_f32(vd_row, vd_row, vd);
+    if (kv_f16) { /* llama.cpp's default cache: f16 K/V, and its flash path reads Q as f16 */
+        mf_f32_to_f16(k, (uint16_t *)K + (int64_t)pos * kd, kd);
+        mf_f32_to_f16(v, (uint16_t *)V + (int64_t)pos * vd, vd);
         mf_round_f16_f32(q, q, qd);
+    } else {
+        memcpy((float *)K + (int64_t)pos * kd, k, (size_t)kd * sizeof(float));
+        memcpy((float *)V + (int64_t)pos * vd, v, (size_t)vd * sizeof(float));
     }
     mf_attn_args at = {.q = q, .k = K, .v = V, .out = att, .q_pos = &pos, .kv_pos = kvpos, .n = 1,
                        .T = T, .Hq = L->n_head, .Hkv = L->n_head_kv, .D = L->dk, .Dv = L->dv,
-                       .scale = L->attn_scale, .softcap = L->softcap, .window = L->window};
+                       .scale = L->attn_scale, .softcap = L->softcap, .window = L->window,
+                       .kv_f16 = kv_f16};
     mf_attention_f32(&at);
     {
         float *ys[1] = {o};
@@ -149,21 +150,27 @@ static void layer_free(PyObject *cap) {
     free(L);
 }
 
-static int f32_buffer(PyObject *o, Py_buffer *b, int writable, const char *what) {
+/* a C-contiguous float32 (f16 = 0) or float16 (f16 = 1) buffer */
+static int typed_buffer(PyObject *o, Py_buffer *b, int writable, int f16, const char *what) {
+    const char *dt = f16 ? "float16" : "float32";
     if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0) {
         PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "decode_layer: %s must be a C-contiguous%s float32 array", what,
-                     writable ? " writable" : "");
+        PyErr_Format(PyExc_TypeError, "decode_layer: %s must be a C-contiguous%s %s array", what,
+                     writable ? " writable" : "", dt);
         return -1;
     }
     const char *f = b->format ? b->format : "B";
     if (*f == '<' || *f == '=' || *f == '@') f++;
-    if (strcmp(f, "f") != 0 || b->itemsize != 4) {
-        PyErr_Format(PyExc_TypeError, "decode_layer: %s must be float32 (got format %s)", what, f);
+    if (strcmp(f, f16 ? "e" : "f") != 0 || b->itemsize != (f16 ? 2 : 4)) {
+        PyErr_Format(PyExc_TypeError, "decode_layer: %s must be %s (got format %s)", what, dt, f);
         PyBuffer_Release(b);
         return -1;
     }
     return 0;
+}
+
+static int f32_buffer(PyObject *o, Py_buffer *b, int writable, const char *what) {
+    return typed_buffer(o, b, writable, 0, what);
 }
 
 static int64_t wbytes(int type, int64_t rows, int64_t cols) {
@@ -255,12 +262,13 @@ static PyObject *py_decode_layer(PyObject *self, PyObject *const *a, Py_ssize_t 
     Py_buffer x, K, V, w[NW];
     int got = 0, rc = 0;
     if (f32_buffer(a[1], &x, 1, "x") < 0) return NULL;
-    if (f32_buffer(a[3], &K, 1, "K") < 0) { PyBuffer_Release(&x); return NULL; }
-    if (f32_buffer(a[4], &V, 1, "V") < 0) { PyBuffer_Release(&x); PyBuffer_Release(&K); return NULL; }
+    if (typed_buffer(a[3], &K, 1, kv_f16, "K") < 0) { PyBuffer_Release(&x); return NULL; }
+    if (typed_buffer(a[4], &V, 1, kv_f16, "V") < 0) { PyBuffer_Release(&x); PyBuffer_Release(&K); return NULL; }
     const char *bad = NULL;
+    const int64_t es = kv_f16 ? 2 : 4;
     if (x.len != L->n_embd * 4) bad = "x must have n_embd values";
-    else if (pos < 0 || pos >= INT32_MAX || K.len < (pos + 1) * L->n_head_kv * L->dk * 4 ||
-             V.len < (pos + 1) * L->n_head_kv * L->dv * 4)
+    else if (pos < 0 || pos >= INT32_MAX || K.len < (pos + 1) * L->n_head_kv * L->dk * es ||
+             V.len < (pos + 1) * L->n_head_kv * L->dv * es)
         bad = "pos is outside the K/V cache arrays";
     while (!bad && got < NW) {
         if (PyObject_GetBuffer(a[6 + got], &w[got], PyBUF_C_CONTIGUOUS) < 0) { rc = -9; break; }

@@ -3,6 +3,7 @@
  * (the AVX-512 machines run the AVX2 path: these ops are a small share of a forward). */
 #include "memfit.h"
 #include "ops.h"
+#include "quant_common.h" /* mf_f16_table */
 
 #include <math.h>
 #include <string.h>
@@ -11,7 +12,7 @@
 #define MF_X86 1
 #include <immintrin.h>
 #include "simd_x86.h"
-#define MF_AVX2 __attribute__((target("avx2,fma")))
+#define MF_AVX2 __attribute__((target("avx2,fma,f16c")))
 #endif
 
 /* Elementwise work is cut into chunks of this many values for the pool; below PAR_MIN values
@@ -354,6 +355,39 @@ __attribute__((target("avx2,fma,f16c"))) static void round_f16_avx2(const float 
 }
 #endif
 
+/* float16 bits of a float32 (IEEE round to nearest even): the f16 K/V cache's store path */
+static uint16_t f16_bits_scalar(float f) {
+    float r = round_f16_scalar(f); /* exactly representable now: only re-encode */
+    uint32_t u;
+    memcpy(&u, &r, 4);
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    const uint32_t a = u & 0x7fffffffu;
+    if (a >= 0x7f800000u) return sign | 0x7c00u | (a > 0x7f800000u ? 0x200u : 0u); /* inf, nan */
+    if (a < 0x38800000u) {                                 /* f16 subnormal or zero: units of 2^-24 */
+        float m;
+        memcpy(&m, &a, 4);
+        return sign | (uint16_t)(m * 16777216.0f);
+    }
+    return sign | (uint16_t)(((a >> 23) - 112) << 10) | (uint16_t)((a >> 13) & 0x3ffu);
+}
+
+#ifdef MF_X86
+MF_AVX2 static int64_t f32_to_f16_avx2(const float *x, uint16_t *out, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    return i;
+}
+#endif
+
+void mf_f32_to_f16(const float *x, uint16_t *out, int64_t n) {
+    int64_t i = 0;
+#ifdef MF_X86
+    if (use_avx2()) i = f32_to_f16_avx2(x, out, n);
+#endif
+    for (; i < n; i++) out[i] = f16_bits_scalar(x[i]);
+}
+
 typedef struct { const float *x; float *out; int64_t n; } r16_ctx;
 
 static void r16_run(const float *x, float *out, int64_t n) {
@@ -392,180 +426,25 @@ static inline float cap(const mf_attn_args *a, float s) {
     return a->softcap > 0.0f ? a->softcap * tanhf(s / a->softcap) : s;
 }
 
-static void attn_task_scalar(const mf_attn_args *a, int64_t i, int64_t h) {
-    const int64_t D = a->D, Dv = a->Dv, g = h / (a->Hq / a->Hkv), qp = a->q_pos[i];
-    const float *q = a->q + (i * a->Hq + h) * D;
-    float *o = a->out + (i * a->Hq + h) * Dv;
-    float acc[MF_ATTN_MAX_DIM], s[KB];
-    float m = -INFINITY, l = 0.0f;
-    memset(acc, 0, (size_t)Dv * sizeof(float));
-    for (int64_t t0 = 0; t0 < a->T; t0 += KB) {
-        const int64_t nb = a->T - t0 < KB ? a->T - t0 : KB;
-        float mb = -INFINITY;
-        for (int64_t b = 0; b < nb; b++) {
-            const int64_t t = t0 + b;
-            if (!visible(a, qp, t)) { s[b] = -INFINITY; continue; }
-            const float *k = a->k + (t * a->Hkv + g) * D;
-            float d = 0.0f;
-            for (int64_t j = 0; j < D; j++) d += q[j] * k[j];
-            s[b] = cap(a, d * a->scale);
-            mb = s[b] > mb ? s[b] : mb;
-        }
-        if (mb == -INFINITY) continue;
-        if (mb > m) {
-            const float corr = expf(m - mb); /* 0 on the first visible block */
-            for (int64_t j = 0; j < Dv; j++) acc[j] *= corr;
-            l *= corr;
-            m = mb;
-        }
-        for (int64_t b = 0; b < nb; b++) {
-            if (s[b] == -INFINITY) continue;
-            const float p = expf(s[b] - m);
-            const float *v = a->v + ((t0 + b) * a->Hkv + g) * Dv;
-            l += p;
-            for (int64_t j = 0; j < Dv; j++) acc[j] += p * v[j];
-        }
-    }
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    for (int64_t j = 0; j < Dv; j++) o[j] = acc[j] * inv;
-}
+#define KV_T float
+#define KV_FN(name) name##_f32
+#define KV_LD8(p) _mm256_loadu_ps(p)
+#define KV_LD1(p) (*(p))
+#include "attn_kv.h"
+#undef KV_T
+#undef KV_FN
+#undef KV_LD8
+#undef KV_LD1
 
-#ifdef MF_X86
-/* 4 dot products of q with 4 key rows, reduced into one __m128 [d0, d1, d2, d3]. */
-MF_AVX2 static inline __m128 dot4_avx2(const float *q, const float *k0, const float *k1,
-                                       const float *k2, const float *k3, int64_t D) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    int64_t j = 0;
-    for (; j + 8 <= D; j += 8) {
-        const __m256 vq = _mm256_loadu_ps(q + j);
-        a0 = _mm256_fmadd_ps(vq, _mm256_loadu_ps(k0 + j), a0);
-        a1 = _mm256_fmadd_ps(vq, _mm256_loadu_ps(k1 + j), a1);
-        a2 = _mm256_fmadd_ps(vq, _mm256_loadu_ps(k2 + j), a2);
-        a3 = _mm256_fmadd_ps(vq, _mm256_loadu_ps(k3 + j), a3);
-    }
-    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    if (j < D) {
-        float t[4] = {0, 0, 0, 0};
-        for (; j < D; j++) {
-            t[0] += q[j] * k0[j];
-            t[1] += q[j] * k1[j];
-            t[2] += q[j] * k2[j];
-            t[3] += q[j] * k3[j];
-        }
-        r = _mm_add_ps(r, _mm_loadu_ps(t));
-    }
-    return r;
-}
-
-MF_AVX2 static inline float dot1_avx2(const float *q, const float *k, int64_t D) {
-    __m256 a0 = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= D; j += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(k + j), a0);
-    float d = hsum_ps(a0);
-    for (; j < D; j++) d += q[j] * k[j];
-    return d;
-}
-
-/* One key block for one q head: scores of the nv visible keys idx[], online-softmax update of
- * (m, l, acc). s is scratch [KB]. */
-MF_AVX2 static void attn_block_avx2(const mf_attn_args *a, const float *q, const float *kb, const float *vb,
-                                    const int32_t *idx, int nv, float *s, float *pm, float *pl, float *acc) {
-    const int64_t D = a->D, Dv = a->Dv, ks = a->Hkv * D, vs = a->Hkv * Dv; /* row strides over t */
-    int b = 0;
-    for (; b + 4 <= nv; b += 4) {
-        __m128 d = dot4_avx2(q, kb + idx[b] * ks, kb + idx[b + 1] * ks, kb + idx[b + 2] * ks,
-                             kb + idx[b + 3] * ks, D);
-        _mm_storeu_ps(s + b, _mm_mul_ps(d, _mm_set1_ps(a->scale)));
-    }
-    for (; b < nv; b++) s[b] = dot1_avx2(q, kb + idx[b] * ks, D) * a->scale;
-    if (a->softcap > 0.0f)
-        for (b = 0; b < nv; b++) s[b] = cap(a, s[b]);
-    __m256 vmb = _mm256_set1_ps(-INFINITY);
-    for (b = 0; b + 8 <= nv; b += 8) vmb = _mm256_max_ps(vmb, _mm256_loadu_ps(s + b));
-    float mb = hmax_ps(vmb), m = *pm, l = *pl;
-    for (; b < nv; b++) mb = s[b] > mb ? s[b] : mb;
-    if (mb > m) {
-        const float corr = expf(m - mb); /* 0 on the first visible block */
-        const __m256 vc = _mm256_set1_ps(corr);
-        int64_t j = 0;
-        for (; j + 8 <= Dv; j += 8) _mm256_storeu_ps(acc + j, _mm256_mul_ps(_mm256_loadu_ps(acc + j), vc));
-        for (; j < Dv; j++) acc[j] *= corr;
-        l *= corr;
-        m = mb;
-    }
-    const __m256 vm = _mm256_set1_ps(m);
-    __m256 vl = _mm256_setzero_ps();
-    for (b = 0; b + 8 <= nv; b += 8) {
-        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + b), vm));
-        _mm256_storeu_ps(s + b, e);
-        vl = _mm256_add_ps(vl, e);
-    }
-    l += hsum_ps(vl);
-    for (; b < nv; b++) {
-        s[b] = expf(s[b] - m);
-        l += s[b];
-    }
-    /* acc += sum_b p_b * v_b, 4 value rows per pass over acc */
-    for (b = 0; b + 4 <= nv; b += 4) {
-        const float *v0 = vb + idx[b] * vs, *v1 = vb + idx[b + 1] * vs;
-        const float *v2 = vb + idx[b + 2] * vs, *v3 = vb + idx[b + 3] * vs;
-        const __m256 p0 = _mm256_set1_ps(s[b]), p1 = _mm256_set1_ps(s[b + 1]);
-        const __m256 p2 = _mm256_set1_ps(s[b + 2]), p3 = _mm256_set1_ps(s[b + 3]);
-        int64_t j = 0;
-        for (; j + 8 <= Dv; j += 8) {
-            __m256 r = _mm256_loadu_ps(acc + j);
-            r = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + j), r);
-            r = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v1 + j), r);
-            r = _mm256_fmadd_ps(p2, _mm256_loadu_ps(v2 + j), r);
-            r = _mm256_fmadd_ps(p3, _mm256_loadu_ps(v3 + j), r);
-            _mm256_storeu_ps(acc + j, r);
-        }
-        for (; j < Dv; j++) acc[j] += s[b] * v0[j] + s[b + 1] * v1[j] + s[b + 2] * v2[j] + s[b + 3] * v3[j];
-    }
-    for (; b < nv; b++) {
-        const float *v0 = vb + idx[b] * vs;
-        const __m256 p0 = _mm256_set1_ps(s[b]);
-        int64_t j = 0;
-        for (; j + 8 <= Dv; j += 8)
-            _mm256_storeu_ps(acc + j, _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + j), _mm256_loadu_ps(acc + j)));
-        for (; j < Dv; j++) acc[j] += s[b] * v0[j];
-    }
-    *pm = m;
-    *pl = l;
-}
-
-/* Query row i, q heads h0 .. h0+nh-1 (nh <= HG, one kv head): each key block is compacted once
- * and its K/V rows serve all nh heads while they are in cache. */
-MF_AVX2 static void attn_task_avx2(const mf_attn_args *a, int64_t i, int64_t h0, int64_t nh) {
-    const int64_t D = a->D, Dv = a->Dv, g = h0 / (a->Hq / a->Hkv), qp = a->q_pos[i];
-    const float *kb = a->k + g * D, *vb = a->v + g * Dv;
-    float acc[HG][MF_ATTN_MAX_DIM], s[KB], m[HG], l[HG];
-    int32_t idx[KB];
-    for (int64_t hh = 0; hh < nh; hh++) {
-        m[hh] = -INFINITY;
-        l[hh] = 0.0f;
-        memset(acc[hh], 0, (size_t)Dv * sizeof(float));
-    }
-    for (int64_t t0 = 0; t0 < a->T; t0 += KB) {
-        const int64_t nb = a->T - t0 < KB ? a->T - t0 : KB;
-        int nv = 0; /* visible keys of this block, compacted into idx */
-        for (int64_t b = 0; b < nb; b++)
-            if (visible(a, qp, t0 + b)) idx[nv++] = (int32_t)(t0 + b);
-        if (nv == 0) continue;
-        for (int64_t hh = 0; hh < nh; hh++)
-            attn_block_avx2(a, a->q + (i * a->Hq + h0 + hh) * D, kb, vb, idx, nv, s, &m[hh], &l[hh], acc[hh]);
-    }
-    for (int64_t hh = 0; hh < nh; hh++) {
-        float *o = a->out + (i * a->Hq + h0 + hh) * Dv;
-        const float inv = l[hh] > 0.0f ? 1.0f / l[hh] : 0.0f;
-        const __m256 vi = _mm256_set1_ps(inv);
-        int64_t j = 0;
-        for (; j + 8 <= Dv; j += 8) _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_loadu_ps(acc[hh] + j), vi));
-        for (; j < Dv; j++) o[j] = acc[hh][j] * inv;
-    }
-}
-#endif
+#define KV_T uint16_t
+#define KV_FN(name) name##_f16
+#define KV_LD8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define KV_LD1(p) mf_f16_table[*(p)]
+#include "attn_kv.h"
+#undef KV_T
+#undef KV_FN
+#undef KV_LD8
+#undef KV_LD1
 
 typedef struct {
     const mf_attn_args *a;
@@ -580,11 +459,15 @@ static void attn_task(void *p, int64_t task) {
     const int64_t h0 = g * G + ch * c->hc, nh = G - ch * c->hc < c->hc ? G - ch * c->hc : c->hc;
 #ifdef MF_X86
     if (use_avx2()) {
-        attn_task_avx2(a, i, h0, nh);
+        if (a->kv_f16) attn_task_avx2_f16(a, i, h0, nh);
+        else attn_task_avx2_f32(a, i, h0, nh);
         return;
     }
 #endif
-    for (int64_t hh = 0; hh < nh; hh++) attn_task_scalar(a, i, h0 + hh);
+    for (int64_t hh = 0; hh < nh; hh++) {
+        if (a->kv_f16) attn_task_scalar_f16(a, i, h0 + hh);
+        else attn_task_scalar_f32(a, i, h0 + hh);
+    }
 }
 
 void mf_attention_f32(const mf_attn_args *a) {

@@ -26,22 +26,29 @@ void mf_softmax_f32(const float *x, float *out, int64_t rows, int64_t k);
 void mf_silu_mul_f32(const float *g, const float *u, float *out, int64_t n);
 void mf_gelu_mul_f32(const float *g, const float *u, float *out, int64_t n);
 
+/* out[i] = float16 bits of x[i] (round to nearest even, IEEE overflow/subnormals), as numpy's
+ * x.astype(float16). */
+void mf_f32_to_f16(const float *x, uint16_t *out, int64_t n);
+
 /* out = float32(float16(x)) elementwise (round to nearest even, IEEE overflow/subnormals), as
  * numpy's x.astype(float16).astype(float32). */
 void mf_round_f16_f32(const float *x, float *out, int64_t n);
 
-/* q[n, Hq, D], k[T, Hkv, D], v[T, Hkv, Dv], out[n, Hq, Dv]. Key t is visible to query i iff
- * kv_pos[t] <= q_pos[i] and (window == 0 or q_pos[i] - kv_pos[t] < window). Score =
+/* q[n, Hq, D], k[T, Hkv, D], v[T, Hkv, Dv], out[n, Hq, Dv]; k and v are float32, or float16
+ * with kv_f16 (converted exactly on load: the result equals that of the same values as f32).
+ * Key t is visible to query i iff kv_pos[t] <= q_pos[i] and (window == 0 or q_pos[i] - kv_pos[t] < window). Score =
  * scale * q.k, then softcap * tanh(score / softcap) when softcap > 0. A query that sees no key
  * gets zeros. */
 typedef struct {
-    const float *q, *k, *v;
+    const float *q;
+    const void *k, *v; /* float32, or float16 bits (uint16) when kv_f16 */
     float *out;
     const int32_t *q_pos, *kv_pos;
     int64_t n, T;
     int64_t Hq, Hkv, D, Dv;
     float scale, softcap;
     int64_t window;
+    int kv_f16;
 } mf_attn_args;
 void mf_attention_f32(const mf_attn_args *a);
 

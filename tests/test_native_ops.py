@@ -211,6 +211,36 @@ def test_attention(n, T, Hq, Hkv, D, Dv, window, softcap):
     close(N.attention(q, k, v, q_pos, kv_pos, scale, window=window, softcap=softcap), ref)
 
 
+@pytest.mark.parametrize("n,T,Hq,Hkv,D,Dv,window,softcap", ATTN_CASES)
+def test_attention_f16_cache_equals_same_values_f32(n, T, Hq, Hkv, D, Dv, window, softcap):
+    # an f16 K/V cache is read as the f32 values it holds: bit-identical results
+    rng = np.random.default_rng(11)
+    q, k, v = qkv(rng, n, T, Hq, Hkv, D, Dv)
+    k16, v16 = k.astype(np.float16), v.astype(np.float16)
+    kv_pos = np.arange(T, dtype=np.int32)
+    q_pos = np.arange(T - n, T, dtype=np.int32)
+    args = (q_pos, kv_pos, 1.0 / np.sqrt(D), window, softcap)
+    a = N.attention(q, k16, v16, *args)
+    np.testing.assert_array_equal(a, N.attention(q, k16.astype(np.float32), v16.astype(np.float32), *args))
+    close(a, R.attention(q, k16, v16, *args))
+    with pytest.raises(TypeError, match="same dtype"):
+        N.attention(q, k16, v, *args)
+
+
+def test_f32_to_f16_matches_numpy():
+    rng = np.random.default_rng(3)
+    edge = np.array([0.0, -0.0, 1.0, 65504.0, 65519.99, 65520.0, -70000.0, np.inf, -np.inf,
+                     6.1e-5, 6.0e-5, 5.96e-8, 2.98e-8, 2.99e-8, 1e-9, 1.00048828125,
+                     1.000732421875, 0.333333], np.float32)
+    x = np.concatenate([edge, rng.standard_normal(1000).astype(np.float32) * 100,
+                        (rng.standard_normal(333) * 1e-5).astype(np.float32)])
+    out = np.empty(x.size, np.float16)
+    N.f32_to_f16(x, out)
+    with np.errstate(over="ignore"):  # 65520 and beyond round to inf, as intended
+        want = x.astype(np.float16)
+    np.testing.assert_array_equal(out.view(np.uint16), want.view(np.uint16))
+
+
 def test_attention_masks_by_position_not_index():
     # shuffled cache slots (paged KV): only positions decide visibility
     rng = np.random.default_rng(10)

@@ -104,7 +104,7 @@ class Model:
         """Refuse a context whose KV cache cannot fit in available memory (before allocating)."""
         import psutil
         c = self.config
-        kv = 4 * self.n_ctx * c.n_layer * c.n_head_kv * (c.head_dim_k + c.head_dim_v)
+        kv = 2 * self.n_ctx * c.n_layer * c.n_head_kv * (c.head_dim_k + c.head_dim_v)  # f16
         avail = psutil.virtual_memory().available
         if kv > avail:
             raise RequestError(f"context size {self.n_ctx} needs {kv / 2**30:.1f} GiB of KV cache "

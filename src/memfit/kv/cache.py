@@ -1,9 +1,9 @@
 """Contiguous per-sequence KV cache: the tiny protocol model code relies on.
 
-Per layer, K is float32 [n_ctx, n_kv_head, head_dim_k] and V [n_ctx, n_kv_head, head_dim_v].
-With ``f16_values`` (the default, as llama.cpp's f16 KV cache) stored values are rounded to
-float16 precision, so attention sees exactly the numbers llama.cpp's does; the storage is
-still float32 (TODO: store f16 and let the attention kernel read it, halving KV memory).
+Per layer, K is [n_ctx, n_kv_head, head_dim_k] and V [n_ctx, n_kv_head, head_dim_v], stored
+as float16 with ``f16_values`` (the model default, as llama.cpp's default KV cache: half the
+memory of f32, and attention sees exactly the numbers llama.cpp's does; the attention kernels
+read f16 directly), else float32 (tests of exact float math).
 A forward pass of n tokens calls ``positions(n)`` once, ``update_and_fetch`` once per layer
 (writes rows offset..offset+n), then ``advance(n)``; so ``offset`` only moves when every
 layer has its rows. Model code never sees the layout.
@@ -39,6 +39,7 @@ class KVCache:
             raise RequestError(f"context size must be positive, got {n_ctx}")
         head_dim_v = head_dim_k if head_dim_v is None else head_dim_v
         self.n_ctx = n_ctx
+        dtype = np.float16 if f16_values else dtype
         self.k = [np.zeros((n_ctx, n_kv_head, head_dim_k), dtype) for _ in range(n_layer)]
         self.v = [np.zeros((n_ctx, n_kv_head, head_dim_v), dtype) for _ in range(n_layer)]
         self.offset = 0  # tokens stored (== position of the next token)
@@ -60,16 +61,13 @@ class KVCache:
         end = self.offset + n
         assert end <= self.n_ctx, "positions(n) must be called first"
         kd, vd = self.k[layer][self.offset:end], self.v[layer][self.offset:end]
-        kd[...] = k
+        kd[...] = k  # to f16 (round to nearest even) when the cache is f16
         vd[...] = v
-        if self.f16_values:
-            round_f16(kd, kd)
-            round_f16(vd, vd)
         return self.k[layer][:end], self.v[layer][:end], self._pos[:end]
 
     def layer_arrays(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """The whole K and V arrays of a layer, for a native decode step that writes row
-        ``offset`` itself (rounding to f16 when f16_values) and reads rows 0..offset."""
+        """The whole K and V arrays of a layer (float16 when f16_values), for a native decode
+        step that writes row ``offset`` itself and reads rows 0..offset."""
         return self.k[layer], self.v[layer]
 
     def advance(self, n: int) -> None:

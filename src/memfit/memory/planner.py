@@ -359,9 +359,9 @@ def _max_unit(units: list[Unit]) -> int:
 
 def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Bandwidth,
          *, baseline_bytes: int, n_batch: int = 512, overlap_io: bool = True,
-         logits_all: bool = False, kv_bytes_per_elem: float = 4) -> Plan:
+         logits_all: bool = False, kv_bytes_per_elem: float = 2) -> Plan:
     """Place every tensor in a tier within `budget` bytes. Pure: no I/O, no measurement.
-    baseline_bytes: the measured runtime RSS; kv_bytes_per_elem: 4 for an f32 cache."""
+    baseline_bytes: the measured runtime RSS; kv_bytes_per_elem: 2 for the f16 cache (4 for f32)."""
     assert n_ctx > 0 and threads > 0 and n_batch > 0
     m = model
     kv = int(m.kv_elems_per_token * n_ctx * kv_bytes_per_elem)
@@ -528,7 +528,7 @@ def _round_up_mib(n: int) -> int:
 def plan_for_path(path, budget: int, n_ctx: int | None = None, threads: int | None = None, *,
                   baseline_bytes: int | None = None, bandwidth: Bandwidth | None = None,
                   measure_bandwidth: bool = False, n_batch: int = 512,
-                  kv_bytes_per_elem: float = 4) -> Plan:
+                  kv_bytes_per_elem: float = 2) -> Plan:
     """Convenience for the CLI/API: open the GGUF, describe it, measure baseline (this
     process's RSS) and bandwidth (cached/default unless measure_bandwidth), and plan.
     n_ctx defaults to min(model context_length, 4096)."""

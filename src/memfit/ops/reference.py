@@ -94,6 +94,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
     n, hq, d = q.shape
     t, hkv, dv = v.shape
     g = hq // hkv
+    k = k.astype(np.float32, copy=False)  # an f16 cache is read as the f32 values it holds
+    v = v.astype(np.float32, copy=False)
     qg = q.reshape(n, hkv, g, d).transpose(1, 2, 0, 3).reshape(hkv, g * n, d)
     s = (qg @ k.transpose(1, 2, 0)) * np.float32(scale)            # [Hkv, G*n, T]
     s = s.reshape(hkv, g, n, t)
