@@ -121,3 +121,19 @@ def test_bad_run_arguments_are_clear_errors(smollm2_path, args, needle):
     p = memfit("run", smollm2_path, "-p", "hi", "--no-echo", *args, check=False, timeout=60)
     last = p.stderr.strip().splitlines()[-1]
     assert p.returncode != 0 and needle in last and last.startswith("memfit: error:")
+
+
+def test_bench_kernels_json_reports_medians_against_bandwidth():
+    # tiny shapes and stream volume: the schema and arithmetic, not the speed
+    p = memfit("bench", "--kernels", "--types", "Q4_0,Q6_K", "--rows", 64, "--cols", 512,
+               "--trials", 2, "--stream-bytes", "4MiB", "--json", "-t", 2)
+    rows = [json.loads(x) for x in p.stdout.splitlines()]
+    assert [r["type"] for r in rows] == ["Q4_0", "Q6_K"]
+    for r in rows:
+        assert len(r["samples_gb_per_s"]) == 2 and len(r["mem_read_samples_gb_per_s"]) == 2
+        assert r["gb_per_s"] == pytest.approx(sorted(r["samples_gb_per_s"])[0] / 2
+                                              + sorted(r["samples_gb_per_s"])[1] / 2)
+        assert r["fraction_of_bandwidth"] == pytest.approx(r["gb_per_s"] / r["mem_read_gb_per_s"])
+        assert r["gb_per_s"] > 0 and r["threads"] == 2 and r["copies"] >= 2
+    bad = memfit("bench", "--kernels", "--stream-bytes", "12XB", check=False)
+    assert bad.returncode != 0 and "12XB" in bad.stderr

@@ -242,8 +242,10 @@ def cmd_bench(a) -> int:
     from .bench.llama_bench import markdown_table, run_bench
     if a.kernels:
         from .bench.kernels import run_kernel_bench
+        from .memory.budget import parse_size
         return run_kernel_bench(types=a.types, rows=a.rows, cols=a.cols, threads=a.threads,
-                                as_json=a.json)
+                                as_json=a.json, trials=a.trials,
+                                stream_bytes=parse_size(a.stream_bytes))
     with _load(a, n_ctx=a.n_prompt + a.n_gen + 8) as m:
         threads = a.threads or (m.ops.get_threads() if hasattr(m.ops, "get_threads") else 1)
         name = m.path.name
@@ -320,6 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--types", default="Q4_0,Q8_0,Q4_K,Q6_K", help="with --kernels: comma-separated types")
     b.add_argument("--rows", type=int, default=14336, help="with --kernels: matrix rows")
     b.add_argument("--cols", type=int, default=4096, help="with --kernels: matrix cols")
+    b.add_argument("--trials", type=int, default=3, help="with --kernels: trials (bandwidth probe + every type); medians reported")
+    b.add_argument("--stream-bytes", default="512MiB", metavar="SIZE",
+                   help="with --kernels: bytes of distinct matrix copies cycled so each call reads from DRAM (default 512MiB)")
     _add_runtime_args(b)
     b.set_defaults(func=cmd_bench)
 

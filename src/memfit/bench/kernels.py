@@ -53,21 +53,40 @@ def matvec_bandwidth(type_name: str, rows: int, cols: int, reps: int = 10, seed:
 
 
 def run_kernel_bench(types: str = "Q4_0,Q8_0,Q4_K,Q6_K", rows: int = 14336, cols: int = 4096,
-                     threads: int | None = None, as_json: bool = False) -> int:
+                     threads: int | None = None, as_json: bool = False, trials: int = 3,
+                     stream_bytes: int = 512 << 20) -> int:
+    """Each trial measures the read bandwidth, then every type's DRAM-streamed matvec; the
+    table reports medians over the trials (this kind of host moves +-15% between runs, so a
+    single probe next to a single matvec can mislead), --json one object per type with all
+    samples."""
     from ..ops import native
     if threads:
         native.set_threads(threads)
     threads = native.get_threads() if hasattr(native, "get_threads") else threads
-    bw = memory_read_bandwidth()
+    names = [t.strip() for t in types.split(",") if t.strip()]
+    bws: list[float] = []
+    gbs: dict[str, list[float]] = {n: [] for n in names}
+    info: dict[str, dict] = {}
+    for k in range(max(1, trials)):
+        bws.append(memory_read_bandwidth(max(64 << 20, 2 * stream_bytes)) / 1e9)
+        for name in names:
+            r = matvec_bandwidth(name, rows, cols, min_total=stream_bytes)
+            gbs[name].append(r["gb_per_s"])
+            info[name] = r
+        if not as_json:
+            print(f"  trial {k + 1}/{max(1, trials)}: read {bws[-1]:.1f} GB/s, "
+                  + ", ".join(f"{n} {gbs[n][-1]:.1f}" for n in names), file=sys.stderr, flush=True)
+    bw = statistics.median(bws)
     if not as_json:
-        print(f"memory read bandwidth: {bw / 1e9:.1f} GB/s ({threads} threads)", file=sys.stderr)
+        print(f"memory read bandwidth: {bw:.1f} GB/s ({threads} threads, median of {len(bws)})",
+              file=sys.stderr)
         print("| type | matrix | weight MB | GB/s | % of memory bandwidth |")
         print("|---|---|---:|---:|---:|")
-    for name in [t.strip() for t in types.split(",") if t.strip()]:
-        r = matvec_bandwidth(name, rows, cols)
-        r["mem_read_gb_per_s"] = bw / 1e9
-        r["fraction_of_bandwidth"] = r["gb_per_s"] * 1e9 / bw
-        r["threads"] = threads
+    for name in names:
+        r = {**info[name], "gb_per_s": statistics.median(gbs[name]), "samples_gb_per_s": gbs[name],
+             "mem_read_gb_per_s": bw, "mem_read_samples_gb_per_s": bws, "threads": threads}
+        r["fraction_of_bandwidth"] = r["gb_per_s"] / bw
+        del r["seconds"]
         if as_json:
             print(json.dumps(r), flush=True)
         else:
