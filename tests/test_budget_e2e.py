@@ -46,13 +46,18 @@ class Proc:
         return json.loads(self.out)
 
 
-def memfit(*args, env: dict | None = None, cwd: Path | None = None, timeout: float = 240) -> Proc:
-    """Run `python -m memfit ARGS`, polling its VmHWM every 20 ms until it exits."""
+def memfit(*args, env: dict | None = None, cwd: Path | None = None, timeout: float = 240,
+           cgroup: Path | None = None) -> Proc:
+    """Run `python -m memfit ARGS` (inside `cgroup` when given: the process joins it before it
+    execs Python), polling its VmHWM every 20 ms until it exits."""
     full_env = {k: v for k, v in os.environ.items()
                 if k not in ("MEMFIT_MEM_BUDGET", "MEMFIT_DEBUG_LEDGER")}
     full_env.update(env or {})
     t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, "-c", WRAP, *map(str, args)], stdout=subprocess.PIPE,
+    argv = [sys.executable, "-c", WRAP, *map(str, args)]
+    if cgroup is not None:
+        argv = ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(cgroup), *argv]
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=full_env, cwd=cwd)
     res: dict = {}
     reader = threading.Thread(target=lambda: res.update(zip(("out", "err"), p.communicate())))
@@ -134,6 +139,52 @@ def test_synthetic_model_within_budget(synth_model, synth_reference, fraction):
     assert store["bytes_read"] > 0 and 0.0 <= store["hit_rate"] <= 1.0 and store["io_stall_s"] >= 0
     if fraction < 1.0:
         assert store["bytes_read"] > size, "a model larger than the budget is re-read per token"
+
+
+def _memory_cgroup(limit: int) -> Path | None:
+    """A fresh memory cgroup limited to `limit` bytes (v2, else v1 under this process's own),
+    or None where this process may not create one (not root, no writable controller)."""
+    root = Path("/sys/fs/cgroup")
+    name = f"memfit-test-{os.getpid()}"
+    try:
+        if "memory" in (root / "cgroup.controllers").read_text().split():
+            cg = root / name
+            cg.mkdir()
+            (cg / "memory.max").write_text(str(limit))
+            return cg
+    except OSError:
+        pass
+    try:
+        rel = next(line.split(":", 2)[2].strip() for line in open("/proc/self/cgroup")
+                   if line.split(":")[1] == "memory")
+        cg = root / "memory" / rel.lstrip("/") / name
+        cg.mkdir()
+        (cg / "memory.limit_in_bytes").write_text(str(limit))
+        return cg
+    except (OSError, StopIteration, IndexError):
+        return None
+
+
+@pytest.mark.timeout(300)
+def test_detected_cgroup_limit_is_the_budget_without_a_flag(synth_model, synth_reference):
+    # no --mem-budget, but a memory cgroup at 60% of the model: memfit detects the limit,
+    # streams within it (peak RSS under the detected budget) and gives the same greedy ids
+    reference, _ = synth_reference
+    limit = int(synth_model.stat().st_size * 0.6) // 4096 * 4096  # the kernel keeps whole pages
+    cg = _memory_cgroup(limit)
+    if cg is None:
+        pytest.skip("cannot create a memory cgroup here (needs root and a writable controller)")
+    try:
+        r = memfit("run", synth_model, "-p", PROMPT, "-n", N_GEN, "--temp", 0, "--json", "-c",
+                   CTX, cgroup=cg)
+    finally:
+        cg.rmdir()
+    d = r.json()
+    from memfit.memory.budget import detect_margin
+    assert d["mem_budget_bytes"] == limit - detect_margin(limit)  # the cgroup's limit, detected
+    assert r.peak_rss <= d["mem_budget_bytes"]
+    assert d["store"]["bytes_read"] > synth_model.stat().st_size
+    assert d["ids"] == reference["ids"]
 
 
 @pytest.mark.timeout(120)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,6 +82,8 @@ class Model:
             self.plan = self.ledger = None
             if mem_budget is not None or os.environ.get("MEMFIT_MEM_BUDGET"):
                 self._plan_budget(mem_budget, n_ctx, quiet)  # refuses before anything loads
+            else:
+                self._auto_budget(n_ctx, quiet)
             self.tokenizer = Tokenizer.from_metadata(self.file.metadata)
             self.ops = get_ops(backend)
             if threads is not None and hasattr(self.ops, "set_threads"):
@@ -110,7 +113,26 @@ class Model:
             raise RequestError(f"context size {self.n_ctx} needs {kv / 2**30:.1f} GiB of KV cache "
                                f"but {avail / 2**30:.1f} GiB is available; lower --ctx-size")
 
-    def _plan_budget(self, mem_budget, n_ctx, quiet: bool) -> None:
+    def _auto_budget(self, n_ctx, quiet: bool) -> None:
+        """No budget given: plan against the detected one (MemAvailable or the cgroup limit,
+        minus a margin). A model that fits whole is memory-mapped as before; one that does
+        not is run within the detected budget by the weight store, and one below its floor
+        is refused (naming the minimum) instead of thrashing or being OOM-killed."""
+        from .memory.budget import detect_budget, measure_baseline
+        from .memory.planner import plan_for_path
+
+        budget, why = detect_budget()
+        baseline = measure_baseline()
+        plan = plan_for_path(self.path, budget, n_ctx=n_ctx, threads=self.threads,
+                             baseline_bytes=baseline)
+        if plan.tiers["file"] or plan.tiers["cache"]:
+            if not quiet:
+                print(f"memfit: the model does not fit in memory ({why}); streaming "
+                      f"{plan.disk_bytes_per_token / 2**30:.2f} GiB per token from the file "
+                      f"(set --mem-budget to choose the budget)", file=sys.stderr, flush=True)
+            self._plan_budget(budget, n_ctx, quiet, plan=plan, baseline=baseline)
+
+    def _plan_budget(self, mem_budget, n_ctx, quiet: bool, plan=None, baseline=None) -> None:
         """Plan tiers for the budget (refusing below the floor before anything loads), then
         open a WeightStore that executes the plan inside a ledger of the budget."""
         from .memory.budget import measure_baseline, resolve_budget
@@ -119,9 +141,11 @@ class Model:
         from .memory.store import WeightStore
 
         budget, _why = resolve_budget(mem_budget)
-        baseline = measure_baseline()
-        self.plan = plan_for_path(self.path, budget, n_ctx=n_ctx, threads=self.threads,
-                                  baseline_bytes=baseline)
+        if plan is None:
+            baseline = measure_baseline()
+            plan = plan_for_path(self.path, budget, n_ctx=n_ctx, threads=self.threads,
+                                 baseline_bytes=baseline)
+        self.plan = plan
         self.ledger = Ledger(budget)
         self.ledger.alloc("baseline", "runtime", baseline)
         self.store = WeightStore(self.file, self.plan, self.ledger)
