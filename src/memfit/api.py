@@ -78,6 +78,8 @@ class Model:
         try:
             if threads is not None and threads < 1:
                 raise RequestError(f"threads must be >= 1, got {threads}")
+            if n_ctx is not None and int(n_ctx) < 8:  # before the planner sizes the KV cache
+                raise RequestError(f"context size {n_ctx} is too small (minimum 8)")
             self.threads = threads
             self.plan = self.ledger = None
             if mem_budget is not None or os.environ.get("MEMFIT_MEM_BUDGET"):
