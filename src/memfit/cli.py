@@ -27,7 +27,8 @@ def _add_runtime_args(p, budget: bool = True) -> None:
                    help="compute threads (default: physical cores)")
     if budget:
         p.add_argument("--mem-budget", default=None, metavar="SIZE",
-                       help="hard ceiling on peak RSS, e.g. 2.5GiB, 800MiB (also MEMFIT_MEM_BUDGET); "
+                       help="hard ceiling on peak RSS, e.g. 2.5GiB, 800MiB (also MEMFIT_MEM_BUDGET; "
+                            "default: detected from MemAvailable / the cgroup limit minus a margin); "
                             "weights that do not fit are streamed from the file")
     p.add_argument("--backend", choices=["native", "numpy"], default=None,
                    help="compute backend (default: native when built, else numpy)")
