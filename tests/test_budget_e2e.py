@@ -150,8 +150,11 @@ def _memory_cgroup(limit: int) -> Path | None:
         if "memory" in (root / "cgroup.controllers").read_text().split():
             cg = root / name
             cg.mkdir()
-            (cg / "memory.max").write_text(str(limit))
-            return cg
+            try:
+                (cg / "memory.max").write_text(str(limit))
+                return cg
+            except OSError:  # memory not enabled for children here: leave nothing behind
+                cg.rmdir()
     except OSError:
         pass
     try:
