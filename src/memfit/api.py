@@ -123,7 +123,10 @@ class Model:
         from .memory.budget import detect_budget, measure_baseline
         from .memory.planner import plan_for_path
 
-        budget, why = detect_budget()
+        try:
+            budget, why = detect_budget()
+        except (OSError, ValueError):  # no /proc/meminfo or cgroup files: nothing to plan for
+            return
         baseline = measure_baseline()
         plan = plan_for_path(self.path, budget, n_ctx=n_ctx, threads=self.threads,
                              baseline_bytes=baseline)
