@@ -169,9 +169,6 @@ static int typed_buffer(PyObject *o, Py_buffer *b, int writable, int f16, const 
     return 0;
 }
 
-static int f32_buffer(PyObject *o, Py_buffer *b, int writable, const char *what) {
-    return typed_buffer(o, b, writable, 0, what);
-}
 
 static int64_t wbytes(int type, int64_t rows, int64_t cols) {
     return rows * (cols / mf_qtypes[type].block) * mf_qtypes[type].bytes;
@@ -236,7 +233,7 @@ static PyObject *py_decode_layer_new(PyObject *self, PyObject *const *a, Py_ssiz
             }
             continue;
         }
-        if (f32_buffer(o, &L->vbuf[i], 0, vec_names[i]) < 0) goto fail;
+        if (typed_buffer(o, &L->vbuf[i], 0, 0, vec_names[i]) < 0) goto fail;
         L->have[i] = 1;
         if (L->vbuf[i].len != vlen[i] * 4) {
             PyErr_Format(PyExc_ValueError, "decode_layer_new: %s has %zd values, expected %lld", vec_names[i],
@@ -261,7 +258,7 @@ static PyObject *py_decode_layer(PyObject *self, PyObject *const *a, Py_ssize_t 
     if ((pos == -1 && PyErr_Occurred()) || kv_f16 < 0) return NULL;
     Py_buffer x, K, V, w[NW];
     int got = 0, rc = 0;
-    if (f32_buffer(a[1], &x, 1, "x") < 0) return NULL;
+    if (typed_buffer(a[1], &x, 1, 0, "x") < 0) return NULL;
     if (typed_buffer(a[3], &K, 1, kv_f16, "K") < 0) { PyBuffer_Release(&x); return NULL; }
     if (typed_buffer(a[4], &V, 1, kv_f16, "V") < 0) { PyBuffer_Release(&x); PyBuffer_Release(&K); return NULL; }
     const char *bad = NULL;

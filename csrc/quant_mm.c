@@ -89,12 +89,14 @@ static inline void prefetch_rows(const mm_ctx *c, int64_t a, int64_t b, int64_t 
 static void mm_task_vec(void *p, int64_t t) {
     mm_ctx *c = p;
     int64_t r0 = t * c->rt, r1 = r0 + c->rt < c->rows ? r0 + c->rt : c->rows;
+    const int pf_ok = c->rb <= MF_PF_MAX_RB;
     for (int64_t i0 = 0; i0 < c->n; i0 += XT) {
         int64_t i1 = i0 + XT < c->n ? i0 + XT : c->n;
+        const int pf = pf_ok && i0 == 0; /* the first X tile streams W; later ones hit cache */
         int64_t r = r0;
         if (c->vd4)
             for (; r + 4 <= r1; r += 4) {
-                if (i0 == 0 && c->rb <= MF_PF_MAX_RB) prefetch_rows(c, r + MF_PF_ROWS, r + MF_PF_ROWS + 4, r1);
+                if (pf) prefetch_rows(c, r + MF_PF_ROWS, r + MF_PF_ROWS + 4, r1);
                 for (int64_t i = i0; i < i1; i++) {
                     float o[4];
                     c->vd4(c->w + r * c->rb, (size_t)c->rb, c->xq + (size_t)i * c->xs, c->nb, o);
@@ -103,7 +105,7 @@ static void mm_task_vec(void *p, int64_t t) {
             }
         for (; r < r1; r++) {
             const uint8_t *w = c->w + r * c->rb;
-            if (i0 == 0 && c->rb <= MF_PF_MAX_RB) prefetch_rows(c, r + MF_PF_ROWS, r + MF_PF_ROWS + 1, r1);
+            if (pf) prefetch_rows(c, r + MF_PF_ROWS, r + MF_PF_ROWS + 1, r1);
             for (int64_t i = i0; i < i1; i++)
                 c->y[i * c->rows + r] = c->vd(w, c->xq + (size_t)i * c->xs, c->nb);
         }

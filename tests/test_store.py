@@ -23,6 +23,13 @@ def model_path(tmp_path_factory):
                  seed=3, progress=False).path
 
 
+def plan_at(desc, budget=None):
+    """The test plan of `desc` (ctx 64, 2 threads, n_batch 64) at `budget`, or at its floor."""
+    def at(b):
+        return plan(desc, b, 64, 2, BW, baseline_bytes=0, n_batch=64)
+    return at(at(1 << 40).min_budget_bytes if budget is None else budget)
+
+
 def greedy(model, n_new=4):
     cache = model.new_cache(64)
     logits = model.forward(np.array([1, 2, 3, 4], np.int32), cache)
@@ -49,9 +56,8 @@ def reference(model_path):
 def test_store_matches_file_weights(model_path, reference, where, prefetch):
     f = open_gguf(model_path)
     desc = ModelDesc.from_gguf(f)
-    floor = plan(desc, 1 << 40, 64, 2, BW, baseline_bytes=0, n_batch=64).min_budget_bytes
-    budget = {"floor": floor, "middle": floor + desc.weight_bytes // 3, "all": 1 << 40}[where]
-    p = plan(desc, budget, 64, 2, BW, baseline_bytes=0, n_batch=64)
+    floor = plan_at(desc).min_budget_bytes
+    p = plan_at(desc, {"floor": floor, "middle": floor + desc.weight_bytes // 3, "all": 1 << 40}[where])
     led = Ledger(None, debug="")
     store = WeightStore(f, p, led, prefetch=prefetch)
     try:
@@ -77,8 +83,7 @@ def test_store_matches_file_weights(model_path, reference, where, prefetch):
 def test_streamed_bytes_per_token_match_plan(model_path):
     f = open_gguf(model_path)
     desc = ModelDesc.from_gguf(f)
-    floor = plan(desc, 1 << 40, 64, 2, BW, baseline_bytes=0, n_batch=64).min_budget_bytes
-    p = plan(desc, floor, 64, 2, BW, baseline_bytes=0, n_batch=64)
+    p = plan_at(desc)
     store = WeightStore(f, p)
     try:
         model = load_model(f, weights=store)
@@ -100,8 +105,7 @@ def test_store_records_its_streaming_rate_for_later_plans(model_path, tmp_path, 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     f = open_gguf(model_path)
     desc = ModelDesc.from_gguf(f)
-    floor = plan(desc, 1 << 40, 64, 2, BW, baseline_bytes=0, n_batch=64).min_budget_bytes
-    p = plan(desc, floor, 64, 2, BW, baseline_bytes=0, n_batch=64)
+    p = plan_at(desc)
     store = WeightStore(f, p)
     try:
         if not store.direct:

@@ -128,7 +128,7 @@ class Model:
         except (OSError, ValueError):  # no /proc/meminfo or cgroup files: nothing to plan for
             return
         baseline = measure_baseline()
-        plan = plan_for_path(self.path, budget, n_ctx=n_ctx, threads=self.threads,
+        plan = plan_for_path(self.file, budget, n_ctx=n_ctx, threads=self.threads,
                              baseline_bytes=baseline)
         if plan.tiers["file"] or plan.tiers["cache"]:
             if not quiet:
@@ -148,7 +148,7 @@ class Model:
         budget, _why = resolve_budget(mem_budget)
         if plan is None:
             baseline = measure_baseline()
-            plan = plan_for_path(self.path, budget, n_ctx=n_ctx, threads=self.threads,
+            plan = plan_for_path(self.file, budget, n_ctx=n_ctx, threads=self.threads,
                                  baseline_bytes=baseline)
         self.plan = plan
         self.ledger = Ledger(budget)

@@ -529,8 +529,9 @@ def plan_for_path(path, budget: int, n_ctx: int | None = None, threads: int | No
                   baseline_bytes: int | None = None, bandwidth: Bandwidth | None = None,
                   measure_bandwidth: bool = False, n_batch: int = 512,
                   kv_bytes_per_elem: float = 2) -> Plan:
-    """Convenience for the CLI/API: open the GGUF, describe it, measure baseline (this
-    process's RSS) and bandwidth (cached/default unless measure_bandwidth), and plan.
+    """Convenience for the CLI/API: describe the GGUF (a path, or a GGUFFile already open,
+    used as is: the API plans the file it has opened, not a second copy), measure baseline
+    (this process's RSS) and bandwidth (cached/default unless measure_bandwidth), and plan.
     n_ctx defaults to min(model context_length, 4096)."""
     import os
 
@@ -538,10 +539,16 @@ def plan_for_path(path, budget: int, n_ctx: int | None = None, threads: int | No
     from .bandwidth import get_bandwidth
     from .budget import measure_baseline
 
-    with open_gguf(path) as f:
+    opened = None if hasattr(path, "tensors") else open_gguf(path)
+    f = opened if opened is not None else path
+    try:
         desc = ModelDesc.from_gguf(f)
         if n_ctx is None:
             n_ctx = min(int(f.metadata.get(f"{f.arch}.context_length", 4096) or 4096), 4096)
+        path = f.paths[0]
+    finally:
+        if opened is not None:
+            opened.close()
     args = (desc, budget, n_ctx, threads or os.cpu_count() or 1)
     kw = dict(baseline_bytes=measure_baseline() if baseline_bytes is None else baseline_bytes,
               n_batch=n_batch, kv_bytes_per_elem=kv_bytes_per_elem)

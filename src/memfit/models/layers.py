@@ -168,7 +168,7 @@ class Model:
         if self._fused is None:
             self._fused = []
             new = getattr(self.ops, "decode_layer_new", None)
-            if new is not None and type(self).block in _STANDARD_BLOCKS:
+            if new is not None and type(self).block is Model.standard_block:
                 c = self.config
                 ff = self.vec.get("rope_freqs.weight")
                 try:
@@ -282,6 +282,3 @@ class Model:
         return x + f
 
     block = standard_block
-
-
-_STANDARD_BLOCKS = (Model.standard_block,)

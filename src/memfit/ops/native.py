@@ -62,17 +62,17 @@ def matmul_multi(x: np.ndarray, ws: list[QTensor], outs: list[np.ndarray] | None
         x = np.ascontiguousarray(x, dtype=np.float32)
     assert x.ndim == 2 and x.shape[1] == cols and 1 <= len(ws) <= 4, (x.shape, [w.name for w in ws])
     n = x.shape[0]
-    args, outs_ = [x, n, cols], []
+    args, ys = [x, n, cols], []
     for w in ws:
         if w.type.id not in _BLOCK:
             _unsupported(w)
         assert w.shape[1] == cols, (w.name, w.shape, cols)
-        y = np.empty((n, w.shape[0]), dtype=np.float32) if outs is None else outs[len(outs_)]
+        y = np.empty((n, w.shape[0]), dtype=np.float32) if outs is None else outs[len(ys)]
         assert y.shape == (n, w.shape[0]) and y.dtype == np.float32 and y.flags.c_contiguous
         args += (w.type.id, w.data, w.shape[0], y)
-        outs_.append(y)
+        ys.append(y)
     _native.matmul_multi(*args)
-    return outs_
+    return ys
 
 
 def get_rows(w: QTensor, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
