@@ -480,6 +480,13 @@ class WeightStore:
             self.read_errors += 1
         return err
 
+    def _x_harvest(self) -> None:
+        """Prefetches that finished well become resident (evictable); a failed one stays
+        until its expert is asked for (the error surfaces then) or its slot is reclaimed."""
+        for k, (_slot, fut, _pre) in list(self._x_loading.items()):
+            if fut.done() and fut.exception() is None:
+                self._x_finish(k)
+
     def get_experts(self, il: int, experts: Sequence[int]) -> list[tuple[QTensor, QTensor, QTensor]]:
         """(gate, up, down) 2-D QTensors of each expert of layer il, in the order asked; valid
         until the next get_experts call. Misses are read at once (ahead of any prefetch); a
@@ -497,6 +504,11 @@ class WeightStore:
         if self._x_tensors[il][0].name in self._pinned:
             xs["hot_hits"] += len(uniq)
             return [self._x_pinned_view(k) for k in keys]
+        n_cached = sum(1 for k in uniq if k not in self._hot)
+        assert n_cached <= self._x_nslots, (
+            f"get_experts asked for {n_cached} experts of layer {il} at once; the expert "
+            f"cache has {self._x_nslots} slots (ask in groups of expert_batch_limit)")
+        self._x_harvest()
         policy = self.expert_policy
         if hasattr(policy, "advance"):
             policy.advance()
@@ -518,9 +530,7 @@ class WeightStore:
                 slot = self._x_take_slot(k, prefetch=False)
                 if slot is None:  # every slot holds an expert of this call or a prefetch
                     slot = self._x_reclaim_prefetch()
-                assert slot is not None, (
-                    f"get_experts asked for {len(uniq)} experts of layer {il} at once; the "
-                    f"expert cache has {self._x_nslots} slots (expert_batch_limit)")
+                assert slot is not None, "the slot count was checked above"
                 self._x_start(k, slot, DEMAND)
                 waits.append(k)
         for k in waits:
@@ -543,9 +553,9 @@ class WeightStore:
         return out
 
     def _x_reclaim_prefetch(self) -> int | None:
-        """Wait for a prefetch of an expert nobody asked for and take its slot."""
-        for k, (_slot, _f, pre) in list(self._x_loading.items()):
-            if pre and k not in self._x_in_use:
+        """Wait for a read of an expert this call did not ask for and take its slot."""
+        for k in list(self._x_loading):
+            if k not in self._x_in_use:
                 if self._x_finish(k) is None:
                     return self._x_evict(k)
                 return self._x_free.pop()
@@ -569,6 +579,7 @@ class WeightStore:
         self._x_predicted[il] = set(keys)
         if not self._x_nslots:
             return
+        self._x_harvest()
         for k in keys:
             if k in self._hot or k in self._x_slot_of or k in self._x_loading:
                 continue
@@ -628,6 +639,8 @@ class WeightStore:
         for _slot, f, _ in getattr(self, "_x_loading", {}).values():
             f.exception()
         self._io.shutdown()
+        if getattr(self, "routing", None) is not None:
+            self.routing.save()  # learned counts for the next load's hot set
         if self.direct and self.file.paths:
             # calibrate later plans with this device's streaming rate (page-cache reads excluded)
             from .bandwidth import record_observed_disk
