@@ -153,7 +153,11 @@ class Model:
         self.plan = plan
         self.ledger = Ledger(budget)
         self.ledger.alloc("baseline", "runtime", baseline)
-        self.store = WeightStore(self.file, self.plan, self.ledger)
+        routing = None
+        if plan.n_expert and plan.tiers["cache"]:  # learn the hot set for the next load
+            from .memory.hotset import RoutingCounts
+            routing = RoutingCounts.load(self.file.paths[0], plan.n_layer, plan.n_expert)
+        self.store = WeightStore(self.file, self.plan, self.ledger, routing=routing)
 
     # --- lifecycle
     def close(self) -> None:

@@ -610,12 +610,32 @@ class WeightStore:
                 "expert_hit_rate": served / xs["requests"] if xs["requests"] else 1.0,
                 "prefetch_recall": (xs["routed_predicted"] / xs["predicted_routed"]
                                     if xs["predicted_routed"] else 0.0),
+                "expert_served": served, "prefetch_routed": xs["predicted_routed"],
+                "prefetch_routed_predicted": xs["routed_predicted"],
                 "prefetched_experts": xs["prefetched"],
                 "prefetch_wasted_bytes": xs["prefetch_wasted_bytes"],
                 "expert_demand_bytes": xs["demand_bytes"],
                 "expert_prefetch_bytes": xs["prefetch_bytes"],
                 "expert_slots": self._x_nslots, "hot_experts": len(getattr(self, "_hot", ())),
             })
+        return d
+
+    @staticmethod
+    def interval(before: dict, after: dict, n_tokens: int) -> dict:
+        """Statistics of the work between two stats() snapshots over n_tokens tokens (bench:
+        one test): bytes read (and per token), expert hit rate, prefetch recall, waste."""
+        d = {"bytes_read": after["bytes_read"] - before["bytes_read"]}
+        d["bytes_read_per_token"] = d["bytes_read"] / n_tokens if n_tokens else 0.0
+        if "expert_requests" in after:
+            req = after["expert_requests"] - before["expert_requests"]
+            served = after["expert_served"] - before["expert_served"]
+            routed = after["prefetch_routed"] - before["prefetch_routed"]
+            hit = after["prefetch_routed_predicted"] - before["prefetch_routed_predicted"]
+            d.update({"expert_hit_rate": served / req if req else 1.0,
+                      "expert_misses": after["expert_misses"] - before["expert_misses"],
+                      "prefetch_recall": hit / routed if routed else 0.0,
+                      "prefetch_wasted_bytes": (after["prefetch_wasted_bytes"]
+                                                - before["prefetch_wasted_bytes"])})
         return d
 
     def format_stats(self) -> str:
