@@ -314,7 +314,10 @@ class Plan:
             lines.append(row(label, mem, extra))
             if names:
                 lines.append("      " + _summarize(names))
-        if self.n_expert:
+        if self.n_expert and not self.tiers["cache"]:
+            lines.append(f"  experts: {format_size(self.expert_bytes)} in the file, "
+                         f"{self.n_expert_used} of {self.n_expert} routed per token; all pinned")
+        elif self.n_expert:
             lines.append(row("hot experts (pinned)", self.hot_bytes,
                              f"{len(self.hot_experts)} of {self.n_expert} x {self.n_layer_moe} "
                              f"experts, {self.hot_coverage:.0%} of recorded routings"))
