@@ -296,3 +296,26 @@ def test_expert_read_fault_surfaces_once_then_retry_is_clean(moe_path, tmp_path,
         store.close()
         f.close()
     assert led.total() == 0
+
+
+def test_lookahead_prefetch_never_evicts_the_layer_about_to_run(moe_path):
+    # the model predicts layer L+1 before it asks for layer L's experts: the prefetch must not
+    # evict layer L's resident experts (it would turn their hits into demand reads)
+    f = open_gguf(moe_path)
+    store = WeightStore(f, plan_slots(ModelDesc.from_gguf(f), 4))
+    try:
+        store.get_experts(0, [0, 1])
+        store.get_experts(1, [4, 5])    # cache full: layer 0's 0, 1 and layer 1's 4, 5
+        store.get_experts(0, [0, 1])    # hits; now layer 1 is the evictable one
+        store.prefetch_experts(1, [6, 7])  # issued while layer 0 runs: may evict 4, 5 only
+        st = store.stats()
+        assert st["prefetched_experts"] == 2 and st["expert_hits"] == 2
+        check(f, store.get_experts(1, [6, 7]), 1, [6, 7])
+        assert store.stats()["expert_prefetch_hits"] + store.stats()["expert_hits"] == 4
+        store.prefetch_experts(1, [2, 3])  # layer 0 is the one about to run: not a victim
+        assert store.stats()["prefetched_experts"] == 2
+        check(f, store.get_experts(0, [0, 1]), 0, [0, 1])
+        assert store.stats()["expert_misses"] == 4  # only the first two calls missed
+    finally:
+        store.close()
+        f.close()

@@ -430,7 +430,10 @@ class WeightStore:
         admitted)."""
         if self._x_free:
             return self._x_free.pop()
-        cand = [k for k in self._x_slot_of if k not in self._x_in_use]
+        # a prefetch for layer L is issued while layer L-1 runs (before or after its
+        # get_experts): it never evicts layer L-1's experts, nor the last call's
+        cand = [k for k in self._x_slot_of if k not in self._x_in_use
+                and not (prefetch and k[0] == key[0] - 1)]
         if not cand:
             return None
         trans = [k for k in cand if k in self._x_transient]
