@@ -14,11 +14,19 @@ from .config import ModelConfig
 from .gemma3 import Gemma3
 from .layers import Model
 from .llama import Llama
+from .olmoe import Olmoe
 from .qwen2 import Qwen2
+from .qwen2moe import Qwen2Moe
 from .qwen3 import Qwen3
+from .qwen3moe import Qwen3Moe
+from .spec import ArchSpec, config_from_gguf, get_spec, tensor_roles
 from .weights import GGUFWeights, WeightSource
 
-REGISTRY: dict[str, type[Model]] = {"llama": Llama, "qwen2": Qwen2, "qwen3": Qwen3, "gemma3": Gemma3}
+# general.architecture -> Model class (its ``spec`` is the ArchSpec); Mixtral is "llama"
+REGISTRY: dict[str, type[Model]] = {
+    "llama": Llama, "qwen2": Qwen2, "qwen3": Qwen3, "gemma3": Gemma3,
+    "qwen2moe": Qwen2Moe, "qwen3moe": Qwen3Moe, "olmoe": Olmoe,
+}
 
 
 def load_model(source, weights: WeightSource | None = None, ops=None) -> Model:
@@ -52,4 +60,5 @@ def load_model(source, weights: WeightSource | None = None, ops=None) -> Model:
     return model
 
 
-__all__ = ["REGISTRY", "Model", "ModelConfig", "GGUFWeights", "WeightSource", "load_model"]
+__all__ = ["REGISTRY", "ArchSpec", "Model", "ModelConfig", "GGUFWeights", "WeightSource",
+           "config_from_gguf", "get_spec", "load_model", "tensor_roles"]

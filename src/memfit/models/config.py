@@ -36,30 +36,69 @@ class ModelConfig:
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
     embd_scale: float = 1.0        # gemma: sqrt(n_embd)
+    # mixture of experts (n_expert 0: dense FFN)
+    n_expert: int = 0
+    n_expert_used: int = 0         # top-k
+    n_ff_exp: int = 0              # rows of each routed expert's gate/up
+    n_ff_shexp: int = 0            # shared expert (qwen2moe)
+    expert_gating_func: str = "softmax"   # softmax | sigmoid over the router logits
+    expert_weights_norm: bool = False     # top-k weights renormalized to sum 1
+    expert_weights_scale: float = 1.0     # top-k weights multiplied by this
 
     def __post_init__(self):
+        def bad(k, v, why):
+            raise ModelError(f"{self.arch}: {k} = {v} {why}; the file's metadata is invalid")
+        for k in ("n_layer", "n_embd", "n_head", "n_head_kv", "n_vocab"):
+            if getattr(self, k) <= 0:
+                bad(k, getattr(self, k), "must be positive")
+        if self.n_ff <= 0 and not self.n_expert:
+            bad("n_ff (feed_forward_length)", self.n_ff, "must be positive")
+        for k in ("head_dim_k", "head_dim_v", "n_rot", "n_ff", "sliding_window", "n_ctx_train"):
+            if getattr(self, k) < 0:
+                bad(k, getattr(self, k), "must not be negative")
+        if not self.head_dim_k and self.n_embd % self.n_head:
+            bad("head_count", self.n_head, f"does not divide embedding_length {self.n_embd}")
         self.head_dim_k = self.head_dim_k or self.n_embd // self.n_head
         self.head_dim_v = self.head_dim_v or self.head_dim_k
         self.n_rot = self.n_rot or self.head_dim_k
         self.attn_scale = self.attn_scale or 1.0 / math.sqrt(self.head_dim_k)
-        for k in ("n_layer", "n_embd", "n_head", "n_head_kv", "n_ff", "n_vocab"):
-            if getattr(self, k) <= 0:
-                raise ModelError(f"{self.arch}: {k} = {getattr(self, k)} must be positive")
         if self.n_head % self.n_head_kv:
             raise ModelError(f"{self.arch}: head_count {self.n_head} is not a multiple of "
                              f"head_count_kv {self.n_head_kv}")
         if self.n_rot > self.head_dim_k or self.n_rot % 2:
             raise ModelError(f"{self.arch}: rope.dimension_count {self.n_rot} must be even and "
                              f"<= head dim {self.head_dim_k}")
+        if not (self.rms_eps > 0 and math.isfinite(self.rms_eps)):
+            bad("attention.layer_norm_rms_epsilon", self.rms_eps, "must be positive")
+        if self.n_expert < 0:
+            bad("expert_count", self.n_expert, "must not be negative")
+        if self.n_expert:
+            if not 1 <= self.n_expert_used <= self.n_expert:
+                bad("expert_used_count", self.n_expert_used,
+                    f"must be between 1 and expert_count {self.n_expert}")
+            if self.n_ff_exp <= 0:
+                bad("expert_feed_forward_length", self.n_ff_exp, "must be positive")
+            if self.n_ff_shexp < 0:
+                bad("expert_shared_feed_forward_length", self.n_ff_shexp, "must not be negative")
+            if self.expert_gating_func not in ("softmax", "sigmoid"):
+                raise UnsupportedError(f"{self.arch}: expert_gating_func {self.expert_gating_func!r}"
+                                       f" is not supported (supported: softmax, sigmoid)")
+            if not (self.expert_weights_scale > 0 and math.isfinite(self.expert_weights_scale)):
+                bad("expert_weights_scale", self.expert_weights_scale, "must be positive")
 
     def is_swa(self, il: int) -> bool:
         return self.sliding_window > 0 and self.swa_pattern > 0 and (il + 1) % self.swa_pattern != 0
 
     @classmethod
     def from_metadata(cls, md: dict[str, Any]) -> "ModelConfig":
+        """The one parser of hyperparameters (models, planner, synth all use it): keys as
+        llama.cpp reads them, per-layer arrays only when uniform, ranges checked, then the
+        architecture's own rules (spec.hparams)."""
+        from .spec import ArchSpec, get_spec
         arch = md.get("general.architecture")
         if not isinstance(arch, str) or not arch:
             raise ModelError("metadata has no general.architecture")
+        spec = get_spec(arch) or ArchSpec(arch)
 
         def get(key: str, default: Any = _MISSING) -> Any:
             v = md.get(f"{arch}.{key}", default)
@@ -77,27 +116,44 @@ class ModelConfig:
                 v = v[0]
             return v
 
+        def num(key: str, default: Any = _MISSING, typ=int) -> Any:
+            v = scalar(key, default)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) \
+                    or (typ is int and v != int(v)):
+                raise ModelError(f"metadata key {arch}.{key} = {v!r} is not a number of type "
+                                 f"{typ.__name__}; the file's metadata is invalid")
+            return typ(v)
+
         n_vocab = md.get(f"{arch}.vocab_size") or len(md.get("tokenizer.ggml.tokens") or [])
-        n_embd = int(scalar("embedding_length"))
-        n_head = int(scalar("attention.head_count"))
+        n_embd = num("embedding_length")
+        n_head = num("attention.head_count")
+        n_expert = num("expert_count", 0)
         kw: dict[str, Any] = dict(
             arch=arch,
-            n_layer=int(get("block_count")),
+            n_layer=num("block_count"),
             n_embd=n_embd,
             n_head=n_head,
-            n_head_kv=int(scalar("attention.head_count_kv", n_head)),
-            n_ff=int(scalar("feed_forward_length")),
+            n_head_kv=num("attention.head_count_kv", n_head),
+            n_ff=num("feed_forward_length", 0 if n_expert else _MISSING),
             n_vocab=int(n_vocab),
-            rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-            head_dim_k=int(get("attention.key_length", 0)),
-            head_dim_v=int(get("attention.value_length", 0)),
-            n_rot=int(get("rope.dimension_count", 0)),
-            rope_base=float(get("rope.freq_base", 10000.0)),
-            n_ctx_train=int(get("context_length", 0)),
-            attn_scale=float(get("attention.scale", 0.0)),
-            attn_softcap=float(get("attn_logit_softcapping", 0.0)),
-            final_softcap=float(get("final_logit_softcapping", 0.0)),
+            rms_eps=num("attention.layer_norm_rms_epsilon", 1e-5, float),
+            head_dim_k=num("attention.key_length", 0),
+            head_dim_v=num("attention.value_length", 0),
+            n_rot=num("rope.dimension_count", 0),
+            rope_base=num("rope.freq_base", 10000.0, float),
+            n_ctx_train=num("context_length", 0),
+            attn_scale=num("attention.scale", 0.0, float),
+            attn_softcap=num("attn_logit_softcapping", 0.0, float),
+            final_softcap=num("final_logit_softcapping", 0.0, float),
+            rope_neox=spec.rope_neox,
         )
+        for k, key in (("head_dim_k", "attention.key_length"), ("head_dim_v", "attention.value_length")):
+            if f"{arch}.{key}" in md and kw[k] <= 0:
+                raise ModelError(f"{arch}: {key} = {kw[k]} must be positive; the file's metadata "
+                                 f"is invalid")
+        if f"{arch}.rope.dimension_count" in md and kw["n_rot"] <= 0:
+            raise ModelError(f"{arch}: rope.dimension_count = {kw['n_rot']} must be positive; "
+                             f"the file's metadata is invalid")
         # rope scaling: linear only (yarn / longrope change the rotation itself)
         stype = str(get("rope.scaling.type", "none") or "none")
         factor = float(get("rope.scaling.factor", 0.0) or get("rope.scale_linear", 0.0) or 0.0)
@@ -107,30 +163,32 @@ class ModelConfig:
         kw["rope_scaling"] = stype
         if factor > 0.0 and stype != "none":
             kw["rope_freq_scale"] = 1.0 / factor
-        return cls(**_ARCH_DEFAULTS.get(arch, _no_defaults)(md, arch, kw))
-
-
-def _no_defaults(md, arch, kw):
-    return kw
-
-
-def _neox(md, arch, kw):
-    kw["rope_neox"] = True
-    return kw
-
-
-def _gemma3(md, arch, kw):
-    kw["rope_neox"] = True
-    kw["embd_scale"] = math.sqrt(kw["n_embd"])
-    kw["sliding_window"] = int(md.get(f"{arch}.attention.sliding_window", 0) or 0)
-    kw["swa_pattern"] = 6                 # llama.cpp: hparams.set_swa_pattern(6)
-    kw["rope_base_swa"] = 10000.0         # rope_freq_base_train_swa
-    kw["attn_softcap"] = 0.0              # the gemma3 graph has no attention softcap
-    hd = kw["head_dim_k"] or kw["n_embd"] // kw["n_head"]
-    # query_pre_attn_scalar: head_dim, except the 27B (62 layers) which uses n_embd / n_head
-    q_scalar = kw["n_embd"] // kw["n_head"] if kw["n_layer"] == 62 else hd
-    kw["attn_scale"] = 1.0 / math.sqrt(q_scalar)
-    return kw
-
-
-_ARCH_DEFAULTS = {"qwen2": _neox, "qwen3": _neox, "gemma3": _gemma3}
+        if n_expert and spec.moe == "never":
+            raise UnsupportedError(f"{arch}: expert_count {n_expert} > 0, but memfit runs {arch} "
+                                   f"only dense; mixture-of-experts architectures: "
+                                   f"llama (Mixtral), qwen2moe, qwen3moe, olmoe")
+        if spec.moe == "always" and n_expert <= 0:
+            raise ModelError(f"{arch}: expert_count = {n_expert} must be positive for this "
+                             f"mixture-of-experts architecture")
+        if n_expert:
+            used = num("expert_used_count", 0)
+            n_ff = kw["n_ff"]
+            ff_exp = num("expert_feed_forward_length", 0) or (
+                n_ff // max(used, 1) if spec.n_ff_exp_from_used else n_ff)
+            gating = num("expert_gating_func", 0)
+            names = {0: "softmax", 1: "softmax", 2: "sigmoid"}
+            if gating not in names:
+                raise UnsupportedError(f"{arch}: expert_gating_func {gating} is not supported "
+                                       f"(1: softmax, 2: sigmoid)")
+            norm = scalar("expert_weights_norm", spec.expert_weights_norm)
+            kw.update(n_expert=n_expert, n_expert_used=used, n_ff_exp=ff_exp,
+                      n_ff_shexp=(num("expert_shared_feed_forward_length", 0) or n_ff)
+                      if spec.shared_expert else 0,
+                      expert_gating_func=names[gating], expert_weights_norm=bool(norm),
+                      expert_weights_scale=num("expert_weights_scale", 0.0, float) or 1.0)
+            if spec.shared_expert and kw["n_ff_shexp"] <= 0:
+                raise ModelError(f"{arch}: expert_shared_feed_forward_length (or "
+                                 f"feed_forward_length) must be positive for the shared expert")
+        if spec.hparams is not None:
+            kw = spec.hparams(md, arch, kw)
+        return cls(**kw)

@@ -5,23 +5,31 @@ every 6th is global with {arch}.rope.freq_base and the file's scaling; tied outp
 
 from __future__ import annotations
 
+import math
+
 from .layers import Model
+from .spec import ArchSpec
+
+
+def _hparams(md, arch, kw):
+    kw["embd_scale"] = math.sqrt(kw["n_embd"])
+    kw["sliding_window"] = int(md.get(f"{arch}.attention.sliding_window", 0) or 0)
+    kw["swa_pattern"] = 6                 # llama.cpp: hparams.set_swa_pattern(6)
+    kw["rope_base_swa"] = 10000.0         # rope_freq_base_train_swa
+    kw["attn_softcap"] = 0.0              # the gemma3 graph has no attention softcap
+    hd = kw["head_dim_k"] or kw["n_embd"] // kw["n_head"]
+    # query_pre_attn_scalar: head_dim, except the 27B (62 layers) which uses n_embd / n_head
+    q_scalar = kw["n_embd"] // kw["n_head"] if kw["n_layer"] == 62 else hd
+    kw["attn_scale"] = 1.0 / math.sqrt(q_scalar)
+    return kw
+
+
+SPEC = ArchSpec("gemma3", act="gelu", rope_neox=True, qk_norm="head", post_norms=True,
+                hparams=_hparams)
 
 
 class Gemma3(Model):
-    arch = "gemma3"
-    act = "gelu"
-    qk_norm = True
-    post_norms = True
-
-    def layer_tensors(self, il):
-        t = super().layer_tensors(il)
-        c, p = self.config, f"blk.{il}."
-        t[p + "attn_q_norm.weight"] = ((c.head_dim_k,), True)
-        t[p + "attn_k_norm.weight"] = ((c.head_dim_k,), True)
-        t[p + "post_attention_norm.weight"] = ((c.n_embd,), True)
-        t[p + "post_ffw_norm.weight"] = ((c.n_embd,), True)
-        return t
+    spec = SPEC
 
     def rope_params(self, il):
         c = self.config

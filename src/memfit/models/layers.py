@@ -1,26 +1,31 @@
 """Shared blocks of decoder-only transformers and the Model base class.
 
-An architecture file declares its tensors (``layer_tensors``) and composes one block
-(``block``) from the functions here; loading, checks, the cache and the forward loop live in
-Model. Tensor names are GGUF's; activations are float32 [n_tokens, ...].
+An architecture file declares its ArchSpec (spec.py: block flags, tensor table, hyperparameter
+rules) and composes one block (``block``) from the functions here; loading, checks, the cache
+and the forward loop live in Model. Tensor names are GGUF's; activations are float32
+[n_tokens, ...]. Layers with experts run ``moe_ffn`` where dense ones run ``ffn``.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..errors import ModelError, RequestError, UnsupportedError
+from ..errors import RequestError
 from ..kv.cache import KVCache, round_f16
 from ..quant.reference import dequantize
-from ..quant.types import SUPPORTED, TYPES
 from .config import ModelConfig
+from .spec import ArchSpec, check_tensors
+from .weights import expert_views
 
 
 class Model:
-    arch = ""
-    act = "silu"              # gated FFN activation: silu | gelu
-    qk_norm = False           # per-head RMS norm of Q and K before RoPE (qwen3, gemma3)
-    post_norms = False        # RMS norm of the attention and FFN outputs too (gemma3)
+    spec = ArchSpec("")       # each architecture file sets its own
+
+    # block flags, from the spec
+    arch = property(lambda self: self.spec.name)
+    act = property(lambda self: self.spec.act)                        # silu | gelu
+    qk_norm = property(lambda self: self.spec.qk_norm == "head")      # per-head Q/K norm
+    post_norms = property(lambda self: self.spec.post_norms)          # gemma3
 
     # KV values rounded to f16 as llama.cpp's default cache (and its f16 flash attention reads
     # Q as f16); tests of exact float math switch it off.
@@ -41,60 +46,21 @@ class Model:
                 self.vec[name] = dequantize(q.type.id, q.data.reshape(-1), shape[0]).copy()
         self.output = "output.weight" if weights.has("output.weight") else "token_embd.weight"
         self._fused: list | None = None  # prepared native decode layers, built on first use
+        if config.n_expert:
+            self._fused = []  # the fused native decode layer has a dense FFN: op by op instead
         self._bufs: dict[str, np.ndarray] = {}  # prefill scratch reused across layers (_scratch)
 
     # --- tensors -------------------------------------------------------------------------
     def layer_tensors(self, il: int) -> dict[str, tuple[tuple[int, ...], bool]]:
-        """name -> (numpy shape, required) for layer il; architectures extend this."""
-        c = self.config
-        p = f"blk.{il}."
-        q_dim, k_dim, v_dim = c.n_head * c.head_dim_k, c.n_head_kv * c.head_dim_k, c.n_head_kv * c.head_dim_v
-        return {
-            p + "attn_norm.weight": ((c.n_embd,), True),
-            p + "attn_q.weight": ((q_dim, c.n_embd), True),
-            p + "attn_k.weight": ((k_dim, c.n_embd), True),
-            p + "attn_v.weight": ((v_dim, c.n_embd), True),
-            p + "attn_output.weight": ((c.n_embd, c.n_head * c.head_dim_v), True),
-            p + "attn_q.bias": ((q_dim,), False),
-            p + "attn_k.bias": ((k_dim,), False),
-            p + "attn_v.bias": ((v_dim,), False),
-            p + "attn_output.bias": ((c.n_embd,), False),
-            p + "ffn_norm.weight": ((c.n_embd,), True),
-            p + "ffn_gate.weight": ((c.n_ff, c.n_embd), True),
-            p + "ffn_up.weight": ((c.n_ff, c.n_embd), True),
-            p + "ffn_down.weight": ((c.n_embd, c.n_ff), True),
-        }
+        """name -> (numpy shape, required) for layer il, from the spec."""
+        return {t.name: (t.shape, t.required) for t in self.spec.layer_tensors(self.config, il)}
 
     def tensor_specs(self) -> dict[str, tuple[tuple[int, ...], bool]]:
-        c = self.config
-        specs = {
-            "token_embd.weight": ((c.n_vocab, c.n_embd), True),
-            "output_norm.weight": ((c.n_embd,), True),
-            "output.weight": ((c.n_vocab, c.n_embd), False),
-        }
-        for il in range(c.n_layer):
-            specs.update(self.layer_tensors(il))
-        return specs
+        return {t.name: (t.shape, t.required) for t in self.spec.tensors(self.config)}
 
     def _check_tensors(self) -> None:
         w = self.weights
-        if w.has("blk.0.ffn_gate_inp.weight"):
-            raise UnsupportedError(f"{self.arch}: mixture-of-experts models are not supported yet "
-                                   f"(found blk.0.ffn_gate_inp.weight)")
-        for name, (shape, required) in self.specs.items():
-            if not w.has(name):
-                if required:
-                    raise ModelError(f"tensor {name} is missing; {self.arch} needs it with shape "
-                                     f"{shape}")
-                continue
-            got, qtype = w.info(name)
-            if tuple(got) != tuple(shape):
-                raise ModelError(f"tensor {name} has shape {tuple(got)}, expected {shape} for this "
-                                 f"{self.arch} config")
-            if qtype.id not in SUPPORTED:
-                names = ", ".join(sorted(TYPES[i].name for i in SUPPORTED))
-                raise UnsupportedError(f"tensor {name} has type {qtype.name}, which memfit cannot "
-                                       f"compute with; supported types: {names}")
+        check_tensors(self.spec, self.config, lambda n: w.info(n) if w.has(n) else None)
 
     # --- compute -------------------------------------------------------------------------
     def new_cache(self, n_ctx: int) -> KVCache:
@@ -259,6 +225,59 @@ class Model:
             h = self.ops.silu_mul(g, u) if self.act == "silu" else self.ops.gelu_mul(g, u)
         return self.linear(h, p + "ffn_down")
 
+    def _glu(self, x: np.ndarray, gate, up, down) -> np.ndarray:
+        # down(act(gate x) * up x) for QTensors (one expert, or the shared expert)
+        mm = getattr(self.ops, "matmul_multi", None)
+        g, u = mm(x, [gate, up]) if mm is not None else (self.ops.matmul(x, gate), self.ops.matmul(x, up))
+        h = self.ops.silu_mul(g, u) if self.act == "silu" else self.ops.gelu_mul(g, u)
+        return self.ops.matmul(h, down)
+
+    def route(self, il: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Router of layer il on x [n, n_embd] -> (experts int64 [n, k], weights f32 [n, k]) as
+        llama.cpp's build_moe_ffn: logits, softmax (or sigmoid), top-k by probability (ties:
+        the lower expert index), the selected probabilities renormalized to sum 1 where the
+        architecture does (expert_weights_norm), then times expert_weights_scale."""
+        c = self.config
+        logits = self.ops.matmul(x, self.weights.get(f"blk.{il}.ffn_gate_inp.weight"))
+        if c.expert_gating_func == "softmax":
+            probs = self.ops.softmax(logits)
+        else:
+            probs = (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
+        k = c.n_expert_used
+        sel = np.argsort(-probs, axis=1, kind="stable")[:, :k]
+        w = np.take_along_axis(probs, sel, axis=1)
+        if c.expert_weights_norm:
+            # llama.cpp clamps the sum at 2^-14 (sigmoid weights may all be ~0)
+            w = w / np.maximum(w.sum(axis=1, keepdims=True), np.float32(6.103515625e-5))
+        if c.expert_weights_scale != 1.0:
+            w = w * np.float32(c.expert_weights_scale)
+        return sel, w.astype(np.float32, copy=False)
+
+    def moe_ffn(self, il: int, x: np.ndarray) -> np.ndarray:
+        """Routed experts (+ the shared expert) of x [n, n_embd] -> [n, n_embd]. All tokens are
+        routed first; the union of their experts is asked of the weights once
+        (get_experts); each expert's gate/up/down then runs once on its group of tokens."""
+        c, w, p = self.config, self.weights, f"blk.{il}."
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        sel, wts = self.route(il, x)
+        experts = np.unique(sel)   # sorted: each row's sum runs in expert order
+        if getattr(w, "wants_expert_prediction", False) and il + 1 < c.n_layer:
+            # layer il+1's router on this hidden state predicts its experts: reads start now
+            nxt, _ = self.route(il + 1, x)
+            w.prefetch_experts(il + 1, np.unique(nxt).tolist())
+        get = getattr(w, "get_experts", None)
+        mats = get(il, experts.tolist()) if get is not None else expert_views(w, il, experts.tolist())
+        out = np.zeros_like(x)
+        for e, (gate, up, down) in zip(experts, mats):
+            rows, slot = np.nonzero(sel == e)   # a token picks an expert at most once
+            y = self._glu(np.ascontiguousarray(x[rows]), gate, up, down)
+            out[rows] += y * wts[rows, slot][:, None]
+        if self.spec.shared_expert:
+            gate = x @ self.vec[p + "ffn_gate_inp_shexp.weight"]   # [n]: one logit per token
+            s = self._glu(x, *(w.get(p + f"ffn_{m}_shexp.weight") for m in ("gate", "up", "down")))
+            out += s * (1.0 / (1.0 + np.exp(-gate)))[:, None].astype(np.float32)
+        return out
+
     def _scratch(self, key: str, size: int) -> np.ndarray:
         """A float32 buffer of `size` values kept by the model across layers and calls (grown
         when a larger batch comes); its contents are dead once the op that reads it is done."""
@@ -276,7 +295,8 @@ class Model:
         if self.post_norms:
             h = self.norm(h, p + "post_attention_norm.weight")
         x = (x if last is None else x[last]) + h
-        f = self.ffn(il, self.norm(x, p + "ffn_norm.weight"))
+        h = self.norm(x, p + "ffn_norm.weight")
+        f = self.moe_ffn(il, h) if self.config.n_expert else self.ffn(il, h)
         if self.post_norms:
             f = self.norm(f, p + "post_ffw_norm.weight")
         return x + f

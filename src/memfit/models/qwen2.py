@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-from .llama import Llama
+from .layers import Model
+from .spec import ArchSpec
+
+SPEC = ArchSpec("qwen2", rope_neox=True, qkv_bias=True, rope_freqs=True)
 
 
-class Qwen2(Llama):
-    arch = "qwen2"
-
-    def layer_tensors(self, il):
-        t = super().layer_tensors(il)
-        for n in ("attn_q", "attn_k", "attn_v"):
-            shape, _ = t[f"blk.{il}.{n}.bias"]
-            t[f"blk.{il}.{n}.bias"] = (shape, True)
-        return t
+class Qwen2(Model):
+    spec = SPEC

@@ -2,12 +2,19 @@
 
     write_tiny_model(path, arch, qtype_name, seed, **overrides) -> Path
 
-2-D weights are random valid blocks of `qtype_name` (memfit.quant.random), 1-D norms and
-biases are F32. The file carries full metadata and a small gpt2 byte-level BPE tokenizer
-(256 byte tokens + a few merges + ChatML specials), so the tokenizer can load it too.
+The tensor table and the metadata keys come from the architecture's spec (models/spec.py), so
+the file is what the model code reads back. 2-D and stacked expert weights are random valid
+blocks of `qtype_name` (memfit.quant.random), routers (ffn_gate_inp) F32 as llama-quantize
+keeps them, 1-D norms, biases and the shared-expert gate F32. The file carries full metadata
+and a small gpt2 byte-level BPE tokenizer (256 byte tokens + a few merges + ChatML specials),
+so the tokenizer can load it too.
 Overrides: n_embd, n_layer, n_head, n_head_kv, head_dim, n_ff, n_ctx, rope_base,
 rope_scale (linear factor), sliding_window, final_softcap, tied (bool), skip (tensor names to
-leave out), shapes ({name: shape} to write instead), types ({name: type name}).
+leave out), shapes ({name: shape} to write instead), types ({name: type name}), arrays
+({name: float32 array} written as F32 as given); experts: n_expert, n_expert_used, n_ff_exp,
+n_ff_shexp, gating ("softmax" | "sigmoid"), expert_weights_norm (None: the arch's rule),
+expert_weights_scale, metadata ({key: value} written as given, after the rest).
+arch "mixtral" writes a llama file with experts.
 """
 
 from __future__ import annotations
@@ -20,10 +27,17 @@ from ..quant.types import BY_NAME
 
 _DEFAULTS = dict(n_embd=256, n_layer=2, n_head=4, n_head_kv=2, head_dim=64, n_ff=512,
                  n_ctx=512, rope_base=10000.0, rope_scale=0.0, sliding_window=0,
-                 final_softcap=0.0, tied=True)
+                 final_softcap=0.0, tied=True, n_expert=0, n_expert_used=0, n_ff_exp=0,
+                 n_ff_shexp=0, gating="softmax", expert_weights_norm=None,
+                 expert_weights_scale=1.0)
+_MOE = dict(n_expert=8, n_expert_used=2, n_ff_exp=128)
 _ARCH_DEFAULTS = {
     "qwen3": dict(head_dim=128),                        # head dim != n_embd / n_head
     "gemma3": dict(head_dim=128, n_head_kv=1, sliding_window=4, rope_base=1e6),
+    "qwen3moe": dict(_MOE, head_dim=128, rope_base=1e6),
+    "qwen2moe": dict(_MOE, n_ff_shexp=256, rope_base=1e6),
+    "olmoe": dict(_MOE),
+    "mixtral": dict(_MOE, n_ff_exp=256),
 }
 _WORDS = ["Ġthe", "Ġand", "Ġof", "Ġto", "Ġa", "Ġin", "Ġis", "Ġit", "Ġhello", "Ġworld",
           "ing", "er", "on", "Ġthat", "Ġfor", "Ġwith", "Ġas", "Ġwas", "Ġhe", "Ġon"]
@@ -62,44 +76,81 @@ def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
     return tokens + SPECIALS, types, merges
 
 
-def write_tiny_model(path, arch: str, qtype_name: str, seed: int = 0, **overrides) -> Path:
+def tiny_config(arch: str, n_vocab: int, p: dict):
+    """ModelConfig of a tiny model from the writer's parameters (arch as written in the file)."""
+    from .config import ModelConfig
+    from .spec import ArchSpec, get_spec
+    spec = get_spec(arch) or ArchSpec(arch)
+    n_expert = p["n_expert"]
+    norm = p["expert_weights_norm"]
+    return spec, ModelConfig(
+        arch=arch, n_layer=p["n_layer"], n_embd=p["n_embd"], n_head=p["n_head"],
+        n_head_kv=p["n_head_kv"], n_ff=p["n_ff"], n_vocab=n_vocab, rms_eps=1e-6,
+        head_dim_k=p["head_dim"], head_dim_v=p["head_dim"], n_rot=p["head_dim"],
+        rope_base=p["rope_base"], rope_freq_scale=1.0 / p["rope_scale"] if p["rope_scale"] else 1.0,
+        rope_scaling="linear" if p["rope_scale"] else "none", n_ctx_train=p["n_ctx"],
+        sliding_window=p["sliding_window"], final_softcap=p["final_softcap"],
+        n_expert=n_expert, n_expert_used=p["n_expert_used"] if n_expert else 0,
+        n_ff_exp=p["n_ff_exp"] if n_expert else 0,
+        n_ff_shexp=p["n_ff_shexp"] if n_expert and spec.shared_expert else 0,
+        expert_gating_func=p["gating"],
+        expert_weights_norm=spec.expert_weights_norm if norm is None else bool(norm),
+        expert_weights_scale=p["expert_weights_scale"])
+
+
+def write_tensor_data(w, name: str, shape: tuple[int, ...], qt, rng, scale: float | None = None):
+    """Add one random tensor to a gguf.GGUFWriter: F32 vectors around 1 (norms) or 0 (biases,
+    gates), random valid blocks of qt for matrices and stacked experts."""
     import gguf
 
     from ..quant.random import random_weight
+    if len(shape) == 1 and qt.name == "F32":
+        base = 1.0 if "norm" in name else 0.0
+        w.add_tensor(name, (base + 0.2 * rng.standard_normal(shape)).astype(np.float32))
+        return
+    rows, cols = (1, shape[0]) if len(shape) == 1 else (int(np.prod(shape[:-1])), shape[-1])
+    kw = {} if scale is None else {"scale": scale}
+    try:
+        raw = random_weight(qt, (rows, cols), rng, **kw)
+    except Exception:  # a type memfit cannot generate (error tests): any bytes will do
+        raw = np.frombuffer(rng.bytes(rows * qt.row_bytes(cols)), np.uint8).reshape(rows, -1)
+    if qt.name == "F32":
+        w.add_tensor(name, raw.view(np.float32).reshape(shape))
+    else:
+        w.add_tensor(name, raw.reshape(*shape[:-1], -1), raw_dtype=gguf.GGMLQuantizationType(qt.id))
+
+
+def write_tiny_model(path, arch: str, qtype_name: str, seed: int = 0, **overrides) -> Path:
+    import gguf
+
+    from .spec import ROUTER, write_hparams
 
     p = {**_DEFAULTS, **_ARCH_DEFAULTS.get(arch, {}), **overrides}
+    if arch == "mixtral":
+        arch = "llama"
     skip = set(p.pop("skip", ()) or ())
     shapes = dict(p.pop("shapes", {}) or {})
     types = dict(p.pop("types", {}) or {})
+    arrays = dict(p.pop("arrays", {}) or {})
+    extra_md = dict(p.pop("metadata", {}) or {})
     rng = np.random.default_rng(seed)
     tokens, ttypes, merges = tiny_vocab()
     n_vocab = len(tokens)
-    E, H, Hkv, D, F = p["n_embd"], p["n_head"], p["n_head_kv"], p["head_dim"], p["n_ff"]
+    spec, cfg = tiny_config(arch, n_vocab, p)
 
     path = Path(path)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny-{arch}-{qtype_name}")
-    w.add_uint32(f"{arch}.block_count", p["n_layer"])
-    w.add_uint32(f"{arch}.context_length", p["n_ctx"])
-    w.add_uint32(f"{arch}.embedding_length", E)
-    w.add_uint32(f"{arch}.feed_forward_length", F)
-    w.add_uint32(f"{arch}.attention.head_count", H)
-    w.add_uint32(f"{arch}.attention.head_count_kv", Hkv)
-    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
-    w.add_float32(f"{arch}.rope.freq_base", p["rope_base"])
-    if D != E // H:
-        w.add_uint32(f"{arch}.attention.key_length", D)
-        w.add_uint32(f"{arch}.attention.value_length", D)
-    if arch == "llama":
-        w.add_uint32(f"{arch}.rope.dimension_count", D)
-        w.add_uint32(f"{arch}.vocab_size", n_vocab)
-    if p["sliding_window"]:
-        w.add_uint32(f"{arch}.attention.sliding_window", p["sliding_window"])
-    if p["rope_scale"]:
-        w.add_string(f"{arch}.rope.scaling.type", "linear")
-        w.add_float32(f"{arch}.rope.scaling.factor", p["rope_scale"])
-    if p["final_softcap"]:
-        w.add_float32(f"{arch}.final_logit_softcapping", p["final_softcap"])
+    write_hparams(w, cfg)
+    for k, v in extra_md.items():
+        if isinstance(v, bool):
+            w.add_bool(k, v)
+        elif isinstance(v, int):
+            w.add_int32(k, v)
+        elif isinstance(v, float):
+            w.add_float32(k, v)
+        else:
+            w.add_string(k, v)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
@@ -110,44 +161,16 @@ def write_tiny_model(path, arch: str, qtype_name: str, seed: int = 0, **override
     w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
 
-    mats = {"token_embd.weight": (n_vocab, E)}
-    if not p["tied"]:
-        mats["output.weight"] = (n_vocab, E)
-    vecs = {"output_norm.weight": (E,)}
-    for il in range(p["n_layer"]):
-        b = f"blk.{il}."
-        mats.update({b + "attn_q.weight": (H * D, E), b + "attn_k.weight": (Hkv * D, E),
-                     b + "attn_v.weight": (Hkv * D, E), b + "attn_output.weight": (E, H * D),
-                     b + "ffn_gate.weight": (F, E), b + "ffn_up.weight": (F, E),
-                     b + "ffn_down.weight": (E, F)})
-        vecs.update({b + "attn_norm.weight": (E,), b + "ffn_norm.weight": (E,)})
-        if arch == "qwen2":
-            vecs.update({b + "attn_q.bias": (H * D,), b + "attn_k.bias": (Hkv * D,),
-                         b + "attn_v.bias": (Hkv * D,)})
-        if arch in ("qwen3", "gemma3"):
-            vecs.update({b + "attn_q_norm.weight": (D,), b + "attn_k_norm.weight": (D,)})
-        if arch == "gemma3":
-            vecs.update({b + "post_attention_norm.weight": (E,), b + "post_ffw_norm.weight": (E,)})
-
-    for name, shape in {**mats, **vecs}.items():
-        if name in skip:
+    for t in spec.tensors(cfg):
+        if t.name in skip or not (t.required or (t.name == "output.weight" and not p["tied"])):
             continue
-        shape = tuple(shapes.get(name, shape))
-        qt = BY_NAME[types.get(name, qtype_name if name in mats else "F32")]
-        if len(shape) == 1 and qt.name == "F32":
-            base = 0.0 if name.endswith(".bias") else 1.0
-            arr = (base + 0.2 * rng.standard_normal(shape)).astype(np.float32)
-            w.add_tensor(name, arr)
+        if t.name in arrays:
+            w.add_tensor(t.name, np.ascontiguousarray(arrays[t.name], np.float32))
             continue
-        rows, cols = (1, shape[0]) if len(shape) == 1 else shape
-        try:
-            raw = random_weight(qt, (rows, cols), rng)
-        except Exception:  # a type memfit cannot generate (error tests): any bytes will do
-            raw = np.frombuffer(rng.bytes(rows * qt.row_bytes(cols)), np.uint8).reshape(rows, -1)
-        if qt.name == "F32":
-            w.add_tensor(name, raw.view(np.float32).reshape(shape))
-        else:
-            w.add_tensor(name, raw.reshape(*shape[:-1], -1), raw_dtype=gguf.GGMLQuantizationType(qt.id))
+        shape = tuple(shapes.get(t.name, t.shape))
+        default = "F32" if len(t.shape) == 1 or t.role == ROUTER else qtype_name
+        qt = BY_NAME[types.get(t.name, default)]
+        write_tensor_data(w, t.name, shape, qt, rng)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -1,0 +1,15 @@
+"""qwen2moe (Qwen1.5-MoE, Qwen2-57B-A14B): the qwen2 block (Q/K/V biases, NeoX RoPE) with
+routed experts (softmax, top-k, weights not renormalized) plus a shared expert whose output
+is scaled by sigmoid(ffn_gate_inp_shexp . x)."""
+
+from __future__ import annotations
+
+from .layers import Model
+from .spec import ArchSpec
+
+SPEC = ArchSpec("qwen2moe", rope_neox=True, qkv_bias=True, moe="always", shared_expert=True,
+                n_ff_exp_from_used=True)
+
+
+class Qwen2Moe(Model):
+    spec = SPEC

@@ -1,0 +1,14 @@
+"""qwen3moe (Qwen3-30B-A3B, -235B-A22B): the qwen3 block (per-head Q/K norm, NeoX RoPE) with
+routed experts for the FFN: softmax router, top-k, weights renormalized (norm_topk_prob)."""
+
+from __future__ import annotations
+
+from .layers import Model
+from .spec import ArchSpec
+
+SPEC = ArchSpec("qwen3moe", rope_neox=True, qk_norm="head", moe="always",
+                expert_weights_norm=True, n_ff_exp_from_used=True)
+
+
+class Qwen3Moe(Model):
+    spec = SPEC
