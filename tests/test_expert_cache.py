@@ -27,13 +27,13 @@ BW = Bandwidth(10e9, 1e9, "test")
 N_LAYER, N_EXPERT, N_USED, E, F = 2, 8, 2, 40, 48
 
 
-def write_moe(path, seed=0, n_layer=N_LAYER, n_expert=N_EXPERT):
+def write_moe(path, seed=0, n_layer=N_LAYER, n_expert=N_EXPERT, arch="qwen3moe"):
     """A qwen3moe-shaped file: F32 trunk, stacked experts (n_expert, F, E) / (n_expert, E, F);
     one expert's slice is 7680 bytes, so slices are not page-aligned."""
     import gguf
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(str(path), "qwen3moe")
-    a = "qwen3moe"
+    w = gguf.GGUFWriter(str(path), arch)
+    a = arch
     for k, v in (("block_count", n_layer), ("context_length", 128), ("embedding_length", E),
                  ("feed_forward_length", 0), ("attention.head_count", 2),
                  ("attention.head_count_kv", 2), ("expert_count", n_expert),
