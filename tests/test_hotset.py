@@ -116,3 +116,16 @@ def test_changed_model_file_is_not_credited_with_old_counts(model, tmp_path):
     with pytest.warns(HotSetWarning, match="another file"):
         rc = RoutingCounts.load(model, N_LAYER, N_EXPERT)
     assert not rc.counts.any()
+
+
+def test_expert_policy_from_the_environment(model, monkeypatch):
+    from memfit.errors import RequestError
+    budget = budget_for(model, 6)
+    monkeypatch.setenv("MEMFIT_EXPERT_POLICY", "decay")
+    p = plan_for_path(model, budget, n_ctx=64, threads=2, baseline_bytes=0, bandwidth=BW)
+    assert p.expert_policy == "decay" and p.to_json()["expert_policy"] == "decay"
+    with open_gguf(model) as f, WeightStore(f, p) as store:
+        assert store.expert_policy.name == "decay"
+    monkeypatch.setenv("MEMFIT_EXPERT_POLICY", "fifo")
+    with pytest.raises(RequestError, match="'fifo'"):
+        plan_for_path(model, budget, n_ctx=64, threads=2, baseline_bytes=0, bandwidth=BW)

@@ -523,6 +523,7 @@ class _Experts:
     hit_rate: float = 0.0        # expected under uniform routing (a lower bound)
 
 
+EXPERT_POLICIES = ("lru", "decay")   # policy.LRUPolicy, policy.DecayPolicy
 HOT_SHARE = 0.5   # at most this share of the expert memory above the floor goes to the hot set
 
 
@@ -673,7 +674,7 @@ def plan_for_path(path, budget: int, n_ctx: int | None = None, threads: int | No
                   baseline_bytes: int | None = None, bandwidth: Bandwidth | None = None,
                   measure_bandwidth: bool = False, n_batch: int = 512,
                   kv_bytes_per_elem: float = 2, expert_counts=None,
-                  expert_policy: str = "lru") -> Plan:
+                  expert_policy: str | None = None) -> Plan:
     """Convenience for the CLI/API: describe the GGUF (a path, or a GGUFFile already open,
     used as is: the API plans the file it has opened, not a second copy), measure baseline
     (this process's RSS) and bandwidth (cached/default unless measure_bandwidth), and plan.
@@ -694,6 +695,12 @@ def plan_for_path(path, budget: int, n_ctx: int | None = None, threads: int | No
     finally:
         if opened is not None:
             opened.close()
+    if expert_policy is None:
+        expert_policy = os.environ.get("MEMFIT_EXPERT_POLICY", "") or "lru"
+    if expert_policy not in EXPERT_POLICIES:
+        from ..errors import RequestError
+        raise RequestError(f"expert cache policy {expert_policy!r} is not one of "
+                           f"{', '.join(EXPERT_POLICIES)} (MEMFIT_EXPERT_POLICY)")
     if desc.n_expert and expert_counts is None:
         from .hotset import RoutingCounts
         expert_counts = RoutingCounts.load(path, desc.n_layer, desc.n_expert).by_layer()
