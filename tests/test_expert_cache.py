@@ -319,3 +319,36 @@ def test_lookahead_prefetch_never_evicts_the_layer_about_to_run(moe_path):
     finally:
         store.close()
         f.close()
+
+
+def test_policies_pick_victims_by_their_rule():
+    lru = LRUPolicy()
+    for k in ("a", "b", "c"):
+        lru.insert(k)
+    lru.access("a")
+    assert lru.victim(lambda k: True) == "b"
+    assert lru.victim(lambda k: k != "b") == "c"
+    lru.access("zz")  # not resident: nothing to move
+    assert lru.victim(lambda k: False) is None and lru.admit("x", "b")
+
+    d = DecayPolicy(decay=0.5)
+    for k, uses in (("a", 3), ("b", 1), ("c", 2)):
+        for _ in range(uses):
+            d.access(k)
+        d.insert(k)
+    assert d.victim(lambda k: True) == "b" and d.victim(lambda k: k != "b") == "c"
+    d.access("x")
+    assert not d.admit("x", "c") and d.admit("x", "b") is False  # 1 use vs 1 use: not more
+    for _ in range(3):
+        d.advance()
+    d.access("x")  # fresh use beats b's old one (decayed to 1/8)
+    assert d.admit("x", "b")
+    d.remove("b")
+    assert d.victim(lambda k: True) == "c"
+    for _ in range(10000):  # the heap of stale entries stays bounded
+        d.access("a")
+    assert len(d._heap) <= 4 * 2 + 64
+    prior = DecayPolicy(prior={"h": 10.0, "c": 5.0})
+    prior.insert("h")
+    prior.insert("c")
+    assert prior.victim(lambda k: True) == "c" and prior.score("h") == pytest.approx(2.0)

@@ -1,17 +1,20 @@
 """Policies the weight store calls; the store only executes them (mechanism apart).
 
-Replacement policies for the expert cache take keys (layer, expert) and see only keys the
-store may evict. ``access`` is called on every use (hit or miss), ``insert``/``remove`` when a
-key enters/leaves the cache, ``victim`` picks one of ``candidates`` to evict, and ``admit``
-says whether a new key is worth evicting that victim (when not, the store reads the expert
-into a transient slot that is evicted first, and the victim stays).
+Replacement policies for the expert cache take keys (layer, expert). The store calls
+``access`` on every use (hit or miss), ``insert``/``remove`` when a key's bytes enter/leave a
+slot, ``victim(evictable)`` for the resident key to evict (``evictable(key)`` says whether the
+store may evict it now; None when none may be), and ``admit(key, victim)`` for whether a new
+key is worth evicting that victim (when not, the store reads the expert into a transient slot
+that is evicted first, and the victim stays). Both policies pick a victim in O(log n)
+amortized: a 30B-A3B has ~6k (layer, expert) units and ~400 misses per token.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import OrderedDict
-from typing import Hashable, Iterable, Mapping
+from typing import Callable, Hashable, Mapping
 
 
 class LRUPolicy:
@@ -20,70 +23,92 @@ class LRUPolicy:
     name = "lru"
 
     def __init__(self):
-        self._order: OrderedDict = OrderedDict()
+        self._order: OrderedDict = OrderedDict()   # resident keys, oldest first
 
     def access(self, key: Hashable) -> None:
-        self._order[key] = None
-        self._order.move_to_end(key)
+        if key in self._order:
+            self._order.move_to_end(key)
 
     def insert(self, key: Hashable) -> None:
-        self.access(key)
+        self._order[key] = None
+        self._order.move_to_end(key)
 
     def remove(self, key: Hashable) -> None:
         self._order.pop(key, None)
 
-    def victim(self, candidates: Iterable[Hashable]) -> Hashable:
-        cand = set(candidates)
-        assert cand, "no evictable key"
-        for k in self._order:  # oldest first
-            if k in cand:
-                return k
-        return next(iter(cand))
+    def victim(self, evictable: Callable[[Hashable], bool]) -> Hashable | None:
+        # the keys skipped (in use now) are the most recently used few
+        return next((k for k in self._order if evictable(k)), None)
 
     def admit(self, key: Hashable, victim: Hashable) -> bool:
         return True
 
 
 class DecayPolicy:
-    """Frequency with exponential decay: each key's score is its uses, each older use counted
-    decay**age (age in store ticks, one tick per get_experts call). The victim is the lowest
-    score; a new key is admitted only when its score beats the victim's (same-size units, so
-    the one used more often saves more reads). ``prior`` seeds scores (learned routing
-    counts, scaled so the largest is ``prior_weight``)."""
+    """Frequency with exponential decay: a key's score is its uses, each older use counted
+    decay**age (age in ticks, one tick per get_experts call). The victim is the resident key
+    with the lowest score; a new key is admitted only when its score beats the victim's
+    (units are the same size, so the one used more often saves more reads). ``prior`` seeds
+    scores (learned routing counts, scaled so the largest is ``prior_weight``).
+
+    log score at tick T = (log s - L t) + L T with L = log(decay), t the tick of the last
+    update: the order of keys does not change between their own updates, so a heap of
+    rank = log s - L t finds the minimum (stale entries are skipped)."""
 
     name = "decay"
 
     def __init__(self, decay: float = 0.98, prior: Mapping[Hashable, float] | None = None,
                  prior_weight: float = 2.0):
-        assert 0.0 < decay <= 1.0
-        self.decay = decay
-        self._log_decay = math.log(decay)
+        assert 0.0 < decay < 1.0
+        self._ld = math.log(decay)
         self.tick = 0
-        self._score: dict[Hashable, tuple[float, int]] = {}  # key -> (score, tick of score)
+        self._rank: dict[Hashable, float] = {}   # every key seen (history outlives residency)
+        self._resident: set = set()
+        self._heap: list[tuple[float, Hashable]] = []
         if prior:
             top = max(prior.values()) or 1.0
             for k, v in prior.items():
                 if v > 0:
-                    self._score[k] = (prior_weight * v / top, 0)
+                    self._rank[k] = math.log(prior_weight * v / top)
 
     def advance(self) -> None:
         self.tick += 1
 
     def score(self, key: Hashable) -> float:
-        s, t = self._score.get(key, (0.0, self.tick))
-        return s * math.exp(self._log_decay * (self.tick - t))
+        r = self._rank.get(key)
+        return 0.0 if r is None else math.exp(r + self._ld * self.tick)
 
     def access(self, key: Hashable) -> None:
-        self._score[key] = (self.score(key) + 1.0, self.tick)
+        self._rank[key] = math.log(self.score(key) + 1.0) - self._ld * self.tick
+        if key in self._resident:
+            self._push(key)
 
     def insert(self, key: Hashable) -> None:
-        pass
+        self._resident.add(key)
+        self._push(key)
+
+    def _push(self, key: Hashable) -> None:
+        heapq.heappush(self._heap, (self._rank.get(key, -math.inf), key))
+        if len(self._heap) > 4 * len(self._resident) + 64:  # drop the stale entries
+            self._heap = [(self._rank.get(k, -math.inf), k) for k in self._resident]
+            heapq.heapify(self._heap)
 
     def remove(self, key: Hashable) -> None:
-        pass  # the score outlives residency: a key evicted and seen again keeps its history
+        self._resident.discard(key)
 
-    def victim(self, candidates: Iterable[Hashable]) -> Hashable:
-        return min(candidates, key=self.score)
+    def victim(self, evictable: Callable[[Hashable], bool]) -> Hashable | None:
+        held, found = [], None
+        while self._heap:
+            r, k = heapq.heappop(self._heap)
+            if k not in self._resident or r != self._rank.get(k, -math.inf):
+                continue  # stale entry
+            held.append((r, k))
+            if evictable(k):
+                found = k
+                break
+        for e in held:
+            heapq.heappush(self._heap, e)
+        return found
 
     def admit(self, key: Hashable, victim: Hashable) -> bool:
         return self.score(key) > self.score(victim)

@@ -430,22 +430,23 @@ class WeightStore:
         admitted)."""
         if self._x_free:
             return self._x_free.pop()
-        # a prefetch for layer L is issued while layer L-1 runs (before or after its
-        # get_experts): it never evicts layer L-1's experts, nor the last call's
-        cand = [k for k in self._x_slot_of if k not in self._x_in_use
-                and not (prefetch and k[0] == key[0] - 1)]
-        if not cand:
-            return None
-        trans = [k for k in cand if k in self._x_transient]
-        if trans:
-            victim, admitted = trans[0], True
-        else:
-            victim = self.expert_policy.victim(cand)
-            admitted = self.expert_policy.admit(key, victim)
-            if not admitted and prefetch:
+        in_use, prev = self._x_in_use, key[0] - 1
+
+        def evictable(k) -> bool:
+            # a prefetch for layer L is issued while layer L-1 runs (before or after its
+            # get_experts): it never evicts layer L-1's experts, nor the last call's
+            return k not in in_use and not (prefetch and k[0] == prev)
+
+        victim = next((k for k in self._x_transient if k in self._x_slot_of and evictable(k)),
+                      None)
+        if victim is None:
+            victim = self.expert_policy.victim(evictable)
+            if victim is None:
                 return None
-        if not admitted:
-            self._x_transient.add(key)
+            if not self.expert_policy.admit(key, victim):
+                if prefetch:
+                    return None
+                self._x_transient.add(key)
         return self._x_evict(victim)
 
     def _x_evict(self, key) -> int:
