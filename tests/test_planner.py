@@ -134,18 +134,60 @@ def test_kv_scales_with_context_and_enters_floor():
     assert b.min_budget_bytes - a.min_budget_bytes >= b.kv_bytes - a.kv_bytes
 
 
-def test_moe_experts_go_to_cache_with_stated_hit_rate():
+def test_moe_experts_pinned_whole_when_they_fit_else_cached_with_stated_hit_rate():
     m = toy(experts=8, used=2)
     p = plan(m, 10**12, 128, 2, BW, baseline_bytes=10 * MiB, n_batch=64)
-    assert all("exps" in n for n in p.tiers["cache"]) and len(p.tiers["cache"]) == 4
-    assert p.cache_slot_bytes == MiB and p.cache_hit_rate == 1.0
-    assert p.disk_bytes_per_token == 0
+    assert p.tiers["cache"] == [] and p.cache_hit_rate == 1.0 and p.disk_bytes_per_token == 0
+    assert all(f"blk.{i}.ffn_up_exps.weight" in p.tiers["pinned"] for i in range(4))
+    slot = MiB + 4096  # one expert's slice, page-aligned: at most one page more
     dense = sum(t.nbytes for t in m.tensors if t.kind != "expert")
-    budget = fixed_bytes(m) + dense + 2 * 2 * MiB + 16 * MiB  # 16 expert slots of 32
+    budget = fixed_bytes(m) + dense + 16 * slot  # 16 expert slots of 32
     q = plan(m, budget, 128, 2, BW, baseline_bytes=10 * MiB, n_batch=64)
+    assert all("exps" in n for n in q.tiers["cache"]) and len(q.tiers["cache"]) == 4
+    assert q.cache_slot_bytes == slot and q.tiers["file"] == []
     assert q.cache_slots == 16 and q.cache_hit_rate == pytest.approx(0.5)
     assert q.disk_bytes_per_token == pytest.approx(4 * 2 * MiB * 0.5, abs=1)
     assert any("uniform routing" in n for n in q.notes)
+    j = q.to_json()
+    assert (j["expert_cache_bytes"], j["expert_slots"], j["expected_hit_rate"]) == (
+        16 * slot, 16, pytest.approx(0.5))
+    assert q.planned_bytes <= budget
+    text = q.format()
+    assert "16 slots" in text and "hit rate >= 50%" in text
+
+
+def test_moe_floor_is_trunk_floor_plus_one_layers_k_slots():
+    m = toy(experts=8, used=2)
+    p = plan(m, 10**12, 128, 2, BW, baseline_bytes=10 * MiB, n_batch=64)
+    slot = MiB + 4096
+    # trunk: output.weight (8 MiB) is its largest unit and streams through 2 slots
+    assert p.floor_parts["expert_slot_bytes"] == 2 * slot
+    assert p.floor_parts["weights_bytes"] == 2 * 8 * MiB + 2 * slot
+    assert p.min_budget_bytes == fixed_bytes(m) + 2 * 8 * MiB + 2 * slot
+    with pytest.raises(BudgetError) as e:
+        plan(m, p.min_budget_bytes - 1, 128, 2, BW, baseline_bytes=10 * MiB, n_batch=64)
+    assert "expert slots for one layer" in str(e.value)
+    q = plan(m, p.min_budget_bytes, 128, 2, BW, baseline_bytes=10 * MiB, n_batch=64)
+    assert q.cache_slots == 2 and q.planned_bytes <= p.min_budget_bytes
+
+
+def test_hot_set_from_counts_is_pinned_before_the_cache_is_sized():
+    m = toy(experts=8, used=2)
+    slot = MiB + 4096
+    dense = sum(t.nbytes for t in m.tensors if t.kind != "expert")
+    budget = fixed_bytes(m) + dense + 10 * slot
+    counts = {il: [100, 50, 1, 1, 1, 1, 1, 1] for il in range(4)}
+    p = plan(m, budget, 128, 2, BW, baseline_bytes=10 * MiB, n_batch=64, expert_counts=counts)
+    # half of the room above one layer's 2 slots goes to the hot set: 4 experts
+    assert p.hot_experts == [(0, 0), (1, 0), (2, 0), (3, 0)]
+    assert p.hot_bytes == 4 * slot and p.cache_slots == 6
+    assert p.hot_coverage == pytest.approx(4 * 100 / (4 * 156))
+    assert p.planned_bytes <= budget
+    assert p.breakdown()["resident_weights"] == p.tier_bytes["pinned"] + p.hot_bytes
+    assert "hot experts" in p.format() and p.to_json()["hot_experts"][0] == [0, 0]
+    cold = plan(m, budget, 128, 2, BW, baseline_bytes=10 * MiB, n_batch=64)
+    assert cold.hot_experts == [] and cold.cache_slots == 10
+    assert cold.cache_hit_rate == p.cache_hit_rate  # uniform: same share of experts held
 
 
 def test_plan_for_real_gguf(tmp_path):

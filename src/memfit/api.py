@@ -145,6 +145,11 @@ class Model:
         from .memory.planner import plan_for_path
         from .memory.store import WeightStore
 
+        from .models import REGISTRY
+        if self.file.arch not in REGISTRY:  # refused before the store reads any weights
+            from .errors import UnsupportedError
+            raise UnsupportedError(f"architecture {self.file.arch!r} is not supported; "
+                                   f"supported: {', '.join(sorted(REGISTRY))}")
         budget, _why = resolve_budget(mem_budget)
         if plan is None:
             baseline = measure_baseline()
@@ -153,7 +158,11 @@ class Model:
         self.plan = plan
         self.ledger = Ledger(budget)
         self.ledger.alloc("baseline", "runtime", baseline)
-        self.store = WeightStore(self.file, self.plan, self.ledger)
+        routing = None
+        if plan.n_expert and plan.tiers["cache"]:  # learn the hot set for the next load
+            from .memory.hotset import RoutingCounts
+            routing = RoutingCounts.load(self.file.paths[0], plan.n_layer, plan.n_expert)
+        self.store = WeightStore(self.file, self.plan, self.ledger, routing=routing)
 
     # --- lifecycle
     def close(self) -> None:

@@ -251,10 +251,17 @@ def cmd_bench(a) -> int:
         threads = a.threads or (m.ops.get_threads() if hasattr(m.ops, "get_threads") else 1)
         name = m.path.name
 
+        last = [m.store.stats() if m.store is not None else None]
+
         def emit(r):
             if m.store is not None:
-                r.extra.update({"mem_budget_bytes": m.ledger.budget, **{
-                    k: m.store.stats()[k] for k in ("bytes_read", "io_stall_s")}})
+                # this test's share of the store's counters (warm-up + repetitions)
+                now = m.store.stats()
+                part = m.store.interval(last[0], now, int(r.test[2:]) * (a.repetitions + 1))
+                part.pop("bytes_read")  # bytes_read stays the store's running total
+                r.extra.update({"mem_budget_bytes": m.ledger.budget, **part, **{
+                    k: now[k] for k in ("bytes_read", "io_stall_s")}})
+                last[0] = now
             r.extra["peak_rss_bytes"] = peak_rss_bytes()
             if a.json:
                 print(json.dumps(r.to_dict()), flush=True)
@@ -362,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(a, "func", None):
         parser.print_help()
         return 2
+    import warnings
+    warnings.formatwarning = lambda msg, *_a, **_k: f"{msg}\n"  # one plain line per warning
     try:
         return a.func(a) or 0
     except MemfitError as e:

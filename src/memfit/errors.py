@@ -29,3 +29,8 @@ class BudgetError(MemfitError):
 
 class RequestError(MemfitError):
     """A bad argument or request (CLI flag, API call, HTTP body)."""
+
+
+class WeightReadError(MemfitError):
+    """Reading weights from the model file failed (I/O error, short read, file changed); the
+    message names the file, the offset and the weights. The store is left clean: retry."""

@@ -80,11 +80,15 @@ def markdown_table(results: list[BenchResult], backend: str) -> str:
     the weight store has read so far and its time stalled on I/O (from ``extra``)."""
     from ..memory.budget import format_size
     budget = any("mem_budget_bytes" in r.extra for r in results)
+    experts = any("expert_hit_rate" in r.extra for r in results)
     head = "| model | backend | threads | test | t/s | peak RSS |"
     rule = "|---|---|---:|---:|---:|---:|"
     if budget:
         head += " budget | read from disk | I/O stall |"
         rule += "---:|---:|---:|"
+    if experts:
+        head += " read/token | expert hits | prefetch recall | wasted prefetch |"
+        rule += "---:|---:|---:|---:|"
     rows = [head, rule]
     for r in results:
         e = r.extra
@@ -94,5 +98,9 @@ def markdown_table(results: list[BenchResult], backend: str) -> str:
         if budget:
             row += (f" {format_size(e.get('mem_budget_bytes', 0))} |"
                     f" {format_size(e.get('bytes_read', 0))} | {e.get('io_stall_s', 0.0):.2f} s |")
+        if experts:
+            row += (f" {format_size(int(e.get('bytes_read_per_token', 0)))} |"
+                    f" {e.get('expert_hit_rate', 0.0):.0%} | {e.get('prefetch_recall', 0.0):.0%} |"
+                    f" {format_size(e.get('prefetch_wasted_bytes', 0))} |")
         rows.append(row)
     return "\n".join(rows)

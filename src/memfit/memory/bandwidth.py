@@ -110,7 +110,7 @@ def measure_disk_bandwidth(path: str | os.PathLike, sample_bytes: int = 512 << 2
     pattern: O_DIRECT requests of IO_CHUNK bytes, IO_WORKERS in flight, walking one contiguous
     region (a streamed unit is contiguous in the file). O_DIRECT bypasses the page cache, so
     the result is the disk's, not RAM's. Raises OSError where O_DIRECT is not possible."""
-    from .store import IO_CHUNK, IO_WORKERS
+    from .io import IO_CHUNK, IO_WORKERS
     chunk = chunk or IO_CHUNK
     workers = workers or IO_WORKERS
     size = os.path.getsize(path)

@@ -7,7 +7,9 @@ left, and leaves the rest in the file tier (streamed every token). Below the flo
 BudgetError stating the smallest budget that would work.
 
 A streamed *unit* is what the store fetches at once: all streamed dense tensors of one layer
-(blk.N), or one non-layer tensor (output.weight), or for MoE n_expert_used expert slices.
+(blk.N), or one non-layer tensor (output.weight). MoE experts are units of (layer, expert):
+the dense trunk is placed first, then the hot set (learned routing counts), then the expert
+cache gets what is left; the floor is the trunk's streaming floor plus one layer's k slots.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 from ..errors import BudgetError
 from .bandwidth import Bandwidth
 from .budget import GiB, MiB, format_size
+from .io import PAGE
 
 KINDS = ("embedding", "output", "norm", "attn", "ffn", "router", "expert", "other")
 # pin order among tensors touched in full per token: small + always-needed first
@@ -217,6 +220,17 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     tensor_bytes: dict[str, int] = field(default_factory=dict)
     floor_parts: dict[str, Any] = field(default_factory=dict)  # what min_budget_bytes is made of
+    n_expert: int = 0
+    n_expert_used: int = 0
+    expert_bytes: int = 0            # all routed experts' bytes in the file
+    hot_experts: list = field(default_factory=list)   # [(layer, expert)] pinned from counts
+    hot_bytes: int = 0
+    hot_coverage: float = 0.0        # share of the recorded routings the hot set serves
+    expert_policy: str = "lru"
+
+    @property
+    def n_layer_moe(self) -> int:
+        return len({n.split(".")[1] for n in self.tensor_bytes if "_exps." in n})
 
     def tier_of(self, name: str) -> str:
         for tier, names in self.tiers.items():
@@ -227,12 +241,13 @@ class Plan:
     @property
     def planned_bytes(self) -> int:
         return (self.baseline_bytes + self.scratch_bytes + self.kv_bytes + self.io_staging_bytes
-                + self.stream_slot_bytes + self.tier_bytes["pinned"] + self.cache_bytes)
+                + self.stream_slot_bytes + self.tier_bytes["pinned"] + self.hot_bytes
+                + self.cache_bytes)
 
     def breakdown(self) -> dict[str, int]:
         """Ledger categories -> planned bytes."""
         return {"baseline": self.baseline_bytes, "scratch": self.scratch_bytes,
-                "kv": self.kv_bytes, "resident_weights": self.tier_bytes["pinned"],
+                "kv": self.kv_bytes, "resident_weights": self.tier_bytes["pinned"] + self.hot_bytes,
                 "weight_cache": self.cache_bytes + self.stream_slot_bytes,
                 "io_staging": self.io_staging_bytes}
 
@@ -251,6 +266,12 @@ class Plan:
                       for t, n in self.tiers.items()},
             "cache": {"bytes": self.cache_bytes, "slot_bytes": self.cache_slot_bytes,
                       "slots": self.cache_slots, "expected_hit_rate": self.cache_hit_rate},
+            "n_expert": self.n_expert, "n_expert_used": self.n_expert_used,
+            "expert_bytes": self.expert_bytes,
+            "expert_cache_bytes": self.cache_bytes, "expert_slots": self.cache_slots,
+            "expected_hit_rate": self.cache_hit_rate,
+            "hot_experts": [list(k) for k in self.hot_experts], "hot_bytes": self.hot_bytes,
+            "hot_coverage": self.hot_coverage, "expert_policy": self.expert_policy,
             "units": [{"name": u.name, "bytes": u.nbytes, "tensors": u.tensors} for u in self.units],
             "embedding_by_rows": self.embedding_by_rows,
             "mem_bytes_per_token": self.mem_bytes_per_token,
@@ -293,6 +314,18 @@ class Plan:
             lines.append(row(label, mem, extra))
             if names:
                 lines.append("      " + _summarize(names))
+        if self.n_expert and not self.tiers["cache"]:
+            lines.append(f"  experts: {format_size(self.expert_bytes)} in the file, "
+                         f"{self.n_expert_used} of {self.n_expert} routed per token; all pinned")
+        elif self.n_expert:
+            lines.append(row("hot experts (pinned)", self.hot_bytes,
+                             f"{len(self.hot_experts)} of {self.n_expert} x {self.n_layer_moe} "
+                             f"experts, {self.hot_coverage:.0%} of recorded routings"))
+            lines.append(f"  experts: {format_size(self.expert_bytes)} in the file, "
+                         f"{self.n_expert_used} of {self.n_expert} routed per token; cache "
+                         f"{self.cache_slots} slots x {format_size(self.cache_slot_bytes)}, hit "
+                         f"rate >= {self.cache_hit_rate:.0%} (uniform routing), policy "
+                         f"{self.expert_policy}")
         if self.embedding_by_rows:
             lines.append(f"  {self.embedding_by_rows} read by rows from the file (not held)")
         lines.append(f"per token: {format_size(self.mem_bytes_per_token)} read from memory, "
@@ -329,8 +362,8 @@ def scratch_bytes(m: ModelDesc, n_batch: int, n_ctx: int, threads: int,
 
 
 def _units(m: ModelDesc, streamed: set[str]) -> list[Unit]:
-    """Streamed units in execution order: per layer its streamed dense tensors (+ expert
-    slices), then non-layer tensors one per unit."""
+    """Streamed units in execution order: per layer its streamed dense tensors, then
+    non-layer tensors one per unit (experts are cached per expert, not streamed as units)."""
     by_layer: dict[int, list[TensorDesc]] = {}
     others = []
     for t in m.tensors:
@@ -341,12 +374,8 @@ def _units(m: ModelDesc, streamed: set[str]) -> list[Unit]:
     for layer in sorted(by_layer):
         ts = by_layer[layer]
         dense = [t for t in ts if t.kind != "expert"]
-        exps = [t for t in ts if t.kind == "expert"]
         if dense:
             units.append(Unit(f"blk.{layer}", [t.name for t in dense], sum(t.nbytes for t in dense)))
-        if exps:
-            units.append(Unit(f"blk.{layer}.experts", [t.name for t in exps],
-                              sum(t.touched_per_token for t in exps)))
     # output_norm/output after the layers; anything else (rope_freqs...) too
     for t in others:
         units.append(Unit(t.name, [t.name], t.nbytes))
@@ -357,96 +386,114 @@ def _max_unit(units: list[Unit]) -> int:
     return max((u.nbytes for u in units), default=0)
 
 
-def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Bandwidth,
-         *, baseline_bytes: int, n_batch: int = 512, overlap_io: bool = True,
-         logits_all: bool = False, kv_bytes_per_elem: float = 2) -> Plan:
-    """Place every tensor in a tier within `budget` bytes. Pure: no I/O, no measurement.
-    baseline_bytes: the measured runtime RSS; kv_bytes_per_elem: 2 for the f16 cache (4 for f32)."""
-    assert n_ctx > 0 and threads > 0 and n_batch > 0
-    m = model
-    kv = int(m.kv_elems_per_token * n_ctx * kv_bytes_per_elem)
-    # the larger of the measured RSS and the model's predicted runtime (see RUNTIME_BASE_BYTES)
-    baseline = max(baseline_bytes, m.runtime_bytes) + RUNTIME_EXTRA_BYTES
-    n_batch = min(n_batch, n_ctx)  # a prefill batch never exceeds the context
-    all_stream = _units(m, {t.name for t in m.tensors})
+def expert_tensor_names(il: int) -> tuple[str, str, str]:
+    """The stacked expert tensors of layer il: (gate, up, down)."""
+    return tuple(f"blk.{il}.ffn_{r}_exps.weight" for r in ("gate", "up", "down"))
 
-    def fixed(nb: int) -> int:
-        return baseline + scratch_bytes(m, nb, n_ctx, threads, logits_all) + kv + IO_STAGING_BYTES
 
-    min_batch = min(n_batch, MIN_BATCH)
-    # floor: pinning the k largest units costs them once; streaming the rest costs 2 slots
-    cand_units = sorted((u for u in all_stream if not u.name.endswith(".experts")),
-                        key=lambda u: -u.nbytes)
-    exp_unit = max((u.nbytes for u in all_stream if u.name.endswith(".experts")), default=0)
+def expert_slot_bytes(m: ModelDesc) -> int:
+    """Bytes of one expert-cache slot: the largest layer's gate/up/down slices of one expert,
+    each a page-aligned range (O_DIRECT reads whole pages: at most one page more per range)."""
+    by_layer: dict[int, int] = {}
+    for t in m.tensors:
+        if t.kind == "expert" and m.n_expert:
+            per = t.nbytes // m.n_expert
+            by_layer[t.layer] = by_layer.get(t.layer, 0) + -(-per // PAGE) * PAGE + PAGE
+    return max(by_layer.values(), default=0)
+
+
+def kv_bytes(m: ModelDesc, n_ctx: int, kv_bytes_per_elem: float) -> int:
+    """The KV cache's line item for n_ctx positions."""
+    return int(m.kv_elems_per_token * n_ctx * kv_bytes_per_elem)
+
+
+@dataclass
+class _Floor:
+    bytes: int
+    trunk_need: int              # trunk weights that must be held (pinned units + 2 slots)
+    best_k: int                  # trunk units pinned at the floor
+    trunk_units: list[Unit]      # the trunk's units, largest first
+    parts: dict[str, Any]
+
+
+def _floor(m: ModelDesc, fixed, baseline: int, kv: int, min_batch: int, n_ctx: int,
+           threads: int, logits_all: bool) -> _Floor:
+    """The smallest budget: fixed costs at the smallest batch, the trunk's streaming floor
+    (pinning the k largest units costs them once; the rest streams through 2 slots) and slots
+    for one layer's n_expert_used experts."""
+    trunk = _units(m, {t.name for t in m.tensors if t.kind != "expert"})
+    cand = sorted(trunk, key=lambda u: -u.nbytes)
     best_k, need = 0, None
-    for k in range(len(cand_units) + 1):
-        nxt = max(cand_units[k].nbytes if k < len(cand_units) else 0, exp_unit)
-        n = sum(u.nbytes for u in cand_units[:k]) + 2 * nxt
+    for k in range(len(cand) + 1):
+        n = sum(u.nbytes for u in cand[:k]) + 2 * (cand[k].nbytes if k < len(cand) else 0)
         if need is None or n < need:
             best_k, need = k, n
         if k >= 16:
             break
-    floor = fixed(min_batch) + need
-    floor_parts = {"baseline_bytes": baseline,
-                   "scratch_bytes": scratch_bytes(m, min_batch, n_ctx, threads, logits_all),
-                   "kv_bytes": kv, "io_staging_bytes": IO_STAGING_BYTES,
-                   "weights_bytes": need, "pinned_units": [u.name for u in cand_units[:best_k]],
-                   "stream_unit_bytes": max(cand_units[best_k].nbytes
-                                            if best_k < len(cand_units) else 0, exp_unit),
-                   "n_batch": min_batch}
-    if budget < floor:
-        unit = format_size(floor_parts["stream_unit_bytes"])
-        parts = (f"baseline {format_size(baseline)}, scratch "
-                 f"{format_size(floor_parts['scratch_bytes'])}, KV for ctx {n_ctx} "
-                 f"{format_size(kv)}"
-                 + (f", I/O staging {format_size(IO_STAGING_BYTES)}" if IO_STAGING_BYTES else "")
-                 + f", weights that must be held {format_size(need)} ("
-                 + (f"the {best_k} largest units pinned plus " if best_k else "")
-                 + f"2 streaming slots of {unit})")
-        raise BudgetError(
-            f"memory budget {format_size(budget)} ({budget} bytes) is below the floor for this "
-            f"model: the smallest budget that works is {format_size(floor)} ({floor} bytes) "
-            f"[{parts}]; raise --mem-budget to at least {_round_up_mib(floor)}MiB"
-            + (" or lower --ctx" if kv > floor // 4 else ""))
-    # largest prefill batch (halving from n_batch) that still fits
-    nb = n_batch
-    while nb > min_batch and fixed(nb) + need > budget:
-        nb = max(min_batch, nb // 2)
-    base_used = fixed(nb)
+    x_slots = m.n_expert_used * expert_slot_bytes(m) if m.n_expert else 0
+    parts = {"baseline_bytes": baseline,
+             "scratch_bytes": scratch_bytes(m, min_batch, n_ctx, threads, logits_all),
+             "kv_bytes": kv, "io_staging_bytes": IO_STAGING_BYTES,
+             "weights_bytes": need + x_slots, "pinned_units": [u.name for u in cand[:best_k]],
+             "stream_unit_bytes": cand[best_k].nbytes if best_k < len(cand) else 0,
+             "expert_slot_bytes": x_slots, "n_batch": min_batch}
+    return _Floor(fixed(min_batch) + need + x_slots, need, best_k, cand, parts)
 
-    # pin candidates: dense tensors by touched fraction, then kind priority, role, layer
+
+def _refuse(budget: int, fl: _Floor, n_ctx: int) -> BudgetError:
+    p = fl.parts
+    unit = format_size(p["stream_unit_bytes"])
+    parts = (f"baseline {format_size(p['baseline_bytes'])}, scratch "
+             f"{format_size(p['scratch_bytes'])}, KV for ctx {n_ctx} {format_size(p['kv_bytes'])}"
+             + (f", I/O staging {format_size(IO_STAGING_BYTES)}" if IO_STAGING_BYTES else "")
+             + f", weights that must be held {format_size(fl.trunk_need)} ("
+             + (f"the {fl.best_k} largest units pinned plus " if fl.best_k else "")
+             + f"2 streaming slots of {unit})"
+             + (f", expert slots for one layer {format_size(p['expert_slot_bytes'])}"
+                if p["expert_slot_bytes"] else ""))
+    return BudgetError(
+        f"memory budget {format_size(budget)} ({budget} bytes) is below the floor for this "
+        f"model: the smallest budget that works is {format_size(fl.bytes)} ({fl.bytes} bytes) "
+        f"[{parts}]; raise --mem-budget to at least {_round_up_mib(fl.bytes)}MiB"
+        + (" or lower --ctx" if p["kv_bytes"] > fl.bytes // 4 else ""))
+
+
+def _place_trunk(m: ModelDesc, room: int, fl: _Floor) -> set[str]:
+    """Pinned trunk tensors within `room` bytes (their slots included): dense tensors by
+    touched fraction, then kind priority, role, layer; candidates pin the k largest units
+    and/or one role in every layer first, because a smaller largest unit frees slot memory."""
+    trunk = [t for t in m.tensors if t.kind != "expert"]
+
     def role(t: TensorDesc) -> str:
         return _LAYER_RE.sub("", t.name)
 
-    cands = sorted((t for t in m.tensors if t.kind != "expert"),
-                   key=lambda t: (-(t.touched_per_token / max(t.nbytes, 1)),
-                                  _KIND_PRIORITY[t.kind], role(t), t.layer or 0))
-    size = {t.name: t.nbytes for t in m.tensors}
+    cands = sorted(trunk, key=lambda t: (-(t.touched_per_token / max(t.nbytes, 1)),
+                                         _KIND_PRIORITY[t.kind], role(t), t.layer or 0))
+    size = {t.name: t.nbytes for t in trunk}
 
-    def place(prepin: list[Unit]) -> set[str] | None:
-        pinned = {n for u in prepin for n in u.tensors}
-        streamed = {t.name for t in m.tensors if t.name not in pinned}
-        slots = 2 * _max_unit(_units(m, streamed))
+    def slots_for(pinned: set[str]) -> int:
+        return 2 * _max_unit(_units(m, {t.name for t in trunk if t.name not in pinned}))
+
+    def place(pre: list[str]) -> set[str] | None:
+        pinned = set(pre)
+        slots = slots_for(pinned)
         for _ in range(8):  # pinning shrinks the largest streamed unit, freeing slot memory
-            room = budget - base_used - slots - sum(size[n] for n in pinned)
-            if room < 0:
+            left = room - slots - sum(size[n] for n in pinned)
+            if left < 0:
                 return None
             for t in cands:
-                if t.name not in pinned and t.nbytes <= room:
+                if t.name not in pinned and t.nbytes <= left:
                     pinned.add(t.name)
-                    room -= t.nbytes
-            streamed = {t.name for t in m.tensors if t.name not in pinned}
-            new_slots = 2 * _max_unit(_units(m, streamed))
+                    left -= t.nbytes
+            new_slots = slots_for(pinned)
             if new_slots == slots:
                 break
             slots = new_slots
         return pinned
 
     def streamed_bytes(pinned: set[str]) -> int:
-        return sum(t.touched_per_token for t in m.tensors if t.name not in pinned)
+        return sum(t.touched_per_token for t in trunk if t.name not in pinned)
 
-    # candidates: pin the k largest units and/or one role (attn_q, ffn_up, ...) in every layer
-    # before the greedy fill, because a smaller largest-streamed-unit frees slot memory
     roles: list[str] = []
     for t in cands:
         if t.layer is not None and role(t) not in roles:
@@ -454,57 +501,160 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
     role_sets = [[]] + [[n for n in size if _LAYER_RE.sub("", n) in roles[:j]]
                         for j in range(1, len(roles) + 1)]
     best = None
-    for k in sorted({0, 1, 2, 3, best_k}):
-        if k > len(cand_units):
+    for k in sorted({0, 1, 2, 3, fl.best_k}):
+        if k > len(fl.trunk_units):
             continue
         for rs in role_sets:
-            pre = [Unit("", [n for u in cand_units[:k] for n in u.tensors] + rs, 0)]
-            p = place(pre)
+            p = place([n for u in fl.trunk_units[:k] for n in u.tensors] + rs)
             if p is not None and (best is None or streamed_bytes(p) < streamed_bytes(best)):
                 best = p
     assert best is not None, "the floor check guarantees the floor's own placement fits"
-    pinned = best
-    streamed = {t.name for t in m.tensors if t.name not in pinned}
+    return best
+
+
+@dataclass
+class _Experts:
+    pinned_whole: bool = False
+    hot: list[tuple[int, int]] = field(default_factory=list)
+    hot_bytes: int = 0
+    hot_coverage: float = 0.0    # share of the recorded routings the hot set serves
+    slot_bytes: int = 0
+    slots: int = 0
+    hit_rate: float = 0.0        # expected under uniform routing (a lower bound)
+
+
+HOT_SHARE = 0.5   # at most this share of the expert memory above the floor goes to the hot set
+
+
+def _place_experts(m: ModelDesc, room: int, counts) -> _Experts:
+    """Experts within `room` bytes: all pinned when they fit; else the hottest recorded
+    experts (routed more often than their layer's mean) pinned in up to HOT_SHARE of the
+    room above one layer's k slots, and the cache gets the rest as slots."""
+    experts = [t for t in m.tensors if t.kind == "expert"]
+    total = sum(t.nbytes for t in experts)
+    if not experts or not m.n_expert:
+        return _Experts()
+    if total <= room:
+        return _Experts(pinned_whole=True, hit_rate=1.0)
+    slot = expert_slot_bytes(m)
+    layers = sorted({t.layer for t in experts})
+    n_units = len(layers) * m.n_expert
+    x = _Experts(slot_bytes=slot)
+    if counts:
+        hot_room = int(max(0, room - m.n_expert_used * slot) * HOT_SHARE)
+        ranked = []
+        for il in layers:
+            c = list(counts.get(il, ())) if hasattr(counts, "get") else []
+            tot = sum(c)
+            if len(c) != m.n_expert or tot <= 0:
+                continue
+            mean = tot / m.n_expert
+            ranked += [(v / tot, il, e) for e, v in enumerate(c) if v > mean]
+        ranked.sort(reverse=True)
+        for share, il, e in ranked:
+            if x.hot_bytes + slot > hot_room:
+                break
+            x.hot.append((il, e))
+            x.hot_bytes += slot
+        all_c = sum(sum(counts.get(il, ())) for il in layers)
+        hot_c = sum(counts[il][e] for il, e in x.hot)
+        x.hot_coverage = hot_c / all_c if all_c else 0.0
+        x.hot.sort()
+    x.slots = min((room - x.hot_bytes) // slot, n_units - len(x.hot))
+    x.hit_rate = min(1.0, (len(x.hot) + x.slots) / n_units)
+    return x
+
+
+def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Bandwidth,
+         *, baseline_bytes: int, n_batch: int = 512, overlap_io: bool = True,
+         logits_all: bool = False, kv_bytes_per_elem: float = 2,
+         expert_counts=None, expert_policy: str = "lru") -> Plan:
+    """Place every tensor in a tier within `budget` bytes. Pure: no I/O, no measurement.
+    baseline_bytes: the measured runtime RSS; kv_bytes_per_elem: 2 for the f16 cache (4 for f32);
+    expert_counts: {layer: [routings per expert]} learned from earlier runs (hotset.py).
+    Order: fixed costs (baseline, scratch, KV, staging), the dense trunk, the hot experts, the
+    expert cache; below the floor BudgetError names the smallest budget that works."""
+    assert n_ctx > 0 and threads > 0 and n_batch > 0
+    m = model
+    kv = kv_bytes(m, n_ctx, kv_bytes_per_elem)
+    # the larger of the measured RSS and the model's predicted runtime (see RUNTIME_BASE_BYTES)
+    baseline = max(baseline_bytes, m.runtime_bytes) + RUNTIME_EXTRA_BYTES
+    n_batch = min(n_batch, n_ctx)  # a prefill batch never exceeds the context
+
+    def fixed(nb: int) -> int:
+        return baseline + scratch_bytes(m, nb, n_ctx, threads, logits_all) + kv + IO_STAGING_BYTES
+
+    min_batch = min(n_batch, MIN_BATCH)
+    fl = _floor(m, fixed, baseline, kv, min_batch, n_ctx, threads, logits_all)
+    if budget < fl.bytes:
+        raise _refuse(budget, fl, n_ctx)
+    x_floor = fl.parts["expert_slot_bytes"]
+    # largest prefill batch (halving from n_batch) that still fits
+    nb = n_batch
+    while nb > min_batch and fixed(nb) + fl.trunk_need + x_floor > budget:
+        nb = max(min_batch, nb // 2)
+    base_used = fixed(nb)
+
+    # the trunk first (keeping one layer's expert slots), then the experts get what is left
+    pinned = _place_trunk(m, budget - base_used - x_floor, fl)
+    streamed = {t.name for t in m.tensors if t.name not in pinned and t.kind != "expert"}
     units = _units(m, streamed)
     slots = 2 * _max_unit(units)
-    pinned_bytes = sum(t.nbytes for t in m.tensors if t.name in pinned)
-    left = budget - base_used - slots - pinned_bytes
-    assert left >= 0, (left, budget, base_used, slots, pinned_bytes)
+    size = {t.name: t.nbytes for t in m.tensors}
+    left = budget - base_used - slots - sum(size[n] for n in pinned)
+    assert left >= x_floor, (left, budget, base_used, slots)
+    x = _place_experts(m, left, expert_counts)
+    experts = [t for t in m.tensors if t.kind == "expert"]
+    if x.pinned_whole:
+        pinned |= {t.name for t in experts}
 
     notes = []
     emb = next((t for t in m.tensors if t.kind == "embedding"), None)
     emb_rows = emb.name if emb is not None and emb.name not in pinned else None
-    # MoE: what is left becomes a slot cache of expert slices (one expert of one tensor)
-    experts = [t for t in m.tensors if t.kind == "expert"]
-    cache_names, cache_bytes, slot_bytes, n_slots, hit = [], 0, 0, 0, 0.0
-    expert_total = sum(t.nbytes for t in experts)
-    if experts and m.n_expert:
-        slot_bytes = max(t.nbytes // m.n_expert for t in experts)
-        n_slots = left // slot_bytes if slot_bytes else 0
-        cache_bytes = n_slots * slot_bytes
-        cache_names = [t.name for t in experts]
-        hit = min(1.0, cache_bytes / expert_total) if expert_total else 0.0
-        notes.append(f"expert cache hit rate {hit:.0%} assumes uniform routing (cache share of "
-                     "all expert bytes); real routing is skewed, so this is a lower bound")
+    cache_names = [t.name for t in experts if not x.pinned_whole]
+    if cache_names:
+        notes.append(f"expert cache hit rate {x.hit_rate:.0%} assumes uniform routing (hot set "
+                     "and cache share of all experts); real routing is skewed, so this is a "
+                     "lower bound")
     elif units:
         notes.append("no weight cache for a dense model: every streamed weight is read once per "
                      "token in layer order, and an LRU cache smaller than that cyclic scan hits "
                      "~0%; the budget pins a fixed subset instead (the optimum for a scan)")
-    file_names = [t.name for t in m.tensors if t.name in streamed and t.kind != "expert"]
     tiers = {"pinned": [t.name for t in m.tensors if t.name in pinned],
-             "cache": cache_names, "file": file_names}
-    tb = {t.name: t.nbytes for t in m.tensors}
-    tier_bytes = {k: sum(tb[n] for n in v) for k, v in tiers.items()}
+             "cache": cache_names,
+             "file": [t.name for t in m.tensors if t.name in streamed]}
+    tier_bytes = {k: sum(size[n] for n in v) for k, v in tiers.items()}
+    mem, disk, tps = _predict(m, streamed, x, emb_rows, bandwidth, overlap_io, notes)
+    if nb < n_batch:
+        notes.append(f"prefill batch lowered from {n_batch} to {nb} to fit the budget")
+    return Plan(
+        budget_bytes=budget, n_ctx=n_ctx, n_batch=nb, threads=threads, baseline_bytes=baseline,
+        scratch_bytes=scratch_bytes(m, nb, n_ctx, threads, logits_all), kv_bytes=kv,
+        io_staging_bytes=IO_STAGING_BYTES, stream_slot_bytes=slots, tiers=tiers,
+        tier_bytes=tier_bytes, cache_bytes=x.slots * x.slot_bytes,
+        cache_slot_bytes=x.slot_bytes, cache_slots=x.slots, cache_hit_rate=x.hit_rate,
+        units=units, embedding_by_rows=emb_rows, min_budget_bytes=fl.bytes,
+        mem_bytes_per_token=mem, disk_bytes_per_token=disk, bandwidth=bandwidth,
+        overlap_io=overlap_io, predicted_tg_tokens_per_s=tps, model_name=m.name, arch=m.arch,
+        n_layer=m.n_layer, weight_bytes=m.weight_bytes, notes=notes, tensor_bytes=size,
+        floor_parts=fl.parts, n_expert=m.n_expert, n_expert_used=m.n_expert_used,
+        expert_bytes=sum(t.nbytes for t in experts), hot_experts=x.hot,
+        hot_bytes=x.hot_bytes, hot_coverage=x.hot_coverage, expert_policy=expert_policy)
 
+
+def _predict(m: ModelDesc, streamed: set[str], x: _Experts, emb_rows, bandwidth: Bandwidth,
+             overlap_io: bool, notes: list[str]) -> tuple[int, int, float]:
+    """(bytes read from memory per token, from disk per token, predicted tokens/s)."""
+    emb = next((t for t in m.tensors if t.kind == "embedding"), None)
+    experts = [t for t in m.tensors if t.kind == "expert"]
     dense_streamed = sum(t.nbytes for t in m.tensors
                          if t.name in streamed and t.kind not in ("expert", "embedding"))
-    expert_disk = sum(t.touched_per_token for t in experts) * (1.0 - hit)
+    expert_disk = 0 if x.pinned_whole else sum(t.touched_per_token for t in experts) * (1.0 - x.hit_rate)
     disk = dense_streamed + int(expert_disk) + (emb.touched_per_token if emb_rows else 0)
     mem = sum(t.touched_per_token for t in m.tensors)
     t_mem = mem / bandwidth.mem_read_bytes_per_s
     t_disk = disk / bandwidth.disk_read_bytes_per_s
     t = max(t_mem, t_disk) if overlap_io else t_mem + t_disk
-    tps = 1.0 / t if t > 0 else float("inf")
     if disk:
         notes.append(f"decode is bounded by the disk: {format_size(disk)} streamed per token"
                      if t_disk >= t_mem else "decode is bounded by memory bandwidth")
@@ -512,13 +662,7 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
             notes.append("disk rate from a cold probe, not yet from the weight store: decode "
                          "re-reads the same bytes each token, which a virtual disk's host cache "
                          "can serve faster; after one run plans use the store's own rate")
-    if nb < n_batch:
-        notes.append(f"prefill batch lowered from {n_batch} to {nb} to fit the budget")
-    return Plan(budget, n_ctx, nb, threads, baseline, scratch_bytes(m, nb, n_ctx, threads,
-                logits_all), kv, IO_STAGING_BYTES, slots, tiers, tier_bytes, cache_bytes,
-                slot_bytes, n_slots, hit, units, emb_rows, floor, mem, disk, bandwidth,
-                overlap_io, tps, m.name, m.arch, m.n_layer, m.weight_bytes, notes, tb,
-                floor_parts)
+    return mem, disk, (1.0 / t if t > 0 else float("inf"))
 
 
 def _round_up_mib(n: int) -> int:
@@ -528,7 +672,8 @@ def _round_up_mib(n: int) -> int:
 def plan_for_path(path, budget: int, n_ctx: int | None = None, threads: int | None = None, *,
                   baseline_bytes: int | None = None, bandwidth: Bandwidth | None = None,
                   measure_bandwidth: bool = False, n_batch: int = 512,
-                  kv_bytes_per_elem: float = 2) -> Plan:
+                  kv_bytes_per_elem: float = 2, expert_counts=None,
+                  expert_policy: str = "lru") -> Plan:
     """Convenience for the CLI/API: describe the GGUF (a path, or a GGUFFile already open,
     used as is: the API plans the file it has opened, not a second copy), measure baseline
     (this process's RSS) and bandwidth (cached/default unless measure_bandwidth), and plan.
@@ -549,9 +694,13 @@ def plan_for_path(path, budget: int, n_ctx: int | None = None, threads: int | No
     finally:
         if opened is not None:
             opened.close()
+    if desc.n_expert and expert_counts is None:
+        from .hotset import RoutingCounts
+        expert_counts = RoutingCounts.load(path, desc.n_layer, desc.n_expert).by_layer()
     args = (desc, budget, n_ctx, threads or os.cpu_count() or 1)
     kw = dict(baseline_bytes=measure_baseline() if baseline_bytes is None else baseline_bytes,
-              n_batch=n_batch, kv_bytes_per_elem=kv_bytes_per_elem)
+              n_batch=n_batch, kv_bytes_per_elem=kv_bytes_per_elem,
+              expert_counts=expert_counts, expert_policy=expert_policy)
     if bandwidth is None and measure_bandwidth:
         # refuse a budget below the floor before the probes allocate or write anything
         plan(*args, Bandwidth(source="default"), **kw)
@@ -560,4 +709,5 @@ def plan_for_path(path, budget: int, n_ctx: int | None = None, threads: int | No
 
 
 __all__ = ["TensorDesc", "ModelDesc", "Unit", "Plan", "plan", "plan_for_path", "scratch_bytes",
+           "expert_tensor_names", "expert_slot_bytes", "kv_bytes",
            "tensor_kind", "describe_tensor", "IO_STAGING_BYTES", "LOGITS_SLICE_ROWS", "GiB"]

@@ -1,16 +1,25 @@
-"""The weight store: executes a Plan behind the WeightSource protocol (has / info / get).
+"""The weight store: executes a Plan behind the WeightSource protocol (has / info / get, and
+get_experts / prefetch_experts for mixture-of-experts models).
 
-- pinned tier: read once with pread into buffers the store owns;
+- pinned tier: read once with pread into buffers the store owns (the hot experts too);
 - file tier: streamed per use into two page-aligned slots (double buffering): while the model
-  computes with unit u (one layer's streamed tensors) a prefetch thread reads unit u+1
-  (cyclically: after the last unit comes the first, i.e. the next token) into the other slot.
-  Reads use O_DIRECT in large aligned chunks on an I/O pool, so neither RSS nor the page cache
-  grows; where O_DIRECT is refused (tmpfs), buffered pread + POSIX_FADV_DONTNEED;
+  computes with unit u (one layer's streamed tensors) the next unit, as the prefetch policy
+  names it (policy.NextUnitPrefetch: u+1, cyclically), is read into the other slot;
+- expert cache: fixed slots, each one expert's gate/up/down slices (three ranges of the
+  file), filled on demand or by router-lookahead prefetch, evicted by a replacement policy
+  object (policy.LRUPolicy / DecayPolicy);
 - an untied embedding is read by rows through a private mmap, released with MADV_DONTNEED
   (and FADV_DONTNEED) each time it is fetched again, so its touched rows do not accumulate.
 
+Reads use O_DIRECT in large aligned chunks on an I/O pool where demand reads go ahead of
+prefetches, so neither RSS nor the page cache grows; where O_DIRECT is refused (tmpfs),
+buffered pread + POSIX_FADV_DONTNEED. A slot holds a unit only after every byte arrived: a
+failed read drains the unit's other reads, frees the slot and raises WeightReadError once;
+the next call reads again.
+
 Model code never knows which tier served a tensor. A QTensor from a streamed unit is valid
-until the model has moved two units further (the slot is then reused).
+until the model has moved two units further (the slot is then reused); experts are valid
+until the next get_experts call.
 """
 
 from __future__ import annotations
@@ -19,17 +28,19 @@ import mmap
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from typing import Sequence
 
 import numpy as np
 
+from ..errors import WeightReadError
 from ..ops import QTensor
+from .io import DEMAND, IO_CHUNK, IO_WORKERS, PAGE, PREFETCH, IOPool, Reader, os_pread, when_all
 from .ledger import Ledger, LedgerDriftError
-from .planner import Plan
+from .planner import Plan, expert_tensor_names
+from .policy import NextUnitPrefetch, make_policy
 
-PAGE = 4096
-IO_CHUNK = 4 << 20      # bytes per read request
-IO_WORKERS = 4          # requests in flight (disk queue depth)
+__all__ = ["WeightStore", "IO_CHUNK", "IO_WORKERS", "PAGE"]
 
 
 def _floor(n: int) -> int:
@@ -42,13 +53,19 @@ def _ceil(n: int) -> int:
 
 class WeightStore:
     def __init__(self, gguf_file, plan: Plan, ledger: Ledger | None = None, *,
-                 direct: bool = True, prefetch: bool = True):
+                 direct: bool = True, prefetch: bool = True, reader: Reader | None = None,
+                 expert_policy=None, routing=None):
+        """reader(fd, buf, offset) -> n replaces os.preadv (fault-injection tests);
+        expert_policy: a policy object or name (default: the plan's); routing: a
+        hotset.RoutingCounts that get_experts updates (saved by its owner)."""
         self._closed = False
         self.file = gguf_file
         self.plan = plan
         self.ledger = ledger
         self.prefetch_enabled = prefetch
+        self.prefetch_policy = NextUnitPrefetch()
         self.tensors = gguf_file.tensors
+        self._reader = reader or os_pread
         assert len(gguf_file.paths) >= 1
         self._fds: dict[int, int] = {}
         self.direct = False
@@ -66,15 +83,22 @@ class WeightStore:
         self.gets = 0
         self.hits = 0               # served without waiting for I/O
         self.io_stall_s = 0.0
+        self.read_errors = 0        # failed reads surfaced (or dropped prefetches)
         self._stream_bytes = 0      # file-tier bytes read, and seconds spent reading them
         self._stream_s = 0.0
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(IO_WORKERS, thread_name_prefix="memfit-io")
-        self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="memfit-prefetch")
+        self._io = IOPool()
+        self._reserved: list[tuple[str, str]] = []
+        self._ledger_items: list[tuple[str, str]] = []
+        try:
+            self._setup(plan, ledger, expert_policy, routing)
+        except BaseException:
+            self.close()
+            raise
 
+    def _setup(self, plan: Plan, ledger: Ledger | None, expert_policy, routing) -> None:
         # the plan's reservations nobody else registers (activations, KV, staging), so the
         # ledger total is the planned total and the debug watchdog compares RSS with it
-        self._reserved: list[tuple[str, str]] = []
         if ledger is not None:
             for cat, n in (("scratch", plan.scratch_bytes), ("kv", plan.kv_bytes),
                            ("io_staging", plan.io_staging_bytes)):
@@ -87,11 +111,11 @@ class WeightStore:
         for name in plan.tiers["pinned"]:
             ti = self.tensors[name]
             buf, view = self._alloc_aligned(ti.offset, ti.nbytes)
-            self._read_into(ti.file_index, ti.offset, buf, view)
+            self._register("resident_weights", name, buf.nbytes)
+            self._wait(self._read_ranges([(ti.file_index, _floor(ti.offset), buf,
+                                           ti.offset + ti.nbytes - _floor(ti.offset))],
+                                         DEMAND), name)
             self._pinned[name] = view
-            if ledger is not None:
-                ledger.alloc("resident_weights", name, buf.nbytes)
-        assert not plan.tiers["cache"], "expert cache tier: MoE models are not supported yet"
 
         # streamed units: layout of each unit inside a slot (page-aligned per tensor)
         self.units = plan.units
@@ -109,26 +133,34 @@ class WeightStore:
             self._layout.append(lay)
             self._unit_read_bytes.append(pos)
             slot_bytes = max(slot_bytes, pos)
-        self._slot_mm = [mmap.mmap(-1, max(slot_bytes, PAGE)) for _ in range(2 if self.units else 0)]
+        n_slots = 2 if self.units else 0
+        for i in range(n_slots):
+            self._register("weight_cache", f"stream_slot_{i}", max(slot_bytes, PAGE))
+        self._slot_mm = [mmap.mmap(-1, max(slot_bytes, PAGE)) for _ in range(n_slots)]
         self._slots = [np.frombuffer(m, np.uint8) for m in self._slot_mm]
-        if ledger is not None:
-            for i, s in enumerate(self._slots):
-                ledger.alloc("weight_cache", f"stream_slot_{i}", s.nbytes)
-        self._slot_unit = [-1, -1]
-        self._slot_future: list[Future | None] = [None, None]
+        self._slot_unit = [-1] * n_slots       # unit whose every byte is in the slot
+        self._slot_loading = [-1] * n_slots    # unit being read into it
+        self._slot_future: list[Future | None] = [None] * n_slots
         self._current = -1
+
+        self._setup_experts(plan, expert_policy, routing)
 
         # embedding read by rows through a private mapping
         self._emb = plan.embedding_by_rows
         self._emb_mm = None
         if self._emb is not None:
             ti = self.tensors[self._emb]
-            with open(gguf_file.paths[ti.file_index], "rb") as fh:
+            with open(self.file.paths[ti.file_index], "rb") as fh:
                 self._emb_mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
             self._emb_range = (_floor(ti.offset), _ceil(ti.offset + ti.nbytes))
-            self._emb_fd = os.open(gguf_file.paths[ti.file_index], os.O_RDONLY)
+            self._emb_fd = os.open(self.file.paths[ti.file_index], os.O_RDONLY)
         if ledger is not None and ledger.debug:
             ledger.start_watchdog()
+
+    def _register(self, cat: str, name: str, n: int) -> None:
+        if self.ledger is not None:
+            self.ledger.alloc(cat, name, n)
+            self._ledger_items.append((cat, name))
 
     # ---- WeightSource ----
     def has(self, name: str) -> bool:
@@ -153,78 +185,125 @@ class WeightStore:
         data = self._slots[slot][off + delta: off + delta + t.nbytes]
         return QTensor(name, t.type, t.shape, data)
 
-    # ---- streaming ----
+    # ---- streaming (dense units) ----
     def _ensure(self, ui: int) -> int:
-        """Slot holding unit ui, loaded; waits for (or issues) its read, then prefetches the next."""
-        if ui in self._slot_unit:
-            slot = self._slot_unit.index(ui)
+        """Slot holding unit ui, loaded; waits for (or issues) its read, then prefetches the
+        next unit the prefetch policy names."""
+        slot = next((s for s in range(len(self._slots))
+                     if ui in (self._slot_unit[s], self._slot_loading[s])), None)
+        if slot is not None and self._slot_unit[slot] == ui:
+            self.hits += 1
+        elif slot is not None:  # its prefetch is in flight (or done, not yet looked at)
             fut = self._slot_future[slot]
-            if fut is not None and not fut.done():
-                t0 = time.perf_counter()
-                fut.result()
-                self.io_stall_s += time.perf_counter() - t0
-            else:
-                if fut is not None:
-                    fut.result()  # surface a failed read
+            if fut.done():
                 self.hits += 1
-        else:
-            # not there: the slot not holding the current unit takes it (wait for its prefetch)
-            slot = 1 if self._slot_unit[0] == self._current and self._current != -1 else 0
             t0 = time.perf_counter()
-            fut = self._slot_future[slot]
-            if fut is not None:
-                fut.result()
-            self._slot_unit[slot] = ui
-            self._slot_future[slot] = None
-            self._count(self._unit_read_bytes[ui])
-            self._read_unit(ui, slot)
+            self._finish_slot(slot, surface=True)
+            self.io_stall_s += time.perf_counter() - t0
+        else:
+            # not there: the slot not holding the current unit takes it
+            cur = self._current
+            slot = 1 if cur != -1 and cur in (self._slot_unit[0], self._slot_loading[0]) else 0
+            t0 = time.perf_counter()
+            self._finish_slot(slot, surface=False)  # an unneeded prefetch: drain, drop
+            self._start_unit(ui, slot, DEMAND)
+            self._finish_slot(slot, surface=True)
             self.io_stall_s += time.perf_counter() - t0
         if ui != self._current:
             self._current = ui
-            nxt = (ui + 1) % len(self.units)
+            nxt = self.prefetch_policy.next_unit(ui, len(self.units))
             other = 1 - slot
-            if self.prefetch_enabled and nxt != ui and self._slot_unit[other] != nxt:
-                prev = self._slot_future[other]
-                if prev is not None:
-                    prev.result()
-                self._slot_unit[other] = nxt
-                self._count(self._unit_read_bytes[nxt])
-                self._slot_future[other] = self._prefetcher.submit(self._read_unit, nxt, other)
+            if (self.prefetch_enabled and nxt is not None
+                    and nxt not in (self._slot_unit[other], self._slot_loading[other])):
+                self._finish_slot(other, surface=False)
+                self._start_unit(nxt, other, PREFETCH)
         return slot
+
+    def _start_unit(self, ui: int, slot: int, prio: int) -> None:
+        assert self._slot_future[slot] is None
+        self._slot_unit[slot] = -1
+        self._slot_loading[slot] = ui
+        self._count(self._unit_read_bytes[ui])
+        buf, ranges = self._slots[slot], []
+        for name, (off, _delta) in self._layout[ui].items():
+            ti = self.tensors[name]
+            start, end = _floor(ti.offset), _ceil(ti.offset + ti.nbytes)
+            ranges.append((ti.file_index, start, buf[off: off + end - start],
+                           ti.offset + ti.nbytes - start))
+        t0 = time.perf_counter()
+        fut = self._read_ranges(ranges, prio)
+        n = self._unit_read_bytes[ui]
+
+        def timed(f):
+            # one unit read in flight at a time per slot pair: bytes / summed time is the
+            # rate the store streams at under real decode conditions (CPU load included)
+            if f.exception() is None:
+                with self._lock:
+                    self._stream_bytes += n
+                    self._stream_s += time.perf_counter() - t0
+        fut.add_done_callback(timed)
+        self._slot_future[slot] = fut
+
+    def _finish_slot(self, slot: int, surface: bool) -> None:
+        """Wait for the slot's read (all of its chunks). Success: the slot holds the unit.
+        Failure: the slot is freed, and the error raised once when surface, else dropped."""
+        fut = self._slot_future[slot]
+        if fut is None:
+            return
+        err = fut.exception()  # waits; never raises
+        self._slot_future[slot] = None
+        ui, self._slot_loading[slot] = self._slot_loading[slot], -1
+        if err is None:
+            self._slot_unit[slot] = ui
+            return
+        self._slot_unit[slot] = -1
+        self.read_errors += 1
+        if surface:
+            raise self._wrap(err, self.units[ui].name)
 
     def _count(self, n: int) -> None:
         # bytes are counted when a read is issued, so statistics do not race the prefetcher
         with self._lock:
             self.bytes_read += n
 
-    def _read_unit(self, ui: int, slot: int) -> None:
-        t0 = time.perf_counter()
-        buf = self._slots[slot]
-        futs = []
-        for name, (off, delta) in self._layout[ui].items():
-            ti = self.tensors[name]
-            start, end = _floor(ti.offset), _ceil(ti.offset + ti.nbytes)
-            for c in range(start, end, IO_CHUNK):
-                n = min(IO_CHUNK, end - c)
-                dst = buf[off + (c - start): off + (c - start) + n]
-                futs.append(self._pool.submit(self._pread, ti.file_index, c, dst))
-        for f in futs:
-            f.result()
-        # unit reads are serial (one prefetch at a time), so bytes / summed time is the rate
-        # the store streams at under real decode conditions (CPU load included)
-        dt = time.perf_counter() - t0
-        with self._lock:
-            self._stream_bytes += self._unit_read_bytes[ui]
-            self._stream_s += dt
+    def _wrap(self, err: BaseException, what: str) -> BaseException:
+        if isinstance(err, WeightReadError):
+            return WeightReadError(f"{err} (reading {what}); retry, or check the disk and the file")
+        if isinstance(err, OSError):
+            return WeightReadError(f"reading {what} from {self.file.paths[0]} failed: {err}; "
+                                   "retry, or check the disk and the file")
+        return err
 
-    def _pread(self, file_index: int, offset: int, dst: np.ndarray) -> None:
+    def _wait(self, fut: Future, what: str) -> None:
+        err = fut.exception()
+        if err is not None:
+            self.read_errors += 1
+            raise self._wrap(err, what)
+
+    def _read_ranges(self, ranges, prio: int) -> Future:
+        """Read (file_index, offset, dst, need) ranges in IO_CHUNK requests; the Future is done
+        when every request is (first error carried). need: bytes of dst that must come from
+        the file; past them (the aligned tail at the end of the file) zeros may stand in."""
+        futs = []
+        for fi, off, dst, need in ranges:
+            for c in range(0, len(dst), IO_CHUNK):
+                futs.append(self._io.submit(prio, self._pread, fi, off + c,
+                                            dst[c: c + IO_CHUNK], need - c))
+        return when_all(futs)
+
+    def _pread(self, file_index: int, offset: int, dst: np.ndarray, need: int) -> None:
         fd = self._fds[file_index]
         mv = memoryview(dst)
         done = 0
         while done < len(mv):
-            n = os.preadv(fd, [mv[done:]], offset + done)
-            if n == 0:  # end of file inside the aligned tail: the rest is padding
-                mv[done:] = b"\0" * (len(mv) - done)
+            n = self._reader(fd, mv[done:], offset + done)
+            if n == 0:
+                if done < need:  # the file ends before the tensor does: it changed or shrank
+                    raise WeightReadError(
+                        f"short read from {self.file.paths[file_index]}: end of file at offset "
+                        f"{offset + done}, {min(need, len(mv)) - done} bytes of weights missing "
+                        "(was the file truncated or replaced?)")
+                mv[done:] = b"\0" * (len(mv) - done)  # aligned tail past the end of the file
                 break
             done += n
         if not self.direct:
@@ -234,15 +313,8 @@ class WeightStore:
         start, end = _floor(offset), _ceil(offset + nbytes)
         mm = mmap.mmap(-1, end - start)
         buf = np.frombuffer(mm, np.uint8)
-        return buf, buf[offset - start: offset - start + nbytes]
-
-    def _read_into(self, file_index: int, offset: int, buf: np.ndarray, view: np.ndarray) -> None:
-        start = _floor(offset)
         self._count(buf.nbytes)
-        futs = [self._pool.submit(self._pread, file_index, start + c, buf[c: c + IO_CHUNK])
-                for c in range(0, buf.nbytes, IO_CHUNK)]
-        for f in futs:
-            f.result()
+        return buf, buf[offset - start: offset - start + nbytes]
 
     def _get_rows_tensor(self, t) -> QTensor:
         # drop the rows touched since the last fetch, then hand out a fresh view
@@ -253,33 +325,345 @@ class WeightStore:
         data = np.frombuffer(self._emb_mm, np.uint8, count=t.nbytes, offset=t.offset)
         return QTensor(t.name, t.type, t.shape, data)
 
+    # ---- experts ----
+    def _setup_experts(self, plan: Plan, expert_policy, routing) -> None:
+        self.n_expert = int(getattr(plan, "n_expert", 0) or 0)
+        self.routing = routing
+        self._x_tensors: dict[int, tuple] = {}   # layer -> (gate, up, down) TensorInfo
+        layers = sorted({int(n.split(".")[1]) for n in self.tensors
+                         if n.startswith("blk.") and "_exps." in n})
+        for il in layers:
+            names = expert_tensor_names(il)
+            if all(n in self.tensors for n in names):
+                self._x_tensors[il] = tuple(self.tensors[n] for n in names)
+        self.wants_expert_prediction = False
+        self.xstats = {"requests": 0, "hits": 0, "hot_hits": 0, "misses": 0,
+                       "prefetch_hits": 0, "prefetched": 0, "prefetch_wasted_bytes": 0,
+                       "predicted_routed": 0, "routed_predicted": 0, "demand_bytes": 0,
+                       "prefetch_bytes": 0}
+        if not self._x_tensors or not self.n_expert:
+            self._x_nslots = 0
+            return
+        # hot experts: pinned once, three aligned ranges each
+        self._hot: dict[tuple[int, int], tuple[np.ndarray, list]] = {}
+        hot = [tuple(k) for k in getattr(plan, "hot_experts", ()) or ()]
+        hot_bytes = sum(self._x_span(k) for k in hot)
+        if hot:
+            self._register("resident_weights", "hot_experts", hot_bytes)
+            self._hot_mm = mmap.mmap(-1, hot_bytes)
+            hbuf, pos, futs = np.frombuffer(self._hot_mm, np.uint8), 0, []
+            for k in hot:
+                n = self._x_span(k)
+                lay, ranges = self._x_ranges(k, hbuf[pos: pos + n])
+                futs.append(self._read_ranges(ranges, DEMAND))
+                self._hot[k] = (hbuf[pos: pos + n], lay)
+                pos += n
+            self._wait(when_all(futs), "the hot experts")
+        # the cache: n slots of one expert each
+        self._x_nslots = int(getattr(plan, "cache_slots", 0) or 0)
+        self._x_slot_bytes = int(getattr(plan, "cache_slot_bytes", 0) or 0)
+        if self._x_nslots:
+            assert self._x_slot_bytes >= max(self._x_span((il, 0)) for il in self._x_tensors)
+            self._register("weight_cache", "expert_cache", self._x_nslots * self._x_slot_bytes)
+            self._x_mm = mmap.mmap(-1, self._x_nslots * self._x_slot_bytes)
+            xb = np.frombuffer(self._x_mm, np.uint8)
+            self._x_buf = [xb[i * self._x_slot_bytes:(i + 1) * self._x_slot_bytes]
+                           for i in range(self._x_nslots)]
+        self._x_key: list = [None] * self._x_nslots        # key whose bytes are all there
+        self._x_lay: list = [None] * self._x_nslots
+        self._x_slot_of: dict = {}                          # resident key -> slot
+        self._x_loading: dict = {}                          # key -> (slot, future, prefetch?)
+        self._x_free = list(range(self._x_nslots))[::-1]
+        self._x_transient: set = set()                      # keys not admitted: evict first
+        self._x_in_use: set = set()                         # the last get_experts' keys
+        self._x_unused_prefetch: set = set()
+        self._x_predicted: dict[int, set] = {}
+        if expert_policy is None:
+            expert_policy = getattr(plan, "expert_policy", "lru") or "lru"
+        if isinstance(expert_policy, str):
+            prior = routing.as_prior() if routing is not None and expert_policy == "decay" else None
+            expert_policy = make_policy(expert_policy, prior)
+        self.expert_policy = expert_policy
+        self.wants_expert_prediction = self.prefetch_enabled and self._x_nslots > 0
+
+    def _x_span(self, key) -> int:
+        """Bytes of the three page-aligned ranges of expert key."""
+        il, e = key
+        n = 0
+        for ti in self._x_tensors[il]:
+            per = ti.nbytes // self.n_expert
+            off = ti.offset + e * per
+            n += _ceil(off + per) - _floor(off)
+        return n
+
+    def _x_ranges(self, key, buf: np.ndarray):
+        """(layout [(pos + delta, per)] of gate/up/down inside buf, read ranges into buf)."""
+        il, e = key
+        lay, ranges, pos = [], [], 0
+        for ti in self._x_tensors[il]:
+            per = ti.nbytes // self.n_expert
+            off = ti.offset + e * per
+            start, end = _floor(off), _ceil(off + per)
+            ranges.append((ti.file_index, start, buf[pos: pos + end - start], off + per - start))
+            lay.append((pos + off - start, per))
+            pos += end - start
+        return lay, ranges
+
+    def _x_view(self, key, buf, lay) -> tuple[QTensor, QTensor, QTensor]:
+        il, e = key
+        return tuple(QTensor(f"{ti.name}[{e}]", ti.type, ti.shape[1:], buf[p: p + n])
+                     for ti, (p, n) in zip(self._x_tensors[il], lay))
+
+    def _x_pinned_view(self, key):
+        il, e = key
+        out = []
+        for ti in self._x_tensors[il]:
+            per = ti.nbytes // self.n_expert
+            out.append(QTensor(f"{ti.name}[{e}]", ti.type, ti.shape[1:],
+                               self._pinned[ti.name][e * per:(e + 1) * per]))
+        return tuple(out)
+
+    def _x_take_slot(self, key, prefetch: bool) -> int | None:
+        """A slot for key: a free one, else a transient one, else the policy's victim (if the
+        policy admits key over it; a demand read that is not admitted still takes the
+        victim's slot, marked transient). None: nothing evictable (or a prefetch not
+        admitted)."""
+        if self._x_free:
+            return self._x_free.pop()
+        # a prefetch for layer L is issued while layer L-1 runs (before or after its
+        # get_experts): it never evicts layer L-1's experts, nor the last call's
+        cand = [k for k in self._x_slot_of if k not in self._x_in_use
+                and not (prefetch and k[0] == key[0] - 1)]
+        if not cand:
+            return None
+        trans = [k for k in cand if k in self._x_transient]
+        if trans:
+            victim, admitted = trans[0], True
+        else:
+            victim = self.expert_policy.victim(cand)
+            admitted = self.expert_policy.admit(key, victim)
+            if not admitted and prefetch:
+                return None
+        if not admitted:
+            self._x_transient.add(key)
+        return self._x_evict(victim)
+
+    def _x_evict(self, key) -> int:
+        slot = self._x_slot_of.pop(key)
+        self._x_key[slot] = None
+        self._x_transient.discard(key)
+        self.expert_policy.remove(key)
+        if key in self._x_unused_prefetch:  # read ahead, evicted before any use
+            self._x_unused_prefetch.discard(key)
+            self.xstats["prefetch_wasted_bytes"] += self._x_span(key)
+        return slot
+
+    def _x_start(self, key, slot: int, prio: int) -> Future:
+        lay, ranges = self._x_ranges(key, self._x_buf[slot])
+        self._x_lay[slot] = lay
+        n = self._x_span(key)
+        self._count(n)
+        self.xstats["prefetch_bytes" if prio == PREFETCH else "demand_bytes"] += n
+        fut = self._read_ranges(ranges, prio)
+        self._x_loading[key] = (slot, fut, prio == PREFETCH)
+        return fut
+
+    def _x_finish(self, key) -> BaseException | None:
+        """Wait for key's read; on success the slot holds it, else the slot is freed."""
+        slot, fut, _ = self._x_loading.pop(key)
+        err = fut.exception()
+        if err is None:
+            self._x_key[slot] = key
+            self._x_slot_of[key] = slot
+            self.expert_policy.insert(key)
+        else:
+            self._x_free.append(slot)
+            self._x_transient.discard(key)
+            self._x_unused_prefetch.discard(key)
+            self.read_errors += 1
+        return err
+
+    def _x_harvest(self) -> None:
+        """Prefetches that finished well become resident (evictable); a failed one stays
+        until its expert is asked for (the error surfaces then) or its slot is reclaimed."""
+        for k, (_slot, fut, _pre) in list(self._x_loading.items()):
+            if fut.done() and fut.exception() is None:
+                self._x_finish(k)
+
+    def get_experts(self, il: int, experts: Sequence[int]) -> list[tuple[QTensor, QTensor, QTensor]]:
+        """(gate, up, down) 2-D QTensors of each expert of layer il, in the order asked; valid
+        until the next get_experts call. Misses are read at once (ahead of any prefetch); a
+        prefetch still in flight is waited for, not read again."""
+        keys = [(il, int(e)) for e in experts]
+        uniq = list(dict.fromkeys(keys))
+        xs = self.xstats
+        xs["requests"] += len(uniq)
+        if self.routing is not None:
+            self.routing.add(il, [e for _, e in uniq])
+        pred = self._x_predicted.pop(il, None)
+        if pred is not None:
+            xs["predicted_routed"] += len(uniq)
+            xs["routed_predicted"] += sum(1 for k in uniq if k in pred)
+        if self._x_tensors[il][0].name in self._pinned:
+            xs["hot_hits"] += len(uniq)
+            return [self._x_pinned_view(k) for k in keys]
+        n_cached = sum(1 for k in uniq if k not in self._hot)
+        assert n_cached <= self._x_nslots, (
+            f"get_experts asked for {n_cached} experts of layer {il} at once; the expert "
+            f"cache has {self._x_nslots} slots (ask in groups of expert_batch_limit)")
+        self._x_harvest()
+        policy = self.expert_policy
+        if hasattr(policy, "advance"):
+            policy.advance()
+        self._x_in_use = set(uniq)
+        t0 = time.perf_counter()
+        waits, errors = [], []
+        for k in uniq:
+            if k in self._hot:
+                xs["hot_hits"] += 1
+                continue
+            policy.access(k)
+            if k in self._x_slot_of:
+                xs["hits"] += 1
+            elif k in self._x_loading:
+                xs["prefetch_hits"] += 1
+                waits.append(k)
+            else:
+                xs["misses"] += 1
+                slot = self._x_take_slot(k, prefetch=False)
+                if slot is None:  # every slot holds an expert of this call or a prefetch
+                    slot = self._x_reclaim_prefetch()
+                assert slot is not None, "the slot count was checked above"
+                self._x_start(k, slot, DEMAND)
+                waits.append(k)
+        for k in waits:
+            err = self._x_finish(k)
+            if err is not None and not errors:
+                errors.append(err)
+        self._x_unused_prefetch.difference_update(uniq)
+        self.io_stall_s += time.perf_counter() - t0 if waits else 0.0
+        if errors:
+            self._x_in_use = set()
+            raise self._wrap(errors[0], f"experts of layer {il}")
+        out = []
+        for k in keys:
+            if k in self._hot:
+                buf, lay = self._hot[k]
+                out.append(self._x_view(k, buf, lay))
+            else:
+                slot = self._x_slot_of[k]
+                out.append(self._x_view(k, self._x_buf[slot], self._x_lay[slot]))
+        return out
+
+    def _x_reclaim_prefetch(self) -> int | None:
+        """Wait for a read of an expert this call did not ask for and take its slot."""
+        for k in list(self._x_loading):
+            if k not in self._x_in_use:
+                if self._x_finish(k) is None:
+                    return self._x_evict(k)
+                return self._x_free.pop()
+        return None
+
+    @property
+    def expert_batch_limit(self) -> int:
+        """Most distinct experts one get_experts call may ask for (the cache's slots plus the
+        hot set; everything when the experts are pinned)."""
+        if not self._x_tensors or any(t[0].name in self._pinned for t in self._x_tensors.values()):
+            return max(self.n_expert, 1)
+        return max(self._x_nslots, 1)
+
+    def prefetch_experts(self, il: int, experts: Sequence[int]) -> None:
+        """Router-lookahead hint: start background reads of layer il's predicted experts that
+        are not resident (in free slots or over the policy's victims; never over the experts
+        of the current call)."""
+        if il not in self._x_tensors or self._x_tensors[il][0].name in self._pinned:
+            return
+        keys = list(dict.fromkeys((il, int(e)) for e in experts))
+        self._x_predicted[il] = set(keys)
+        if not self._x_nslots:
+            return
+        self._x_harvest()
+        for k in keys:
+            if k in self._hot or k in self._x_slot_of or k in self._x_loading:
+                continue
+            slot = self._x_take_slot(k, prefetch=True)
+            if slot is None:
+                break
+            self.xstats["prefetched"] += 1
+            self._x_unused_prefetch.add(k)
+            self._x_start(k, slot, PREFETCH)
+
     # ---- statistics / lifetime ----
     def stats(self) -> dict:
-        return {"bytes_read": self.bytes_read, "gets": self.gets,
-                "hit_rate": self.hits / self.gets if self.gets else 1.0,
-                "io_stall_s": self.io_stall_s, "o_direct": self.direct,
-                "stream_read_bytes_per_s": (self._stream_bytes / self._stream_s
-                                            if self._stream_s > 0 else 0.0),
-                "pinned_bytes": self.plan.tier_bytes["pinned"],
-                "slot_bytes": sum(s.nbytes for s in self._slots)}
+        d = {"bytes_read": self.bytes_read, "gets": self.gets,
+             "hit_rate": self.hits / self.gets if self.gets else 1.0,
+             "io_stall_s": self.io_stall_s, "o_direct": self.direct,
+             "stream_read_bytes_per_s": (self._stream_bytes / self._stream_s
+                                         if self._stream_s > 0 else 0.0),
+             "pinned_bytes": self.plan.tier_bytes["pinned"],
+             "slot_bytes": sum(s.nbytes for s in self._slots),
+             "read_errors": self.read_errors}
+        if self._x_tensors:
+            xs = self.xstats
+            served = xs["hits"] + xs["hot_hits"] + xs["prefetch_hits"]
+            d.update({
+                "expert_requests": xs["requests"], "expert_hits": xs["hits"],
+                "expert_hot_hits": xs["hot_hits"], "expert_misses": xs["misses"],
+                "expert_prefetch_hits": xs["prefetch_hits"],
+                "expert_hit_rate": served / xs["requests"] if xs["requests"] else 1.0,
+                "prefetch_recall": (xs["routed_predicted"] / xs["predicted_routed"]
+                                    if xs["predicted_routed"] else 0.0),
+                "expert_served": served, "prefetch_routed": xs["predicted_routed"],
+                "prefetch_routed_predicted": xs["routed_predicted"],
+                "prefetched_experts": xs["prefetched"],
+                "prefetch_wasted_bytes": xs["prefetch_wasted_bytes"],
+                "expert_demand_bytes": xs["demand_bytes"],
+                "expert_prefetch_bytes": xs["prefetch_bytes"],
+                "expert_slots": self._x_nslots, "hot_experts": len(getattr(self, "_hot", ())),
+            })
+        return d
+
+    @staticmethod
+    def interval(before: dict, after: dict, n_tokens: int) -> dict:
+        """Statistics of the work between two stats() snapshots over n_tokens tokens (bench:
+        one test): bytes read (and per token), expert hit rate, prefetch recall, waste."""
+        d = {"bytes_read": after["bytes_read"] - before["bytes_read"]}
+        d["bytes_read_per_token"] = d["bytes_read"] / n_tokens if n_tokens else 0.0
+        if "expert_requests" in after:
+            req = after["expert_requests"] - before["expert_requests"]
+            served = after["expert_served"] - before["expert_served"]
+            routed = after["prefetch_routed"] - before["prefetch_routed"]
+            hit = after["prefetch_routed_predicted"] - before["prefetch_routed_predicted"]
+            d.update({"expert_hit_rate": served / req if req else 1.0,
+                      "expert_misses": after["expert_misses"] - before["expert_misses"],
+                      "prefetch_recall": hit / routed if routed else 0.0,
+                      "prefetch_wasted_bytes": (after["prefetch_wasted_bytes"]
+                                                - before["prefetch_wasted_bytes"])})
+        return d
 
     def format_stats(self) -> str:
         s = self.stats()
-        return (f"store: read {s['bytes_read'] / 1e6:.1f} MB, hit rate {s['hit_rate']:.0%}, "
-                f"I/O stall {s['io_stall_s']:.2f} s" + ("" if s["o_direct"] else " (buffered)"))
+        out = (f"store: read {s['bytes_read'] / 1e6:.1f} MB, hit rate {s['hit_rate']:.0%}, "
+               f"I/O stall {s['io_stall_s']:.2f} s" + ("" if s["o_direct"] else " (buffered)"))
+        if "expert_hit_rate" in s:
+            out += (f" | experts: hit rate {s['expert_hit_rate']:.0%} ({s['expert_hits']} cached, "
+                    f"{s['expert_hot_hits']} hot, {s['expert_prefetch_hits']} prefetched, "
+                    f"{s['expert_misses']} missed), prefetch recall {s['prefetch_recall']:.0%}, "
+                    f"wasted {s['prefetch_wasted_bytes'] / 1e6:.1f} MB")
+        return out
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for f in self._slot_future:
+        for f in getattr(self, "_slot_future", ()):
             if f is not None:
-                try:
-                    f.result()
-                except Exception:
-                    pass
-        self._prefetcher.shutdown(wait=True)
-        self._pool.shutdown(wait=True)
+                f.exception()  # drain; the error no longer matters
+        for _slot, f, _ in getattr(self, "_x_loading", {}).values():
+            f.exception()
+        self._io.shutdown()
+        if getattr(self, "routing", None) is not None:
+            self.routing.save()  # learned counts for the next load's hot set
         if self.direct and self.file.paths:
             # calibrate later plans with this device's streaming rate (page-cache reads excluded)
             from .bandwidth import record_observed_disk
@@ -287,18 +671,14 @@ class WeightStore:
         for fd in self._fds.values():
             os.close(fd)
         self._fds = {}
-        if self._emb_mm is not None:
+        if getattr(self, "_emb_mm", None) is not None:
             os.close(self._emb_fd)
             self._emb_mm = None  # views may still reference it; the GC closes it
         if self.ledger is not None:
             self.ledger.stop_watchdog()
-            for cat, name in self._reserved:
+            for cat, name in self._reserved + self._ledger_items:
                 self.ledger.free(cat, name)
-            self._reserved = []
-            for name in list(self._pinned):
-                self.ledger.free("resident_weights", name)
-            for i in range(len(self._slots)):
-                self.ledger.free("weight_cache", f"stream_slot_{i}")
+            self._reserved, self._ledger_items = [], []
         self._pinned = {}
         if self.ledger is not None and self.ledger.debug == "raise" and self.ledger.violation:
             raise LedgerDriftError(f"memfit ledger drift during the run: {self.ledger.violation}")

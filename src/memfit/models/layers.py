@@ -266,12 +266,16 @@ class Model:
             nxt, _ = self.route(il + 1, x)
             w.prefetch_experts(il + 1, np.unique(nxt).tolist())
         get = getattr(w, "get_experts", None)
-        mats = get(il, experts.tolist()) if get is not None else expert_views(w, il, experts.tolist())
+        # a budgeted store holds at most expert_batch_limit experts at once: ask in groups
+        limit = int(getattr(w, "expert_batch_limit", 0) or len(experts))
         out = np.zeros_like(x)
-        for e, (gate, up, down) in zip(experts, mats):
-            rows, slot = np.nonzero(sel == e)   # a token picks an expert at most once
-            y = self._glu(np.ascontiguousarray(x[rows]), gate, up, down)
-            out[rows] += y * wts[rows, slot][:, None]
+        for i in range(0, len(experts), limit):
+            group = experts[i:i + limit].tolist()
+            mats = get(il, group) if get is not None else expert_views(w, il, group)
+            for e, (gate, up, down) in zip(group, mats):
+                rows, slot = np.nonzero(sel == e)   # a token picks an expert at most once
+                y = self._glu(np.ascontiguousarray(x[rows]), gate, up, down)
+                out[rows] += y * wts[rows, slot][:, None]
         if self.spec.shared_expert:
             gate = x @ self.vec[p + "ffn_gate_inp_shexp.weight"]   # [n]: one logit per token
             s = self._glu(x, *(w.get(p + f"ffn_{m}_shexp.weight") for m in ("gate", "up", "down")))

@@ -1,0 +1,99 @@
+"""The weight store's I/O: request sizes, the read call (injectable, for fault tests) and a
+small pool of reader threads where demand reads go ahead of prefetches.
+
+Kept apart from store.py so bandwidth.py's probe can use the same request shape without
+importing the store (planner -> bandwidth -> store -> planner was a circle).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import os
+import threading
+from concurrent.futures import Future
+from typing import Callable
+
+PAGE = 4096
+IO_CHUNK = 4 << 20      # bytes per read request
+IO_WORKERS = 4          # requests in flight (disk queue depth)
+DEMAND, PREFETCH = 0, 1  # request priorities: lower is served first
+
+# reader(fd, buffer, offset) -> bytes read (0 at end of file); raises OSError on failure
+Reader = Callable[[int, memoryview, int], int]
+
+
+def os_pread(fd: int, buf: memoryview, offset: int) -> int:
+    return os.preadv(fd, [buf], offset)
+
+
+class IOPool:
+    """IO_WORKERS threads taking requests by (priority, arrival); submit returns a Future."""
+
+    def __init__(self, workers: int = IO_WORKERS, name: str = "memfit-io"):
+        self._heap: list = []
+        self._seq = itertools.count()
+        self._cv = threading.Condition()
+        self._stop = False
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+                         for i in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, prio: int, fn, *args) -> Future:
+        fut: Future = Future()
+        with self._cv:
+            assert not self._stop, "I/O pool is shut down"
+            heapq.heappush(self._heap, (prio, next(self._seq), fut, fn, args))
+            self._cv.notify()
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._heap and not self._stop:
+                    self._cv.wait()
+                if not self._heap:
+                    return
+                _, _, fut, fn, args = heapq.heappop(self._heap)
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on it
+                fut.set_exception(e)
+
+    def shutdown(self) -> None:
+        """Finish what was queued, then stop the threads."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join()
+
+
+def when_all(futs: list[Future]) -> Future:
+    """A Future done when every one of futs is done (none left writing), carrying the first
+    exception among them, else None."""
+    out: Future = Future()
+    out.set_running_or_notify_cancel()
+    if not futs:
+        out.set_result(None)
+        return out
+    left = [len(futs)]
+    lock = threading.Lock()
+
+    def one(_f):
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            err = next((f.exception() for f in futs if f.exception() is not None), None)
+            if err is None:
+                out.set_result(None)
+            else:
+                out.set_exception(err)
+
+    for f in futs:
+        f.add_done_callback(one)
+    return out
