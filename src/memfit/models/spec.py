@@ -139,20 +139,18 @@ def config_from_gguf(f, check: bool = False) -> "ModelConfig":
     from .config import ModelConfig
     md = f.metadata
     arch = md.get("general.architecture")
+    if check and get_spec(arch) is None:
+        raise UnsupportedError(f"architecture {arch!r} is not supported; supported: "
+                               f"{', '.join(sorted(_registry()))}")
     if isinstance(arch, str) and not md.get(f"{arch}.vocab_size") \
             and not md.get("tokenizer.ggml.tokens") and "token_embd.weight" in f.tensors:
         md = {**md, f"{arch}.vocab_size": f.tensors["token_embd.weight"].shape[0]}
     c = ModelConfig.from_metadata(md)
     if check:
-        spec = get_spec(c.arch)
-        if spec is None:
-            raise UnsupportedError(f"architecture {c.arch!r} is not supported; supported: "
-                                   f"{', '.join(sorted(_registry()))}")
-
         def info(name):
             t = f.tensors.get(name)
             return None if t is None else (t.shape, t.type)
-        check_tensors(spec, c, info)
+        check_tensors(get_spec(c.arch), c, info)
     return c
 
 

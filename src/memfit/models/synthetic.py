@@ -30,14 +30,14 @@ _DEFAULTS = dict(n_embd=256, n_layer=2, n_head=4, n_head_kv=2, head_dim=64, n_ff
                  final_softcap=0.0, tied=True, n_expert=0, n_expert_used=0, n_ff_exp=0,
                  n_ff_shexp=0, gating="softmax", expert_weights_norm=None,
                  expert_weights_scale=1.0)
-_MOE = dict(n_expert=8, n_expert_used=2, n_ff_exp=128)
+_MOE = dict(n_expert=8, n_expert_used=2, n_ff_exp=256)   # rows of 256: k-quants fit
 _ARCH_DEFAULTS = {
     "qwen3": dict(head_dim=128),                        # head dim != n_embd / n_head
     "gemma3": dict(head_dim=128, n_head_kv=1, sliding_window=4, rope_base=1e6),
     "qwen3moe": dict(_MOE, head_dim=128, rope_base=1e6),
     "qwen2moe": dict(_MOE, n_ff_shexp=256, rope_base=1e6),
     "olmoe": dict(_MOE),
-    "mixtral": dict(_MOE, n_ff_exp=256),
+    "mixtral": dict(_MOE, n_expert=4),
 }
 _WORDS = ["Ġthe", "Ġand", "Ġof", "Ġto", "Ġa", "Ġin", "Ġis", "Ġit", "Ġhello", "Ġworld",
           "ing", "er", "on", "Ġthat", "Ġfor", "Ġwith", "Ġas", "Ġwas", "Ġhe", "Ġon"]
