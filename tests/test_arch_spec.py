@@ -52,9 +52,7 @@ def test_hparams_round_trip_through_metadata():
     c = ModelConfig(arch="qwen2moe", n_layer=3, n_embd=256, n_head=4, n_head_kv=2, n_ff=512,
                     n_vocab=300, rms_eps=1e-6, head_dim_k=96, head_dim_v=96, n_rot=64,
                     rope_base=1e6, rope_freq_scale=0.25, rope_scaling="linear", n_ctx_train=4096,
-                    rope_neox=True, n_expert=6, n_expert_used=3, n_ff_exp=128, n_ff_shexp=384,
-                    expert_gating_func="sigmoid", expert_weights_norm=True,
-                    expert_weights_scale=2.0)
+                    rope_neox=True, n_expert=6, n_expert_used=3, n_ff_exp=128, n_ff_shexp=384)
     w = W()
     write_hparams(w, c)
     assert asdict(ModelConfig.from_metadata(w.md)) == asdict(c)

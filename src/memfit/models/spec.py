@@ -52,7 +52,11 @@ class ArchSpec:
     rope_freqs: bool = False      # optional rope_freqs.weight (llama3 frequency factors)
     moe: str = "never"            # routed experts: never | optional (llama: Mixtral) | always
     shared_expert: bool = False   # qwen2moe: ffn_*_shexp gated by sigmoid(ffn_gate_inp_shexp . x)
-    expert_weights_norm: bool = False   # renormalize the top-k weights (file key overrides)
+    expert_weights_norm: bool = False   # renormalize the top-k weights
+    routing_keys: bool = False    # read expert_gating_func / _weights_norm / _weights_scale from the
+                                  # file (llama.cpp does for deepseek-style archs; its llama,
+                                  # qwen2moe, qwen3moe and olmoe graphs fix softmax, their own
+                                  # norm rule and no scale, whatever the file says)
     n_ff_exp_from_used: bool = False    # no expert_feed_forward_length: n_ff / n_expert_used
     hparams: Callable | None = None     # extra metadata rules: (md, arch, kw) -> kw
 
@@ -192,10 +196,12 @@ def write_hparams(w, c: "ModelConfig", tied: bool = True) -> None:
         w.add_uint32(f"{a}.expert_feed_forward_length", c.n_ff_exp)
         if c.n_ff_shexp:
             w.add_uint32(f"{a}.expert_shared_feed_forward_length", c.n_ff_shexp)
-        w.add_uint32(f"{a}.expert_gating_func", GATING_IDS[c.expert_gating_func])
-        w.add_bool(f"{a}.expert_weights_norm", c.expert_weights_norm)
-        if c.expert_weights_scale != 1.0:
-            w.add_float32(f"{a}.expert_weights_scale", c.expert_weights_scale)
+        spec = get_spec(a)
+        if spec is not None and spec.routing_keys:
+            w.add_uint32(f"{a}.expert_gating_func", GATING_IDS[c.expert_gating_func])
+            w.add_bool(f"{a}.expert_weights_norm", c.expert_weights_norm)
+            if c.expert_weights_scale != 1.0:
+                w.add_float32(f"{a}.expert_weights_scale", c.expert_weights_scale)
 
 
 # llama.cpp's llama_expert_gating_func_type (0: none, the architecture's default)
