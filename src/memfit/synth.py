@@ -138,7 +138,9 @@ def model_config(arch: str, cfg: dict):
     n_expert = cfg.get("n_expert", 0)
     return ModelConfig(
         arch=file_arch, n_layer=cfg["n_layer"], n_embd=E, n_head=H, n_head_kv=cfg["n_head_kv"],
-        n_ff=cfg["n_ff"], n_vocab=cfg["n_vocab"],
+        # llama (Mixtral) and olmoe experts have feed_forward_length rows
+        n_ff=cfg["n_ff"] if not n_expert or spec.n_ff_exp_key else cfg["n_ff_exp"],
+        n_vocab=cfg["n_vocab"],
         rms_eps=1e-6 if file_arch.startswith(("qwen", "olmo")) else 1e-5,
         head_dim_k=hd, head_dim_v=hd, n_rot=hd, rope_base=cfg["rope_base"],
         n_ctx_train=cfg["n_ctx"], n_expert=n_expert,

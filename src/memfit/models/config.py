@@ -173,8 +173,9 @@ class ModelConfig:
         if n_expert:
             used = num("expert_used_count", 0)
             n_ff = kw["n_ff"]
-            ff_exp = num("expert_feed_forward_length", 0) or (
-                n_ff // max(used, 1) if spec.n_ff_exp_from_used else n_ff)
+            # as llama.cpp's loaders: the key (else n_ff / k) for qwen*moe, n_ff for llama/olmoe
+            ff_exp = (num("expert_feed_forward_length", 0) or n_ff // max(used, 1)) \
+                if spec.n_ff_exp_key else n_ff
             gating = num("expert_gating_func", 0)
             names = {0: "softmax", 1: "softmax", 2: "sigmoid"}
             if gating not in names:

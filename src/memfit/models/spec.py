@@ -57,7 +57,9 @@ class ArchSpec:
                                   # file (llama.cpp does for deepseek-style archs; its llama,
                                   # qwen2moe, qwen3moe and olmoe graphs fix softmax, their own
                                   # norm rule and no scale, whatever the file says)
-    n_ff_exp_from_used: bool = False    # no expert_feed_forward_length: n_ff / n_expert_used
+    n_ff_exp_key: bool = False    # experts' rows from expert_feed_forward_length (else n_ff /
+                                  # n_expert_used); without it they are feed_forward_length
+                                  # (llama.cpp's llama and olmoe loaders ignore the key)
     hparams: Callable | None = None     # extra metadata rules: (md, arch, kw) -> kw
 
     # --- tensors -------------------------------------------------------------------------
@@ -193,10 +195,11 @@ def write_hparams(w, c: "ModelConfig", tied: bool = True) -> None:
     if c.n_expert:
         w.add_uint32(f"{a}.expert_count", c.n_expert)
         w.add_uint32(f"{a}.expert_used_count", c.n_expert_used)
-        w.add_uint32(f"{a}.expert_feed_forward_length", c.n_ff_exp)
+        spec = get_spec(a)
+        if spec is None or spec.n_ff_exp_key:
+            w.add_uint32(f"{a}.expert_feed_forward_length", c.n_ff_exp)
         if c.n_ff_shexp:
             w.add_uint32(f"{a}.expert_shared_feed_forward_length", c.n_ff_shexp)
-        spec = get_spec(a)
         if spec is not None and spec.routing_keys:
             w.add_uint32(f"{a}.expert_gating_func", GATING_IDS[c.expert_gating_func])
             w.add_bool(f"{a}.expert_weights_norm", c.expert_weights_norm)

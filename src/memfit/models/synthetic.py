@@ -85,7 +85,8 @@ def tiny_config(arch: str, n_vocab: int, p: dict):
     n_expert = p["n_expert"]
     norm = p["expert_weights_norm"]
     keys = spec.routing_keys   # else the architecture's fixed routing rule
-    n_ff = p["n_ff_exp"] if arch == "llama" and n_expert else p["n_ff"]  # Mixtral: experts of n_ff
+    # llama (Mixtral) and olmoe experts have feed_forward_length rows
+    n_ff = p["n_ff_exp"] if n_expert and not spec.n_ff_exp_key else p["n_ff"]
     return spec, ModelConfig(
         arch=arch, n_layer=p["n_layer"], n_embd=p["n_embd"], n_head=p["n_head"],
         n_head_kv=p["n_head_kv"], n_ff=n_ff, n_vocab=n_vocab, rms_eps=1e-6,
