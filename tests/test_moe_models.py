@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 from memfit.errors import ModelError, UnsupportedError
-from memfit.models import GGUFWeights, ModelConfig, load_model
+from memfit.models import REGISTRY, GGUFWeights, ModelConfig, load_model
+from memfit.models.layers import Model
+from memfit.models.spec import ArchSpec
 from memfit.models.synthetic import write_tiny_model
 from memfit.ops import get_ops
 
@@ -217,14 +219,36 @@ def test_k_equals_n_expert(tmp_path):
     np.testing.assert_allclose(w.sum(1), 1.0, rtol=1e-6)  # renormalized: the softmax itself
 
 
-def test_sigmoid_gating_and_weights_scale(tmp_path):
+class SigmoidMoe(Model):
+    # a deepseek-style spec that reads the routing keys from the file (llama.cpp's qwen3moe,
+    # qwen2moe, olmoe and llama graphs fix softmax, their norm rule and no scale)
+    spec = ArchSpec("sigmoe", rope_neox=True, qk_norm="head", moe="always", routing_keys=True)
+
+
+def test_sigmoid_gating_and_weights_scale(tmp_path, monkeypatch):
+    monkeypatch.setitem(REGISTRY, "sigmoe", SigmoidMoe)
     cfg = CFG["qwen3moe"]
-    path = _tiny(tmp_path, "qwen3moe", "Q4_K", seed=5, gating="sigmoid", expert_weights_scale=2.5,
-                 expert_weights_norm=False)
+    path = write_tiny_model(tmp_path / "s.gguf", "sigmoe", "Q4_K", seed=5, gating="sigmoid",
+                            expert_weights_scale=2.5, expert_weights_norm=False, **cfg)
     m, ref = check_model(path, "qwen3moe", cfg, gating="sigmoid", scale=2.5, norm=False)
     assert (m.config.expert_gating_func, m.config.expert_weights_scale) == ("sigmoid", 2.5)
     plain = reference_logits(path, "qwen3moe", IDS, cfg)
     assert rel_err(plain, ref) > 1e-2   # the gating and scale were really exercised
+    # renormalized sigmoid weights
+    path = write_tiny_model(tmp_path / "n.gguf", "sigmoe", "Q8_0", seed=6, gating="sigmoid",
+                            expert_weights_norm=True, **cfg)
+    check_model(path, "qwen3moe", cfg, gating="sigmoid", norm=True)
+
+
+def test_fixed_routing_rules_ignore_the_file_keys(tmp_path):
+    # as llama.cpp: qwen3moe is softmax + renormalized + unscaled whatever the keys say
+    cfg = CFG["qwen3moe"]
+    path = _tiny(tmp_path, "qwen3moe", "Q8_0", seed=9, metadata={
+        "qwen3moe.expert_gating_func": 2, "qwen3moe.expert_weights_norm": False,
+        "qwen3moe.expert_weights_scale": 3.0})
+    m, _ = check_model(path, "qwen3moe", cfg)
+    c = m.config
+    assert (c.expert_gating_func, c.expert_weights_norm, c.expert_weights_scale) == ("softmax", True, 1.0)
 
 
 def test_shared_expert_contributes(tmp_path):
@@ -292,7 +316,8 @@ def test_metadata_errors():
     assert ModelConfig.from_metadata(_md()).n_ff_exp == 128
     with pytest.raises(UnsupportedError, match="expert_gating_func 7"):
         ModelConfig.from_metadata(_md(expert_gating_func=7))
-    assert ModelConfig.from_metadata(_md(expert_gating_func=2)).expert_gating_func == "sigmoid"
+    # qwen3moe's router is softmax in llama.cpp whatever the key says (a valid value)
+    assert ModelConfig.from_metadata(_md(expert_gating_func=2)).expert_gating_func == "softmax"
     with pytest.raises(ModelError, match="expert_used_count = 9"):
         ModelConfig.from_metadata(_md(expert_used_count=9))
     with pytest.raises(ModelError, match="expert_used_count = 0"):
@@ -310,7 +335,9 @@ def test_metadata_errors():
     with pytest.raises(ModelError, match="block_count = 'x'"):
         ModelConfig.from_metadata(_md(block_count="x"))
     with pytest.raises(ModelError, match="expert_weights_scale = -1"):
-        ModelConfig.from_metadata(_md(expert_weights_scale=-1.0))
+        ModelConfig(arch="x", n_layer=1, n_embd=64, n_head=1, n_head_kv=1, n_ff=64, n_vocab=9,
+                    rms_eps=1e-6, n_expert=2, n_expert_used=1, n_ff_exp=32,
+                    expert_weights_scale=-1.0)
     with pytest.raises(UnsupportedError, match="expert_count 8 > 0.*only dense"):
         ModelConfig.from_metadata(_md("qwen3"))
     # qwen2moe without expert_feed_forward_length: n_ff / n_expert_used (llama.cpp's rule)

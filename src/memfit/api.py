@@ -145,11 +145,10 @@ class Model:
         from .memory.planner import plan_for_path
         from .memory.store import WeightStore
 
-        from .models import REGISTRY
-        if self.file.arch not in REGISTRY:  # refused before the store reads any weights
-            from .errors import UnsupportedError
-            raise UnsupportedError(f"architecture {self.file.arch!r} is not supported; "
-                                   f"supported: {', '.join(sorted(REGISTRY))}")
+        from .models import config_from_gguf
+        # architecture, hyperparameters and every tensor's shape and type, from the header
+        # only: a file the model cannot run is refused before the store reads any weights
+        config_from_gguf(self.file, check=True)
         budget, _why = resolve_budget(mem_budget)
         if plan is None:
             baseline = measure_baseline()

@@ -228,7 +228,7 @@ def cmd_plan(a) -> int:
 def cmd_synth(a) -> int:
     from .synth import synth
     r = synth(a.output, arch=a.arch, size=a.size, quant=a.quant, seed=a.seed,
-              progress=not a.json)
+              progress=not a.json, routing_skew=a.routing_skew)
     if a.json:
         print(json.dumps({"path": str(r.path), "bytes": r.nbytes, "tensors": r.n_tensors,
                           "seconds": round(r.seconds, 3)}))
@@ -347,10 +347,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     sy = sub.add_parser("synth", help="write a synthetic GGUF with real shapes and random valid blocks (for budget tests)")
     sy.add_argument("output", help="output .gguf path")
-    sy.add_argument("--arch", default="llama", help="llama | qwen2 (default llama)")
-    sy.add_argument("--size", default="7b", help="tiny | 1b | 1.5b | 7b (default 7b)")
+    sy.add_argument("--arch", default="llama", help="llama | qwen2 | qwen3moe | mixtral | qwen2moe | olmoe (default llama)")
+    sy.add_argument("--size", default="7b", help="tiny | 1b | 1.5b | 7b; MoE: tiny | 2gb | 30b-a3b (qwen3moe) (default 7b)")
     sy.add_argument("--quant", default="Q4_K_M", help="Q4_K_M | Q5_K_M | Q4_0 | Q8_0 | ... (default Q4_K_M)")
     sy.add_argument("--seed", type=int, default=0)
+    sy.add_argument("--routing-skew", type=float, default=0.0, metavar="S",
+                    help="MoE only: 0 = random router (near-uniform expert use); S > 0 makes some experts popular and choices persist across tokens (synthetic routing, see README)")
     sy.add_argument("--json", action="store_true")
     sy.set_defaults(func=cmd_synth)
 

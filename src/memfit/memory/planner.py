@@ -106,36 +106,18 @@ class ModelDesc:
     @staticmethod
     def from_gguf(f, name: str = "") -> "ModelDesc":
         """Description from an open GGUFFile (memfit.gguf.open_gguf)."""
-        md, arch = f.metadata, f.arch
-
-        def get(key, default=None):
-            v = md.get(f"{arch}.{key}", default)
-            if isinstance(v, list):  # per-layer arrays (e.g. head_count_kv): the largest
-                v = max(v) if v else default
-            return v
-
-        n_layer = int(get("block_count", 0))
-        n_embd = int(get("embedding_length", 0))
-        n_head = int(get("attention.head_count", 1) or 1)
-        n_head_kv = int(get("attention.head_count_kv", n_head) or n_head)
-        head_dim = int(get("attention.key_length", n_embd // max(n_head, 1)))
-        head_dim_v = int(get("attention.value_length", head_dim))
-        toks = md.get("tokenizer.ggml.tokens")
-        n_vocab = int(get("vocab_size", len(toks) if toks else 0))
-        n_ff = int(get("feed_forward_length", 0) or 0)
-        n_expert = int(get("expert_count", 0) or 0)
-        n_used = int(get("expert_used_count", 0) or 0)
+        from ..models.spec import config_from_gguf
+        md = f.metadata
+        c = config_from_gguf(f)   # the models' hyperparameter rules (models/spec.py)
+        n_expert, n_used = c.n_expert, c.n_expert_used
+        n_ff = c.n_ff or c.n_ff_exp * max(n_used, 1)
         tied = "output.weight" not in f.tensors
-        if n_ff == 0 and n_expert:
-            n_ff = int(get("expert_feed_forward_length", 0) or 0) * max(n_used, 1)
         ts = []
         for ti in f.tensors.values():
             ts.append(describe_tensor(ti.name, ti.nbytes, ti.shape, tied, n_expert, n_used))
-        if not n_vocab and "token_embd.weight" in f.tensors:
-            n_vocab = f.tensors["token_embd.weight"].shape[0]
         merges = md.get("tokenizer.ggml.merges")
-        return ModelDesc(arch, n_layer, n_embd, n_head, n_head_kv, head_dim, head_dim_v,
-                         n_vocab, n_ff, tuple(ts), n_expert, n_used, tied,
+        return ModelDesc(c.arch, c.n_layer, c.n_embd, c.n_head, c.n_head_kv, c.head_dim_k,
+                         c.head_dim_v, c.n_vocab, n_ff, tuple(ts), n_expert, n_used, tied,
                          int(getattr(f, "file_size", 0) or 0), name or str(md.get("general.name", "")),
                          str(md.get("tokenizer.ggml.model", "") or ""),
                          len(merges) if isinstance(merges, list) else 0)

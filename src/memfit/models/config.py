@@ -173,19 +173,23 @@ class ModelConfig:
         if n_expert:
             used = num("expert_used_count", 0)
             n_ff = kw["n_ff"]
-            ff_exp = num("expert_feed_forward_length", 0) or (
-                n_ff // max(used, 1) if spec.n_ff_exp_from_used else n_ff)
+            # as llama.cpp's loaders: the key (else n_ff / k) for qwen*moe, n_ff for llama/olmoe
+            ff_exp = (num("expert_feed_forward_length", 0) or n_ff // max(used, 1)) \
+                if spec.n_ff_exp_key else n_ff
             gating = num("expert_gating_func", 0)
             names = {0: "softmax", 1: "softmax", 2: "sigmoid"}
             if gating not in names:
                 raise UnsupportedError(f"{arch}: expert_gating_func {gating} is not supported "
                                        f"(1: softmax, 2: sigmoid)")
-            norm = scalar("expert_weights_norm", spec.expert_weights_norm)
             kw.update(n_expert=n_expert, n_expert_used=used, n_ff_exp=ff_exp,
                       n_ff_shexp=(num("expert_shared_feed_forward_length", 0) or n_ff)
                       if spec.shared_expert else 0,
-                      expert_gating_func=names[gating], expert_weights_norm=bool(norm),
-                      expert_weights_scale=num("expert_weights_scale", 0.0, float) or 1.0)
+                      expert_weights_norm=spec.expert_weights_norm)
+            if spec.routing_keys:  # else the architecture's fixed rule, as llama.cpp's graph
+                kw.update(expert_gating_func=names[gating],
+                          expert_weights_norm=bool(scalar("expert_weights_norm",
+                                                          spec.expert_weights_norm)),
+                          expert_weights_scale=num("expert_weights_scale", 0.0, float) or 1.0)
             if spec.shared_expert and kw["n_ff_shexp"] <= 0:
                 raise ModelError(f"{arch}: expert_shared_feed_forward_length (or "
                                  f"feed_forward_length) must be positive for the shared expert")

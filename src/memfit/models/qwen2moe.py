@@ -8,7 +8,7 @@ from .layers import Model
 from .spec import ArchSpec
 
 SPEC = ArchSpec("qwen2moe", rope_neox=True, qkv_bias=True, moe="always", shared_expert=True,
-                n_ff_exp_from_used=True)
+                n_ff_exp_key=True)
 
 
 class Qwen2Moe(Model):

@@ -7,7 +7,7 @@ from .layers import Model
 from .spec import ArchSpec
 
 SPEC = ArchSpec("qwen3moe", rope_neox=True, qk_norm="head", moe="always",
-                expert_weights_norm=True, n_ff_exp_from_used=True)
+                expert_weights_norm=True, n_ff_exp_key=True)
 
 
 class Qwen3Moe(Model):

@@ -52,8 +52,14 @@ class ArchSpec:
     rope_freqs: bool = False      # optional rope_freqs.weight (llama3 frequency factors)
     moe: str = "never"            # routed experts: never | optional (llama: Mixtral) | always
     shared_expert: bool = False   # qwen2moe: ffn_*_shexp gated by sigmoid(ffn_gate_inp_shexp . x)
-    expert_weights_norm: bool = False   # renormalize the top-k weights (file key overrides)
-    n_ff_exp_from_used: bool = False    # no expert_feed_forward_length: n_ff / n_expert_used
+    expert_weights_norm: bool = False   # renormalize the top-k weights
+    routing_keys: bool = False    # read expert_gating_func / _weights_norm / _weights_scale from the
+                                  # file (llama.cpp does for deepseek-style archs; its llama,
+                                  # qwen2moe, qwen3moe and olmoe graphs fix softmax, their own
+                                  # norm rule and no scale, whatever the file says)
+    n_ff_exp_key: bool = False    # experts' rows from expert_feed_forward_length (else n_ff /
+                                  # n_expert_used); without it they are feed_forward_length
+                                  # (llama.cpp's llama and olmoe loaders ignore the key)
     hparams: Callable | None = None     # extra metadata rules: (md, arch, kw) -> kw
 
     # --- tensors -------------------------------------------------------------------------
@@ -139,20 +145,18 @@ def config_from_gguf(f, check: bool = False) -> "ModelConfig":
     from .config import ModelConfig
     md = f.metadata
     arch = md.get("general.architecture")
+    if check and get_spec(arch) is None:
+        raise UnsupportedError(f"architecture {arch!r} is not supported; supported: "
+                               f"{', '.join(sorted(_registry()))}")
     if isinstance(arch, str) and not md.get(f"{arch}.vocab_size") \
             and not md.get("tokenizer.ggml.tokens") and "token_embd.weight" in f.tensors:
         md = {**md, f"{arch}.vocab_size": f.tensors["token_embd.weight"].shape[0]}
     c = ModelConfig.from_metadata(md)
     if check:
-        spec = get_spec(c.arch)
-        if spec is None:
-            raise UnsupportedError(f"architecture {c.arch!r} is not supported; supported: "
-                                   f"{', '.join(sorted(_registry()))}")
-
         def info(name):
             t = f.tensors.get(name)
             return None if t is None else (t.shape, t.type)
-        check_tensors(spec, c, info)
+        check_tensors(get_spec(c.arch), c, info)
     return c
 
 
@@ -191,13 +195,16 @@ def write_hparams(w, c: "ModelConfig", tied: bool = True) -> None:
     if c.n_expert:
         w.add_uint32(f"{a}.expert_count", c.n_expert)
         w.add_uint32(f"{a}.expert_used_count", c.n_expert_used)
-        w.add_uint32(f"{a}.expert_feed_forward_length", c.n_ff_exp)
+        spec = get_spec(a)
+        if spec is None or spec.n_ff_exp_key:
+            w.add_uint32(f"{a}.expert_feed_forward_length", c.n_ff_exp)
         if c.n_ff_shexp:
             w.add_uint32(f"{a}.expert_shared_feed_forward_length", c.n_ff_shexp)
-        w.add_uint32(f"{a}.expert_gating_func", GATING_IDS[c.expert_gating_func])
-        w.add_bool(f"{a}.expert_weights_norm", c.expert_weights_norm)
-        if c.expert_weights_scale != 1.0:
-            w.add_float32(f"{a}.expert_weights_scale", c.expert_weights_scale)
+        if spec is not None and spec.routing_keys:
+            w.add_uint32(f"{a}.expert_gating_func", GATING_IDS[c.expert_gating_func])
+            w.add_bool(f"{a}.expert_weights_norm", c.expert_weights_norm)
+            if c.expert_weights_scale != 1.0:
+                w.add_float32(f"{a}.expert_weights_scale", c.expert_weights_scale)
 
 
 # llama.cpp's llama_expert_gating_func_type (0: none, the architecture's default)

@@ -13,7 +13,8 @@ rope_scale (linear factor), sliding_window, final_softcap, tied (bool), skip (te
 leave out), shapes ({name: shape} to write instead), types ({name: type name}), arrays
 ({name: float32 array} written as F32 as given); experts: n_expert, n_expert_used, n_ff_exp,
 n_ff_shexp, gating ("softmax" | "sigmoid"), expert_weights_norm (None: the arch's rule),
-expert_weights_scale, metadata ({key: value} written as given, after the rest).
+expert_weights_scale (the last three for architectures whose spec reads them, routing_keys),
+metadata ({key: value} written as given, after the rest).
 arch "mixtral" writes a llama file with experts.
 """
 
@@ -30,14 +31,14 @@ _DEFAULTS = dict(n_embd=256, n_layer=2, n_head=4, n_head_kv=2, head_dim=64, n_ff
                  final_softcap=0.0, tied=True, n_expert=0, n_expert_used=0, n_ff_exp=0,
                  n_ff_shexp=0, gating="softmax", expert_weights_norm=None,
                  expert_weights_scale=1.0)
-_MOE = dict(n_expert=8, n_expert_used=2, n_ff_exp=128)
+_MOE = dict(n_expert=8, n_expert_used=2, n_ff_exp=256)   # rows of 256: k-quants fit
 _ARCH_DEFAULTS = {
     "qwen3": dict(head_dim=128),                        # head dim != n_embd / n_head
     "gemma3": dict(head_dim=128, n_head_kv=1, sliding_window=4, rope_base=1e6),
     "qwen3moe": dict(_MOE, head_dim=128, rope_base=1e6),
     "qwen2moe": dict(_MOE, n_ff_shexp=256, rope_base=1e6),
     "olmoe": dict(_MOE),
-    "mixtral": dict(_MOE, n_ff_exp=256),
+    "mixtral": dict(_MOE, n_expert=4),
 }
 _WORDS = ["Ġthe", "Ġand", "Ġof", "Ġto", "Ġa", "Ġin", "Ġis", "Ġit", "Ġhello", "Ġworld",
           "ing", "er", "on", "Ġthat", "Ġfor", "Ġwith", "Ġas", "Ġwas", "Ġhe", "Ġon"]
@@ -83,9 +84,12 @@ def tiny_config(arch: str, n_vocab: int, p: dict):
     spec = get_spec(arch) or ArchSpec(arch)
     n_expert = p["n_expert"]
     norm = p["expert_weights_norm"]
+    keys = spec.routing_keys   # else the architecture's fixed routing rule
+    # llama (Mixtral) and olmoe experts have feed_forward_length rows
+    n_ff = p["n_ff_exp"] if n_expert and not spec.n_ff_exp_key else p["n_ff"]
     return spec, ModelConfig(
         arch=arch, n_layer=p["n_layer"], n_embd=p["n_embd"], n_head=p["n_head"],
-        n_head_kv=p["n_head_kv"], n_ff=p["n_ff"], n_vocab=n_vocab, rms_eps=1e-6,
+        n_head_kv=p["n_head_kv"], n_ff=n_ff, n_vocab=n_vocab, rms_eps=1e-6,
         head_dim_k=p["head_dim"], head_dim_v=p["head_dim"], n_rot=p["head_dim"],
         rope_base=p["rope_base"], rope_freq_scale=1.0 / p["rope_scale"] if p["rope_scale"] else 1.0,
         rope_scaling="linear" if p["rope_scale"] else "none", n_ctx_train=p["n_ctx"],
@@ -93,9 +97,9 @@ def tiny_config(arch: str, n_vocab: int, p: dict):
         n_expert=n_expert, n_expert_used=p["n_expert_used"] if n_expert else 0,
         n_ff_exp=p["n_ff_exp"] if n_expert else 0,
         n_ff_shexp=p["n_ff_shexp"] if n_expert and spec.shared_expert else 0,
-        expert_gating_func=p["gating"],
-        expert_weights_norm=spec.expert_weights_norm if norm is None else bool(norm),
-        expert_weights_scale=p["expert_weights_scale"])
+        expert_gating_func=p["gating"] if keys else "softmax",
+        expert_weights_norm=spec.expert_weights_norm if norm is None or not keys else bool(norm),
+        expert_weights_scale=p["expert_weights_scale"] if keys else 1.0)
 
 
 def write_tensor_data(w, name: str, shape: tuple[int, ...], qt, rng, scale: float | None = None):
