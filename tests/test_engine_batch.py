@@ -136,3 +136,57 @@ def test_batched_greedy_equals_alone_real(request, which):
             assert [b.text for b in batch] == [a.text for a in alone[:n]]
         single = m.generate(prompts[0], max_tokens=8, temperature=0)
         assert not isinstance(single, list) and single.ids == alone[0].ids
+
+
+TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
+
+
+def _paged_steps(model, fused: bool, kv_type: str):
+    """Three sequences (prefill 3, 9 and 40 tokens) in scattered blocks, then two decode steps
+    of all three at once: logits per step and the pool."""
+    from memfit.kv import KVPool
+    from memfit.kv.view import BatchKV
+    from memfit.models.batch import Batch
+    c = model.config
+    model._fused = None if fused else []
+    pool = KVPool(c.n_layer, 8, c.n_head_kv, c.head_dim_k, c.head_dim_v, kv_type)
+    tabs = [[5], [2], [7, 0]]
+    prompts = [[5, 17, 200], [33, 290, 0, 64, 64, 128, 7, 1, 2], list(range(60, 100))]
+    flat = np.array(sum(tabs, []), np.int32)
+    offs = [0, 1, 2]
+
+    def batch(rows, decode):  # rows: [(seq, position, token)]
+        pos = np.array([p for _, p, _ in rows], np.int32)
+        s = np.array([q for q, _, _ in rows], np.int32)
+        slots = np.array([tabs[q][p // 32] * 32 + p % 32 for q, p, _ in rows], np.int32)
+        kv = BatchKV(pool.k, pool.v, pool.kv_type, pos, slots, np.array([offs[q] for q in s], np.int32),
+                     flat, 32)
+        out = np.arange(len(rows)) if decode else np.array([len(rows) - 1])
+        return model.forward(Batch(np.array([t for _, _, t in rows], np.int64), pos, s, out, kv,
+                                   decode=decode))
+    for q, ids in enumerate(prompts):
+        batch([(q, p, t) for p, t in enumerate(ids)], False)
+    steps = []
+    for step in range(2):
+        steps.append(batch([(q, len(ids) + step, 11 + q + step) for q, ids in enumerate(prompts)],
+                           True))
+    return np.stack(steps), pool
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_batched_decode_equals_blocks(tmp_path, arch, qtype):
+    # the native batched decode layer over paged KV against the op-by-op block, bit for bit
+    kw = {"sliding_window": 4} if arch == "gemma3" else {}
+    path = write_tiny_model(tmp_path / f"{arch}-{qtype}.gguf", arch, qtype, seed=3, **kw)
+    model = load_model(path, ops=get_ops("native"))
+    kv = "f16" if qtype in ("Q4_K", "F16", "Q8_0", "Q4_0") else "f32"
+    a, pa = _paged_steps(model, True, kv)
+    assert model._decode_layers() is not None
+    b, pb = _paged_steps(model, False, kv)
+    assert np.isfinite(a).all()
+    np.testing.assert_array_equal(a, b)
+    for il in range(len(pa.k)):
+        np.testing.assert_array_equal(pa.k[il], pb.k[il])
+        np.testing.assert_array_equal(pa.v[il], pb.v[il])

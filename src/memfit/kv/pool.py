@@ -50,7 +50,11 @@ class KVPool:
         self._key_of: dict[int, tuple] = {}
         self.ledger = ledger
         if ledger is not None:
-            ledger.alloc("kv_pool", "kv", self.nbytes)
+            # the planner's KV reservation (the weight store books it as kv/plan) is this pool
+            if "plan" in ledger.items("kv"):
+                ledger.resize("kv", "plan", self.nbytes)
+            else:
+                ledger.alloc("kv", "kv_pool", self.nbytes)
 
     @property
     def nbytes(self) -> int:
