@@ -115,3 +115,16 @@ def test_chat_second_turn_real(request, which):
         rc = cold.generate(p2, max_tokens=12, temperature=0)
         assert rc.timings.cache_n == 0
     assert r2.ids == rc.ids and r2.text == rc.text
+
+
+@pytest.mark.realmodel
+def test_run_json_reports_cache_n(smollm2_path):
+    import json
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-m", "memfit", "run", str(smollm2_path), "-p",
+                        "The capital of France is", "-n", "2", "--temp", "0", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    t = json.loads(p.stdout)["timings"]
+    assert t["cache_n"] == 0 and t["prompt_n"] == 5  # llama-server's fields
