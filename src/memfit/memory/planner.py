@@ -327,6 +327,13 @@ def _summarize(names: list[str]) -> str:
     return ", ".join(f"{k} x{v}" if v > 1 else k for k, v in c.items())
 
 
+def kv_pool_tokens(n_ctx: int, n_parallel: int = 1) -> int:
+    """Token rows of the engine's KV block pool: n_parallel sequences of n_ctx tokens, each
+    rounded up to whole blocks (engine.engine.kv_pool_blocks)."""
+    from ..kv.pool import BLOCK_SIZE
+    return n_parallel * -(-n_ctx // BLOCK_SIZE) * BLOCK_SIZE
+
+
 def scratch_bytes(m: ModelDesc, n_batch: int, n_ctx: int, threads: int,
                   logits_all: bool = False) -> int:
     """Activation/scratch estimate for a batch of n_batch tokens (f32 everywhere)."""
@@ -384,9 +391,16 @@ def expert_slot_bytes(m: ModelDesc) -> int:
     return max(by_layer.values(), default=0)
 
 
-def kv_bytes(m: ModelDesc, n_ctx: int, kv_bytes_per_elem: float) -> int:
-    """The KV cache's line item for n_ctx positions."""
-    return int(m.kv_elems_per_token * n_ctx * kv_bytes_per_elem)
+def kv_pool_tokens(n_ctx: int, n_parallel: int = 1) -> int:
+    """Token rows of the engine's KV block pool: n_parallel sequences of n_ctx tokens, each
+    rounded up to whole blocks (engine.engine.kv_pool_blocks)."""
+    from ..kv.pool import BLOCK_SIZE
+    return n_parallel * -(-n_ctx // BLOCK_SIZE) * BLOCK_SIZE
+
+
+def kv_bytes(m: ModelDesc, n_ctx: int, kv_bytes_per_elem: float, n_parallel: int = 1) -> int:
+    """The KV cache's line item: the engine's block pool for n_parallel sequences of n_ctx."""
+    return int(m.kv_elems_per_token * kv_pool_tokens(n_ctx, n_parallel) * kv_bytes_per_elem)
 
 
 @dataclass
@@ -550,16 +564,16 @@ def _place_experts(m: ModelDesc, room: int, counts) -> _Experts:
 
 def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Bandwidth,
          *, baseline_bytes: int, n_batch: int = 512, overlap_io: bool = True,
-         logits_all: bool = False, kv_bytes_per_elem: float = 2,
+         logits_all: bool = False, kv_bytes_per_elem: float = 2, n_parallel: int = 1,
          expert_counts=None, expert_policy: str = "lru") -> Plan:
     """Place every tensor in a tier within `budget` bytes. Pure: no I/O, no measurement.
     baseline_bytes: the measured runtime RSS; kv_bytes_per_elem: 2 for the f16 cache (4 for f32);
     expert_counts: {layer: [routings per expert]} learned from earlier runs (hotset.py).
     Order: fixed costs (baseline, scratch, KV, staging), the dense trunk, the hot experts, the
     expert cache; below the floor BudgetError names the smallest budget that works."""
-    assert n_ctx > 0 and threads > 0 and n_batch > 0
+    assert n_ctx > 0 and threads > 0 and n_batch > 0 and n_parallel > 0
     m = model
-    kv = kv_bytes(m, n_ctx, kv_bytes_per_elem)
+    kv = kv_bytes(m, n_ctx, kv_bytes_per_elem, n_parallel)
     # the larger of the measured RSS and the model's predicted runtime (see RUNTIME_BASE_BYTES)
     baseline = max(baseline_bytes, m.runtime_bytes) + RUNTIME_EXTRA_BYTES
     n_batch = min(n_batch, n_ctx)  # a prefill batch never exceeds the context
@@ -655,7 +669,7 @@ def _round_up_mib(n: int) -> int:
 def plan_for_path(path, budget: int, n_ctx: int | None = None, threads: int | None = None, *,
                   baseline_bytes: int | None = None, bandwidth: Bandwidth | None = None,
                   measure_bandwidth: bool = False, n_batch: int = 512,
-                  kv_bytes_per_elem: float = 2, expert_counts=None,
+                  kv_bytes_per_elem: float = 2, n_parallel: int = 1, expert_counts=None,
                   expert_policy: str | None = None) -> Plan:
     """Convenience for the CLI/API: describe the GGUF (a path, or a GGUFFile already open,
     used as is: the API plans the file it has opened, not a second copy), measure baseline
@@ -688,7 +702,7 @@ def plan_for_path(path, budget: int, n_ctx: int | None = None, threads: int | No
         expert_counts = RoutingCounts.load(path, desc.n_layer, desc.n_expert).by_layer()
     args = (desc, budget, n_ctx, threads or os.cpu_count() or 1)
     kw = dict(baseline_bytes=measure_baseline() if baseline_bytes is None else baseline_bytes,
-              n_batch=n_batch, kv_bytes_per_elem=kv_bytes_per_elem,
+              n_batch=n_batch, kv_bytes_per_elem=kv_bytes_per_elem, n_parallel=n_parallel,
               expert_counts=expert_counts, expert_policy=expert_policy)
     if bandwidth is None and measure_bandwidth:
         # refuse a budget below the floor before the probes allocate or write anything
