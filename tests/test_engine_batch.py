@@ -245,3 +245,19 @@ def test_fused_batched_decode_isa_and_threads(tmp_path, isa):
         _native.set_threads(threads)
     np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(a, c)
+
+
+def test_request_larger_than_the_pool_is_refused(tmp_path):
+    from memfit.errors import RequestError
+    model, tok = _tiny(tmp_path, "llama")
+    eng = Engine(model, tok, n_ctx=128, n_blocks=2)
+    with pytest.raises(RequestError, match="KV pool"):
+        eng.add_request(list(range(1, 40)), SamplingParams(temperature=0, max_tokens=40))
+    with pytest.raises(RequestError, match="context"):
+        eng.add_request(list(range(1, 200)), SamplingParams(temperature=0))
+    tok.eog_ids = set()
+    eng.add_request(list(range(1, 40)), SamplingParams(temperature=0, max_tokens=20))
+    n = 0
+    while eng.has_unfinished():
+        n += sum(o.token is not None for o in eng.step())
+    assert n == 20 and eng.pool.n_used == 0
