@@ -242,7 +242,8 @@ class Model:
         if c.expert_gating_func == "softmax":
             probs = self.ops.softmax(logits)
         else:
-            probs = (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
+            with np.errstate(over="ignore"):   # exp overflow -> inf -> probability 0
+                probs = (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
         k = c.n_expert_used
         sel = np.argsort(-probs, axis=1, kind="stable")[:, :k]
         w = np.take_along_axis(probs, sel, axis=1)
@@ -291,7 +292,8 @@ class Model:
         if self.spec.shared_expert:
             gate = x @ self.vec[p + "ffn_gate_inp_shexp.weight"]   # [n]: one logit per token
             s = self._glu(x, *(w.get(p + f"ffn_{m}_shexp.weight") for m in ("gate", "up", "down")))
-            out += s * (1.0 / (1.0 + np.exp(-gate)))[:, None].astype(np.float32)
+            with np.errstate(over="ignore"):
+                out += s * (1.0 / (1.0 + np.exp(-gate)))[:, None].astype(np.float32)
         return out
 
     def _scratch(self, key: str, size: int) -> np.ndarray:
