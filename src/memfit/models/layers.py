@@ -269,7 +269,8 @@ class Model:
         if c.expert_gating_func == "softmax":
             probs = self.ops.softmax(logits)
         else:
-            probs = (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
+            with np.errstate(over="ignore"):   # exp overflow -> inf -> probability 0
+                probs = (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
         k = c.n_expert_used
         sel = np.argsort(-probs, axis=1, kind="stable")[:, :k]
         w = np.take_along_axis(probs, sel, axis=1)
@@ -296,9 +297,21 @@ class Model:
         # a budgeted store holds at most expert_batch_limit experts at once: ask in groups
         limit = int(getattr(w, "expert_batch_limit", 0) or len(experts))
         out = np.zeros_like(x)
+        fused = getattr(self.ops, "moe_ffn", None)
+        if fused is not None:
+            # (token, slot) picks sorted by expert, then token: each expert's rows and weights
+            k = sel.shape[1]
+            order = np.argsort(sel.reshape(-1), kind="stable")
+            rows_all, wts_all = order // k, np.ascontiguousarray(wts.reshape(-1)[order])
+            starts = np.concatenate([[0], np.cumsum(np.bincount(sel.reshape(-1))[experts])])
         for i in range(0, len(experts), limit):
             group = experts[i:i + limit].tolist()
             mats = get(il, group) if get is not None else expert_views(w, il, group)
+            if fused is not None:
+                a, b = starts[i], starts[i + len(group)]
+                fused(x, mats, starts[i:i + len(group) + 1] - a, rows_all[a:b], wts_all[a:b],
+                      self.act == "gelu", out)
+                continue
             for e, (gate, up, down) in zip(group, mats):
                 rows, slot = np.nonzero(sel == e)   # a token picks an expert at most once
                 y = self._glu(np.ascontiguousarray(x[rows]), gate, up, down)
@@ -306,7 +319,8 @@ class Model:
         if self.spec.shared_expert:
             gate = x @ self.vec[p + "ffn_gate_inp_shexp.weight"]   # [n]: one logit per token
             s = self._glu(x, *(w.get(p + f"ffn_{m}_shexp.weight") for m in ("gate", "up", "down")))
-            out += s * (1.0 / (1.0 + np.exp(-gate)))[:, None].astype(np.float32)
+            with np.errstate(over="ignore"):
+                out += s * (1.0 / (1.0 + np.exp(-gate)))[:, None].astype(np.float32)
         return out
 
     def _scratch(self, key: str, size: int) -> np.ndarray:

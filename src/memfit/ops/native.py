@@ -121,6 +121,20 @@ silu_mul = _pick("silu_mul")
 gelu_mul = _pick("gelu_mul")
 attention = _pick("attention")
 
+if hasattr(_native, "moe_ffn"):
+    def moe_ffn(x: np.ndarray, mats, off: np.ndarray, rows: np.ndarray, wts: np.ndarray,
+                gelu: bool, out: np.ndarray) -> np.ndarray:
+        """The routed experts of one layer in one native call (csrc/moe.c): for expert group g
+        (mats[g] = its gate, up, down QTensors), rows[off[g]:off[g+1]] of x[n, n_embd] get
+        out[row] += wts[i] * down(act(gate x) * up x); groups in the order given."""
+        g0, u0, d0 = mats[0]
+        n_ff, n_embd = g0.shape
+        assert x.dtype == np.float32 and x.flags.c_contiguous and out.shape == x.shape
+        _native.moe_ffn(x, x.shape[0], n_embd, n_ff, g0.type.id, u0.type.id, d0.type.id,
+                        [q.data for m in mats for q in m], off, rows, wts, gelu, out)
+        return out
+
+
 # One decoder layer for one token (csrc/decode.c); models/layers.py uses it for decode.
 decode_layer_new = _native.decode_layer_new
 decode_layer = _native.decode_layer

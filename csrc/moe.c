@@ -1,0 +1,166 @@
+/* The routed-expert FFN of one MoE layer in one call (models/layers.py Model.moe_ffn): tokens
+ * grouped by expert; per group the rows of x are gathered, gate and up run as one
+ * multi-matmul, then SiLU (or GELU) * up and down, and each row's result times its routing
+ * weight is added to out[row]. Groups run in the order given (the model gives experts in
+ * index order), so a row's sum is independent of the other rows and equals the op-by-op path
+ * (same kernels, same order) bit for bit. */
+#include "memfit.h"
+#include "ops.h"
+#include "quant_common.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* csrc/quant_mm.c */
+int mf_matmul(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t n, float *y);
+int mf_matmul_multi(int k, const int *types, const uint8_t *const *ws, const int64_t *rows,
+                    int64_t cols, const float *x, int64_t n, float *const *ys);
+
+/* x[n, n_embd]; w[3 * g + {0, 1, 2}]: expert g's gate (n_ff, n_embd), up (n_ff, n_embd), down
+ * (n_embd, n_ff) bytes of types[0..2]; group g is rows[off[g] .. off[g + 1]) with weights
+ * wts[same]; out[n, n_embd] accumulates. Returns 0, or the matmul's error (-1 type, -2 cols,
+ * -3 out of memory). Call without the GIL. */
+int mf_moe_ffn(const float *x, int64_t n_embd, int64_t n_ff, const int *types, int64_t n_groups,
+               const uint8_t *const *w, const int64_t *off, const int64_t *rows, const float *wts,
+               int gelu, float *out) {
+    int64_t maxg = 0;
+    for (int64_t g = 0; g < n_groups; g++)
+        if (off[g + 1] - off[g] > maxg) maxg = off[g + 1] - off[g];
+    if (maxg == 0) return 0;
+    /* xg[maxg, n_embd], gate and up [maxg, n_ff], y[maxg, n_embd] */
+    float *buf = malloc(sizeof(float) * (size_t)maxg * (size_t)(2 * n_embd + 2 * n_ff));
+    if (!buf) return -3;
+    float *xg = buf, *ga = xg + maxg * n_embd, *up = ga + maxg * n_ff, *y = up + maxg * n_ff;
+    int rc = 0;
+    for (int64_t g = 0; g < n_groups && rc == 0; g++) {
+        const int64_t m = off[g + 1] - off[g], *r = rows + off[g];
+        if (m == 0) continue;
+        for (int64_t i = 0; i < m; i++)
+            memcpy(xg + i * n_embd, x + r[i] * n_embd, sizeof(float) * (size_t)n_embd);
+        const uint8_t *gu[2] = {w[3 * g], w[3 * g + 1]};
+        const int64_t nr[2] = {n_ff, n_ff};
+        float *ys[2] = {ga, up};
+        rc = mf_matmul_multi(2, types, gu, nr, n_embd, xg, m, ys);
+        if (rc) break;
+        if (gelu)
+            mf_gelu_mul_f32(ga, up, ga, m * n_ff);
+        else
+            mf_silu_mul_f32(ga, up, ga, m * n_ff);
+        rc = mf_matmul(types[2], w[3 * g + 2], n_embd, n_ff, ga, m, y);
+        for (int64_t i = 0; i < m && rc == 0; i++) {
+            const float s = wts[off[g] + i], *yi = y + i * n_embd;
+            float *o = out + r[i] * n_embd;
+            for (int64_t c = 0; c < n_embd; c++) o[c] += s * yi[c];
+        }
+    }
+    free(buf);
+    return rc;
+}
+
+/* ---- moe_ffn(x, n, n_embd, n_ff, tg, tu, td, ws, off, rows, wts, gelu, out) -------------- */
+static int buf_of(PyObject *o, Py_buffer *v, int writable, const char *fmt, const char *what) {
+    if (PyObject_GetBuffer(o, v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0) {
+        PyErr_Format(PyExc_TypeError, "moe_ffn: %s must be a C-contiguous%s buffer", what,
+                     writable ? " writable" : "");
+        return -1;
+    }
+    if (fmt) {
+        const char *f = v->format ? v->format : "B";
+        if (*f == '<' || *f == '=' || *f == '@') f++;
+        int ok = strcmp(fmt, "f") == 0 ? (strcmp(f, "f") == 0 && v->itemsize == 4)
+                                       : ((strcmp(f, "q") == 0 || strcmp(f, "l") == 0) && v->itemsize == 8);
+        if (!ok) {
+            PyErr_Format(PyExc_TypeError, "moe_ffn: %s must be %s", what,
+                         strcmp(fmt, "f") == 0 ? "float32" : "int64");
+            PyBuffer_Release(v);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *py_moe_ffn(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    if (na != 13)
+        return PyErr_Format(PyExc_TypeError, "moe_ffn(x, n, n_embd, n_ff, tg, tu, td, ws, off, rows, wts, gelu, out)");
+    long long n = PyLong_AsLongLong(a[1]), E = PyLong_AsLongLong(a[2]), F = PyLong_AsLongLong(a[3]);
+    int types[3];
+    for (int j = 0; j < 3; j++) types[j] = (int)PyLong_AsLong(a[4 + j]);
+    int gelu = PyObject_IsTrue(a[11]);
+    if (PyErr_Occurred() || gelu < 0) return NULL;
+    for (int j = 0; j < 3; j++)
+        if (types[j] < 0 || types[j] >= T_MAX || mf_qtypes[types[j]].block == 0)
+            return PyErr_Format(PyExc_ValueError, "ggml type %d is not supported by the native kernels", types[j]);
+    if (n < 0 || E <= 0 || F <= 0 || E % mf_qtypes[types[0]].block || E % mf_qtypes[types[1]].block
+        || F % mf_qtypes[types[2]].block)
+        return PyErr_Format(PyExc_ValueError, "moe_ffn: bad shape n=%lld n_embd=%lld n_ff=%lld", n, E, F);
+    PyObject *seq = PySequence_Fast(a[7], "moe_ffn: ws must be a sequence of buffers");
+    if (!seq) return NULL;
+    const Py_ssize_t nw = PySequence_Fast_GET_SIZE(seq);
+    const int64_t G = nw / 3;
+    Py_buffer x, offb, rowsb, wtsb, outb;
+    Py_buffer *wb = PyMem_Calloc((size_t)nw + 1, sizeof(Py_buffer));
+    const uint8_t **wp = PyMem_Calloc((size_t)nw + 1, sizeof(uint8_t *));
+    int have = 0, held = 0, bad = !wb || !wp || nw % 3;
+    if (bad && (wb && wp)) PyErr_Format(PyExc_ValueError, "moe_ffn: ws must hold gate, up, down per group");
+    if (!wb || !wp) PyErr_NoMemory();
+    if (!bad) {
+        if (buf_of(a[0], &x, 0, "f", "x") == 0) have = 1;
+        if (have == 1 && buf_of(a[8], &offb, 0, "q", "off") == 0) have = 2;
+        if (have == 2 && buf_of(a[9], &rowsb, 0, "q", "rows") == 0) have = 3;
+        if (have == 3 && buf_of(a[10], &wtsb, 0, "f", "wts") == 0) have = 4;
+        if (have == 4 && buf_of(a[12], &outb, 1, "f", "out") == 0) have = 5;
+        bad = have < 5;
+    }
+    for (; !bad && held < nw; held++) {
+        if (buf_of(PySequence_Fast_GET_ITEM(seq, held), &wb[held], 0, NULL, "an expert weight") < 0) {
+            bad = 1;
+            break;
+        }
+        const int j = held % 3;
+        const int64_t need = j < 2 ? F * (E / mf_qtypes[types[j]].block) * mf_qtypes[types[j]].bytes
+                                   : E * (F / mf_qtypes[types[2]].block) * mf_qtypes[types[2]].bytes;
+        wp[held] = wb[held].buf;
+        if (wb[held].len < need) {
+            PyErr_Format(PyExc_ValueError, "moe_ffn: expert weight %zd is %zd bytes, needs %lld",
+                         held, wb[held].len, (long long)need);
+            held++;
+            bad = 1;
+        }
+    }
+    int rc = 0;
+    if (!bad) {
+        const int64_t *off = offb.buf, *rows = rowsb.buf;
+        const int64_t nr = rowsb.len / 8;
+        if (x.len < n * E * 4 || outb.len < n * E * 4 || offb.len < (G + 1) * 8 || wtsb.len < nr * 4) bad = 1;
+        for (int64_t g = 0; !bad && g < G; g++)
+            if (off[g] < 0 || off[g + 1] < off[g] || off[g + 1] > nr) bad = 1;
+        for (int64_t i = 0; !bad && i < nr; i++)
+            if (rows[i] < 0 || rows[i] >= n) bad = 1;
+        if (bad) PyErr_Format(PyExc_ValueError, "moe_ffn: x, out, off, rows or wts do not match n=%lld n_embd=%lld", n, E);
+    }
+    if (!bad) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = mf_moe_ffn(x.buf, E, F, types, G, wp, offb.buf, rowsb.buf, wtsb.buf, gelu, outb.buf);
+        Py_END_ALLOW_THREADS
+        if (rc == -3) PyErr_NoMemory();
+        else if (rc) PyErr_Format(PyExc_ValueError, "moe_ffn: native kernel failed (%d)", rc);
+    }
+    for (int i = 0; i < held; i++) PyBuffer_Release(&wb[i]);
+    if (have >= 5) PyBuffer_Release(&outb);
+    if (have >= 4) PyBuffer_Release(&wtsb);
+    if (have >= 3) PyBuffer_Release(&rowsb);
+    if (have >= 2) PyBuffer_Release(&offb);
+    if (have >= 1) PyBuffer_Release(&x);
+    PyMem_Free(wb);
+    PyMem_Free((void *)wp);
+    Py_DECREF(seq);
+    if (bad || rc) return NULL;
+    Py_RETURN_NONE;
+}
+
+PyMethodDef mf_moe_methods[] = {
+    {"moe_ffn", (PyCFunction)(void (*)(void))py_moe_ffn, METH_FASTCALL,
+     "moe_ffn(x, n, n_embd, n_ff, tg, tu, td, ws, off int64, rows int64, wts f32, gelu, out): "
+     "out[rows] += wts * down(act(gate x) * up x) per expert group"},
+    {NULL, NULL, 0, NULL},
+};
