@@ -167,7 +167,9 @@ class Model:
         if self._fused is None:
             self._fused = []
             new = getattr(self.ops, "decode_layer_new", None)
-            if new is not None and type(self).block is Model.standard_block:
+            # the fused layer is the dense block; layers with experts run op by op
+            if new is not None and type(self).block is Model.standard_block \
+                    and not self.config.n_expert:
                 c = self.config
                 ff = self.vec.get("rope_freqs.weight")
                 try:
