@@ -65,7 +65,8 @@ class Model:
 
     def __init__(self, model: str | os.PathLike | None = None, threads: int | None = None,
                  n_ctx: int | None = None, backend: str | None = None, quiet: bool = True,
-                 mem_budget: int | str | None = None):
+                 mem_budget: int | str | None = None, cache_type_k: str = "f16",
+                 cache_type_v: str = "f16"):
         from .gguf import open_gguf
         from .models import load_model
         from .ops import get_ops
@@ -81,6 +82,10 @@ class Model:
             if n_ctx is not None and int(n_ctx) < 8:  # before the planner sizes the KV cache
                 raise RequestError(f"context size {n_ctx} is too small (minimum 8)")
             self.threads = threads
+            from .kv.quant import NAMES, cache_type
+            # KV cache types (llama.cpp's -ctk/-ctv): checked before the planner counts them
+            self.cache_type_k = NAMES[cache_type(cache_type_k)]
+            self.cache_type_v = NAMES[cache_type(cache_type_v)]
             self.plan = self.ledger = None
             if mem_budget is not None or os.environ.get("MEMFIT_MEM_BUDGET"):
                 self._plan_budget(mem_budget, n_ctx, quiet)  # refuses before anything loads
@@ -92,6 +97,10 @@ class Model:
                 self.ops.set_threads(threads)
             self.model = load_model(self.file, weights=self.store, ops=self.ops)
             self.config = self.model.config
+            from .kv.quant import check_head_dims
+            check_head_dims(cache_type(self.cache_type_k), self.config.head_dim_k)
+            check_head_dims(cache_type(self.cache_type_v), self.config.head_dim_v)
+            self.model.cache_type_k, self.model.cache_type_v = self.cache_type_k, self.cache_type_v
             train_ctx = int(getattr(self.config, "n_ctx_train", 0) or 4096)
             self.n_ctx = int(n_ctx) if n_ctx is not None else min(train_ctx, 4096)
             self.n_batch = int(getattr(self.plan, "n_batch", 0) or 512)
@@ -108,8 +117,11 @@ class Model:
     def _check_kv_fits(self) -> None:
         """Refuse a context whose KV cache cannot fit in available memory (before allocating)."""
         import psutil
+        from .kv.quant import cache_type, row_bytes
         c = self.config
-        kv = 2 * self.n_ctx * c.n_layer * c.n_head_kv * (c.head_dim_k + c.head_dim_v)  # f16
+        kv = self.n_ctx * c.n_layer * c.n_head_kv * (
+            row_bytes(cache_type(self.cache_type_k), c.head_dim_k)
+            + row_bytes(cache_type(self.cache_type_v), c.head_dim_v))
         avail = psutil.virtual_memory().available
         if kv > avail:
             raise RequestError(f"context size {self.n_ctx} needs {kv / 2**30:.1f} GiB of KV cache "
@@ -129,7 +141,8 @@ class Model:
             return
         baseline = measure_baseline()
         plan = plan_for_path(self.file, budget, n_ctx=n_ctx, threads=self.threads,
-                             baseline_bytes=baseline)
+                             baseline_bytes=baseline, cache_type_k=self.cache_type_k,
+                             cache_type_v=self.cache_type_v)
         if plan.tiers["file"] or plan.tiers["cache"]:
             if not quiet:
                 print(f"memfit: the model does not fit in memory ({why}); streaming "
@@ -149,7 +162,8 @@ class Model:
         if plan is None:
             baseline = measure_baseline()
             plan = plan_for_path(self.file, budget, n_ctx=n_ctx, threads=self.threads,
-                                 baseline_bytes=baseline)
+                                 baseline_bytes=baseline, cache_type_k=self.cache_type_k,
+                                 cache_type_v=self.cache_type_v)
         self.plan = plan
         self.ledger = Ledger(budget)
         self.ledger.alloc("baseline", "runtime", baseline)

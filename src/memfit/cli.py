@@ -34,6 +34,14 @@ def _add_runtime_args(p, budget: bool = True) -> None:
                    help="compute backend (default: native when built, else numpy)")
 
 
+def _add_cache_type_args(p) -> None:
+    from .kv.quant import CACHE_TYPES
+    for short, name, what in (("-ctk", "--cache-type-k", "K"), ("-ctv", "--cache-type-v", "V")):
+        p.add_argument(short, name, type=str.lower, choices=list(CACHE_TYPES), default="f16",
+                       help=f"KV cache type for {what}: f16 (default), q8_0, q4_0 (llama.cpp's "
+                            f"block formats; less memory, slightly different numbers)")
+
+
 def _add_sampling_args(p) -> None:
     g = p.add_argument_group("sampling (llama.cpp defaults)")
     g.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128; -1 = until the context is full)")
@@ -68,14 +76,18 @@ def _load(a, n_ctx=None):
     t0 = time.perf_counter()
     m = Model(a.model, threads=getattr(a, "threads", None), n_ctx=n_ctx,
               backend=getattr(a, "backend", None), quiet=quiet,
-              mem_budget=getattr(a, "mem_budget", None))
+              mem_budget=getattr(a, "mem_budget", None),
+              cache_type_k=getattr(a, "cache_type_k", "f16"),
+              cache_type_v=getattr(a, "cache_type_v", "f16"))
     if not quiet:
         tiers = ""
         if m.plan is not None:
             tb = m.plan.tier_bytes
             tiers = (f", pinned {_mib(tb.get('pinned', 0))}, streamed "
                      f"{m.plan.disk_bytes_per_token / 2**20:.0f} MiB/token")
-        print(f"memfit: loaded {m.path.name} ({m.config.arch}, {m.n_ctx} ctx) in "
+        kvt = ("" if (m.cache_type_k, m.cache_type_v) == ("f16", "f16")
+               else f", KV {m.cache_type_k}/{m.cache_type_v}")
+        print(f"memfit: loaded {m.path.name} ({m.config.arch}, {m.n_ctx} ctx{kvt}) in "
               f"{time.perf_counter() - t0:.1f} s, RSS {_mib(peak_rss_bytes())}{tiers}",
               file=sys.stderr, flush=True)
     return m
@@ -216,7 +228,8 @@ def cmd_plan(a) -> int:
     path = resolve_model(a.model, quiet=True)
     budget, why = resolve_budget(a.mem_budget)
     p = plan_for_path(path, budget, n_ctx=a.ctx_size, threads=a.threads,
-                      measure_bandwidth=not a.no_measure)
+                      measure_bandwidth=not a.no_measure, cache_type_k=a.cache_type_k,
+                      cache_type_v=a.cache_type_v)
     if a.json:
         print(p.to_json_str())
     else:
@@ -286,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --json: the K most probable [id, prob] of the pre-sampling softmax per step")
     r.add_argument("--no-echo", action="store_true", help="do not print the prompt before the generated text")
     _add_sampling_args(r)
+    _add_cache_type_args(r)
     _add_runtime_args(r)
     r.set_defaults(func=cmd_run, text=None)
 
@@ -310,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("-f", "--file", required=True, help="text file")
     pp.add_argument("-c", "--ctx-size", type=int, default=512, help="chunk size in tokens (default 512)")
     pp.add_argument("--json", action="store_true", help='print {"ppl", "ppl_err", "chunks", ...}')
+    _add_cache_type_args(pp)
     _add_runtime_args(pp)
     pp.set_defaults(func=cmd_perplexity, text=None, prompt=None)
 
@@ -326,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--trials", type=int, default=3, help="with --kernels: trials (bandwidth probe + every type); medians reported")
     b.add_argument("--stream-bytes", default="512MiB", metavar="SIZE",
                    help="with --kernels: bytes of distinct matrix copies cycled so each call reads from DRAM (default 512MiB)")
+    _add_cache_type_args(b)
     _add_runtime_args(b)
     b.set_defaults(func=cmd_bench)
 
@@ -334,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     pn.add_argument("--mem-budget", default=None, metavar="SIZE", help="budget (default: detected)")
     pn.add_argument("-c", "--ctx", "--ctx-size", dest="ctx_size", type=int, default=None, help="context size (default: min(training context, 4096))")
     pn.add_argument("-t", "--threads", type=int, default=None)
+    _add_cache_type_args(pn)
     pn.add_argument("--no-measure", action="store_true", help="use cached/default bandwidths instead of measuring")
     pn.add_argument("--json", action="store_true", help="min_budget_bytes, disk_bytes_per_token, predicted_tg_tokens_per_s, tiers...")
     pn.set_defaults(func=cmd_plan)

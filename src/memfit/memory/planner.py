@@ -96,6 +96,14 @@ class ModelDesc:
     def kv_elems_per_token(self) -> int:
         return self.n_layer * self.n_head_kv * (self.head_dim + self.head_dim_v)
 
+    def kv_cache_bytes(self, n_ctx: int, cache_type_k="f16", cache_type_v="f16") -> int:
+        """Bytes of a KV cache of n_ctx tokens in the given cache types (f16, q8_0: 34 B
+        per 32 values, q4_0: 18 B per 32)."""
+        from ..kv.quant import cache_type, row_bytes
+        tk, tv = cache_type(cache_type_k), cache_type(cache_type_v)
+        return n_ctx * self.n_layer * self.n_head_kv * (row_bytes(tk, self.head_dim)
+                                                       + row_bytes(tv, self.head_dim_v))
+
     @property
     def weight_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
@@ -217,6 +225,8 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     tensor_bytes: dict[str, int] = field(default_factory=dict)
     floor_parts: dict[str, Any] = field(default_factory=dict)  # what min_budget_bytes is made of
+    cache_type_k: str = "f16"        # KV cache types (-ctk / -ctv) kv_bytes is counted in
+    cache_type_v: str = "f16"
 
     def tier_of(self, name: str) -> str:
         for tier, names in self.tiers.items():
@@ -246,6 +256,7 @@ class Plan:
             "n_ctx": self.n_ctx, "n_batch": self.n_batch, "threads": self.threads,
             "baseline_bytes": self.baseline_bytes, "scratch_bytes": self.scratch_bytes,
             "kv_bytes": self.kv_bytes, "io_staging_bytes": self.io_staging_bytes,
+            "cache_type_k": self.cache_type_k, "cache_type_v": self.cache_type_v,
             "stream_slot_bytes": self.stream_slot_bytes,
             "tiers": {t: {"bytes": self.tier_bytes[t], "n_tensors": len(n), "tensors": n}
                       for t, n in self.tiers.items()},
@@ -276,7 +287,8 @@ class Plan:
                  f"planned {format_size(self.planned_bytes)}",
                  row("runtime baseline", self.baseline_bytes, "measured + allowance"),
                  row(f"scratch (n_batch {self.n_batch})", self.scratch_bytes),
-                 row(f"KV cache (ctx {self.n_ctx})", self.kv_bytes),
+                 row(f"KV cache (ctx {self.n_ctx})", self.kv_bytes,
+                     f"K {self.cache_type_k}, V {self.cache_type_v}"),
                  row("I/O staging", self.io_staging_bytes),
                  row("stream slots (2 units)", self.stream_slot_bytes,
                      f"largest unit {format_size(self.stream_slot_bytes // 2)}"),
@@ -359,12 +371,15 @@ def _max_unit(units: list[Unit]) -> int:
 
 def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Bandwidth,
          *, baseline_bytes: int, n_batch: int = 512, overlap_io: bool = True,
-         logits_all: bool = False, kv_bytes_per_elem: float = 2) -> Plan:
+         logits_all: bool = False, kv_bytes_per_elem: float | None = None,
+         cache_type_k: str = "f16", cache_type_v: str = "f16") -> Plan:
     """Place every tensor in a tier within `budget` bytes. Pure: no I/O, no measurement.
-    baseline_bytes: the measured runtime RSS; kv_bytes_per_elem: 2 for the f16 cache (4 for f32)."""
+    baseline_bytes: the measured runtime RSS; the KV cache is counted in its cache types
+    (cache_type_k / cache_type_v), or at kv_bytes_per_elem bytes per value when given."""
     assert n_ctx > 0 and threads > 0 and n_batch > 0
     m = model
-    kv = int(m.kv_elems_per_token * n_ctx * kv_bytes_per_elem)
+    kv = (int(m.kv_elems_per_token * n_ctx * kv_bytes_per_elem) if kv_bytes_per_elem is not None
+          else m.kv_cache_bytes(n_ctx, cache_type_k, cache_type_v))
     # the larger of the measured RSS and the model's predicted runtime (see RUNTIME_BASE_BYTES)
     baseline = max(baseline_bytes, m.runtime_bytes) + RUNTIME_EXTRA_BYTES
     n_batch = min(n_batch, n_ctx)  # a prefill batch never exceeds the context
@@ -407,7 +422,9 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
             f"memory budget {format_size(budget)} ({budget} bytes) is below the floor for this "
             f"model: the smallest budget that works is {format_size(floor)} ({floor} bytes) "
             f"[{parts}]; raise --mem-budget to at least {_round_up_mib(floor)}MiB"
-            + (" or lower --ctx" if kv > floor // 4 else ""))
+            + (" or lower --ctx" + (" or use a quantized KV cache (-ctk/-ctv q8_0)"
+                                    if str(cache_type_k).lower() == "f16" else "")
+               if kv > floor // 4 else ""))
     # largest prefill batch (halving from n_batch) that still fits
     nb = n_batch
     while nb > min_batch and fixed(nb) + need > budget:
@@ -518,7 +535,7 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
                 logits_all), kv, IO_STAGING_BYTES, slots, tiers, tier_bytes, cache_bytes,
                 slot_bytes, n_slots, hit, units, emb_rows, floor, mem, disk, bandwidth,
                 overlap_io, tps, m.name, m.arch, m.n_layer, m.weight_bytes, notes, tb,
-                floor_parts)
+                floor_parts, str(cache_type_k).lower(), str(cache_type_v).lower())
 
 
 def _round_up_mib(n: int) -> int:
@@ -528,7 +545,8 @@ def _round_up_mib(n: int) -> int:
 def plan_for_path(path, budget: int, n_ctx: int | None = None, threads: int | None = None, *,
                   baseline_bytes: int | None = None, bandwidth: Bandwidth | None = None,
                   measure_bandwidth: bool = False, n_batch: int = 512,
-                  kv_bytes_per_elem: float = 2) -> Plan:
+                  kv_bytes_per_elem: float | None = None, cache_type_k: str = "f16",
+                  cache_type_v: str = "f16") -> Plan:
     """Convenience for the CLI/API: describe the GGUF (a path, or a GGUFFile already open,
     used as is: the API plans the file it has opened, not a second copy), measure baseline
     (this process's RSS) and bandwidth (cached/default unless measure_bandwidth), and plan.
@@ -551,7 +569,8 @@ def plan_for_path(path, budget: int, n_ctx: int | None = None, threads: int | No
             opened.close()
     args = (desc, budget, n_ctx, threads or os.cpu_count() or 1)
     kw = dict(baseline_bytes=measure_baseline() if baseline_bytes is None else baseline_bytes,
-              n_batch=n_batch, kv_bytes_per_elem=kv_bytes_per_elem)
+              n_batch=n_batch, kv_bytes_per_elem=kv_bytes_per_elem, cache_type_k=cache_type_k,
+              cache_type_v=cache_type_v)
     if bandwidth is None and measure_bandwidth:
         # refuse a budget below the floor before the probes allocate or write anything
         plan(*args, Bandwidth(source="default"), **kw)

@@ -25,6 +25,9 @@ class Model:
     # KV values rounded to f16 as llama.cpp's default cache (and its f16 flash attention reads
     # Q as f16); tests of exact float math switch it off.
     kv_f16 = True
+    # KV cache types (kv/quant.py ids; llama.cpp's -ctk / -ctv), set by memfit.load
+    cache_type_k: int | str = "f16"
+    cache_type_v: int | str = "f16"
 
     def __init__(self, config: ModelConfig, weights, ops=None):
         from ..ops import get_ops
@@ -100,7 +103,7 @@ class Model:
     def new_cache(self, n_ctx: int) -> KVCache:
         c = self.config
         return KVCache(c.n_layer, n_ctx, c.n_head_kv, c.head_dim_k, c.head_dim_v,
-                       f16_values=self.kv_f16)
+                       f16_values=self.kv_f16, type_k=self.cache_type_k, type_v=self.cache_type_v)
 
     def forward(self, ids, cache: KVCache, all_logits: bool = False,
                 hidden_from: int | None = None) -> np.ndarray:
@@ -120,7 +123,8 @@ class Model:
         x = ops.get_rows(self.weights.get("token_embd.weight"), ids)
         if c.embd_scale != 1.0:
             x = x * np.float32(c.embd_scale)
-        fused = self._decode_layers() if ids.size == 1 and not all_logits else None
+        fused = (self._decode_layers() if ids.size == 1 and not all_logits
+                 and not getattr(cache, "quantized", False) else None)
         if fused:
             # one native call per layer (csrc/decode.c): the same kernels in the same order as
             # block(), without per-op interpreter overhead
@@ -236,6 +240,10 @@ class Model:
         if last is not None:
             q, pos = q[last], pos[last]
         q = np.ascontiguousarray(q)
+        if getattr(cache, "quantized", False):  # K/V rows in q8_0 / q4_0 blocks
+            o = ops.attention_kvq(q, K, V, pos, kv_pos, c.attn_scale, window, c.attn_softcap,
+                                  *cache.kv_types)
+            return self.linear(o.reshape(o.shape[0], c.n_head * c.head_dim_v), p + "attn_output")
         if cache.f16_values:
             q = round_f16(q, q)  # q is this layer's own rope output
         o = ops.attention(q, K, V, pos, kv_pos, c.attn_scale, window,
