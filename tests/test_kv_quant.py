@@ -136,3 +136,78 @@ def test_dot_matches_ggml_order():
     m = max(s[0], s[1])
     w = np.exp(np.float32(s - m).astype(np.float64))
     np.testing.assert_allclose(out[0, 0], (w / w.sum()) @ V, rtol=1e-5, atol=1e-6)
+
+
+# ---- the planner counts the cache types ----------------------------------------------------
+
+def test_planner_counts_cache_type_bytes():
+    from memfit.memory.bandwidth import Bandwidth
+    from memfit.memory.planner import ModelDesc, describe_tensor, plan
+    ts = (describe_tensor("token_embd.weight", 1 << 20, (1000, 64)),
+          describe_tensor("output_norm.weight", 256, (64,)),
+          describe_tensor("blk.0.attn_q.weight", 1 << 20, (64, 64)))
+    m = ModelDesc("llama", 1, 64, 4, 2, 64, 64, 1000, 128, ts, name="toy")
+    bw = Bandwidth(10e9, 1e9, "test")
+    kv = {t: plan(m, 10**12, 4096, 2, bw, baseline_bytes=0, cache_type_k=t, cache_type_v=t).kv_bytes
+          for t in ("f16", "q8_0", "q4_0")}
+    per_tok = 1 * 2  # layers x kv heads
+    assert kv == {"f16": 4096 * per_tok * 2 * 128, "q8_0": 4096 * per_tok * 2 * 68,
+                  "q4_0": 4096 * per_tok * 2 * 36}
+    mixed = plan(m, 10**12, 4096, 2, bw, baseline_bytes=0, cache_type_k="q8_0", cache_type_v="f16")
+    assert mixed.kv_bytes == 4096 * per_tok * (68 + 128)
+    assert mixed.to_json()["cache_type_k"] == "q8_0" and "K q8_0, V f16" in mixed.format()
+
+
+@pytest.mark.realmodel
+@pytest.mark.timeout(300)
+def test_budget_refusing_f16_kv_accepts_q8_0(smollm2_path):
+    """At the training context (8192) the f16 KV cache (180 MiB) puts smollm2's floor above a
+    budget that the q8_0 cache (96 MiB) fits in; the refusal suggests the quantized cache."""
+    from test_budget_e2e import MiB, memfit
+    floors = {t: memfit("plan", smollm2_path, "--mem-budget", "64GiB", "-c", 8192, "--json",
+                        "--no-measure", "-ctk", t, "-ctv", t).json()["min_budget_bytes"]
+              for t in ("f16", "q8_0")}
+    assert floors["f16"] - floors["q8_0"] > 60 * MiB, floors
+    budget = (floors["f16"] + floors["q8_0"]) // 2
+    args = ("-p", "The quick brown fox", "-n", 4, "--temp", 0, "-c", 8192, "--mem-budget", budget)
+    r = memfit("run", smollm2_path, *args)
+    assert r.rc not in (0, 70) and "below the floor" in r.err and "-ctk/-ctv q8_0" in r.err, r.err
+    assert len([x for x in r.err.splitlines() if x.startswith("memfit: error")]) <= 1
+    ok = memfit("run", smollm2_path, *args, "-ctk", "q8_0", "-ctv", "q8_0", "--json")
+    d = ok.json()
+    assert len(d["ids"]) == 4 and d["mem_budget_bytes"] == budget
+    assert ok.peak_rss <= budget
+
+
+@pytest.mark.realmodel
+def test_unknown_cache_type_is_a_user_error(smollm2_path):
+    import memfit
+    from memfit.errors import RequestError
+    with pytest.raises(RequestError, match="q5_1.*f16, q8_0, q4_0"):
+        memfit.load(smollm2_path, cache_type_k="q5_1")
+
+
+def _golden_ppl(golden_dir, stem):
+    import json
+    gold = next(r for r in json.loads((golden_dir / "perplexity.json").read_text())["results"]
+                if r["model"] == stem)
+    text = (golden_dir / "GPL-3.txt").read_text(encoding="utf-8")
+    return gold["ppl"], text[:-1] if text.endswith("\n") else text
+
+
+@pytest.mark.realmodel
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("which", ["smollm2", "gemma"])
+def test_perplexity_quantized_kv_close_to_f16(which, request, golden_dir):
+    """q8_0 within 1% and q4_0 within 5% of the f16 cache's perplexity (llama.cpp's f16 number
+    from the golden; memfit's own f16 equals it within 1%: test_golden_e2e)."""
+    import memfit
+    path = request.getfixturevalue(f"{which}_path")
+    f16, text = _golden_ppl(golden_dir, path.name)
+    with memfit.load(path, n_ctx=512, cache_type_k="q8_0", cache_type_v="q8_0") as m:
+        q8 = m.perplexity(text, ctx=512).ppl
+        m.model.cache_type_k = m.model.cache_type_v = "q4_0"  # same weights, other cache
+        q4 = m.perplexity(text, ctx=512).ppl
+    assert abs(q8 / f16 - 1) < 0.01, (q8, f16)
+    assert abs(q4 / f16 - 1) < 0.05, (q4, f16)

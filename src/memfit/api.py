@@ -54,6 +54,35 @@ class Perplexity:
                 "seconds": round(self.seconds, 3)}
 
 
+class Session:
+    """One sequence kept between calls: the token ids whose K/V rows are in ``cache``.
+    ``Model.generate(..., session=s)`` reuses the longest common prefix of s.ids and the new
+    prompt (multi-turn chat); ``Model.save_state`` / ``load_state`` write and restore it."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.ids: list[int] = []
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.ids)
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self.ids = []
+
+    def _reuse(self, ids: list[int]) -> int:
+        """Trim the cache to the common prefix with ids (leaving >= 1 token to compute, whose
+        logits start the generation); returns how many rows are kept."""
+        n = 0
+        lim = min(len(self.ids), len(ids) - 1)
+        while n < lim and self.ids[n] == ids[n]:
+            n += 1
+        self.cache.trim(self.cache.offset - n)
+        self.ids = self.ids[:n]
+        return n
+
+
 def peak_rss_bytes() -> int:
     """Peak resident set (VmHWM) of this process: the number the budget caps."""
     from .memory.budget import peak_rss
@@ -209,30 +238,100 @@ class Model:
         return ids
 
     # --- generation
-    def _steps(self, prompt, n_top: int, state: GenerationState | None, **sampling):
+    def _steps(self, prompt, n_top: int, state: GenerationState | None,
+               session: Session | None = None, **sampling):
         params = SamplingParams(**sampling)
         ids = self._prompt_ids(prompt)
         st = state if state is not None else GenerationState(ids)
         st.prompt_ids = ids
-        return st, generate_steps(self.model, self.tokenizer, ids, params, self.n_ctx,
-                                  n_top=n_top, state=st, n_batch=self.n_batch)
+        if session is None:
+            return st, generate_steps(self.model, self.tokenizer, ids, params, self.n_ctx,
+                                      n_top=n_top, state=st, n_batch=self.n_batch)
+        if not ids:
+            raise RequestError("the prompt is empty (no tokens); give some text")
+        n_cached = session._reuse(ids)
+        steps = generate_steps(self.model, self.tokenizer, ids, params, self.n_ctx, n_top=n_top,
+                               state=st, n_batch=self.n_batch, cache=session.cache,
+                               n_cached=n_cached)
+
+        def tracked():
+            try:
+                yield from steps
+            finally:  # the rows in the cache: the prompt and the tokens fed back so far
+                session.ids = (ids + st.ids)[:session.cache.offset]
+        return st, tracked()
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 128,
-                 top_logprobs: int = 0, **sampling) -> Completion:
+                 top_logprobs: int = 0, session: Session | None = None, **sampling) -> Completion:
         """Complete ``prompt`` (text or ids). Sampling keywords: temperature, top_k, top_p,
-        min_p, repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty, seed, stop."""
-        st, steps = self._steps(prompt, top_logprobs, None, max_tokens=max_tokens, **sampling)
+        min_p, repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty, seed, stop.
+        With ``session`` (new_session / load_state) the common prefix of the session's tokens
+        and the prompt is reused and the session keeps the result."""
+        st, steps = self._steps(prompt, top_logprobs, None, session, max_tokens=max_tokens,
+                                **sampling)
         for _ in steps:
             pass
         return Completion(st.prompt_ids, st.ids, st.text, st.finish_reason, st.timings,
                           st.top if top_logprobs > 0 else None)
 
-    def stream(self, prompt: str | Sequence[int], max_tokens: int = 128, **sampling) -> Iterator[str]:
+    def stream(self, prompt: str | Sequence[int], max_tokens: int = 128,
+               session: Session | None = None, **sampling) -> Iterator[str]:
         """Yield text pieces as they are decoded (never a broken UTF-8 sequence)."""
-        _, steps = self._steps(prompt, 0, None, max_tokens=max_tokens, **sampling)
+        _, steps = self._steps(prompt, 0, None, session, max_tokens=max_tokens, **sampling)
         for step in steps:
             if step.text:
                 yield step.text
+
+    # --- sessions
+    def new_session(self) -> Session:
+        """An empty sequence whose KV cache (n_ctx rows, the model's cache types) persists
+        across generate calls."""
+        return Session(self.model.new_cache(self.n_ctx))
+
+    def _kv_geometry(self) -> dict:
+        from .kv.quant import cache_type, row_bytes
+        c = self.config
+        return {"n_layer": c.n_layer, "n_kv_head": c.n_head_kv,
+                "row_bytes_k": row_bytes(cache_type(self.cache_type_k), c.head_dim_k),
+                "row_bytes_v": row_bytes(cache_type(self.cache_type_v), c.head_dim_v)}
+
+    def save_state(self, path: str | os.PathLike, session: Session, extra: dict | None = None) -> int:
+        """Write the session (token ids, K/V rows in the cache types, this model's identity)
+        to path, crash-safely (memfit/session.py); extra: JSON-able data kept with it.
+        Returns the file size."""
+        from . import session as ss
+        n, g = session.cache.offset, self._kv_geometry()
+        assert n == len(session.ids)
+        if n == 0:
+            raise RequestError("the session is empty: nothing to save")
+        cache = session.cache
+        rows = [(cache.k[il][:n].view(np.uint8).reshape(n, g["n_kv_head"], -1),
+                 cache.v[il][:n].view(np.uint8).reshape(n, g["n_kv_head"], -1))
+                for il in range(g["n_layer"])]
+        st = ss.SessionState(list(session.ids), [k for k, _ in rows], [v for _, v in rows],
+                             self.cache_type_k, self.cache_type_v, extra or {})
+        return ss.save(path, ss.model_identity(self.file), st)
+
+    def load_state(self, path: str | os.PathLike) -> tuple[Session, dict]:
+        """Restore a session saved by save_state; returns (session, extra). SessionError when
+        the file belongs to another model or cache types, or is truncated or corrupt."""
+        from . import session as ss
+        st = ss.load(path, ss.model_identity(self.file), self.cache_type_k, self.cache_type_v,
+                     self._kv_geometry())
+        n = len(st.ids)
+        if n >= self.n_ctx:
+            raise RequestError(f"the session holds {n} tokens but the context is {self.n_ctx}; "
+                               f"load it with --ctx-size {n + 1} or more")
+        sess = self.new_session()
+        cache = sess.cache
+        for il in range(len(st.k)):
+            kd = cache.k[il][:n].view(np.uint8).reshape(st.k[il].shape)
+            vd = cache.v[il][:n].view(np.uint8).reshape(st.v[il].shape)
+            kd[...] = st.k[il]
+            vd[...] = st.v[il]
+        cache.offset = n
+        sess.ids = list(st.ids)
+        return sess, st.extra
 
     # --- evaluation
     def perplexity(self, text: str, ctx: int = 512, progress=None) -> Perplexity:

@@ -22,6 +22,7 @@ class Timings:
     prompt_ms: float = 0.0
     predicted_n: int = 0
     predicted_ms: float = 0.0
+    cache_n: int = 0  # prompt tokens whose KV was reused (a session's common prefix)
 
     @property
     def prompt_per_second(self) -> float:
@@ -37,6 +38,7 @@ class Timings:
             "prompt_per_second": round(self.prompt_per_second, 3),
             "predicted_n": self.predicted_n, "predicted_ms": round(self.predicted_ms, 3),
             "predicted_per_second": round(self.predicted_per_second, 3),
+            "cache_n": self.cache_n,
         }
 
 
@@ -61,8 +63,9 @@ class GenerationState:
 
 def generate_steps(model, tokenizer, prompt_ids: list[int], params: SamplingParams,
                    n_ctx: int, n_top: int = 0, state: GenerationState | None = None,
-                   n_batch: int = 512) -> Iterator[Step]:
-    """Yield a Step per generated token; fills ``state`` (ids, text, finish_reason, timings)."""
+                   n_batch: int = 512, cache=None, n_cached: int = 0) -> Iterator[Step]:
+    """Yield a Step per generated token; fills ``state`` (ids, text, finish_reason, timings).
+    With ``cache`` (a session's), its first n_cached rows already hold prompt_ids[:n_cached]."""
     from ..tokenizer import StreamDecoder
 
     if not prompt_ids:
@@ -80,13 +83,16 @@ def generate_steps(model, tokenizer, prompt_ids: list[int], params: SamplingPara
     eog = tokenizer.eog_ids
     history = list(prompt_ids)
 
-    cache = model.new_cache(n_ctx)
+    if cache is None:
+        cache, n_cached = model.new_cache(n_ctx), 0
+    assert cache.offset == n_cached < len(prompt_ids)
     t0 = time.perf_counter()
-    ids = np.asarray(prompt_ids, dtype=np.int32)
+    ids = np.asarray(prompt_ids[n_cached:], dtype=np.int32)
     for b in range(0, len(ids), n_batch):  # prefill in batches of n_batch (scratch is sized for it)
         logits = model.forward(ids[b:b + n_batch], cache)
     t1 = time.perf_counter()
-    st.timings.prompt_n = len(prompt_ids)
+    st.timings.prompt_n = len(prompt_ids) - n_cached
+    st.timings.cache_n = n_cached
     st.timings.prompt_ms = (t1 - t0) * 1e3
     st.finish_reason = "length"
     for i in range(max_tokens):
