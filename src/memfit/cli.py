@@ -147,6 +147,83 @@ def cmd_run(a) -> int:
     return 0
 
 
+def cmd_chat(a) -> int:
+    """Interactive multi-turn chat: the model's chat template, streamed replies, the KV of the
+    conversation kept in one session between turns (only the new turn is computed)."""
+    from .api import peak_rss_bytes
+    from .engine.generate import GenerationState
+    from .errors import MemfitError
+    with _load(a, n_ctx=a.ctx_size) as m:
+        if not m.tokenizer.chat_template:
+            m.apply_chat_template([])  # raises the "has no chat template" error
+        sess = m.new_session()
+        system = [{"role": "system", "content": a.system}] if a.system else []
+        messages = list(system)
+        kw = _sampling_kwargs(a)
+
+        def note(msg: str) -> None:
+            print(f"memfit: {msg}", file=sys.stderr, flush=True)
+
+        note(f"chat with {m.path.name}; /exit to quit, /reset to start over, /save FILE, "
+             f"/load FILE")
+        while True:
+            try:
+                line = input("> ")
+            except (EOFError, KeyboardInterrupt):
+                sys.stdout.write("\n")
+                break
+            text = line.strip()
+            if not text:
+                continue
+            try:
+                if text.startswith("/"):
+                    cmd, _, arg = text.partition(" ")
+                    arg = arg.strip()
+                    if cmd in ("/exit", "/quit"):
+                        break
+                    if cmd == "/reset":
+                        sess.reset()
+                        messages = list(system)
+                        note("conversation reset")
+                    elif cmd in ("/save", "/load") and not arg:
+                        note(f"error: {cmd} needs a file name: {cmd} FILE")
+                    elif cmd == "/save":
+                        size = m.save_state(arg, sess, extra={"messages": messages})
+                        note(f"saved {sess.n_tokens} tokens to {arg} ({_mib(size)})")
+                    elif cmd == "/load":
+                        sess, extra = m.load_state(arg)
+                        messages = list(extra.get("messages") or [])
+                        note(f"loaded {sess.n_tokens} tokens, {len(messages)} messages from {arg}")
+                    else:
+                        note(f"error: unknown command {cmd}; use /exit, /reset, /save FILE, "
+                             f"/load FILE")
+                    continue
+                messages.append({"role": "user", "content": text})
+                prompt = m.apply_chat_template(messages)
+                st = GenerationState([])
+                _, steps = m._steps(prompt, 0, st, sess, max_tokens=a.n_predict, **kw)
+                for step in steps:
+                    if step.text:
+                        sys.stdout.write(step.text)
+                        sys.stdout.flush()
+                sys.stdout.write("\n")
+                messages.append({"role": "assistant", "content": st.text})
+            except MemfitError as e:
+                if messages and messages[-1]["role"] == "user":
+                    messages.pop()
+                note(f"error: {e}")
+                continue
+            t = st.timings
+            print(f"memfit: prompt {t.prompt_n} tok ({t.cache_n} cached), "
+                  f"{t.prompt_per_second:.1f} tok/s | generated {t.predicted_n} tok, "
+                  f"{t.predicted_per_second:.1f} tok/s | context {sess.n_tokens}/{m.n_ctx} | "
+                  f"peak RSS {_mib(peak_rss_bytes())}"
+                  + (f" of budget {_mib(m.ledger.budget)} | {m.store.format_stats()}"
+                     if m.store is not None else ""),
+                  file=sys.stderr, flush=True)
+    return 0
+
+
 def cmd_tokenize(a) -> int:
     text = _read_text(a)
     if text is None:
@@ -302,6 +379,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cache_type_args(r)
     _add_runtime_args(r)
     r.set_defaults(func=cmd_run, text=None)
+
+    ch = sub.add_parser("chat", help="interactive multi-turn chat in the terminal (/exit, /reset, /save FILE, /load FILE)",
+                        description="Chat with the model using its chat template. Replies stream; the conversation's KV "
+                                    "cache is kept between turns. Commands: /exit, /reset, /save FILE, /load FILE.")
+    _add_model_arg(ch, optional=True)
+    ch.add_argument("-c", "--ctx-size", type=int, default=None, help="context size (default: min(training context, 4096))")
+    ch.add_argument("--system", default=None, help="system message")
+    _add_sampling_args(ch)
+    _add_cache_type_args(ch)
+    _add_runtime_args(ch)
+    ch.set_defaults(func=cmd_chat, json=False)
 
     t = sub.add_parser("tokenize", help="print the token ids of a text")
     _add_model_arg(t)
