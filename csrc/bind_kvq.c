@@ -5,7 +5,7 @@
 
 #include <string.h>
 
-static int kv_type_ok(long t) { return t == MF_KV_F16 || t == MF_KV_Q8_0 || t == MF_KV_Q4_0 || t == MF_KV_F32; }
+static int kv_type_ok(long t) { return t == MF_KVT_F16 || t == MF_KVT_Q8_0 || t == MF_KVT_Q4_0 || t == MF_KVT_F32; }
 
 /* a C-contiguous buffer whose format is `fmt` ('f' float32, 'i' int32, 'B' bytes: any format) */
 static int getb(PyObject *o, Py_buffer *b, const char *fn, const char *name, char fmt, int writable) {
@@ -36,8 +36,8 @@ static PyObject *py_kv_quantize(PyObject *self, PyObject *args) {
     if (getb(xo, &x, "kv_quantize", "x", 'f', 0) < 0) return NULL;
     if (getb(oo, &o, "kv_quantize", "out", 'B', 1) < 0) { PyBuffer_Release(&x); return NULL; }
     const int64_t n = x.ndim ? x.shape[x.ndim - 1] : 1, rows = n ? (int64_t)(x.len / 4) / n : 0;
-    const int64_t rb = mf_kv_row_bytes((int)type, n);
-    if ((type == MF_KV_Q8_0 || type == MF_KV_Q4_0) && n % MF_KV_QK) {
+    const int64_t rb = mf_kvq_row_bytes((int)type, n);
+    if ((type == MF_KVT_Q8_0 || type == MF_KVT_Q4_0) && n % MF_KV_QK) {
         PyErr_Format(PyExc_ValueError, "kv_quantize: row length %lld is not a multiple of %d", (long long)n, MF_KV_QK);
     } else if (o.len != rows * rb) {
         PyErr_Format(PyExc_ValueError, "kv_quantize: out has %zd bytes, %lld rows of %lld need %lld", o.len,
@@ -63,8 +63,8 @@ static PyObject *py_kv_dequantize(PyObject *self, PyObject *args) {
     if (getb(ro, &r, "kv_dequantize", "raw", 'B', 0) < 0) return NULL;
     if (getb(oo, &o, "kv_dequantize", "out", 'f', 1) < 0) { PyBuffer_Release(&r); return NULL; }
     const int64_t n = o.ndim ? o.shape[o.ndim - 1] : 1, rows = n ? (int64_t)(o.len / 4) / n : 0;
-    const int64_t rb = mf_kv_row_bytes((int)type, n);
-    if ((type == MF_KV_Q8_0 || type == MF_KV_Q4_0) && n % MF_KV_QK) {
+    const int64_t rb = mf_kvq_row_bytes((int)type, n);
+    if ((type == MF_KVT_Q8_0 || type == MF_KVT_Q4_0) && n % MF_KV_QK) {
         PyErr_Format(PyExc_ValueError, "kv_dequantize: row length %lld is not a multiple of %d", (long long)n, MF_KV_QK);
     } else if (r.len != rows * rb) {
         PyErr_Format(PyExc_ValueError, "kv_dequantize: raw has %zd bytes, %lld rows of %lld need %lld", r.len,
@@ -113,10 +113,10 @@ static PyObject *py_attention_kvq(PyObject *self, PyObject *args) {
     }
     const int64_t n = q->shape[0], Hq = q->shape[1], D = q->shape[2], Dv = o->shape[2];
     const int64_t Hkv = k->shape[k->ndim - 2], T = (int64_t)(kp->len / 4);
-    const int64_t rbk = mf_kv_row_bytes((int)tk, D), rbv = mf_kv_row_bytes((int)tv, Dv);
+    const int64_t rbk = mf_kvq_row_bytes((int)tk, D), rbv = mf_kvq_row_bytes((int)tv, Dv);
     if (k->shape[k->ndim - 1] * k->itemsize != rbk || v->shape[v->ndim - 1] * v->itemsize != rbv ||
-        v->shape[v->ndim - 2] != Hkv || ((tk == MF_KV_Q8_0 || tk == MF_KV_Q4_0) && D % MF_KV_QK) ||
-        ((tv == MF_KV_Q8_0 || tv == MF_KV_Q4_0) && Dv % MF_KV_QK)) {
+        v->shape[v->ndim - 2] != Hkv || ((tk == MF_KVT_Q8_0 || tk == MF_KVT_Q4_0) && D % MF_KV_QK) ||
+        ((tv == MF_KVT_Q8_0 || tv == MF_KVT_Q4_0) && Dv % MF_KV_QK)) {
         PyErr_Format(PyExc_ValueError, "%s: k rows must be %lld bytes and v rows %lld (D=%lld, Dv=%lld; block types "
                      "need multiples of 32)", fn, (long long)rbk, (long long)rbv, (long long)D, (long long)Dv);
         goto fail;
@@ -128,7 +128,8 @@ static PyObject *py_attention_kvq(PyObject *self, PyObject *args) {
         goto fail;
     }
     const int64_t krows = k->len / (Hkv * rbk), vrows = v->len / (Hkv * rbv);
-    if (tb) {
+    const int32_t *qpos = qp->buf;
+    if (tb) { /* one sequence in a pool of 32-row blocks: query i sees logical keys 0..q_pos[i] */
         const int32_t *t = tb->buf;
         const int64_t nt = tb->len / 4;
         if (nt * MF_KV_QK < T) {
@@ -141,6 +142,11 @@ static PyObject *py_attention_kvq(PyObject *self, PyObject *args) {
                 PyErr_Format(PyExc_ValueError, "%s: table[%lld] = %d is outside the pool", fn, (long long)j, t[j]);
                 goto fail;
             }
+        for (int64_t i = 0; i < n; i++)
+            if (qpos[i] < 0 || qpos[i] >= nt * MF_KV_QK) {
+                PyErr_Format(PyExc_ValueError, "%s: q_pos[%lld] = %d is outside the table", fn, (long long)i, qpos[i]);
+                goto fail;
+            }
     } else if (krows < T || vrows < T) {
         PyErr_Format(PyExc_ValueError, "%s: k/v hold %lld/%lld rows, kv_pos has %lld", fn, (long long)krows,
                      (long long)vrows, (long long)T);
@@ -148,7 +154,7 @@ static PyObject *py_attention_kvq(PyObject *self, PyObject *args) {
     }
     {
         mf_attnq_args a = {.q = q->buf, .k = k->buf, .v = v->buf, .out = o->buf, .q_pos = qp->buf,
-                           .kv_pos = kp->buf, .table = tb ? tb->buf : NULL, .n = n, .T = T, .Hq = Hq,
+                           .kv_pos = kp->buf, .tables = tb ? tb->buf : NULL, .q_tab = NULL, .bs = MF_KV_QK, .n = n, .T = T, .Hq = Hq,
                            .Hkv = Hkv, .D = D, .Dv = Dv, .scale = (float)scale, .softcap = (float)softcap,
                            .window = window, .type_k = (int)tk, .type_v = (int)tv};
         Py_BEGIN_ALLOW_THREADS
@@ -171,6 +177,7 @@ PyMethodDef mf_kvq_methods[] = {
     {"attention_kvq", py_attention_kvq, METH_VARARGS,
      "attention_kvq(q[n,Hq,D] f32, k u8[..., Hkv, rbk], v u8[..., Hkv, rbv], q_pos i32[n], kv_pos i32[T], scale, "
      "window, softcap, type_k, type_v, table i32 | None, out f32[n,Hq,Dv]) -> out: llama.cpp's CPU flash attention "
-     "over K/V rows of the given cache types; with a table, key t is row table[t//32]*32 + t%32 of the pool"},
+     "over K/V rows of the given cache types; with a table (one sequence in a pool of 32-row blocks), query i sees "
+     "logical keys 0..q_pos[i], key t at row table[t//32]*32 + t%32 (kv_pos unused)"},
     {NULL, NULL, 0, NULL},
 };

@@ -22,12 +22,12 @@
 #define Q8_BYTES 34
 #define Q4_BYTES 18
 
-int64_t mf_kv_row_bytes(int type, int64_t n) {
+int64_t mf_kvq_row_bytes(int type, int64_t n) {
     switch (type) {
-    case MF_KV_F32: return 4 * n;
-    case MF_KV_F16: return 2 * n;
-    case MF_KV_Q8_0: return n / MF_KV_QK * Q8_BYTES;
-    case MF_KV_Q4_0: return n / MF_KV_QK * Q4_BYTES;
+    case MF_KVT_F32: return 4 * n;
+    case MF_KVT_F16: return 2 * n;
+    case MF_KVT_Q8_0: return n / MF_KV_QK * Q8_BYTES;
+    case MF_KVT_Q4_0: return n / MF_KV_QK * Q4_BYTES;
     default: return 0;
     }
 }
@@ -79,27 +79,27 @@ static void q4_0_row(const float *x, uint8_t *y, int64_t n) {
 
 static void quantize_row(int type, const float *x, uint8_t *y, int64_t n) {
     switch (type) {
-    case MF_KV_F32: memcpy(y, x, (size_t)n * 4); break;
-    case MF_KV_F16: mf_f32_to_f16(x, (uint16_t *)(void *)y, n); break;
-    case MF_KV_Q8_0: q8_0_row(x, y, n); break;
-    case MF_KV_Q4_0: q4_0_row(x, y, n); break;
+    case MF_KVT_F32: memcpy(y, x, (size_t)n * 4); break;
+    case MF_KVT_F16: mf_f32_to_f16(x, (uint16_t *)(void *)y, n); break;
+    case MF_KVT_Q8_0: q8_0_row(x, y, n); break;
+    case MF_KVT_Q4_0: q4_0_row(x, y, n); break;
     default: assert(0 && "unknown kv type");
     }
 }
 
 static void dequantize_row(int type, const uint8_t *x, float *y, int64_t n) {
     switch (type) {
-    case MF_KV_F32: memcpy(y, x, (size_t)n * 4); break;
-    case MF_KV_F16:
+    case MF_KVT_F32: memcpy(y, x, (size_t)n * 4); break;
+    case MF_KVT_F16:
         for (int64_t j = 0; j < n; j++) y[j] = ld_f16(x + 2 * j);
         break;
-    case MF_KV_Q8_0:
+    case MF_KVT_Q8_0:
         for (int64_t b = 0; b < n / MF_KV_QK; b++, x += Q8_BYTES, y += MF_KV_QK) {
             const float d = ld_f16(x);
             for (int j = 0; j < MF_KV_QK; j++) y[j] = (float)(int8_t)x[2 + j] * d;
         }
         break;
-    case MF_KV_Q4_0:
+    case MF_KVT_Q4_0:
         for (int64_t b = 0; b < n / MF_KV_QK; b++, x += Q4_BYTES, y += MF_KV_QK) {
             const float d = ld_f16(x);
             for (int j = 0; j < MF_KV_QK / 2; j++) {
@@ -113,12 +113,12 @@ static void dequantize_row(int type, const uint8_t *x, float *y, int64_t n) {
 }
 
 void mf_kv_quantize(int type, const float *x, void *dst, int64_t rows, int64_t n) {
-    const int64_t rb = mf_kv_row_bytes(type, n);
+    const int64_t rb = mf_kvq_row_bytes(type, n);
     for (int64_t r = 0; r < rows; r++) quantize_row(type, x + r * n, (uint8_t *)dst + r * rb, n);
 }
 
 void mf_kv_dequantize(int type, const void *src, float *y, int64_t rows, int64_t n) {
-    const int64_t rb = mf_kv_row_bytes(type, n);
+    const int64_t rb = mf_kvq_row_bytes(type, n);
     for (int64_t r = 0; r < rows; r++) dequantize_row(type, (const uint8_t *)src + r * rb, y + r * n, n);
 }
 
@@ -132,10 +132,10 @@ static inline float hsum8(const float a[8]) {
 
 static float dot_q_scalar(int tk, const uint8_t *k, const uint8_t *q, int64_t D) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    const int64_t kb = tk == MF_KV_Q8_0 ? Q8_BYTES : Q4_BYTES;
+    const int64_t kb = tk == MF_KVT_Q8_0 ? Q8_BYTES : Q4_BYTES;
     for (int64_t b = 0; b < D / MF_KV_QK; b++, k += kb, q += Q8_BYTES) {
         int8_t kv[MF_KV_QK];
-        if (tk == MF_KV_Q8_0) {
+        if (tk == MF_KVT_Q8_0) {
             memcpy(kv, k + 2, MF_KV_QK);
         } else {
             for (int j = 0; j < 16; j++) {
@@ -158,10 +158,10 @@ static float dot_q_scalar(int tk, const uint8_t *k, const uint8_t *q, int64_t D)
 MF_AVX2 static float dot_q_avx2(int tk, const uint8_t *k, const uint8_t *q, int64_t D) {
     __m256 acc = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
-    const int64_t kb = tk == MF_KV_Q8_0 ? Q8_BYTES : Q4_BYTES;
+    const int64_t kb = tk == MF_KVT_Q8_0 ? Q8_BYTES : Q4_BYTES;
     for (int64_t b = 0; b < D / MF_KV_QK; b++, k += kb, q += Q8_BYTES) {
         __m256i kx;
-        if (tk == MF_KV_Q8_0) {
+        if (tk == MF_KVT_Q8_0) {
             kx = _mm256_loadu_si256((const __m256i *)(k + 2));
         } else { /* low nibbles -> bytes 0..15, high nibbles -> 16..31, minus 8 */
             const __m128i t = _mm_loadu_si128((const __m128i *)(k + 2));
@@ -188,8 +188,9 @@ static float dot_f16(const uint16_t *k, const float *q, int64_t D) {
 
 /* ---- attention ---------------------------------------------------------------------------- */
 
-static inline const uint8_t *row_at(const mf_attnq_args *a, const void *base, int64_t t, int64_t g, int64_t rb) {
-    const int64_t r = a->table ? (int64_t)a->table[t / MF_KV_QK] * MF_KV_QK + t % MF_KV_QK : t;
+static inline const uint8_t *row_at(const mf_attnq_args *a, const void *base, const int32_t *tab,
+                                    int64_t t, int64_t g, int64_t rb) {
+    const int64_t r = tab ? (int64_t)tab[t / a->bs] * a->bs + t % a->bs : t;
     return (const uint8_t *)base + (r * a->Hkv + g) * rb;
 }
 
@@ -198,23 +199,29 @@ static inline const uint8_t *row_at(const mf_attnq_args *a, const void *base, in
 static inline __attribute__((always_inline)) void attnq_body(const mf_attnq_args *a, int64_t task, int avx2) {
     const int64_t i = task / a->Hq, h = task % a->Hq, g = h / (a->Hq / a->Hkv), qp = a->q_pos[i];
     const int64_t D = a->D, Dv = a->Dv;
-    const int64_t rbk = mf_kv_row_bytes(a->type_k, D), rbv = mf_kv_row_bytes(a->type_v, Dv);
+    const int64_t rbk = mf_kvq_row_bytes(a->type_k, D), rbv = mf_kvq_row_bytes(a->type_v, Dv);
     const float *q = a->q + (i * a->Hq + h) * D;
     float *o = a->out + (i * a->Hq + h) * Dv;
     float acc[MF_ATTN_MAX_DIM], vr[MF_ATTN_MAX_DIM], qf[MF_ATTN_MAX_DIM];
     uint8_t qq[MF_ATTN_MAX_DIM / MF_KV_QK * Q8_BYTES];
-    const int kq = a->type_k == MF_KV_Q8_0 || a->type_k == MF_KV_Q4_0;
+    const int kq = a->type_k == MF_KVT_Q8_0 || a->type_k == MF_KVT_Q4_0;
     if (kq) q8_0_row(q, qq, D);
-    else if (a->type_k == MF_KV_F16) mf_round_f16_f32(q, qf, D); /* q as f16, like llama.cpp */
+    else if (a->type_k == MF_KVT_F16) mf_round_f16_f32(q, qf, D); /* q as f16, like llama.cpp */
     else memcpy(qf, q, (size_t)D * sizeof(float));
     /* softcap folded into the scale first, as ggml does */
     const float scale = a->softcap > 0.0f ? a->scale / a->softcap : a->scale;
     float M = -INFINITY, S = 0.0f;
     memset(acc, 0, (size_t)Dv * sizeof(float));
-    for (int64_t t = 0; t < a->T; t++) {
-        const int64_t kp = a->kv_pos[t];
-        if (kp > qp || (a->window > 0 && qp - kp >= a->window)) continue;
-        const uint8_t *kr = row_at(a, a->k, t, g, rbk);
+    /* paged: logical keys t0..qp of this row's sequence; contiguous: all T, masked by kv_pos */
+    const int32_t *tab = a->tables ? a->tables + (a->q_tab ? a->q_tab[i] : 0) : NULL;
+    const int64_t t0 = tab && a->window > 0 && qp - a->window + 1 > 0 ? qp - a->window + 1 : 0;
+    const int64_t t1 = tab ? qp + 1 : a->T;
+    for (int64_t t = t0; t < t1; t++) {
+        if (!tab) {
+            const int64_t kp = a->kv_pos[t];
+            if (kp > qp || (a->window > 0 && qp - kp >= a->window)) continue;
+        }
+        const uint8_t *kr = row_at(a, a->k, tab, t, g, rbk);
         float s;
         if (kq) {
 #ifdef MF_X86
@@ -223,7 +230,7 @@ static inline __attribute__((always_inline)) void attnq_body(const mf_attnq_args
             (void)avx2;
             s = dot_q_scalar(a->type_k, kr, qq, D);
 #endif
-        } else if (a->type_k == MF_KV_F16) {
+        } else if (a->type_k == MF_KVT_F16) {
             s = dot_f16((const uint16_t *)(const void *)kr, qf, D);
         } else {
             const float *kf = (const float *)(const void *)kr;
@@ -241,7 +248,7 @@ static inline __attribute__((always_inline)) void attnq_body(const mf_attnq_args
         } else {
             vs = expf(s - M);
         }
-        dequantize_row(a->type_v, row_at(a, a->v, t, g, rbv), vr, Dv);
+        dequantize_row(a->type_v, row_at(a, a->v, tab, t, g, rbv), vr, Dv);
         for (int64_t j = 0; j < Dv; j++) acc[j] = fmaf(vr[j], vs, acc[j]);
         S = S * ms + vs;
     }
@@ -266,7 +273,10 @@ static void attnq_task(void *p, int64_t task) {
 
 void mf_attention_kvq(const mf_attnq_args *a) {
     const int64_t tasks = a->n * a->Hq;
-    if (tasks > 1 && tasks * a->T * (a->D + a->Dv) >= 65536)
+    int64_t T = a->T;
+    if (a->tables)
+        for (int64_t i = 0; i < a->n; i++) T = a->q_pos[i] + 1 > T ? a->q_pos[i] + 1 : T;
+    if (tasks > 1 && tasks * T * (a->D + a->Dv) >= 65536)
         mf_parallel_for(tasks, attnq_task, (void *)a);
     else
         for (int64_t t = 0; t < tasks; t++) attnq_task((void *)a, t);

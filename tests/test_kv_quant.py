@@ -211,3 +211,15 @@ def test_perplexity_quantized_kv_close_to_f16(which, request, golden_dir):
         q4 = m.perplexity(text, ctx=512).ppl
     assert abs(q8 / f16 - 1) < 0.01, (q8, f16)
     assert abs(q4 / f16 - 1) < 0.05, (q4, f16)
+
+
+def test_paged_window_matches_contiguous():
+    rng = np.random.default_rng(21)
+    q, k, v, q_pos, kv_pos, table = _case(rng, 3, 75, 4, 2, 64, 64, kq.Q4_0, kq.Q8_0, True)
+    want = kq.attention_ref(q, k, v, q_pos, kv_pos, 0.3, 20, 0.0, kq.Q4_0, kq.Q8_0, table)
+    got = native.attention_kvq(q, k, v, q_pos, kv_pos, 0.3, 20, 0.0, kq.Q4_0, kq.Q8_0, table,
+                               np.empty((3, 4, 64), np.float32))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    with pytest.raises(ValueError, match="outside the table"):
+        native.attention_kvq(q, k, v, q_pos + 64, kv_pos, 0.3, 20, 0.0, kq.Q4_0, kq.Q8_0, table,
+                             np.empty((3, 4, 64), np.float32))
