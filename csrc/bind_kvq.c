@@ -169,7 +169,79 @@ fail:
     return NULL;
 }
 
+/* attention_paged_kvq(q, K, V, type_k, type_v, q_pos, q_tab, tables, bs, scale, window, softcap,
+ * out): csrc/bind_kv.c's attention_paged with a cache type for K and one for V */
+static PyObject *py_attention_paged_kvq(PyObject *self, PyObject *args) {
+    PyObject *qo, *ko, *vo, *qpo, *qto, *tbo, *oo;
+    long tk, tv;
+    long long bs, window;
+    double scale, softcap;
+    if (!PyArg_ParseTuple(args, "OOOllOOOLdLdO:attention_paged_kvq", &qo, &ko, &vo, &tk, &tv, &qpo, &qto, &tbo,
+                          &bs, &scale, &window, &softcap, &oo))
+        return NULL;
+    if (!kv_type_ok(tk) || !kv_type_ok(tv))
+        return PyErr_Format(PyExc_ValueError, "attention_paged_kvq: unknown kv types %ld, %ld", tk, tv);
+    Py_buffer b[7];
+    int nb = 0;
+    const char *fn = "attention_paged_kvq";
+    PyObject *objs[7] = {qo, ko, vo, qpo, qto, tbo, oo};
+    static const char fmts[7] = {'f', 'B', 'B', 'i', 'i', 'i', 'f'};
+    static const char *names[7] = {"q", "K", "V", "q_pos", "q_tab", "tables", "out"};
+    for (; nb < 7; nb++)
+        if (getb(objs[nb], &b[nb], fn, names[nb], fmts[nb], nb == 6) < 0) goto fail;
+    {
+        Py_buffer *q = &b[0], *k = &b[1], *v = &b[2], *qp = &b[3], *qt = &b[4], *tb = &b[5], *o = &b[6];
+        if (q->ndim != 3 || o->ndim != 3 || k->ndim < 2 || v->ndim < 2) {
+            PyErr_Format(PyExc_ValueError, "%s: q [n, Hq, D], out [n, Hq, Dv], K and V [rows, Hkv, row bytes]", fn);
+            goto fail;
+        }
+        const int64_t n = q->shape[0], Hq = q->shape[1], D = q->shape[2], Dv = o->shape[2];
+        const int64_t Hkv = k->shape[k->ndim - 2];
+        const int64_t rbk = mf_kvq_row_bytes((int)tk, D), rbv = mf_kvq_row_bytes((int)tv, Dv);
+        if (Hkv < 1 || Hq % Hkv || D > MF_ATTN_MAX_DIM || Dv > MF_ATTN_MAX_DIM || o->shape[0] != n ||
+            o->shape[1] != Hq || qp->len != n * 4 || qt->len != n * 4 || bs < 1 || window < 0 || softcap < 0 ||
+            k->shape[k->ndim - 1] * k->itemsize != rbk || v->shape[v->ndim - 1] * v->itemsize != rbv ||
+            v->shape[v->ndim - 2] != Hkv || ((tk == MF_KVT_Q8_0 || tk == MF_KVT_Q4_0) && D % MF_KV_QK) ||
+            ((tv == MF_KVT_Q8_0 || tv == MF_KVT_Q4_0) && Dv % MF_KV_QK)) {
+            PyErr_Format(PyExc_ValueError, "%s: inconsistent shapes or arguments", fn);
+            goto fail;
+        }
+        const int64_t rows = k->len / (Hkv * rbk), nt = tb->len / 4;
+        if (v->len / (Hkv * rbv) != rows || rows % bs) {
+            PyErr_Format(PyExc_ValueError, "%s: K and V must be pools of the same whole blocks", fn);
+            goto fail;
+        }
+        const int32_t *p = qp->buf, *t = qt->buf, *tab = tb->buf;
+        for (int64_t i = 0; i < nt; i++)
+            if (tab[i] < 0 || tab[i] >= rows / bs) {
+                PyErr_Format(PyExc_ValueError, "%s: a block table entry is outside the pool", fn);
+                goto fail;
+            }
+        for (int64_t i = 0; i < n; i++)
+            if (p[i] < 0 || t[i] < 0 || t[i] + p[i] / bs >= nt) {
+                PyErr_Format(PyExc_ValueError, "%s: a row's position or table is outside tables", fn);
+                goto fail;
+            }
+        mf_attnq_args a = {.q = q->buf, .k = k->buf, .v = v->buf, .out = o->buf, .q_pos = p, .q_tab = t,
+                           .tables = tab, .bs = bs, .n = n, .Hq = Hq, .Hkv = Hkv, .D = D, .Dv = Dv,
+                           .scale = (float)scale, .softcap = (float)softcap, .window = window,
+                           .type_k = (int)tk, .type_v = (int)tv};
+        Py_BEGIN_ALLOW_THREADS
+        mf_attention_kvq(&a);
+        Py_END_ALLOW_THREADS
+    }
+    for (int i = 0; i < nb; i++) PyBuffer_Release(&b[i]);
+    Py_INCREF(oo);
+    return oo;
+fail:
+    for (int i = 0; i < nb; i++) PyBuffer_Release(&b[i]);
+    return NULL;
+}
+
 PyMethodDef mf_kvq_methods[] = {
+    {"attention_paged_kvq", py_attention_paged_kvq, METH_VARARGS,
+     "attention_paged_kvq(q, K, V, type_k, type_v, q_pos, q_tab, tables, bs, scale, window, softcap, out) -> out: "
+     "attention_paged with separate K and V cache types (f16, q8_0, q4_0), llama.cpp's numerics"},
     {"kv_quantize", py_kv_quantize, METH_VARARGS,
      "kv_quantize(x f32 [..., n], type, out u8): rows of x in KV cache type (1 f16, 8 q8_0, 2 q4_0) as llama.cpp stores them"},
     {"kv_dequantize", py_kv_dequantize, METH_VARARGS,

@@ -223,3 +223,19 @@ def test_paged_window_matches_contiguous():
     with pytest.raises(ValueError, match="outside the table"):
         native.attention_kvq(q, k, v, q_pos + 64, kv_pos, 0.3, 20, 0.0, kq.Q4_0, kq.Q8_0, table,
                              np.empty((3, 4, 64), np.float32))
+
+
+@pytest.mark.realmodel
+def test_engine_batches_quantized_kv(smollm2_path):
+    """Two sequences in one batch over the paged pool (q8_0: the fused decode layer; q4_0 K
+    with q8_0 V: op by op) give what each gives alone."""
+    import memfit
+    prompts = ["The capital of France is", "Once upon a time, a small robot"]
+    for kt, vt in (("q8_0", "q8_0"), ("q4_0", "q8_0")):
+        with memfit.load(smollm2_path, n_ctx=256, n_parallel=2, cache_type_k=kt,
+                         cache_type_v=vt) as m:
+            pool = m.engine.pool
+            assert pool.k[0].dtype == np.uint8 and (pool.cache_type, pool.cache_type_v) == (kt, vt)
+            both = m.generate(prompts, max_tokens=10, temperature=0)
+            alone = [m.generate(p, max_tokens=10, temperature=0) for p in prompts]
+            assert [b.ids for b in both] == [a.ids for a in alone]

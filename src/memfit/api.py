@@ -54,35 +54,6 @@ class Perplexity:
                 "seconds": round(self.seconds, 3)}
 
 
-class Session:
-    """One sequence kept between calls: the token ids whose K/V rows are in ``cache``.
-    ``Model.generate(..., session=s)`` reuses the longest common prefix of s.ids and the new
-    prompt (multi-turn chat); ``Model.save_state`` / ``load_state`` write and restore it."""
-
-    def __init__(self, cache):
-        self.cache = cache
-        self.ids: list[int] = []
-
-    @property
-    def n_tokens(self) -> int:
-        return len(self.ids)
-
-    def reset(self) -> None:
-        self.cache.reset()
-        self.ids = []
-
-    def _reuse(self, ids: list[int]) -> int:
-        """Trim the cache to the common prefix with ids (leaving >= 1 token to compute, whose
-        logits start the generation); returns how many rows are kept."""
-        n = 0
-        lim = min(len(self.ids), len(ids) - 1)
-        while n < lim and self.ids[n] == ids[n]:
-            n += 1
-        self.cache.trim(self.cache.offset - n)
-        self.ids = self.ids[:n]
-        return n
-
-
 def peak_rss_bytes() -> int:
     """Peak resident set (VmHWM) of this process: the number the budget caps."""
     from .memory.budget import peak_rss
@@ -94,8 +65,8 @@ class Model:
 
     def __init__(self, model: str | os.PathLike | None = None, threads: int | None = None,
                  n_ctx: int | None = None, backend: str | None = None, quiet: bool = True,
-                 mem_budget: int | str | None = None, cache_type_k: str = "f16",
-                 cache_type_v: str = "f16"):
+                 mem_budget: int | str | None = None, n_parallel: int = 1,
+                 cache_type_k: str = "f16", cache_type_v: str = "f16"):
         from .gguf import open_gguf
         from .models import load_model
         from .ops import get_ops
@@ -110,6 +81,9 @@ class Model:
                 raise RequestError(f"threads must be >= 1, got {threads}")
             if n_ctx is not None and int(n_ctx) < 8:  # before the planner sizes the KV cache
                 raise RequestError(f"context size {n_ctx} is too small (minimum 8)")
+            if int(n_parallel) < 1:
+                raise RequestError(f"n_parallel must be >= 1, got {n_parallel}")
+            self.n_parallel = int(n_parallel)
             self.threads = threads
             from .kv.quant import NAMES, cache_type
             # KV cache types (llama.cpp's -ctk/-ctv): checked before the planner counts them
@@ -139,6 +113,13 @@ class Model:
                 raise RequestError(f"context size {self.n_ctx} exceeds the model's training "
                                    f"context {train_ctx}; use --ctx-size {train_ctx} or less")
             self._check_kv_fits()
+            from .engine.engine import Engine
+            # the paged KV pool for n_parallel sequences of n_ctx tokens, counted by the ledger
+            kvt = None if self.cache_type_k == "f16" and self.cache_type_v == "f16" else \
+                self.cache_type_k  # None: the model's default (f16, or f32 in exact-math tests)
+            self.engine = Engine(self.model, self.tokenizer, self.n_ctx, self.n_parallel,
+                                 self.n_batch, ledger=self.ledger, cache_type=kvt,
+                                 cache_type_v=None if kvt is None else self.cache_type_v)
         except BaseException:
             self.close()
             raise
@@ -146,15 +127,19 @@ class Model:
     def _check_kv_fits(self) -> None:
         """Refuse a context whose KV cache cannot fit in available memory (before allocating)."""
         import psutil
-        from .kv.quant import cache_type, row_bytes
         c = self.config
-        kv = self.n_ctx * c.n_layer * c.n_head_kv * (
+        from .engine.engine import kv_pool_blocks
+        from .kv import BLOCK_SIZE
+        tokens = kv_pool_blocks(self.n_ctx, self.n_parallel) * BLOCK_SIZE
+        from .kv.quant import cache_type, row_bytes
+        kv = tokens * c.n_layer * c.n_head_kv * (
             row_bytes(cache_type(self.cache_type_k), c.head_dim_k)
             + row_bytes(cache_type(self.cache_type_v), c.head_dim_v))
         avail = psutil.virtual_memory().available
         if kv > avail:
-            raise RequestError(f"context size {self.n_ctx} needs {kv / 2**30:.1f} GiB of KV cache "
-                               f"but {avail / 2**30:.1f} GiB is available; lower --ctx-size")
+            raise RequestError(f"context size {self.n_ctx} x {self.n_parallel} sequences needs "
+                               f"{kv / 2**30:.1f} GiB of KV cache but {avail / 2**30:.1f} GiB is "
+                               f"available; lower --ctx-size or --parallel")
 
     def _auto_budget(self, n_ctx, quiet: bool) -> None:
         """No budget given: plan against the detected one (MemAvailable or the cgroup limit,
@@ -170,8 +155,8 @@ class Model:
             return
         baseline = measure_baseline()
         plan = plan_for_path(self.file, budget, n_ctx=n_ctx, threads=self.threads,
-                             baseline_bytes=baseline, cache_type_k=self.cache_type_k,
-                             cache_type_v=self.cache_type_v)
+                             baseline_bytes=baseline, n_parallel=self.n_parallel,
+                             cache_type_k=self.cache_type_k, cache_type_v=self.cache_type_v)
         if plan.tiers["file"] or plan.tiers["cache"]:
             if not quiet:
                 print(f"memfit: the model does not fit in memory ({why}); streaming "
@@ -191,8 +176,8 @@ class Model:
         if plan is None:
             baseline = measure_baseline()
             plan = plan_for_path(self.file, budget, n_ctx=n_ctx, threads=self.threads,
-                                 baseline_bytes=baseline, cache_type_k=self.cache_type_k,
-                                 cache_type_v=self.cache_type_v)
+                                 baseline_bytes=baseline, n_parallel=self.n_parallel,
+                                 cache_type_k=self.cache_type_k, cache_type_v=self.cache_type_v)
         self.plan = plan
         self.ledger = Ledger(budget)
         self.ledger.alloc("baseline", "runtime", baseline)
@@ -237,57 +222,65 @@ class Model:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.tokenizer.n_vocab - 1})")
         return ids
 
-    # --- generation
-    def _steps(self, prompt, n_top: int, state: GenerationState | None,
-               session: Session | None = None, **sampling):
+    # --- generation (clients of self.engine)
+    def _steps(self, prompt, n_top: int, state: GenerationState | None, **sampling):
         params = SamplingParams(**sampling)
         ids = self._prompt_ids(prompt)
         st = state if state is not None else GenerationState(ids)
         st.prompt_ids = ids
-        if session is None:
-            return st, generate_steps(self.model, self.tokenizer, ids, params, self.n_ctx,
-                                      n_top=n_top, state=st, n_batch=self.n_batch)
-        if not ids:
-            raise RequestError("the prompt is empty (no tokens); give some text")
-        n_cached = session._reuse(ids)
-        steps = generate_steps(self.model, self.tokenizer, ids, params, self.n_ctx, n_top=n_top,
-                               state=st, n_batch=self.n_batch, cache=session.cache,
-                               n_cached=n_cached)
+        return st, generate_steps(self.model, self.tokenizer, ids, params, self.n_ctx,
+                                  n_top=n_top, state=st, n_batch=self.n_batch,
+                                  engine=self.engine)
 
-        def tracked():
-            try:
-                yield from steps
-            finally:  # the rows in the cache: the prompt and the tokens fed back so far
-                session.ids = (ids + st.ids)[:session.cache.offset]
-        return st, tracked()
+    @staticmethod
+    def _is_batch(prompt) -> bool:
+        return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
+                and all(isinstance(p, str) or (isinstance(p, Sequence) and not isinstance(p, str))
+                        for p in prompt))
 
-    def generate(self, prompt: str | Sequence[int], max_tokens: int = 128,
-                 top_logprobs: int = 0, session: Session | None = None, **sampling) -> Completion:
+    def generate(self, prompt: str | Sequence[int] | list, max_tokens: int = 128,
+                 top_logprobs: int = 0, **sampling) -> Completion | list[Completion]:
         """Complete ``prompt`` (text or ids). Sampling keywords: temperature, top_k, top_p,
         min_p, repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty, seed, stop.
-        With ``session`` (new_session / load_state) the common prefix of the session's tokens
-        and the prompt is reused and the session keeps the result."""
-        st, steps = self._steps(prompt, top_logprobs, None, session, max_tokens=max_tokens,
-                                **sampling)
-        for _ in steps:
-            pass
-        return Completion(st.prompt_ids, st.ids, st.text, st.finish_reason, st.timings,
-                          st.top if top_logprobs > 0 else None)
+        A list of prompts (texts or id lists) runs them together (up to n_parallel at once)
+        and returns a list of Completions in the same order."""
+        if not self._is_batch(prompt):
+            st, steps = self._steps(prompt, top_logprobs, None, max_tokens=max_tokens, **sampling)
+            for _ in steps:
+                pass
+            return Completion(st.prompt_ids, st.ids, st.text, st.finish_reason, st.timings,
+                              st.top if top_logprobs > 0 else None)
+        params = SamplingParams(max_tokens=max_tokens, **sampling)
+        eng = self.engine
+        all_ids = [self._prompt_ids(p) for p in prompt]
+        rids, seqs = [], {}
+        try:
+            for ids in all_ids:
+                rid = eng.add_request(ids, params, n_top=top_logprobs)
+                rids.append(rid)
+                seqs[rid] = eng.sequence(rid)
+            done: dict[str, Completion] = {}
+            while len(done) < len(rids):
+                for o in eng.step():
+                    if o.finished and o.request_id in seqs:
+                        s = seqs[o.request_id]
+                        done[o.request_id] = Completion(
+                            list(s.prompt_ids), list(s.output_ids), s.text, s.finish_reason,
+                            o.timings, s.top if top_logprobs > 0 else None)
+        finally:
+            for rid in rids:
+                if eng.sequence(rid) is not None:
+                    eng.abort(rid)
+        return [done[r] for r in rids]
 
-    def stream(self, prompt: str | Sequence[int], max_tokens: int = 128,
-               session: Session | None = None, **sampling) -> Iterator[str]:
+    def stream(self, prompt: str | Sequence[int], max_tokens: int = 128, **sampling) -> Iterator[str]:
         """Yield text pieces as they are decoded (never a broken UTF-8 sequence)."""
-        _, steps = self._steps(prompt, 0, None, session, max_tokens=max_tokens, **sampling)
+        _, steps = self._steps(prompt, 0, None, max_tokens=max_tokens, **sampling)
         for step in steps:
             if step.text:
                 yield step.text
 
-    # --- sessions
-    def new_session(self) -> Session:
-        """An empty sequence whose KV cache (n_ctx rows, the model's cache types) persists
-        across generate calls."""
-        return Session(self.model.new_cache(self.n_ctx))
-
+    # --- saved sessions
     def _kv_geometry(self) -> dict:
         from .kv.quant import cache_type, row_bytes
         c = self.config
@@ -295,43 +288,41 @@ class Model:
                 "row_bytes_k": row_bytes(cache_type(self.cache_type_k), c.head_dim_k),
                 "row_bytes_v": row_bytes(cache_type(self.cache_type_v), c.head_dim_v)}
 
-    def save_state(self, path: str | os.PathLike, session: Session, extra: dict | None = None) -> int:
-        """Write the session (token ids, K/V rows in the cache types, this model's identity)
-        to path, crash-safely (memfit/session.py); extra: JSON-able data kept with it.
+    def save_state(self, path: str | os.PathLike, ids: Sequence[int],
+                   extra: dict | None = None) -> int:
+        """Save a sequence: its token ids (e.g. ``r.prompt_ids + r.ids`` of a Completion, or a
+        running request's tokens) with the K/V rows the engine's prefix cache holds for them
+        (whole blocks, in the cache types), this model's identity and ``extra`` (JSON-able).
+        Crash-safe (memfit/session.py). If none of ids is cached, they are computed first.
         Returns the file size."""
         from . import session as ss
-        n, g = session.cache.offset, self._kv_geometry()
-        assert n == len(session.ids)
-        if n == 0:
-            raise RequestError("the session is empty: nothing to save")
-        cache = session.cache
-        rows = [(cache.k[il][:n].view(np.uint8).reshape(n, g["n_kv_head"], -1),
-                 cache.v[il][:n].view(np.uint8).reshape(n, g["n_kv_head"], -1))
-                for il in range(g["n_layer"])]
-        st = ss.SessionState(list(session.ids), [k for k, _ in rows], [v for _, v in rows],
-                             self.cache_type_k, self.cache_type_v, extra or {})
+        ids = self._prompt_ids(list(ids))
+        if not ids:
+            raise RequestError("nothing to save: the sequence has no tokens")
+        if len(ids) >= self.n_ctx:
+            raise RequestError(f"the sequence has {len(ids)} tokens but the context is "
+                               f"{self.n_ctx}; save a shorter one or raise --ctx-size")
+        pool = self.engine.pool
+        k, v = ss.export_prefix(pool, ids)
+        if k[0].shape[0] == 0 and len(ids) > pool.block_size:  # evicted or never computed
+            self.generate(ids, max_tokens=0)
+            k, v = ss.export_prefix(pool, ids)
+        st = ss.SessionState(list(ids), k, v, self.cache_type_k, self.cache_type_v, extra or {})
         return ss.save(path, ss.model_identity(self.file), st)
 
-    def load_state(self, path: str | os.PathLike) -> tuple[Session, dict]:
-        """Restore a session saved by save_state; returns (session, extra). SessionError when
-        the file belongs to another model or cache types, or is truncated or corrupt."""
+    def load_state(self, path: str | os.PathLike) -> tuple[list[int], dict]:
+        """Restore a session saved by save_state: its K/V blocks go into the engine's prefix
+        cache, so the next request that starts with its ids reuses them. Returns (ids, extra).
+        SessionError when the file belongs to another model or cache types, or is truncated
+        or corrupt."""
         from . import session as ss
         st = ss.load(path, ss.model_identity(self.file), self.cache_type_k, self.cache_type_v,
                      self._kv_geometry())
-        n = len(st.ids)
-        if n >= self.n_ctx:
-            raise RequestError(f"the session holds {n} tokens but the context is {self.n_ctx}; "
-                               f"load it with --ctx-size {n + 1} or more")
-        sess = self.new_session()
-        cache = sess.cache
-        for il in range(len(st.k)):
-            kd = cache.k[il][:n].view(np.uint8).reshape(st.k[il].shape)
-            vd = cache.v[il][:n].view(np.uint8).reshape(st.v[il].shape)
-            kd[...] = st.k[il]
-            vd[...] = st.v[il]
-        cache.offset = n
-        sess.ids = list(st.ids)
-        return sess, st.extra
+        if len(st.ids) >= self.n_ctx:
+            raise RequestError(f"the session holds {len(st.ids)} tokens but the context is "
+                               f"{self.n_ctx}; load it with --ctx-size {len(st.ids) + 1} or more")
+        ss.import_prefix(self.engine.pool, st.ids, st.k, st.v)
+        return list(st.ids), st.extra
 
     # --- evaluation
     def perplexity(self, text: str, ctx: int = 512, progress=None) -> Perplexity:

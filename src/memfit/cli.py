@@ -64,7 +64,7 @@ def _sampling_kwargs(a) -> dict:
                 seed=a.seed, stop=a.stop)
 
 
-def _load(a, n_ctx=None):
+def _load(a, n_ctx=None, n_parallel=1):
     import time
 
     from .api import Model, peak_rss_bytes
@@ -76,7 +76,7 @@ def _load(a, n_ctx=None):
     t0 = time.perf_counter()
     m = Model(a.model, threads=getattr(a, "threads", None), n_ctx=n_ctx,
               backend=getattr(a, "backend", None), quiet=quiet,
-              mem_budget=getattr(a, "mem_budget", None),
+              mem_budget=getattr(a, "mem_budget", None), n_parallel=n_parallel,
               cache_type_k=getattr(a, "cache_type_k", "f16"),
               cache_type_v=getattr(a, "cache_type_v", "f16"))
     if not quiet:
@@ -148,15 +148,15 @@ def cmd_run(a) -> int:
 
 
 def cmd_chat(a) -> int:
-    """Interactive multi-turn chat: the model's chat template, streamed replies, the KV of the
-    conversation kept in one session between turns (only the new turn is computed)."""
+    """Interactive multi-turn chat: the model's chat template, streamed replies; the engine's
+    prefix cache keeps the conversation's KV between turns (only the new turn is computed)."""
     from .api import peak_rss_bytes
     from .engine.generate import GenerationState
     from .errors import MemfitError
     with _load(a, n_ctx=a.ctx_size) as m:
         if not m.tokenizer.chat_template:
             m.apply_chat_template([])  # raises the "has no chat template" error
-        sess = m.new_session()
+        conv: list[int] = []  # the conversation's token ids so far (prompt + reply of the last turn)
         system = [{"role": "system", "content": a.system}] if a.system else []
         messages = list(system)
         kw = _sampling_kwargs(a)
@@ -182,18 +182,17 @@ def cmd_chat(a) -> int:
                     if cmd in ("/exit", "/quit"):
                         break
                     if cmd == "/reset":
-                        sess.reset()
-                        messages = list(system)
+                        conv, messages = [], list(system)
                         note("conversation reset")
                     elif cmd in ("/save", "/load") and not arg:
                         note(f"error: {cmd} needs a file name: {cmd} FILE")
                     elif cmd == "/save":
-                        size = m.save_state(arg, sess, extra={"messages": messages})
-                        note(f"saved {sess.n_tokens} tokens to {arg} ({_mib(size)})")
+                        size = m.save_state(arg, conv, extra={"messages": messages})
+                        note(f"saved {len(conv)} tokens to {arg} ({_mib(size)})")
                     elif cmd == "/load":
-                        sess, extra = m.load_state(arg)
-                        messages = list(extra.get("messages") or [])
-                        note(f"loaded {sess.n_tokens} tokens, {len(messages)} messages from {arg}")
+                        ids, extra = m.load_state(arg)
+                        conv, messages = ids, list(extra.get("messages") or [])
+                        note(f"loaded {len(conv)} tokens, {len(messages)} messages from {arg}")
                     else:
                         note(f"error: unknown command {cmd}; use /exit, /reset, /save FILE, "
                              f"/load FILE")
@@ -201,13 +200,14 @@ def cmd_chat(a) -> int:
                 messages.append({"role": "user", "content": text})
                 prompt = m.apply_chat_template(messages)
                 st = GenerationState([])
-                _, steps = m._steps(prompt, 0, st, sess, max_tokens=a.n_predict, **kw)
+                _, steps = m._steps(prompt, 0, st, max_tokens=a.n_predict, **kw)
                 for step in steps:
                     if step.text:
                         sys.stdout.write(step.text)
                         sys.stdout.flush()
                 sys.stdout.write("\n")
                 messages.append({"role": "assistant", "content": st.text})
+                conv = st.prompt_ids + st.ids
             except MemfitError as e:
                 if messages and messages[-1]["role"] == "user":
                     messages.pop()
@@ -216,7 +216,7 @@ def cmd_chat(a) -> int:
             t = st.timings
             print(f"memfit: prompt {t.prompt_n} tok ({t.cache_n} cached), "
                   f"{t.prompt_per_second:.1f} tok/s | generated {t.predicted_n} tok, "
-                  f"{t.predicted_per_second:.1f} tok/s | context {sess.n_tokens}/{m.n_ctx} | "
+                  f"{t.predicted_per_second:.1f} tok/s | context {len(conv)}/{m.n_ctx} | "
                   f"peak RSS {_mib(peak_rss_bytes())}"
                   + (f" of budget {_mib(m.ledger.budget)} | {m.store.format_stats()}"
                      if m.store is not None else ""),
@@ -328,6 +328,19 @@ def cmd_synth(a) -> int:
     return 0
 
 
+def _parallel_list(text) -> list[int]:
+    """--parallel "1,2,4" -> [1, 2, 4] (empty when not given)."""
+    if not text:
+        return []
+    try:
+        vals = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        vals = []
+    if not vals or min(vals) < 1:
+        raise RequestError(f"--parallel {text!r}: give sequence counts >= 1, e.g. 1,2,4,8")
+    return vals
+
+
 def cmd_bench(a) -> int:
     from .api import peak_rss_bytes
     from .bench.llama_bench import markdown_table, run_bench
@@ -337,7 +350,10 @@ def cmd_bench(a) -> int:
         return run_kernel_bench(types=a.types, rows=a.rows, cols=a.cols, threads=a.threads,
                                 as_json=a.json, trials=a.trials,
                                 stream_bytes=parse_size(a.stream_bytes))
-    with _load(a, n_ctx=a.n_prompt + a.n_gen + 8) as m:
+    parallel = _parallel_list(a.parallel)
+    n_par = max(parallel) if parallel else 1
+    n_ctx = a.n_prompt + a.n_gen + 8 + (n_par if parallel else 0)
+    with _load(a, n_ctx=n_ctx, n_parallel=n_par) as m:
         threads = a.threads or (m.ops.get_threads() if hasattr(m.ops, "get_threads") else 1)
         name = m.path.name
 
@@ -346,11 +362,22 @@ def cmd_bench(a) -> int:
                 r.extra.update({"mem_budget_bytes": m.ledger.budget, **{
                     k: m.store.stats()[k] for k in ("bytes_read", "io_stall_s")}})
             r.extra["peak_rss_bytes"] = peak_rss_bytes()
+            if parallel:
+                st = m.engine.stats()
+                r.extra.update(kv_pool_bytes=st["kv_bytes"], kv_blocks_total=st["kv_blocks_total"])
+                if m.plan is not None:
+                    r.extra["plan_kv_bytes"] = m.plan.kv_bytes
             if a.json:
                 print(json.dumps(r.to_dict()), flush=True)
 
-        res = run_bench(m.model, name, m.tokenizer.n_vocab, a.n_prompt, a.n_gen, a.repetitions,
-                        threads, progress=not a.json, on_result=emit)
+        if parallel:
+            from .bench.llama_bench import run_bench_parallel
+            res = run_bench_parallel(m.engine, name, m.tokenizer.n_vocab, parallel, a.n_prompt,
+                                     a.n_gen, a.repetitions, threads, progress=not a.json,
+                                     on_result=emit)
+        else:
+            res = run_bench(m.model, name, m.tokenizer.n_vocab, a.n_prompt, a.n_gen,
+                            a.repetitions, threads, progress=not a.json, on_result=emit)
         if not a.json:
             print(markdown_table(res, "native" if "native" in m.ops.__name__ else "numpy"))
     return 0
@@ -422,6 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens for the tg test (default 128; 0 = skip)")
     b.add_argument("-r", "--repetitions", type=int, default=5, help="repetitions after one warm-up (default 5)")
     b.add_argument("--json", action="store_true", help="one JSON object per line per test")
+    b.add_argument("--parallel", "-np", default=None, metavar="N[,N...]",
+                   help="N sequences decoding together (llama-batched-bench's S_TG); tokens/s is the aggregate")
     b.add_argument("--kernels", action="store_true", help="kernel micro-benchmark: matvec GB/s per type vs memory bandwidth")
     b.add_argument("--types", default="Q4_0,Q8_0,Q4_K,Q6_K", help="with --kernels: comma-separated types")
     b.add_argument("--rows", type=int, default=14336, help="with --kernels: matrix rows")

@@ -3,8 +3,11 @@
 File layout (little-endian), independent of how the cache is laid out in memory:
 
     b"MFSESSN\\0" | u32 version | u32 header length | header JSON (UTF-8)
-    | int32 token ids [n] | per layer: K rows [n, n_kv_head, row_bytes_k], V rows [...]
+    | int32 token ids [n] | per layer: K rows [n_rows, n_kv_head, row_bytes_k], V rows [...]
     | sha256 of everything before it (32 bytes)
+
+n_rows <= n: the K/V rows of the first n_rows tokens (whole 32-token blocks when saved from the
+engine's paged pool: what its prefix cache can reuse; the rest is recomputed on use).
 
 The header names the model (GGUF file size, sha256 of its header bytes, architecture), the
 cache types and the geometry, so a restore refuses a file of another model, other cache types,
@@ -55,7 +58,8 @@ def model_identity(gguf) -> dict:
 
 @dataclass
 class SessionState:
-    """What a file holds: ids, per-layer K and V rows (uint8 [n, n_kv_head, row_bytes])."""
+    """What a file holds: ids, per-layer K and V rows (uint8 [n_rows, n_kv_head, row_bytes]) of
+    the first n_rows tokens."""
 
     ids: list[int]
     k: list[np.ndarray]
@@ -75,10 +79,10 @@ def save(path: str | os.PathLike, identity: dict, st: SessionState) -> int:
     """Write st to path crash-safely; returns the file size. MEMFIT_TEST_SAVE_SLEEP (seconds)
     pauses between layers so a test can kill the process mid-write."""
     path = Path(path)
-    n = len(st.ids)
-    assert st.k and all(a.shape[0] == n and b.shape[0] == n for a, b in zip(st.k, st.v))
+    n, nr = len(st.ids), st.k[0].shape[0]
+    assert st.k and nr <= n and all(a.shape[0] == nr and b.shape[0] == nr for a, b in zip(st.k, st.v))
     header = {"version": VERSION, "model": identity, "cache_type_k": st.cache_type_k,
-              "cache_type_v": st.cache_type_v, "n_tokens": n, **_geometry(st),
+              "cache_type_v": st.cache_type_v, "n_tokens": n, "n_rows": nr, **_geometry(st),
               "created": time.time(), "extra": st.extra}
     hj = json.dumps(header, sort_keys=True).encode()
     pause = float(os.environ.get("MEMFIT_TEST_SAVE_SLEEP", "0") or 0)
@@ -139,13 +143,16 @@ def load(path: str | os.PathLike, identity: dict, cache_type_k: str, cache_type_
                            f"version {VERSION}")
     try:
         header = json.loads(data[_HEAD.size:_HEAD.size + hlen])
-        n = int(header["n_tokens"])
+        n, nr = int(header["n_tokens"]), int(header["n_rows"])
         nl, hkv = int(header["n_layer"]), int(header["n_kv_head"])
         rk, rv = int(header["row_bytes_k"]), int(header["row_bytes_v"])
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         raise SessionError(f"{path} is corrupt: its header cannot be read "
                            f"({len(data)} bytes); save the session again") from None
-    want = _HEAD.size + hlen + 4 * n + nl * n * hkv * (rk + rv) + _SUM
+    if not 0 <= nr <= n:
+        raise SessionError(f"{path} is corrupt: {nr} K/V rows for {n} tokens; save the session "
+                           f"again")
+    want = _HEAD.size + hlen + 4 * n + nl * nr * hkv * (rk + rv) + _SUM
     if len(data) != want:
         what = "truncated" if len(data) < want else "longer than its header says"
         raise SessionError(f"{path} is {what}: {len(data)} bytes, expected {want}; the save "
@@ -172,9 +179,54 @@ def load(path: str | os.PathLike, identity: dict, cache_type_k: str, cache_type_
     k, v = [], []
     buf = np.frombuffer(data, np.uint8)
     for _ in range(nl):
-        k.append(buf[off:off + n * hkv * rk].reshape(n, hkv, rk))
-        off += n * hkv * rk
-        v.append(buf[off:off + n * hkv * rv].reshape(n, hkv, rv))
-        off += n * hkv * rv
+        k.append(buf[off:off + nr * hkv * rk].reshape(nr, hkv, rk))
+        off += nr * hkv * rk
+        v.append(buf[off:off + nr * hkv * rv].reshape(nr, hkv, rv))
+        off += nr * hkv * rv
     return SessionState(ids, k, v, header["cache_type_k"], header["cache_type_v"],
                         header.get("extra") or {})
+
+
+# --- the engine's paged pool ----------------------------------------------------------------
+
+def _rows(a: np.ndarray) -> np.ndarray:
+    """A pool array [rows, Hkv, ...] as uint8 rows [rows, Hkv, row_bytes] (a view)."""
+    return a.view(np.uint8).reshape(a.shape[0], a.shape[1], -1)
+
+
+def export_prefix(pool, ids: list[int]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """K and V rows (per layer, copies) of the longest prefix of ids whose whole blocks are in
+    the pool's prefix cache: a multiple of the block size, possibly 0."""
+    from .kv.pool import block_key
+    bs, key, blocks = pool.block_size, None, []
+    for j in range(len(ids) // bs):
+        key = block_key(key, ids[j * bs:(j + 1) * bs])
+        b = pool.peek(key)
+        if b is None:
+            break
+        blocks.append(b)
+    rows = (np.asarray(blocks, np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)
+    return [_rows(a)[rows] for a in pool.k], [_rows(a)[rows] for a in pool.v]
+
+
+def import_prefix(pool, ids: list[int], k: list[np.ndarray], v: list[np.ndarray]) -> int:
+    """Put the rows of ids' first whole blocks into the pool's prefix cache (keyed by their
+    tokens, unreferenced: a request with that prefix reuses them); returns the tokens placed
+    (fewer when the pool has no free block left)."""
+    from .kv.pool import block_key
+    bs, key = pool.block_size, None
+    n = k[0].shape[0] // bs
+    for j in range(n):
+        key = block_key(key, ids[j * bs:(j + 1) * bs])
+        if pool.peek(key) is not None:
+            continue
+        if pool.n_free == 0:
+            return j * bs
+        b = pool.allocate()
+        for a, src in zip(pool.k, k):
+            _rows(a)[b * bs:(b + 1) * bs] = src[j * bs:(j + 1) * bs]
+        for a, src in zip(pool.v, v):
+            _rows(a)[b * bs:(b + 1) * bs] = src[j * bs:(j + 1) * bs]
+        pool.register(b, key)
+        pool.release([b])
+    return n * bs

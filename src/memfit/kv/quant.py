@@ -63,6 +63,24 @@ def check_head_dims(t: int, *dims: int) -> None:
                                f"multiple of {QK}; this model has {d}; use -ctk/-ctv f16")
 
 
+def store_rows(t: int, pool: np.ndarray, rows: np.ndarray, x: np.ndarray) -> None:
+    """x float32[n, values of one token] into physical rows ``rows`` of a pool in type t (the
+    native kv_store, else the numpy reference)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    rows = np.ascontiguousarray(rows, dtype=np.int32)
+    if _kv_store is not None:
+        _kv_store(t, pool, rows, x)
+        return
+    flat = pool.reshape(pool.shape[0], -1).view(np.uint8)
+    flat[rows] = quantize_ref(t, x).reshape(len(rows), -1)
+
+
+try:
+    from .._native import kv_store as _kv_store
+except ImportError:  # pragma: no cover - the numpy reference stands in
+    _kv_store = None
+
+
 # --- numpy reference ----------------------------------------------------------------------
 
 def _f16_bytes(d: np.ndarray) -> np.ndarray:
@@ -134,6 +152,27 @@ def dot_ref(tk: int, k_raw: np.ndarray, q_raw: np.ndarray) -> np.ndarray:
         acc = (d[:, b, None].astype(np.float64) * isum[:, b] + acc).astype(np.float32)
     r = acc[:, :4] + acc[:, 4:]
     return (r[:, 0] + r[:, 2]) + (r[:, 1] + r[:, 3])
+
+
+def attention_paged_ref(q, k, v, q_pos, q_tab, tables, bs, scale, window, softcap, tk, tv):
+    """attention_ref over a paged pool: query row i sees logical keys 0..q_pos[i] of its
+    sequence, key t at row tables[q_tab[i] + t // bs] * bs + t % bs."""
+    n, hq, _ = q.shape
+    hkv = k.shape[-2]
+    kr = np.ascontiguousarray(k).view(np.uint8).reshape(-1, hkv, k.shape[-1] * k.itemsize)
+    vr = np.ascontiguousarray(v).view(np.uint8).reshape(-1, hkv, v.shape[-1] * v.itemsize)
+    out = None
+    for tab in np.unique(q_tab):
+        sel = np.nonzero(np.asarray(q_tab) == tab)[0]
+        T = int(np.asarray(q_pos)[sel].max()) + 1
+        t = np.arange(T)
+        phys = np.asarray(tables)[tab + t // bs].astype(np.int64) * bs + t % bs
+        o = attention_ref(np.ascontiguousarray(q[sel]), kr[phys], vr[phys], np.asarray(q_pos)[sel],
+                          t.astype(np.int32), scale, window, softcap, tk, tv)
+        if out is None:
+            out = np.zeros((n, hq, o.shape[-1]), np.float32)
+        out[sel] = o
+    return out
 
 
 def attention_ref(q, k, v, q_pos, kv_pos, scale, window, softcap, tk, tv, table=None):

@@ -324,6 +324,13 @@ def _summarize(names: list[str]) -> str:
     return ", ".join(f"{k} x{v}" if v > 1 else k for k, v in c.items())
 
 
+def kv_pool_tokens(n_ctx: int, n_parallel: int = 1) -> int:
+    """Token rows of the engine's KV block pool: n_parallel sequences of n_ctx tokens, each
+    rounded up to whole blocks (engine.engine.kv_pool_blocks)."""
+    from ..kv.pool import BLOCK_SIZE
+    return n_parallel * -(-n_ctx // BLOCK_SIZE) * BLOCK_SIZE
+
+
 def scratch_bytes(m: ModelDesc, n_batch: int, n_ctx: int, threads: int,
                   logits_all: bool = False) -> int:
     """Activation/scratch estimate for a batch of n_batch tokens (f32 everywhere)."""
@@ -371,15 +378,17 @@ def _max_unit(units: list[Unit]) -> int:
 
 def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Bandwidth,
          *, baseline_bytes: int, n_batch: int = 512, overlap_io: bool = True,
-         logits_all: bool = False, kv_bytes_per_elem: float | None = None,
+         logits_all: bool = False, kv_bytes_per_elem: float | None = None, n_parallel: int = 1,
          cache_type_k: str = "f16", cache_type_v: str = "f16") -> Plan:
     """Place every tensor in a tier within `budget` bytes. Pure: no I/O, no measurement.
-    baseline_bytes: the measured runtime RSS; the KV cache is counted in its cache types
-    (cache_type_k / cache_type_v), or at kv_bytes_per_elem bytes per value when given."""
-    assert n_ctx > 0 and threads > 0 and n_batch > 0
+    baseline_bytes: the measured runtime RSS. The KV cache is the engine's block pool for
+    n_parallel sequences of n_ctx tokens, counted in its cache types (cache_type_k /
+    cache_type_v: f16, q8_0, q4_0), or at kv_bytes_per_elem bytes per value when given."""
+    assert n_ctx > 0 and threads > 0 and n_batch > 0 and n_parallel > 0
     m = model
-    kv = (int(m.kv_elems_per_token * n_ctx * kv_bytes_per_elem) if kv_bytes_per_elem is not None
-          else m.kv_cache_bytes(n_ctx, cache_type_k, cache_type_v))
+    tokens = kv_pool_tokens(n_ctx, n_parallel)
+    kv = (int(m.kv_elems_per_token * tokens * kv_bytes_per_elem) if kv_bytes_per_elem is not None
+          else m.kv_cache_bytes(tokens, cache_type_k, cache_type_v))
     # the larger of the measured RSS and the model's predicted runtime (see RUNTIME_BASE_BYTES)
     baseline = max(baseline_bytes, m.runtime_bytes) + RUNTIME_EXTRA_BYTES
     n_batch = min(n_batch, n_ctx)  # a prefill batch never exceeds the context
@@ -545,8 +554,8 @@ def _round_up_mib(n: int) -> int:
 def plan_for_path(path, budget: int, n_ctx: int | None = None, threads: int | None = None, *,
                   baseline_bytes: int | None = None, bandwidth: Bandwidth | None = None,
                   measure_bandwidth: bool = False, n_batch: int = 512,
-                  kv_bytes_per_elem: float | None = None, cache_type_k: str = "f16",
-                  cache_type_v: str = "f16") -> Plan:
+                  kv_bytes_per_elem: float | None = None, n_parallel: int = 1,
+                  cache_type_k: str = "f16", cache_type_v: str = "f16") -> Plan:
     """Convenience for the CLI/API: describe the GGUF (a path, or a GGUFFile already open,
     used as is: the API plans the file it has opened, not a second copy), measure baseline
     (this process's RSS) and bandwidth (cached/default unless measure_bandwidth), and plan.
@@ -569,8 +578,8 @@ def plan_for_path(path, budget: int, n_ctx: int | None = None, threads: int | No
             opened.close()
     args = (desc, budget, n_ctx, threads or os.cpu_count() or 1)
     kw = dict(baseline_bytes=measure_baseline() if baseline_bytes is None else baseline_bytes,
-              n_batch=n_batch, kv_bytes_per_elem=kv_bytes_per_elem, cache_type_k=cache_type_k,
-              cache_type_v=cache_type_v)
+              n_batch=n_batch, kv_bytes_per_elem=kv_bytes_per_elem, n_parallel=n_parallel,
+              cache_type_k=cache_type_k, cache_type_v=cache_type_v)
     if bandwidth is None and measure_bandwidth:
         # refuse a budget below the floor before the probes allocate or write anything
         plan(*args, Bandwidth(source="default"), **kw)
