@@ -513,7 +513,9 @@ static void paged_task(void *p, int64_t task) {
 }
 
 int mf_attention_paged(const mf_paged_args *pa) {
-    if (pa->kv_type == MF_KV_Q8_0 || pa->kv_type == MF_KV_Q4_0) { /* csrc/kv_quant.c */
+    if (pa->kv_type == MF_KV_Q8_0 || pa->kv_type == MF_KV_Q4_0) {
+        /* csrc/kv_quant.c over the raw rows; llama.cpp's Hadamard rotation of q, k, v and the
+         * output is the caller's (kv/view.py), so the fused decode layer skips these types */
         const mf_attnq_args qa = {.q = pa->q, .k = pa->k, .v = pa->v, .out = pa->out, .q_pos = pa->q_pos,
                                   .q_tab = pa->q_tab, .tables = pa->tables, .bs = pa->bs, .n = pa->n,
                                   .Hq = pa->Hq, .Hkv = pa->Hkv, .D = pa->D, .Dv = pa->Dv, .scale = pa->scale,

@@ -227,8 +227,8 @@ def test_paged_window_matches_contiguous():
 
 @pytest.mark.realmodel
 def test_engine_batches_quantized_kv(smollm2_path):
-    """Two sequences in one batch over the paged pool (q8_0: the fused decode layer; q4_0 K
-    with q8_0 V: op by op) give what each gives alone."""
+    """Two sequences in one batch over the paged pool (same or mixed K/V types) give what each
+    gives alone."""
     import memfit
     prompts = ["The capital of France is", "Once upon a time, a small robot"]
     for kt, vt in (("q8_0", "q8_0"), ("q4_0", "q8_0")):
@@ -239,3 +239,41 @@ def test_engine_batches_quantized_kv(smollm2_path):
             both = m.generate(prompts, max_tokens=10, temperature=0)
             alone = [m.generate(p, max_tokens=10, temperature=0) for p in prompts]
             assert [b.ids for b in both] == [a.ids for a in alone]
+
+
+def test_hadamard_rotation_rules():
+    for n in (64, 128, 256):
+        h = kq.hadamard(n)
+        assert np.allclose(h, h.T) and np.allclose(h @ h, np.eye(n), atol=1e-5)
+        assert np.allclose(h[0], 1 / np.sqrt(n)) and np.allclose(h[:, 0], 1 / np.sqrt(n))
+    # llama.cpp's attn_rot_k / attn_rot_v: block types with a head dim multiple of 64; K in the
+    # largest power-of-two chunk dividing the head dim, V in chunks of 64
+    assert [kq.rot_size(kq.Q8_0, d, True) for d in (64, 128, 256, 384, 80)] == [64, 128, 256, 128, 0]
+    assert [kq.rot_size(kq.Q4_0, d, False) for d in (64, 256, 96)] == [64, 64, 0]
+    assert kq.rot_size(kq.F16, 256, True) == 0
+
+
+def test_rotated_quantized_attention_is_closer_to_exact():
+    """K/V with outlier channels (as RoPE'd keys have): the rotated q4_0 cache (what llama.cpp
+    stores) attends much closer to float attention than an unrotated one."""
+    from memfit.kv.view import BatchKV
+    from memfit.ops import native as nops, reference as rops
+    rng = np.random.default_rng(5)
+    n, T, hq, hkv, d = 4, 64, 4, 2, 64
+    k = rng.standard_normal((T, hkv, d)).astype(np.float32)
+    k[..., 3] *= 20.0  # an outlier channel
+    v = rng.standard_normal((T, hkv, d)).astype(np.float32)
+    v[..., 7] *= 10.0
+    q = rng.standard_normal((T, hq, d)).astype(np.float32)
+    pos = np.arange(T, dtype=np.int32)
+    exact = rops.attention(q, k, v, pos, pos, 0.125)
+    rb = kq.row_bytes(kq.Q4_0, d)
+    kv = BatchKV([np.zeros((T, hkv, rb), np.uint8)], [np.zeros((T, hkv, rb), np.uint8)], kq.Q4_0,
+                 pos, pos, np.zeros(T, np.int32), np.zeros(1, np.int32), T)
+    rot = kv.attend(0, nops, q.copy(), k, v, None, 0.125, 0, 0.0)
+    raw_k, raw_v = kq.quantize_ref(kq.Q4_0, k), kq.quantize_ref(kq.Q4_0, v)
+    plain = nops.attention_kvq(q, raw_k, raw_v, pos, pos, 0.125, 0, 0.0, kq.Q4_0, kq.Q4_0)
+    err_rot, err_plain = np.abs(rot - exact).mean(), np.abs(plain - exact).mean()
+    assert err_rot < 0.6 * err_plain, (err_rot, err_plain)
+    # the pool holds the rotated rows
+    assert np.array_equal(kv.k[0], kq.quantize_ref(kq.Q4_0, kq.rotate(k, 64)))

@@ -63,6 +63,47 @@ def check_head_dims(t: int, *dims: int) -> None:
                                f"multiple of {QK}; this model has {d}; use -ctk/-ctv f16")
 
 
+# --- llama.cpp's rotation of a quantized cache (PR 21038: attn_rot_k / attn_rot_v) ----------
+# A quantized K (V) cache holds K (V) multiplied by an orthonormal Walsh-Hadamard matrix per
+# chunk of the head dimension, which spreads outlier channels over the block before it is
+# quantized. q is rotated the same way (q.k is unchanged) and the attention output is rotated
+# back (H @ H = I). On when the type is q8_0/q4_0 and the head dim is a multiple of 64; chunks
+# of the largest power of two (>= 64) dividing the head dim for K, of 64 for V.
+_HADAMARD: dict[int, np.ndarray] = {}
+
+
+def hadamard(n: int) -> np.ndarray:
+    """The orthonormal Sylvester Walsh-Hadamard matrix float32[n, n] (ggml_gen_hadamard)."""
+    h = _HADAMARD.get(n)
+    if h is None:
+        assert n >= 1 and n & (n - 1) == 0
+        h = np.full((1, 1), 1.0 / np.sqrt(np.float32(n)), np.float32)
+        while h.shape[0] < n:
+            h = np.block([[h, h], [h, -h]])
+        h = _HADAMARD[n] = np.ascontiguousarray(h, dtype=np.float32)
+    return h
+
+
+def rot_size(t: int, head_dim: int, is_k: bool) -> int:
+    """The rotation chunk llama.cpp uses for a cache of type t (0: no rotation)."""
+    if not is_block(t) or head_dim % 64:
+        return 0
+    if not is_k:
+        return 64
+    n = 64
+    while head_dim % (2 * n) == 0:
+        n *= 2
+    return n
+
+
+def rotate(x: np.ndarray, n: int) -> np.ndarray:
+    """x [..., D] with each chunk of n values of the last axis multiplied by hadamard(n)."""
+    if n == 0:
+        return x
+    shape = x.shape
+    return (np.ascontiguousarray(x, dtype=np.float32).reshape(-1, n) @ hadamard(n)).reshape(shape)
+
+
 def store_rows(t: int, pool: np.ndarray, rows: np.ndarray, x: np.ndarray) -> None:
     """x float32[n, values of one token] into physical rows ``rows`` of a pool in type t (the
     native kv_store, else the numpy reference)."""

@@ -29,8 +29,9 @@ class BatchKV:
 
     @property
     def fusable(self) -> bool:
-        """Whether the native fused decode layer can read this cache (one type for K and V)."""
-        return self.kv_type == self.kv_type_v
+        """Whether the native fused decode layer can run on this cache: f32 / f16 (a quantized
+        cache also rotates q, k, v and the output, which the fused layer does not)."""
+        return self.kv_type in _NP and self.kv_type_v in _NP
 
     def fused(self, il: int) -> tuple:
         """Arguments of the native batched decode layer after x (opaque to model code)."""
@@ -61,13 +62,16 @@ class BatchKV:
     def _attend_quantized(self, ops, K, V, q, k, v, pos, q_tab, scale, window, softcap):
         # q8_0 / q4_0 rows (llama.cpp's -ctk/-ctv): quantized as llama.cpp stores them, attended
         # with its numerics (csrc/kv_quant.c; ops.attention_kvq, the numpy reference stands in)
+        # with llama.cpp's Hadamard rotation of quantized K / V (kv/quant.py rotate)
         from . import quant as kq
         tk, tv = self.kv_type, self.kv_type_v
         n = k.shape[0]
-        kq.store_rows(tk, K, self.slots, k.reshape(n, -1))
-        kq.store_rows(tv, V, self.slots, v.reshape(n, -1))
-        return ops.attention_kvq(q, K, V, pos, None, scale, window, softcap, tk, tv,
-                                 table=self.tables, q_tab=q_tab, bs=self.bs)
+        rk, rv = kq.rot_size(tk, k.shape[-1], True), kq.rot_size(tv, v.shape[-1], False)
+        kq.store_rows(tk, K, self.slots, kq.rotate(k, rk).reshape(n, -1))
+        kq.store_rows(tv, V, self.slots, kq.rotate(v, rv).reshape(n, -1))
+        o = ops.attention_kvq(np.ascontiguousarray(kq.rotate(q, rk)), K, V, pos, None, scale,
+                              window, softcap, tk, tv, table=self.tables, q_tab=q_tab, bs=self.bs)
+        return kq.rotate(o, rv)
 
     def _attend_reference(self, ops, K, V, q, k, v, pos, q_tab, scale, window, softcap):
         # numpy backend: write through numpy's rounding, gather each sequence's keys, attend
