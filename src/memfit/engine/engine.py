@@ -117,7 +117,8 @@ class Engine:
         return {"running": len(s.running), "waiting": len(s.waiting),
                 "kv_blocks_total": p.n_blocks, "kv_blocks_used": p.n_used,
                 "kv_blocks_cached": p.n_cached, "kv_block_size": p.block_size,
-                "kv_cache_type": p.cache_type, "kv_bytes": p.nbytes,
+                "kv_cache_type": p.cache_type, "kv_cache_type_v": p.cache_type_v,
+                "kv_bytes": p.nbytes,
                 "prefix_cache_queries": s.prefix_queries, "prefix_cache_hits": s.prefix_hits,
                 "preempted": s.n_preempted, "steps": self.n_steps, "n_parallel": self.n_parallel}
 
