@@ -46,7 +46,6 @@ def _run(model, tok, prompts, n_parallel, n_batch=512, **kw):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_batched_greedy_equals_alone_tiny(tmp_path, arch):
     model, tok = _tiny(tmp_path, arch)
-    model.config  # noqa: B018
     tok.eog_ids = set()  # random weights: generate N_GEN tokens whatever they are
     alone = [_run(model, tok, [p], 1)[0][0] for p in PROMPTS]
     assert all(len(a) == N_GEN for a in alone)
@@ -190,3 +189,75 @@ def test_fused_batched_decode_equals_blocks(tmp_path, arch, qtype):
     for il in range(len(pa.k)):
         np.testing.assert_array_equal(pa.k[il], pb.k[il])
         np.testing.assert_array_equal(pa.v[il], pb.v[il])
+
+
+def test_mixed_prefill_and_decode_rows_in_one_forward(tmp_path):
+    # the contract lets one forward carry a prefill chunk of one sequence and decode rows of
+    # others; each sequence's logits match its own forward (within the tiled kernels' order)
+    from memfit.kv import KVPool
+    from memfit.kv.view import BatchKV
+    from memfit.models.batch import Batch
+    model, _ = _tiny(tmp_path, "qwen2", "Q8_0")
+    c = model.config
+
+    def run(groups):  # groups: [[(seq, pos, tok), ...], ...] forwarded one group per call
+        pool = KVPool(c.n_layer, 6, c.n_head_kv, c.head_dim_k, c.head_dim_v, "f32")
+        tabs = np.array([0, 1, 2, 3, 4, 5], np.int32)  # seq s owns blocks 2s, 2s + 1
+        outs = {}
+        for rows in groups:
+            pos = np.array([p for _, p, _ in rows], np.int32)
+            s = np.array([q for q, _, _ in rows], np.int32)
+            kv = BatchKV(pool.k, pool.v, pool.kv_type, pos, (2 * s + pos // 32) * 32 + pos % 32,
+                         2 * s, tabs, 32)
+            # logits for the last row of each sequence in the group
+            last = [i for i in range(len(rows)) if i == len(rows) - 1 or rows[i + 1][0] != rows[i][0]]
+            lg = model.forward(Batch(np.array([t for _, _, t in rows], np.int64), pos, s,
+                                     np.array(last), kv))
+            for j, i in enumerate(last):
+                outs.setdefault(rows[i][0], []).append(lg[j])
+        return outs
+    a = [(0, p, 3 + p) for p in range(20)]
+    b = [(1, p, 7 + p) for p in range(5)]
+    c2 = [(2, p, 50 + p) for p in range(40)]
+    sep = run([a, b, c2, [(0, 20, 9)], [(1, 5, 8)], [(2, 40, 4)]])
+    mixed = run([a, b, c2[:30], [(0, 20, 9), (1, 5, 8)] + c2[30:], [(2, 40, 4)]])
+    for q in (0, 1, 2):
+        np.testing.assert_allclose(mixed[q][-1], sep[q][-1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2"])
+def test_fused_batched_decode_isa_and_threads(tmp_path, isa):
+    # the scalar kernels too; and the result does not depend on the thread count
+    from memfit import _native
+    if isa == "avx2" and _native.isa_hw() == "scalar":
+        pytest.skip("no AVX2")
+    path = write_tiny_model(tmp_path / "m.gguf", "gemma3", "Q4_K", seed=8, sliding_window=5)
+    model = load_model(path, ops=get_ops("native"))
+    before, threads = _native.isa(), _native.get_threads()
+    _native.set_isa(isa)
+    try:
+        a, _ = _paged_steps(model, True, "f16")
+        b, _ = _paged_steps(model, False, "f16")
+        _native.set_threads(1)
+        c, _ = _paged_steps(model, True, "f16")
+    finally:
+        _native.set_isa(before)
+        _native.set_threads(threads)
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(a, c)
+
+
+def test_request_larger_than_the_pool_is_refused(tmp_path):
+    from memfit.errors import RequestError
+    model, tok = _tiny(tmp_path, "llama")
+    eng = Engine(model, tok, n_ctx=128, n_blocks=2)
+    with pytest.raises(RequestError, match="KV pool"):
+        eng.add_request(list(range(1, 40)), SamplingParams(temperature=0, max_tokens=40))
+    with pytest.raises(RequestError, match="context"):
+        eng.add_request(list(range(1, 200)), SamplingParams(temperature=0))
+    tok.eog_ids = set()
+    eng.add_request(list(range(1, 40)), SamplingParams(temperature=0, max_tokens=20))
+    n = 0
+    while eng.has_unfinished():
+        n += sum(o.token is not None for o in eng.step())
+    assert n == 20 and eng.pool.n_used == 0

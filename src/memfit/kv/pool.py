@@ -1,7 +1,7 @@
 """Paged KV cache: a pool of fixed-size blocks, their reference counts and the prefix cache.
 
 Per layer a K pool [n_blocks, BLOCK_SIZE, n_kv_head, head_dim_k] and a V pool (float16 for
-cache type f16, float32 for f32); the pool is allocated once at its planned size and never
+cache type f16, float32 for f32; the quantized types store raw block bytes per row); the pool is allocated once at its planned size and never
 grows. A sequence owns a block table (block ids); logical position p is row p % BLOCK_SIZE of
 block table[p // BLOCK_SIZE].
 
@@ -46,17 +46,21 @@ class KVPool:
         self.n_blocks, self.block_size = n_blocks, BLOCK_SIZE
         rows = n_blocks * BLOCK_SIZE
 
-        def pool(t: int, d: int) -> list[np.ndarray]:
-            # physical rows [n_blocks * BLOCK_SIZE, Hkv, D] (kv/view.py addressing); q8_0 / q4_0
-            # rows are GGML blocks, uint8 [rows, Hkv, row_bytes]
+        def blocks(t: int, d: int) -> list[np.ndarray]:
+            # per layer [n_blocks, BLOCK_SIZE, Hkv, row] (INTERFACES.md §2): d values (f16/f32),
+            # or q8_0 / q4_0 GGML blocks as uint8 [.., row_bytes]
             if kq.is_block(t):
                 kq.check_head_dims(t, d)
-                return [np.zeros((rows, n_kv_head, kq.row_bytes(t, d)), np.uint8)
+                return [np.zeros((n_blocks, BLOCK_SIZE, n_kv_head, kq.row_bytes(t, d)), np.uint8)
                         for _ in range(n_layer)]
             dt = np.float16 if t == kq.F16 else np.float32
-            return [np.zeros((rows, n_kv_head, d), dt) for _ in range(n_layer)]
-        self.k = pool(self.kv_type, head_dim_k)
-        self.v = pool(self.kv_type_v, head_dim_v)
+            return [np.zeros((n_blocks, BLOCK_SIZE, n_kv_head, d), dt) for _ in range(n_layer)]
+        # k/v are the same memory as physical rows [n_blocks * BLOCK_SIZE, Hkv, row], the
+        # kernels' addressing (kv/view.py)
+        self.k_blocks = blocks(self.kv_type, head_dim_k)
+        self.v_blocks = blocks(self.kv_type_v, head_dim_v)
+        self.k = [a.reshape(rows, n_kv_head, a.shape[-1]) for a in self.k_blocks]
+        self.v = [a.reshape(rows, n_kv_head, a.shape[-1]) for a in self.v_blocks]
         self.ref = np.zeros(n_blocks, np.int32)
         self._free = list(range(n_blocks - 1, -1, -1))  # never-keyed free blocks (a stack)
         self._cached: OrderedDict[int, None] = OrderedDict()  # keyed, unreferenced: LRU order
@@ -72,7 +76,7 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
+        return sum(a.nbytes for a in self.k_blocks) + sum(a.nbytes for a in self.v_blocks)
 
     # --- counts (integers the scheduler decides with)
     @property
