@@ -45,11 +45,13 @@ def _logprobs(m, chunk: list[int], first: int) -> np.ndarray:
     return np.concatenate(out)
 
 
-def run(path: str, text: str, ctx: int = 512) -> dict:
+def run(path: str, text: str, ctx: int = 512, max_chunks: int = 0) -> dict:
     import memfit
     with memfit.load(path, n_ctx=ctx) as m:
         toks = m.tokenize(text, add_special=True, parse_special=False)
         n_chunks = len(toks) // ctx
+        if max_chunks:
+            n_chunks = min(n_chunks, max_chunks)
         first = ctx // 2
         bos = m.tokenizer.bos_id if m.tokenizer.add_bos else None
         nll = {t: [] for t in TYPES}
@@ -98,6 +100,7 @@ def main() -> int:
     ap.add_argument("-f", "--file", default=os.path.join(os.environ.get("MEMFIT_GOLDEN", "/work/shared/golden"),
                                                          "GPL-3.txt"))
     ap.add_argument("--json", default=None, help="append one JSON line per model")
+    ap.add_argument("--chunks", type=int, default=0, help="score only the first N chunks (0: all)")
     a = ap.parse_args()
     text = open(a.file, encoding="utf-8").read()
     if text.endswith("\n"):  # as llama-perplexity
@@ -105,7 +108,7 @@ def main() -> int:
     print("| model | KV K/V | PPL | PPL / f16 | mean KLD vs f16 | KLD p99 | same top token |")
     print("|---|---|---|---|---|---|---|")
     for p in a.models:
-        r = run(p, text)
+        r = run(p, text, max_chunks=a.chunks)
         if a.json:
             with open(a.json, "a") as f:
                 f.write(json.dumps(r) + "\n")
