@@ -195,13 +195,19 @@ def _golden_ppl(golden_dir, stem):
     return gold["ppl"], text[:-1] if text.endswith("\n") else text
 
 
+# llama.cpp's own perplexity on the golden text with -ctk/-ctv q4_0 (llama-cpp-python 0.3.36,
+# flash attention, benchmarks/kv_quant_peer.py; BENCHMARKS.md section 5)
+LLAMACPP_Q4_0_PPL = {"SmolLM2-135M-Instruct.Q4_1.gguf": 19.4837}
+
+
 @pytest.mark.realmodel
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("which", ["smollm2", "gemma"])
 def test_perplexity_quantized_kv_close_to_f16(which, request, golden_dir):
-    """q8_0 within 1% and q4_0 within 5% of the f16 cache's perplexity (llama.cpp's f16 number
-    from the golden; memfit's own f16 equals it within 1%: test_golden_e2e)."""
+    """q8_0 within 1% of the f16 cache's perplexity (llama.cpp's f16 number from the golden;
+    memfit's own f16 equals it within 1%: test_golden_e2e); q4_0 within 5%, except where
+    llama.cpp's own q4_0 is not (SmolLM2: +5.9%): there within 2% of llama.cpp's q4_0."""
     import memfit
     path = request.getfixturevalue(f"{which}_path")
     f16, text = _golden_ppl(golden_dir, path.name)
@@ -210,7 +216,11 @@ def test_perplexity_quantized_kv_close_to_f16(which, request, golden_dir):
         m.model.cache_type_k = m.model.cache_type_v = "q4_0"  # same weights, other cache
         q4 = m.perplexity(text, ctx=512).ppl
     assert abs(q8 / f16 - 1) < 0.01, (q8, f16)
-    assert abs(q4 / f16 - 1) < 0.05, (q4, f16)
+    peer = LLAMACPP_Q4_0_PPL.get(path.name)
+    if peer is not None and peer / f16 - 1 > 0.05:
+        assert abs(q4 / peer - 1) < 0.02, (q4, peer, f16)
+    else:
+        assert abs(q4 / f16 - 1) < 0.05, (q4, f16)
 
 
 def test_paged_window_matches_contiguous():
