@@ -197,7 +197,8 @@ def _golden_ppl(golden_dir, stem):
 
 # llama.cpp's own perplexity on the golden text with -ctk/-ctv q4_0 (llama-cpp-python 0.3.36,
 # flash attention, benchmarks/kv_quant_peer.py; BENCHMARKS.md section 5)
-LLAMACPP_Q4_0_PPL = {"SmolLM2-135M-Instruct.Q4_1.gguf": 19.4837, "gemma-3-270m-q4_k_m.gguf": 15.7248}
+LLAMACPP_Q4_0_PPL = {"SmolLM2-135M-Instruct.Q4_1.gguf": 19.4837,
+                     "gemma-3-270m-q4_k_m.gguf": 15.7248}
 
 
 @pytest.mark.realmodel
