@@ -245,7 +245,8 @@ def attention_ref(q, k, v, q_pos, kv_pos, scale, window, softcap, tk, tv, table=
             if is_block(tk):
                 s = dot_ref(tk, kk, quantize_ref(Q8_0, q[i, h]))
             else:
-                qf = q[i, h].astype(np.float16).astype(np.float64) if tk == F16 else q[i, h].astype(np.float64)
+                qf = q[i, h].astype(np.float16) if tk == F16 else q[i, h]  # f16 K: q as f16
+                qf = qf.astype(np.float64)
                 s = dequantize_ref(tk, kk, dd).astype(np.float64) @ qf
             s = s.astype(np.float64) * sc
             if softcap > 0:
