@@ -8,10 +8,11 @@ extern PyMethodDef mf_bench_methods[];  /* csrc/membw.c */
 extern PyMethodDef mf_decode_methods[]; /* csrc/decode.c */
 extern PyMethodDef mf_kv_methods[];     /* csrc/bind_kv.c */
 extern PyMethodDef mf_moe_methods[];    /* csrc/moe.c */
+extern PyMethodDef mf_kvq_methods[];    /* csrc/bind_kvq.c */
 
 static PyMethodDef *tables[] = {mf_quant_methods, mf_ops_methods, mf_pool_methods,
                                 mf_bench_methods, mf_decode_methods, mf_kv_methods,
-                                mf_moe_methods};
+                                mf_moe_methods, mf_kvq_methods};
 static PyMethodDef all_methods[256];
 
 static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_native",

@@ -4,6 +4,7 @@
 #include "memfit.h"
 #include "ops.h"
 #include "quant_common.h" /* mf_f16_table */
+#include "kv_quant.h"    /* the q8_0 / q4_0 cache types */
 
 #include <math.h>
 #include <string.h>
@@ -512,6 +513,17 @@ static void paged_task(void *p, int64_t task) {
 }
 
 int mf_attention_paged(const mf_paged_args *pa) {
+    if (pa->kv_type == MF_KV_Q8_0 || pa->kv_type == MF_KV_Q4_0) {
+        /* csrc/kv_quant.c over the raw rows; llama.cpp's Hadamard rotation of q, k, v and the
+         * output is the caller's (kv/view.py), so the fused decode layer skips these types */
+        const mf_attnq_args qa = {.q = pa->q, .k = pa->k, .v = pa->v, .out = pa->out, .q_pos = pa->q_pos,
+                                  .q_tab = pa->q_tab, .tables = pa->tables, .bs = pa->bs, .n = pa->n,
+                                  .Hq = pa->Hq, .Hkv = pa->Hkv, .D = pa->D, .Dv = pa->Dv, .scale = pa->scale,
+                                  .softcap = pa->softcap, .window = pa->window, .type_k = pa->kv_type,
+                                  .type_v = pa->kv_type};
+        mf_attention_kvq(&qa);
+        return 0;
+    }
     if (pa->kv_type != MF_KV_F32 && pa->kv_type != MF_KV_F16) return -1;
     if (pa->n == 0) return 0;
     if (pa->kv_type == MF_KV_F16) /* llama.cpp's f16 flash path reads Q as f16 */
@@ -537,6 +549,8 @@ int64_t mf_kv_row_bytes(int kv_type, int64_t elems) {
     switch (kv_type) {
     case MF_KV_F32: return elems * 4;
     case MF_KV_F16: return elems * 2;
+    case MF_KV_Q8_0:
+    case MF_KV_Q4_0: return elems % MF_KV_QK ? 0 : mf_kvq_row_bytes(kv_type, elems);
     default: return 0;
     }
 }
@@ -546,7 +560,8 @@ int mf_kv_store(int kv_type, void *pool, const int32_t *rows, const float *x, in
     if (rb == 0) return -1;
     for (int64_t i = 0; i < n; i++) {
         uint8_t *dst = (uint8_t *)pool + (int64_t)rows[i] * rb;
-        if (kv_type == MF_KV_F16) mf_f32_to_f16(x + i * elems, (uint16_t *)dst, elems);
+        if (kv_type == MF_KV_Q8_0 || kv_type == MF_KV_Q4_0) mf_kv_quantize(kv_type, x + i * elems, dst, 1, elems);
+        else if (kv_type == MF_KV_F16) mf_f32_to_f16(x + i * elems, (uint16_t *)dst, elems);
         else memcpy(dst, x + i * elems, (size_t)rb);
     }
     return 0;

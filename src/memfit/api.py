@@ -65,7 +65,8 @@ class Model:
 
     def __init__(self, model: str | os.PathLike | None = None, threads: int | None = None,
                  n_ctx: int | None = None, backend: str | None = None, quiet: bool = True,
-                 mem_budget: int | str | None = None, n_parallel: int = 1):
+                 mem_budget: int | str | None = None, n_parallel: int = 1,
+                 cache_type_k: str = "f16", cache_type_v: str = "f16"):
         from .gguf import open_gguf
         from .models import load_model
         from .ops import get_ops
@@ -84,6 +85,10 @@ class Model:
                 raise RequestError(f"n_parallel must be >= 1, got {n_parallel}")
             self.n_parallel = int(n_parallel)
             self.threads = threads
+            from .kv.quant import NAMES, cache_type
+            # KV cache types (llama.cpp's -ctk/-ctv): checked before the planner counts them
+            self.cache_type_k = NAMES[cache_type(cache_type_k)]
+            self.cache_type_v = NAMES[cache_type(cache_type_v)]
             self.plan = self.ledger = None
             if mem_budget is not None or os.environ.get("MEMFIT_MEM_BUDGET"):
                 self._plan_budget(mem_budget, n_ctx, quiet)  # refuses before anything loads
@@ -95,6 +100,10 @@ class Model:
                 self.ops.set_threads(threads)
             self.model = load_model(self.file, weights=self.store, ops=self.ops)
             self.config = self.model.config
+            from .kv.quant import check_head_dims
+            check_head_dims(cache_type(self.cache_type_k), self.config.head_dim_k)
+            check_head_dims(cache_type(self.cache_type_v), self.config.head_dim_v)
+            self.model.cache_type_k, self.model.cache_type_v = self.cache_type_k, self.cache_type_v
             train_ctx = int(getattr(self.config, "n_ctx_train", 0) or 4096)
             self.n_ctx = int(n_ctx) if n_ctx is not None else min(train_ctx, 4096)
             self.n_batch = int(getattr(self.plan, "n_batch", 0) or 512)
@@ -106,8 +115,11 @@ class Model:
             self._check_kv_fits()
             from .engine.engine import Engine
             # the paged KV pool for n_parallel sequences of n_ctx tokens, counted by the ledger
+            kvt = None if self.cache_type_k == "f16" and self.cache_type_v == "f16" else \
+                self.cache_type_k  # None: the model's default (f16, or f32 in exact-math tests)
             self.engine = Engine(self.model, self.tokenizer, self.n_ctx, self.n_parallel,
-                                 self.n_batch, ledger=self.ledger)
+                                 self.n_batch, ledger=self.ledger, cache_type=kvt,
+                                 cache_type_v=None if kvt is None else self.cache_type_v)
         except BaseException:
             self.close()
             raise
@@ -119,7 +131,10 @@ class Model:
         from .engine.engine import kv_pool_blocks
         from .kv import BLOCK_SIZE
         tokens = kv_pool_blocks(self.n_ctx, self.n_parallel) * BLOCK_SIZE
-        kv = 2 * tokens * c.n_layer * c.n_head_kv * (c.head_dim_k + c.head_dim_v)  # f16
+        from .kv.quant import cache_type, row_bytes
+        kv = tokens * c.n_layer * c.n_head_kv * (
+            row_bytes(cache_type(self.cache_type_k), c.head_dim_k)
+            + row_bytes(cache_type(self.cache_type_v), c.head_dim_v))
         avail = psutil.virtual_memory().available
         if kv > avail:
             raise RequestError(f"context size {self.n_ctx} x {self.n_parallel} sequences needs "
@@ -140,7 +155,8 @@ class Model:
             return
         baseline = measure_baseline()
         plan = plan_for_path(self.file, budget, n_ctx=n_ctx, threads=self.threads,
-                             baseline_bytes=baseline, n_parallel=self.n_parallel)
+                             baseline_bytes=baseline, n_parallel=self.n_parallel,
+                             cache_type_k=self.cache_type_k, cache_type_v=self.cache_type_v)
         if plan.tiers["file"] or plan.tiers["cache"]:
             if not quiet:
                 print(f"memfit: the model does not fit in memory ({why}); streaming "
@@ -164,7 +180,8 @@ class Model:
         if plan is None:
             baseline = measure_baseline()
             plan = plan_for_path(self.file, budget, n_ctx=n_ctx, threads=self.threads,
-                                 baseline_bytes=baseline, n_parallel=self.n_parallel)
+                                 baseline_bytes=baseline, n_parallel=self.n_parallel,
+                                 cache_type_k=self.cache_type_k, cache_type_v=self.cache_type_v)
         self.plan = plan
         self.ledger = Ledger(budget)
         self.ledger.alloc("baseline", "runtime", baseline)
@@ -270,6 +287,50 @@ class Model:
         for step in steps:
             if step.text:
                 yield step.text
+
+    # --- saved sessions
+    def _kv_geometry(self) -> dict:
+        from .kv.quant import cache_type, row_bytes
+        c = self.config
+        return {"n_layer": c.n_layer, "n_kv_head": c.n_head_kv,
+                "row_bytes_k": row_bytes(cache_type(self.cache_type_k), c.head_dim_k),
+                "row_bytes_v": row_bytes(cache_type(self.cache_type_v), c.head_dim_v)}
+
+    def save_state(self, path: str | os.PathLike, ids: Sequence[int],
+                   extra: dict | None = None) -> int:
+        """Save a sequence: its token ids (e.g. ``r.prompt_ids + r.ids`` of a Completion, or a
+        running request's tokens) with the K/V rows the engine's prefix cache holds for them
+        (whole blocks, in the cache types), this model's identity and ``extra`` (JSON-able).
+        Crash-safe (memfit/session.py). If none of ids is cached, they are computed first.
+        Returns the file size."""
+        from . import session as ss
+        ids = self._prompt_ids(list(ids))
+        if not ids:
+            raise RequestError("nothing to save: the sequence has no tokens")
+        if len(ids) >= self.n_ctx:
+            raise RequestError(f"the sequence has {len(ids)} tokens but the context is "
+                               f"{self.n_ctx}; save a shorter one or raise --ctx-size")
+        pool = self.engine.pool
+        k, v = ss.export_prefix(pool, ids)
+        if k[0].shape[0] == 0 and len(ids) > pool.block_size:  # evicted or never computed
+            self.generate(ids, max_tokens=0)
+            k, v = ss.export_prefix(pool, ids)
+        st = ss.SessionState(list(ids), k, v, self.cache_type_k, self.cache_type_v, extra or {})
+        return ss.save(path, ss.model_identity(self.file), st)
+
+    def load_state(self, path: str | os.PathLike) -> tuple[list[int], dict]:
+        """Restore a session saved by save_state: its K/V blocks go into the engine's prefix
+        cache, so the next request that starts with its ids reuses them. Returns (ids, extra).
+        SessionError when the file belongs to another model or cache types, or is truncated
+        or corrupt."""
+        from . import session as ss
+        st = ss.load(path, ss.model_identity(self.file), self.cache_type_k, self.cache_type_v,
+                     self._kv_geometry())
+        if len(st.ids) >= self.n_ctx:
+            raise RequestError(f"the session holds {len(st.ids)} tokens but the context is "
+                               f"{self.n_ctx}; load it with --ctx-size {len(st.ids) + 1} or more")
+        ss.import_prefix(self.engine.pool, st.ids, st.k, st.v)
+        return list(st.ids), st.extra
 
     # --- evaluation
     def perplexity(self, text: str, ctx: int = 512, progress=None) -> Perplexity:

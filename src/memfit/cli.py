@@ -34,6 +34,14 @@ def _add_runtime_args(p, budget: bool = True) -> None:
                    help="compute backend (default: native when built, else numpy)")
 
 
+def _add_cache_type_args(p) -> None:
+    from .kv.quant import CACHE_TYPES
+    for short, name, what in (("-ctk", "--cache-type-k", "K"), ("-ctv", "--cache-type-v", "V")):
+        p.add_argument(short, name, type=str.lower, choices=list(CACHE_TYPES), default="f16",
+                       help=f"KV cache type for {what}: f16 (default), q8_0, q4_0 (llama.cpp's "
+                            f"block formats; less memory, slightly different numbers)")
+
+
 def _add_sampling_args(p) -> None:
     g = p.add_argument_group("sampling (llama.cpp defaults)")
     g.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128; -1 = until the context is full)")
@@ -68,14 +76,18 @@ def _load(a, n_ctx=None, n_parallel=1):
     t0 = time.perf_counter()
     m = Model(a.model, threads=getattr(a, "threads", None), n_ctx=n_ctx,
               backend=getattr(a, "backend", None), quiet=quiet,
-              mem_budget=getattr(a, "mem_budget", None), n_parallel=n_parallel)
+              mem_budget=getattr(a, "mem_budget", None), n_parallel=n_parallel,
+              cache_type_k=getattr(a, "cache_type_k", "f16"),
+              cache_type_v=getattr(a, "cache_type_v", "f16"))
     if not quiet:
         tiers = ""
         if m.plan is not None:
             tb = m.plan.tier_bytes
             tiers = (f", pinned {_mib(tb.get('pinned', 0))}, streamed "
                      f"{m.plan.disk_bytes_per_token / 2**20:.0f} MiB/token")
-        print(f"memfit: loaded {m.path.name} ({m.config.arch}, {m.n_ctx} ctx) in "
+        kvt = ("" if (m.cache_type_k, m.cache_type_v) == ("f16", "f16")
+               else f", KV {m.cache_type_k}/{m.cache_type_v}")
+        print(f"memfit: loaded {m.path.name} ({m.config.arch}, {m.n_ctx} ctx{kvt}) in "
               f"{time.perf_counter() - t0:.1f} s, RSS {_mib(peak_rss_bytes())}{tiers}",
               file=sys.stderr, flush=True)
     return m
@@ -132,6 +144,83 @@ def cmd_run(a) -> int:
               + (f" of budget {_mib(m.ledger.budget)} | {m.store.format_stats()}"
                  if m.store is not None else ""),
               file=sys.stderr)
+    return 0
+
+
+def cmd_chat(a) -> int:
+    """Interactive multi-turn chat: the model's chat template, streamed replies; the engine's
+    prefix cache keeps the conversation's KV between turns (only the new turn is computed)."""
+    from .api import peak_rss_bytes
+    from .engine.generate import GenerationState
+    from .errors import MemfitError
+    with _load(a, n_ctx=a.ctx_size) as m:
+        if not m.tokenizer.chat_template:
+            m.apply_chat_template([])  # raises the "has no chat template" error
+        conv: list[int] = []  # the conversation's token ids so far (prompt + reply of the last turn)
+        system = [{"role": "system", "content": a.system}] if a.system else []
+        messages = list(system)
+        kw = _sampling_kwargs(a)
+
+        def note(msg: str) -> None:
+            print(f"memfit: {msg}", file=sys.stderr, flush=True)
+
+        note(f"chat with {m.path.name}; /exit to quit, /reset to start over, /save FILE, "
+             f"/load FILE")
+        while True:
+            try:
+                line = input("> ")
+            except (EOFError, KeyboardInterrupt):
+                sys.stdout.write("\n")
+                break
+            text = line.strip()
+            if not text:
+                continue
+            try:
+                if text.startswith("/"):
+                    cmd, _, arg = text.partition(" ")
+                    arg = arg.strip()
+                    if cmd in ("/exit", "/quit"):
+                        break
+                    if cmd == "/reset":
+                        conv, messages = [], list(system)
+                        note("conversation reset")
+                    elif cmd in ("/save", "/load") and not arg:
+                        note(f"error: {cmd} needs a file name: {cmd} FILE")
+                    elif cmd == "/save":
+                        size = m.save_state(arg, conv, extra={"messages": messages})
+                        note(f"saved {len(conv)} tokens to {arg} ({_mib(size)})")
+                    elif cmd == "/load":
+                        ids, extra = m.load_state(arg)
+                        conv, messages = ids, list(extra.get("messages") or [])
+                        note(f"loaded {len(conv)} tokens, {len(messages)} messages from {arg}")
+                    else:
+                        note(f"error: unknown command {cmd}; use /exit, /reset, /save FILE, "
+                             f"/load FILE")
+                    continue
+                messages.append({"role": "user", "content": text})
+                prompt = m.apply_chat_template(messages)
+                st = GenerationState([])
+                _, steps = m._steps(prompt, 0, st, max_tokens=a.n_predict, **kw)
+                for step in steps:
+                    if step.text:
+                        sys.stdout.write(step.text)
+                        sys.stdout.flush()
+                sys.stdout.write("\n")
+                messages.append({"role": "assistant", "content": st.text})
+                conv = st.prompt_ids + st.ids
+            except MemfitError as e:
+                if messages and messages[-1]["role"] == "user":
+                    messages.pop()
+                note(f"error: {e}")
+                continue
+            t = st.timings
+            print(f"memfit: prompt {t.prompt_n} tok ({t.cache_n} cached), "
+                  f"{t.prompt_per_second:.1f} tok/s | generated {t.predicted_n} tok, "
+                  f"{t.predicted_per_second:.1f} tok/s | context {len(conv)}/{m.n_ctx} | "
+                  f"peak RSS {_mib(peak_rss_bytes())}"
+                  + (f" of budget {_mib(m.ledger.budget)} | {m.store.format_stats()}"
+                     if m.store is not None else ""),
+                  file=sys.stderr, flush=True)
     return 0
 
 
@@ -216,7 +305,8 @@ def cmd_plan(a) -> int:
     path = resolve_model(a.model, quiet=True)
     budget, why = resolve_budget(a.mem_budget)
     p = plan_for_path(path, budget, n_ctx=a.ctx_size, threads=a.threads,
-                      measure_bandwidth=not a.no_measure)
+                      measure_bandwidth=not a.no_measure, cache_type_k=a.cache_type_k,
+                      cache_type_v=a.cache_type_v)
     if a.json:
         print(p.to_json_str())
     else:
@@ -320,8 +410,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --json: the K most probable [id, prob] of the pre-sampling softmax per step")
     r.add_argument("--no-echo", action="store_true", help="do not print the prompt before the generated text")
     _add_sampling_args(r)
+    _add_cache_type_args(r)
     _add_runtime_args(r)
     r.set_defaults(func=cmd_run, text=None)
+
+    ch = sub.add_parser("chat", help="interactive multi-turn chat in the terminal (/exit, /reset, /save FILE, /load FILE)",
+                        description="Chat with the model using its chat template. Replies stream; the conversation's KV "
+                                    "cache is kept between turns. Commands: /exit, /reset, /save FILE, /load FILE.")
+    _add_model_arg(ch, optional=True)
+    ch.add_argument("-c", "--ctx-size", type=int, default=None, help="context size (default: min(training context, 4096))")
+    ch.add_argument("--system", default=None, help="system message")
+    _add_sampling_args(ch)
+    _add_cache_type_args(ch)
+    _add_runtime_args(ch)
+    ch.set_defaults(func=cmd_chat, json=False)
 
     t = sub.add_parser("tokenize", help="print the token ids of a text")
     _add_model_arg(t)
@@ -344,6 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("-f", "--file", required=True, help="text file")
     pp.add_argument("-c", "--ctx-size", type=int, default=512, help="chunk size in tokens (default 512)")
     pp.add_argument("--json", action="store_true", help='print {"ppl", "ppl_err", "chunks", ...}')
+    _add_cache_type_args(pp)
     _add_runtime_args(pp)
     pp.set_defaults(func=cmd_perplexity, text=None, prompt=None)
 
@@ -362,6 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--trials", type=int, default=3, help="with --kernels: trials (bandwidth probe + every type); medians reported")
     b.add_argument("--stream-bytes", default="512MiB", metavar="SIZE",
                    help="with --kernels: bytes of distinct matrix copies cycled so each call reads from DRAM (default 512MiB)")
+    _add_cache_type_args(b)
     _add_runtime_args(b)
     b.set_defaults(func=cmd_bench)
 
@@ -370,6 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
     pn.add_argument("--mem-budget", default=None, metavar="SIZE", help="budget (default: detected)")
     pn.add_argument("-c", "--ctx", "--ctx-size", dest="ctx_size", type=int, default=None, help="context size (default: min(training context, 4096))")
     pn.add_argument("-t", "--threads", type=int, default=None)
+    _add_cache_type_args(pn)
     pn.add_argument("--no-measure", action="store_true", help="use cached/default bandwidths instead of measuring")
     pn.add_argument("--json", action="store_true", help="min_budget_bytes, disk_bytes_per_token, predicted_tg_tokens_per_s, tiers...")
     pn.set_defaults(func=cmd_plan)

@@ -51,7 +51,8 @@ def kv_pool_blocks(n_ctx: int, n_parallel: int) -> int:
 
 class Engine:
     def __init__(self, model, tokenizer, n_ctx: int, n_parallel: int = 1, n_batch: int = 512,
-                 cache_type: str | None = None, n_blocks: int | None = None, ledger=None):
+                 cache_type: str | None = None, n_blocks: int | None = None, ledger=None,
+                 cache_type_v: str | None = None):
         if n_parallel < 1:
             raise RequestError(f"n_parallel must be >= 1, got {n_parallel}")
         c = model.config
@@ -59,7 +60,8 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.n_ctx, self.n_parallel, self.n_batch = n_ctx, n_parallel, n_batch
         self.pool = KVPool(c.n_layer, n_blocks or kv_pool_blocks(n_ctx, n_parallel), c.n_head_kv,
-                           c.head_dim_k, c.head_dim_v, cache_type, ledger=ledger)
+                           c.head_dim_k, c.head_dim_v, cache_type, ledger=ledger,
+                           cache_type_v=cache_type_v)
         self.scheduler = Scheduler(self.pool, n_parallel, n_batch, n_ctx)
         self.runner = Runner(model, self.pool, n_parallel, n_batch, n_ctx)
         self.seqs: dict[str, Sequence] = {}
@@ -121,7 +123,8 @@ class Engine:
         return {"running": len(s.running), "waiting": len(s.waiting),
                 "kv_blocks_total": p.n_blocks, "kv_blocks_used": p.n_used,
                 "kv_blocks_cached": p.n_cached, "kv_block_size": p.block_size,
-                "kv_cache_type": p.cache_type, "kv_bytes": p.nbytes,
+                "kv_cache_type": p.cache_type, "kv_cache_type_v": p.cache_type_v,
+                "kv_bytes": p.nbytes,
                 "prefix_cache_queries": s.prefix_queries, "prefix_cache_hits": s.prefix_hits,
                 "preempted": s.n_preempted, "steps": self.n_steps, "n_parallel": self.n_parallel}
 

@@ -387,6 +387,7 @@ class GGUFFile:
         self.paths = [p.path for p in parts]
         self.version = first.version
         self.alignment = first.alignment
+        self.header_end = first.header_end  # bytes of the first part's metadata + tensor infos
         self.metadata: dict[str, Any] = first.metadata
         self.metadata_types: dict[str, str] = first.value_types
         self.file_size = sum(p.size for p in parts)

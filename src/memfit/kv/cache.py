@@ -8,6 +8,10 @@ A forward pass of n tokens calls ``positions(n)`` once, ``update_and_fetch`` onc
 (writes rows offset..offset+n), then ``advance(n)``; so ``offset`` only moves when every
 layer has its rows. Model code never sees the layout: the model asks ``view(n)`` for the
 BatchKV of its next n tokens (kv/view.py), the same interface the paged pool gives.
+
+With a quantized cache type (``type_k`` / ``type_v`` q8_0 or q4_0, llama.cpp's -ctk/-ctv) both
+arrays hold raw rows ``uint8[n_ctx, n_kv_head, row_bytes]`` in their types (kv/quant.py) and
+``quantized`` is True.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import RequestError
+from . import quant as kq
 from .view import KV_TYPES, BatchKV
 
 try:  # float32 -> float16 -> float32 rounding in C (F16C), bit-identical to numpy's astype pair
@@ -36,26 +41,42 @@ def round_f16(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 
 class KVCache:
     def __init__(self, n_layer: int, n_ctx: int, n_kv_head: int, head_dim_k: int,
-                 head_dim_v: int | None = None, dtype=np.float32, f16_values: bool = False):
+                 head_dim_v: int | None = None, dtype=np.float32, f16_values: bool = False,
+                 type_k: int | str | None = None, type_v: int | str | None = None):
         if n_ctx <= 0:
             raise RequestError(f"context size must be positive, got {n_ctx}")
         head_dim_v = head_dim_k if head_dim_v is None else head_dim_v
         self.n_ctx = n_ctx
-        dtype = np.float16 if f16_values else dtype
-        self.k = [np.zeros((n_ctx, n_kv_head, head_dim_k), dtype) for _ in range(n_layer)]
-        self.v = [np.zeros((n_ctx, n_kv_head, head_dim_v), dtype) for _ in range(n_layer)]
+        tk, tv = kq.cache_type(type_k), kq.cache_type(type_v)
+        self.quantized = kq.is_block(tk) or kq.is_block(tv)
+        self.kv_types = (tk, tv)
+        if self.quantized:
+            kq.check_head_dims(tk, head_dim_k)
+            kq.check_head_dims(tv, head_dim_v)
+            f16_values = False
+            self.k = [np.zeros((n_ctx, n_kv_head, kq.row_bytes(tk, head_dim_k)), np.uint8)
+                      for _ in range(n_layer)]
+            self.v = [np.zeros((n_ctx, n_kv_head, kq.row_bytes(tv, head_dim_v)), np.uint8)
+                      for _ in range(n_layer)]
+        else:
+            dtype = np.float16 if f16_values else dtype
+            self.k = [np.zeros((n_ctx, n_kv_head, head_dim_k), dtype) for _ in range(n_layer)]
+            self.v = [np.zeros((n_ctx, n_kv_head, head_dim_v), dtype) for _ in range(n_layer)]
         self.offset = 0  # tokens stored (== position of the next token)
         self.f16_values = f16_values
         self._pos = np.arange(n_ctx, dtype=np.int32)
         self._zeros = np.zeros(max(n_ctx, 1), dtype=np.int32)
-        self.kv_type = KV_TYPES["f16" if dtype == np.float16 else "f32"]
+        if self.quantized:
+            self.kv_type, self.kv_type_v = tk, tv
+        else:
+            self.kv_type = self.kv_type_v = KV_TYPES["f16" if dtype == np.float16 else "f32"]
 
     def view(self, n: int) -> BatchKV:
         """The BatchKV of the next n tokens (positions offset..offset+n; RequestError if they do
         not fit): one block as long as the context, so logical row t is physical row t."""
         pos = self.positions(n)
         return BatchKV(self.k, self.v, self.kv_type, pos, pos, self._zeros[:n], self._zeros[:1],
-                       self.n_ctx)
+                       self.n_ctx, kv_type_v=self.kv_type_v)
 
     def positions(self, n: int) -> np.ndarray:
         """Positions of the next n tokens (int32[n]); RequestError if they do not fit."""
@@ -72,8 +93,12 @@ class KVCache:
         end = self.offset + n
         assert end <= self.n_ctx, "positions(n) must be called first"
         kd, vd = self.k[layer][self.offset:end], self.v[layer][self.offset:end]
-        kd[...] = k  # to f16 (round to nearest even) when the cache is f16
-        vd[...] = v
+        if self.quantized:  # rows in their cache types, as llama.cpp's set_rows stores them
+            _store(self.kv_types[0], k, kd)
+            _store(self.kv_types[1], v, vd)
+        else:
+            kd[...] = k  # to f16 (round to nearest even) when the cache is f16
+            vd[...] = v
         return self.k[layer][:end], self.v[layer][:end], self._pos[:end]
 
     def layer_arrays(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
@@ -97,3 +122,18 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
+
+
+def _store(t: int, x: np.ndarray, out: np.ndarray) -> None:
+    """x float32[n, H, D] -> out uint8[n, H, row_bytes] in cache type t."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if _kv_quantize is not None:
+        _kv_quantize(x, t, out)
+    else:
+        out[...] = kq.quantize_ref(t, x)
+
+
+try:
+    from .._native import kv_quantize as _kv_quantize
+except ImportError:  # pragma: no cover - the numpy reference stands in
+    _kv_quantize = None

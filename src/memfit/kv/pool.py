@@ -30,24 +30,37 @@ def block_key(parent, tokens) -> tuple:
 
 class KVPool:
     def __init__(self, n_layer: int, n_blocks: int, n_kv_head: int, head_dim_k: int,
-                 head_dim_v: int | None = None, cache_type: str = "f16", ledger=None):
+                 head_dim_v: int | None = None, cache_type: str = "f16", ledger=None,
+                 cache_type_v: str | None = None):
+        from . import quant as kq
         if n_blocks < 1:
             raise RequestError(f"the KV pool needs at least one block, got {n_blocks}")
-        if cache_type not in ("f16", "f32"):
-            raise RequestError(f"KV cache type {cache_type!r} is not supported; use f16")
+        cache_type_v = cache_type if cache_type_v is None else cache_type_v
+        for t in (cache_type, cache_type_v):
+            if t not in KV_TYPES:
+                raise RequestError(f"KV cache type {t!r} is not supported; use one of "
+                                   f"{', '.join(kq.CACHE_TYPES)}")
         head_dim_v = head_dim_k if head_dim_v is None else head_dim_v
-        dt = np.float16 if cache_type == "f16" else np.float32
         self.cache_type, self.kv_type = cache_type, KV_TYPES[cache_type]
+        self.cache_type_v, self.kv_type_v = cache_type_v, KV_TYPES[cache_type_v]
         self.n_blocks, self.block_size = n_blocks, BLOCK_SIZE
         rows = n_blocks * BLOCK_SIZE
-        # per layer [n_blocks, BLOCK_SIZE, Hkv, D] (INTERFACES.md §2); k/v are the same memory as
-        # physical rows [n_blocks * BLOCK_SIZE, Hkv, D], the kernels' addressing (kv/view.py)
-        self.k_blocks = [np.zeros((n_blocks, BLOCK_SIZE, n_kv_head, head_dim_k), dt)
-                         for _ in range(n_layer)]
-        self.v_blocks = [np.zeros((n_blocks, BLOCK_SIZE, n_kv_head, head_dim_v), dt)
-                         for _ in range(n_layer)]
-        self.k = [a.reshape(rows, n_kv_head, head_dim_k) for a in self.k_blocks]
-        self.v = [a.reshape(rows, n_kv_head, head_dim_v) for a in self.v_blocks]
+
+        def blocks(t: int, d: int) -> list[np.ndarray]:
+            # per layer [n_blocks, BLOCK_SIZE, Hkv, row] (INTERFACES.md §2): d values (f16/f32),
+            # or q8_0 / q4_0 GGML blocks as uint8 [.., row_bytes]
+            if kq.is_block(t):
+                kq.check_head_dims(t, d)
+                return [np.zeros((n_blocks, BLOCK_SIZE, n_kv_head, kq.row_bytes(t, d)), np.uint8)
+                        for _ in range(n_layer)]
+            dt = np.float16 if t == kq.F16 else np.float32
+            return [np.zeros((n_blocks, BLOCK_SIZE, n_kv_head, d), dt) for _ in range(n_layer)]
+        # k/v are the same memory as physical rows [n_blocks * BLOCK_SIZE, Hkv, row], the
+        # kernels' addressing (kv/view.py)
+        self.k_blocks = blocks(self.kv_type, head_dim_k)
+        self.v_blocks = blocks(self.kv_type_v, head_dim_v)
+        self.k = [a.reshape(rows, n_kv_head, a.shape[-1]) for a in self.k_blocks]
+        self.v = [a.reshape(rows, n_kv_head, a.shape[-1]) for a in self.v_blocks]
         self.ref = np.zeros(n_blocks, np.int32)
         self._free = list(range(n_blocks - 1, -1, -1))  # never-keyed free blocks (a stack)
         self._cached: OrderedDict[int, None] = OrderedDict()  # keyed, unreferenced: LRU order

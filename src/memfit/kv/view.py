@@ -15,14 +15,23 @@ import numpy as np
 # cache type name -> element type id (GGML's numbering; csrc/ops.h MF_KV_*)
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8}
 _NP = {0: np.float32, 1: np.float16}
+_BLOCK = (2, 8)  # q4_0, q8_0: rows of GGML blocks (kv/quant.py)
 
 
 class BatchKV:
     def __init__(self, k: list, v: list, kv_type: int, pos: np.ndarray, slots: np.ndarray,
-                 q_tab: np.ndarray, tables: np.ndarray, bs: int):
-        # k[l], v[l]: the layer's pools as physical rows [rows, Hkv, D]
+                 q_tab: np.ndarray, tables: np.ndarray, bs: int, kv_type_v: int | None = None):
+        # k[l], v[l]: the layer's pools as physical rows [rows, Hkv, D] (block types: uint8
+        # [rows, Hkv, row_bytes]); kv_type is K's cache type, kv_type_v V's (default: the same)
         self.k, self.v, self.kv_type = k, v, kv_type
+        self.kv_type_v = kv_type if kv_type_v is None else kv_type_v
         self.pos, self.slots, self.q_tab, self.tables, self.bs = pos, slots, q_tab, tables, bs
+
+    @property
+    def fusable(self) -> bool:
+        """Whether the native fused decode layer can run on this cache: f32 / f16 (a quantized
+        cache also rotates q, k, v and the output, which the fused layer does not)."""
+        return self.kv_type in _NP and self.kv_type_v in _NP
 
     def fused(self, il: int) -> tuple:
         """Arguments of the native batched decode layer after x (opaque to model code)."""
@@ -39,6 +48,8 @@ class BatchKV:
         if rows is not None:
             q, pos, q_tab = q[rows], pos[rows], q_tab[rows]
         q = np.ascontiguousarray(q, dtype=np.float32)
+        if self.kv_type in _BLOCK or self.kv_type_v in _BLOCK:
+            return self._attend_quantized(ops, K, V, q, k, v, pos, q_tab, scale, window, softcap)
         paged = getattr(ops, "attention_paged", None)
         if paged is not None:
             ops.kv_store(self.kv_type, K, self.slots, np.ascontiguousarray(k, np.float32))
@@ -47,6 +58,20 @@ class BatchKV:
             paged(q, K, V, self.kv_type, pos, q_tab, self.tables, self.bs, scale, window, softcap, out)
             return out
         return self._attend_reference(ops, K, V, q, k, v, pos, q_tab, scale, window, softcap)
+
+    def _attend_quantized(self, ops, K, V, q, k, v, pos, q_tab, scale, window, softcap):
+        # q8_0 / q4_0 rows (llama.cpp's -ctk/-ctv): quantized as llama.cpp stores them, attended
+        # with its numerics (csrc/kv_quant.c; ops.attention_kvq, the numpy reference stands in)
+        # with llama.cpp's Hadamard rotation of quantized K / V (kv/quant.py rotate)
+        from . import quant as kq
+        tk, tv = self.kv_type, self.kv_type_v
+        n = k.shape[0]
+        rk, rv = kq.rot_size(tk, k.shape[-1], True), kq.rot_size(tv, v.shape[-1], False)
+        kq.store_rows(tk, K, self.slots, kq.rotate(k, rk).reshape(n, -1))
+        kq.store_rows(tv, V, self.slots, kq.rotate(v, rv).reshape(n, -1))
+        o = ops.attention_kvq(np.ascontiguousarray(kq.rotate(q, rk)), K, V, pos, None, scale,
+                              window, softcap, tk, tv, table=self.tables, q_tab=q_tab, bs=self.bs)
+        return kq.rotate(o, rv)
 
     def _attend_reference(self, ops, K, V, q, k, v, pos, q_tab, scale, window, softcap):
         # numpy backend: write through numpy's rounding, gather each sequence's keys, attend

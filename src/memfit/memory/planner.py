@@ -99,6 +99,14 @@ class ModelDesc:
     def kv_elems_per_token(self) -> int:
         return self.n_layer * self.n_head_kv * (self.head_dim + self.head_dim_v)
 
+    def kv_cache_bytes(self, n_ctx: int, cache_type_k="f16", cache_type_v="f16") -> int:
+        """Bytes of a KV cache of n_ctx tokens in the given cache types (f16, q8_0: 34 B
+        per 32 values, q4_0: 18 B per 32)."""
+        from ..kv.quant import cache_type, row_bytes
+        tk, tv = cache_type(cache_type_k), cache_type(cache_type_v)
+        return n_ctx * self.n_layer * self.n_head_kv * (row_bytes(tk, self.head_dim)
+                                                       + row_bytes(tv, self.head_dim_v))
+
     @property
     def weight_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
@@ -209,6 +217,8 @@ class Plan:
     hot_bytes: int = 0
     hot_coverage: float = 0.0        # share of the recorded routings the hot set serves
     expert_policy: str = "lru"
+    cache_type_k: str = "f16"        # KV cache types (-ctk / -ctv) kv_bytes is counted in
+    cache_type_v: str = "f16"
 
     @property
     def n_layer_moe(self) -> int:
@@ -243,6 +253,7 @@ class Plan:
             "n_ctx": self.n_ctx, "n_batch": self.n_batch, "threads": self.threads,
             "baseline_bytes": self.baseline_bytes, "scratch_bytes": self.scratch_bytes,
             "kv_bytes": self.kv_bytes, "io_staging_bytes": self.io_staging_bytes,
+            "cache_type_k": self.cache_type_k, "cache_type_v": self.cache_type_v,
             "stream_slot_bytes": self.stream_slot_bytes,
             "tiers": {t: {"bytes": self.tier_bytes[t], "n_tensors": len(n), "tensors": n}
                       for t, n in self.tiers.items()},
@@ -279,7 +290,8 @@ class Plan:
                  f"planned {format_size(self.planned_bytes)}",
                  row("runtime baseline", self.baseline_bytes, "measured + allowance"),
                  row(f"scratch (n_batch {self.n_batch})", self.scratch_bytes),
-                 row(f"KV cache (ctx {self.n_ctx})", self.kv_bytes),
+                 row(f"KV cache (ctx {self.n_ctx})", self.kv_bytes,
+                     f"K {self.cache_type_k}, V {self.cache_type_v}"),
                  row("I/O staging", self.io_staging_bytes),
                  row("stream slots (2 units)", self.stream_slot_bytes,
                      f"largest unit {format_size(self.stream_slot_bytes // 2)}"),
@@ -398,9 +410,14 @@ def kv_pool_tokens(n_ctx: int, n_parallel: int = 1) -> int:
     return n_parallel * -(-n_ctx // BLOCK_SIZE) * BLOCK_SIZE
 
 
-def kv_bytes(m: ModelDesc, n_ctx: int, kv_bytes_per_elem: float, n_parallel: int = 1) -> int:
-    """The KV cache's line item: the engine's block pool for n_parallel sequences of n_ctx."""
-    return int(m.kv_elems_per_token * kv_pool_tokens(n_ctx, n_parallel) * kv_bytes_per_elem)
+def kv_bytes(m: ModelDesc, n_ctx: int, kv_bytes_per_elem: float | None, n_parallel: int = 1,
+             cache_type_k: str = "f16", cache_type_v: str = "f16") -> int:
+    """The KV cache's line item: the engine's block pool for n_parallel sequences of n_ctx,
+    in its cache types (f16, q8_0, q4_0), or at kv_bytes_per_elem bytes per value when given."""
+    tokens = kv_pool_tokens(n_ctx, n_parallel)
+    if kv_bytes_per_elem is not None:
+        return int(m.kv_elems_per_token * tokens * kv_bytes_per_elem)
+    return m.kv_cache_bytes(tokens, cache_type_k, cache_type_v)
 
 
 @dataclass
@@ -436,7 +453,7 @@ def _floor(m: ModelDesc, fixed, baseline: int, kv: int, min_batch: int, n_ctx: i
     return _Floor(fixed(min_batch) + need + x_slots, need, best_k, cand, parts)
 
 
-def _refuse(budget: int, fl: _Floor, n_ctx: int) -> BudgetError:
+def _refuse(budget: int, fl: _Floor, n_ctx: int, cache_type_k: str) -> BudgetError:
     p = fl.parts
     unit = format_size(p["stream_unit_bytes"])
     parts = (f"baseline {format_size(p['baseline_bytes'])}, scratch "
@@ -451,7 +468,9 @@ def _refuse(budget: int, fl: _Floor, n_ctx: int) -> BudgetError:
         f"memory budget {format_size(budget)} ({budget} bytes) is below the floor for this "
         f"model: the smallest budget that works is {format_size(fl.bytes)} ({fl.bytes} bytes) "
         f"[{parts}]; raise --mem-budget to at least {_round_up_mib(fl.bytes)}MiB"
-        + (" or lower --ctx" if p["kv_bytes"] > fl.bytes // 4 else ""))
+        + (" or lower --ctx" + (" or use a quantized KV cache (-ctk/-ctv q8_0)"
+                                if str(cache_type_k).lower() == "f16" else "")
+           if p["kv_bytes"] > fl.bytes // 4 else ""))
 
 
 def _place_trunk(m: ModelDesc, room: int, fl: _Floor) -> set[str]:
@@ -564,8 +583,8 @@ def _place_experts(m: ModelDesc, room: int, counts) -> _Experts:
 
 def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Bandwidth,
          *, baseline_bytes: int, n_batch: int = 512, overlap_io: bool = True,
-         logits_all: bool = False, kv_bytes_per_elem: float = 2, n_parallel: int = 1,
-         expert_counts=None, expert_policy: str = "lru") -> Plan:
+         logits_all: bool = False, kv_bytes_per_elem: float | None = None, n_parallel: int = 1,
+         cache_type_k: str = "f16", cache_type_v: str = "f16", expert_counts=None, expert_policy: str = "lru") -> Plan:
     """Place every tensor in a tier within `budget` bytes. Pure: no I/O, no measurement.
     baseline_bytes: the measured runtime RSS; kv_bytes_per_elem: 2 for the f16 cache (4 for f32);
     expert_counts: {layer: [routings per expert]} learned from earlier runs (hotset.py).
@@ -573,7 +592,7 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
     expert cache; below the floor BudgetError names the smallest budget that works."""
     assert n_ctx > 0 and threads > 0 and n_batch > 0 and n_parallel > 0
     m = model
-    kv = kv_bytes(m, n_ctx, kv_bytes_per_elem, n_parallel)
+    kv = kv_bytes(m, n_ctx, kv_bytes_per_elem, n_parallel, cache_type_k, cache_type_v)
     # the larger of the measured RSS and the model's predicted runtime (see RUNTIME_BASE_BYTES)
     baseline = max(baseline_bytes, m.runtime_bytes) + RUNTIME_EXTRA_BYTES
     n_batch = min(n_batch, n_ctx)  # a prefill batch never exceeds the context
@@ -584,7 +603,7 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
     min_batch = min(n_batch, MIN_BATCH)
     fl = _floor(m, fixed, baseline, kv, min_batch, n_ctx, threads, logits_all)
     if budget < fl.bytes:
-        raise _refuse(budget, fl, n_ctx)
+        raise _refuse(budget, fl, n_ctx, cache_type_k)
     x_floor = fl.parts["expert_slot_bytes"]
     # largest prefill batch (halving from n_batch) that still fits
     nb = n_batch
@@ -636,7 +655,8 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
         n_layer=m.n_layer, weight_bytes=m.weight_bytes, notes=notes, tensor_bytes=size,
         floor_parts=fl.parts, n_expert=m.n_expert, n_expert_used=m.n_expert_used,
         expert_bytes=sum(t.nbytes for t in experts), hot_experts=x.hot,
-        hot_bytes=x.hot_bytes, hot_coverage=x.hot_coverage, expert_policy=expert_policy)
+        hot_bytes=x.hot_bytes, hot_coverage=x.hot_coverage, expert_policy=expert_policy,
+        cache_type_k=str(cache_type_k).lower(), cache_type_v=str(cache_type_v).lower())
 
 
 def _predict(m: ModelDesc, streamed: set[str], x: _Experts, emb_rows, bandwidth: Bandwidth,
@@ -669,7 +689,8 @@ def _round_up_mib(n: int) -> int:
 def plan_for_path(path, budget: int, n_ctx: int | None = None, threads: int | None = None, *,
                   baseline_bytes: int | None = None, bandwidth: Bandwidth | None = None,
                   measure_bandwidth: bool = False, n_batch: int = 512,
-                  kv_bytes_per_elem: float = 2, n_parallel: int = 1, expert_counts=None,
+                  kv_bytes_per_elem: float | None = None, n_parallel: int = 1,
+                  cache_type_k: str = "f16", cache_type_v: str = "f16", expert_counts=None,
                   expert_policy: str | None = None) -> Plan:
     """Convenience for the CLI/API: describe the GGUF (a path, or a GGUFFile already open,
     used as is: the API plans the file it has opened, not a second copy), measure baseline
@@ -703,7 +724,7 @@ def plan_for_path(path, budget: int, n_ctx: int | None = None, threads: int | No
     args = (desc, budget, n_ctx, threads or os.cpu_count() or 1)
     kw = dict(baseline_bytes=measure_baseline() if baseline_bytes is None else baseline_bytes,
               n_batch=n_batch, kv_bytes_per_elem=kv_bytes_per_elem, n_parallel=n_parallel,
-              expert_counts=expert_counts, expert_policy=expert_policy)
+              cache_type_k=cache_type_k, cache_type_v=cache_type_v, expert_counts=expert_counts, expert_policy=expert_policy)
     if bandwidth is None and measure_bandwidth:
         # refuse a budget below the floor before the probes allocate or write anything
         plan(*args, Bandwidth(source="default"), **kw)

@@ -31,6 +31,9 @@ class Model:
     # KV values rounded to f16 as llama.cpp's default cache (and its f16 flash attention reads
     # Q as f16); tests of exact float math switch it off.
     kv_f16 = True
+    # KV cache types (kv/quant.py ids; llama.cpp's -ctk / -ctv), set by memfit.load
+    cache_type_k: int | str = "f16"
+    cache_type_v: int | str = "f16"
 
     def __init__(self, config: ModelConfig, weights, ops=None):
         from ..ops import get_ops
@@ -67,7 +70,7 @@ class Model:
     def new_cache(self, n_ctx: int) -> KVCache:
         c = self.config
         return KVCache(c.n_layer, n_ctx, c.n_head_kv, c.head_dim_k, c.head_dim_v,
-                       f16_values=self.kv_f16)
+                       f16_values=self.kv_f16, type_k=self.cache_type_k, type_v=self.cache_type_v)
 
     def forward(self, batch, cache: KVCache | None = None, all_logits: bool = False,
                 hidden_from: int | None = None) -> np.ndarray:
@@ -116,7 +119,8 @@ class Model:
         x = ops.get_rows(self.weights.get("token_embd.weight"), b.ids)
         if c.embd_scale != 1.0:
             x = x * np.float32(c.embd_scale)
-        fused = self._decode_layers() if b.decode else None
+        # the fused layer reads K and V of one cache type (BatchKV.fusable)
+        fused = self._decode_layers() if b.decode and getattr(b.kv, "fusable", True) else None
         if fused:
             # one native call per layer for all rows (csrc/decode.c): the same kernels in the
             # same order as block(); each weight matrix is read once for the whole batch

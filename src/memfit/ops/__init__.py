@@ -20,6 +20,10 @@ GGUF bytes + type + numpy-order shape); a backend dequantizes per use, never the
         causal on positions (kv_pos <= q_pos); window > 0 also masks q_pos - kv_pos >= window;
         softcap > 0 applies softcap * tanh(s / softcap) to scores; GQA maps q head h to
         kv head h // (Hq // Hkv).
+    attention_kvq(q, k, v, q_pos, kv_pos, scale, window, softcap, type_k, type_v, table=None)
+        the same over K/V rows in KV cache types (uint8 [..., Hkv, row_bytes]; f16, q8_0, q4_0
+        as GGML type ids), llama.cpp's numerics (kv/quant.py); with a block table, key t is
+        row table[t // 32] * 32 + t % 32 of a paged pool.
 """
 
 from __future__ import annotations

@@ -135,6 +135,27 @@ if hasattr(_native, "moe_ffn"):
         return out
 
 
+def attention_kvq(q, k, v, q_pos, kv_pos, scale, window=0, softcap=0.0, type_k=1, type_v=1,
+                  table=None, out=None, q_tab=None, bs=32):
+    """ops.attention over K/V rows in KV cache types (csrc/kv_quant.c; see ops/__init__)."""
+    if out is None:
+        out = np.empty((q.shape[0], q.shape[1], _dv(v, type_v)), np.float32)
+    q_pos = np.ascontiguousarray(q_pos, np.int32)
+    if q_tab is not None:  # paged, the engine's addressing (kv/view.py)
+        return _native.attention_paged_kvq(q, k, v, int(type_k), int(type_v), q_pos,
+                                           np.ascontiguousarray(q_tab, np.int32),
+                                           np.ascontiguousarray(table, np.int32), int(bs),
+                                           float(scale), int(window), float(softcap), out)
+    return _native.attention_kvq(q, k, v, q_pos, np.ascontiguousarray(kv_pos, np.int32),
+                                 float(scale), int(window), float(softcap), int(type_k), int(type_v),
+                                 None if table is None else np.ascontiguousarray(table, np.int32), out)
+
+
+def _dv(v, t: int) -> int:
+    from ..kv.quant import QK, is_block, row_bytes
+    rb = v.shape[-1] * v.itemsize
+    return rb // row_bytes(t, QK) * QK if is_block(t) else rb // row_bytes(t, 1)
+
 # One decoder layer for one token (csrc/decode.c); models/layers.py uses it for decode.
 decode_layer_new = _native.decode_layer_new
 decode_layer = _native.decode_layer

@@ -111,3 +111,21 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
     o = p @ v.transpose(1, 0, 2)                                      # [Hkv, G*n, Dv]
     return np.ascontiguousarray(o.reshape(hkv, g, n, dv).transpose(2, 0, 1, 3).reshape(n, hq, dv),
                                 dtype=np.float32)
+
+
+def attention_kvq(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
+                  kv_pos: np.ndarray, scale: float, window: int = 0, softcap: float = 0.0,
+                  type_k: int = 1, type_v: int = 1, table=None, out=None, q_tab=None,
+                  bs: int = 32) -> np.ndarray:
+    """attention over K/V rows in KV cache types (uint8 rows [..., Hkv, row_bytes], contiguous
+    or a paged pool with a block table): llama.cpp's scores (kv/quant.py), float64 softmax."""
+    from ..kv.quant import attention_paged_ref, attention_ref
+    if q_tab is not None:
+        r = attention_paged_ref(q, k, v, q_pos, q_tab, table, bs, scale, window, softcap,
+                                type_k, type_v)
+    else:
+        r = attention_ref(q, k, v, q_pos, kv_pos, scale, window, softcap, type_k, type_v, table)
+    if out is None:
+        return r
+    out[...] = r
+    return out

@@ -1,0 +1,163 @@
+"""Saved sessions (memfit/session.py, Model.save_state / load_state): a restored session
+continues exactly as the uninterrupted run; truncated, corrupt, foreign files are refused with
+a clear error; a save killed mid-write leaves the old file or none, never a partial one."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import memfit
+from memfit.session import SessionError
+
+pytestmark = pytest.mark.realmodel
+
+PROMPT = ("The three primary colors are red, yellow and blue. Mixing two of them gives a "
+          "secondary color: for example, red and yellow make")  # > one 32-token KV block
+GREEDY = dict(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_path):
+    with memfit.load(smollm2_path, n_ctx=256) as m:
+        yield m
+
+
+@pytest.mark.parametrize("ctype", ["f16", "q8_0"])
+def test_restore_then_continue_equals_uninterrupted(smollm2_path, tmp_path, ctype):
+    kw = dict(n_ctx=256, cache_type_k=ctype, cache_type_v=ctype)
+    with memfit.load(smollm2_path, **kw) as m:  # uninterrupted: two turns in one process
+        a1 = m.generate(PROMPT, max_tokens=12, **GREEDY)
+        a2 = m.generate(a1.prompt_ids + a1.ids, max_tokens=12, **GREEDY)
+        assert a2.timings.cache_n >= 32  # the second turn reused the first's KV blocks
+    with memfit.load(smollm2_path, **kw) as m:
+        b1 = m.generate(PROMPT, max_tokens=12, **GREEDY)
+        assert b1.ids == a1.ids
+        size = m.save_state(tmp_path / "s.mfs", b1.prompt_ids + b1.ids, extra={"note": "x"})
+        assert size == (tmp_path / "s.mfs").stat().st_size
+    with memfit.load(smollm2_path, **kw) as m:  # a fresh load, as after a restart
+        ids, extra = m.load_state(tmp_path / "s.mfs")
+        assert extra == {"note": "x"} and ids == a1.prompt_ids + a1.ids
+        c2 = m.generate(ids, max_tokens=12, **GREEDY)
+        assert c2.timings.cache_n == a2.timings.cache_n  # the restored blocks, nothing else
+    assert c2.ids == a2.ids
+
+
+def test_save_computes_a_sequence_not_in_the_cache(smollm2_path, smol, tmp_path):
+    ids = smol.tokenize(PROMPT + " orange. " + PROMPT)
+    smol.save_state(tmp_path / "cold.mfs", ids)
+    with memfit.load(smollm2_path, n_ctx=256) as m:
+        got, _ = m.load_state(tmp_path / "cold.mfs")
+        r = m.generate(got, max_tokens=2, **GREEDY)
+    assert got == ids and r.timings.cache_n == (len(ids) - 1) // 32 * 32 > 0
+
+
+@pytest.fixture(scope="module")
+def saved(smol, tmp_path_factory):
+    p = tmp_path_factory.mktemp("sess") / "good.mfs"
+    r = smol.generate(PROMPT, max_tokens=6, **GREEDY)
+    smol.save_state(p, r.prompt_ids + r.ids)
+    return p
+
+
+def test_truncated_file_refused(smol, saved, tmp_path):
+    data = saved.read_bytes()
+    for cut in (len(data) - 1, len(data) // 2, 40, 5):
+        p = tmp_path / f"cut{cut}.mfs"
+        p.write_bytes(data[:cut])
+        with pytest.raises(SessionError) as e:
+            smol.load_state(p)
+        assert str(p) in str(e.value)
+        assert any(w in str(e.value) for w in ("truncated", "not a memfit session", "corrupt"))
+    p = tmp_path / "cut.mfs"
+    p.write_bytes(data[:len(data) - 100])
+    with pytest.raises(SessionError, match=r"truncated: \d+ bytes, expected \d+"):
+        smol.load_state(p)
+
+
+@pytest.mark.parametrize("where", ["ids", "kv", "checksum"])
+def test_bit_flip_refused(smol, saved, tmp_path, where):
+    data = bytearray(saved.read_bytes())
+    hlen = int.from_bytes(data[12:16], "little")
+    at = {"ids": 16 + hlen + 2, "kv": len(data) - 32 - 1000, "checksum": len(data) - 5}[where]
+    data[at] ^= 0x10
+    p = tmp_path / "flip.mfs"
+    p.write_bytes(bytes(data))
+    with pytest.raises(SessionError, match="corrupt: checksum mismatch"):
+        smol.load_state(p)
+
+
+def test_other_model_other_cache_types_and_garbage_refused(smollm2_path, gemma_path, saved, tmp_path):
+    with memfit.load(gemma_path, n_ctx=256) as g:
+        with pytest.raises(SessionError, match="saved with another model.*SmolLM2.*restore it with that model"):
+            g.load_state(saved)
+    with memfit.load(smollm2_path, n_ctx=256, cache_type_k="q8_0", cache_type_v="q8_0") as q:
+        with pytest.raises(SessionError, match="KV cache types f16/f16.*-ctk f16 -ctv f16"):
+            q.load_state(saved)
+    junk = tmp_path / "junk.mfs"
+    junk.write_bytes(b"GGUF" + os.urandom(300))
+    with memfit.load(smollm2_path, n_ctx=256) as m:
+        with pytest.raises(SessionError, match="not a memfit session file"):
+            m.load_state(junk)
+        with pytest.raises(SessionError, match="cannot read session file"):
+            m.load_state(tmp_path / "missing.mfs")
+
+
+def test_other_context_too_small_refused(smollm2_path, saved):
+    from memfit.errors import RequestError
+    with memfit.load(smollm2_path, n_ctx=8) as m:
+        with pytest.raises(RequestError, match="--ctx-size"):
+            m.load_state(saved)
+
+
+SAVER = """
+import sys, memfit
+m = memfit.load(sys.argv[1], n_ctx=256)
+r = m.generate(sys.argv[3], max_tokens=8, temperature=0)
+print("generated", flush=True)
+m.save_state(sys.argv[2], r.prompt_ids + r.ids)
+print("saved", flush=True)
+"""
+
+
+def _kill_mid_save(model, target, prompt, tmp_dir):
+    """Run a saver that sleeps between layers; SIGKILL it once its temporary file exists."""
+    env = dict(os.environ, MEMFIT_TEST_SAVE_SLEEP="0.2")
+    p = subprocess.Popen([sys.executable, "-c", SAVER, str(model), str(target), prompt],
+                         stdout=subprocess.PIPE, text=True, env=env)
+    deadline = time.time() + 120
+    tmp = None
+    while time.time() < deadline and tmp is None:
+        found = [f for f in tmp_dir.iterdir() if f.name.startswith(f".{target.name}.tmp-")]
+        if found and found[0].stat().st_size > 0:
+            tmp = found[0]
+        time.sleep(0.02)
+    assert tmp is not None, "the saver never started writing"
+    time.sleep(0.3)  # a few layers in
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    assert p.returncode == -signal.SIGKILL
+    return tmp
+
+
+@pytest.mark.timeout(300)
+def test_kill_during_save_leaves_old_file_or_none(smollm2_path, smol, tmp_path):
+    target = tmp_path / "chat.mfs"
+    # no old file: the killed save leaves nothing at the target
+    tmp = _kill_mid_save(smollm2_path, target, PROMPT, tmp_path)
+    assert not target.exists() and tmp.exists()
+    # an old file: the killed save leaves it untouched, and it still restores
+    r = subprocess.run([sys.executable, "-c", SAVER, str(smollm2_path), str(target), "Hello " * 40],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "saved" in r.stdout, r.stderr
+    before = hashlib.sha256(target.read_bytes()).hexdigest()
+    _kill_mid_save(smollm2_path, target, PROMPT + " and", tmp_path)
+    assert hashlib.sha256(target.read_bytes()).hexdigest() == before
+    ids, _ = smol.load_state(target)
+    assert smol.detokenize(ids).lstrip().startswith("Hello " * 12)
