@@ -157,9 +157,14 @@ class Model:
 
     # --- lifecycle
     def close(self) -> None:
+        self.closed = True
         if self.store is not None:
             self.store.close()
         self.file.close()
+
+    def _check_open(self) -> None:
+        if getattr(self, "closed", False):
+            raise RequestError(f"the model {self.path.name} is closed; load it again")
 
     def __enter__(self) -> "Model":
         return self
@@ -174,16 +179,15 @@ class Model:
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids))
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        from .tokenizer import render_chat
-        tmpl = self.tokenizer.chat_template
-        if not tmpl:
-            raise RequestError(f"{self.path.name} has no chat template "
-                               f"(tokenizer.chat_template); use plain completion without --chat")
-        bos = self.tokenizer.token_text(self.tokenizer.bos_id) if self.tokenizer.bos_id is not None else ""
-        eos = self.tokenizer.token_text(self.tokenizer.eos_id) if self.tokenizer.eos_id is not None else ""
-        return render_chat(tmpl, messages, add_generation_prompt=add_generation_prompt,
-                           bos_token=bos, eos_token=eos)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            template: str | None = None) -> str:
+        """Render messages with ``template`` (a built-in name or a jinja file), else the
+        GGUF's own, else the built-in template of the model's family (as llama.cpp);
+        ``chat_template_used`` says which."""
+        from .tokenizer.templates import apply_template
+        text, self.chat_template_used = apply_template(
+            self.tokenizer, self.file.arch, messages, add_generation_prompt, template)
+        return text
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -196,6 +200,7 @@ class Model:
 
     # --- generation
     def _steps(self, prompt, n_top: int, state: GenerationState | None, **sampling):
+        self._check_open()
         params = SamplingParams(**sampling)
         ids = self._prompt_ids(prompt)
         st = state if state is not None else GenerationState(ids)
@@ -221,15 +226,35 @@ class Model:
                 yield step.text
 
     # --- evaluation
-    def perplexity(self, text: str, ctx: int = 512, progress=None) -> Perplexity:
+    def logprobs(self, ids: Sequence[int]) -> np.ndarray:
+        """Teacher-forced log-probabilities, f32 [len(ids), n_vocab]: row i is log p(next token)
+        after ids[:i+1], computed in the plan's batches (only the result is n x n_vocab)."""
+        from .eval.logits import iter_logits, log_softmax
+        self._check_open()
+        ids = self._prompt_ids(ids)
+        if not ids:
+            raise RequestError("logprobs of an empty sequence: give at least one token id")
+        if len(ids) > self.n_ctx:
+            raise RequestError(f"{len(ids)} tokens exceed the context {self.n_ctx}; load with "
+                               f"n_ctx={len(ids)} or more")
+        out = np.empty((len(ids), self.tokenizer.n_vocab), dtype=np.float32)
+        for row, lg in iter_logits(self, ids):
+            out[row:row + len(lg)] = log_softmax(lg)
+        return out
+
+    def perplexity(self, text: str, ctx: int = 512, progress=None,
+                   max_chunks: int | None = None) -> Perplexity:
         """llama-perplexity's method: ctx-token chunks, BOS first when the model adds one,
         the second half of each chunk scored. ``progress(i, n, running_ppl)`` per chunk."""
+        self._check_open()
         if ctx < 16:
             raise RequestError(f"perplexity context {ctx} is too small (minimum 16)")
         from .memory.planner import LOGITS_SLICE_ROWS as rows
         t0 = time.perf_counter()
         toks = self.tokenize(text, add_special=True, parse_special=False)
         n_chunks = len(toks) // ctx
+        if max_chunks:
+            n_chunks = min(n_chunks, max_chunks)
         if n_chunks == 0:
             raise RequestError(f"the text has {len(toks)} tokens; perplexity needs at least "
                                f"{ctx} (one chunk of --ctx-size)")
