@@ -209,25 +209,50 @@ def write_base(m, text: str, path, n_ctx: int = 512, max_chunks: int | None = No
     return math.exp(mean), math.exp(mean) * err, n_chunk
 
 
+def write_rows(path, n_ctx: int, n_vocab: int, tokens, rows_of, bos: int | None) -> int:
+    """Write a base file from any source of logits (``rows_of`` as in compare_rows); returns
+    the number of chunks. memfit's own runs use write_base."""
+    n_chunk = len(tokens) // n_ctx
+    with open(path, "wb") as f:
+        f.write(MAGIC + struct.pack("<iii", n_ctx, n_vocab, n_chunk))
+        f.write(np.asarray(tokens[:n_chunk * n_ctx], dtype="<i4").tobytes())
+        for c in range(n_chunk):
+            chunk = _chunk_ids(tokens, c, n_ctx, bos)
+            for row, lg in rows_of(chunk):
+                k = min(len(lg), n_ctx - 1 - row)
+                if k > 0:
+                    f.write(quantize_rows(lg[:k]).tobytes())
+    return n_chunk
+
+
 def compare(m, base: BaseFile, max_chunks: int | None = None, progress=None) -> KLDResult:
     """KL divergence of this model's next-token distributions from the base file's, with
     llama-perplexity's statistics."""
-    from .logits import iter_logits, log_softmax
-    t0 = time.perf_counter()
+    from .logits import iter_logits
     if base.n_vocab != m.tokenizer.n_vocab:
         raise RequestError(f"{base.path} was written for a vocabulary of {base.n_vocab}; this "
                            f"model has {m.tokenizer.n_vocab}")
     bad = base.tokens[(base.tokens < 0) | (base.tokens >= m.tokenizer.n_vocab)]
     if len(bad):
         raise RequestError(f"{base.path} holds token id {int(bad[0])}, outside this model's vocabulary")
+    return compare_rows(base, lambda chunk: iter_logits(m, chunk, base.n_ctx // 2), _bos(m),
+                        max_chunks, progress)
+
+
+def compare_rows(base: BaseFile, rows_of, bos: int | None, max_chunks: int | None = None,
+                 progress=None) -> KLDResult:
+    """The statistics for any source of logits: ``rows_of(chunk_ids)`` yields (row, logits
+    [k, n_vocab]) for rows n_ctx // 2 onwards (memfit's model, or llama.cpp in benchmarks/)."""
+    from .logits import log_softmax
+    t0 = time.perf_counter()
     n_chunk = min(base.n_chunk, max_chunks) if max_chunks else base.n_chunk
     n_ctx, first = base.n_ctx, base.n_ctx // 2
     klds, dps = [], []
     s = dict(nll=0.0, nll2=0.0, nb=0.0, nb2=0.0, nnb=0.0, same=0)
     for c in range(n_chunk):
-        chunk = _chunk_ids(base.tokens, c, n_ctx, _bos(m))
+        chunk = _chunk_ids(base.tokens, c, n_ctx, bos)
         brows = base.chunk_rows(c)
-        for row, lg in iter_logits(m, chunk, first):
+        for row, lg in rows_of(chunk):
             k = min(len(lg), n_ctx - 1 - row)
             if k <= 0:
                 break
@@ -271,5 +296,5 @@ def compare(m, base: BaseFile, max_chunks: int | None = None, progress=None) -> 
     return r
 
 
-__all__ = ["MAGIC", "BaseFile", "KLDResult", "compare", "dequantize_rows", "quantize_rows",
+__all__ = ["MAGIC", "BaseFile", "KLDResult", "compare", "compare_rows", "write_rows", "dequantize_rows", "quantize_rows",
            "read_base", "row_width", "write_base", "check_base_output"]
