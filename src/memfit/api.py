@@ -80,12 +80,15 @@ class Model:
                 raise RequestError(f"threads must be >= 1, got {threads}")
             if n_ctx is not None and int(n_ctx) < 8:  # before the planner sizes the KV cache
                 raise RequestError(f"context size {n_ctx} is too small (minimum 8)")
+            from .memory.ctxfit import check_ctx
+            check_ctx(self.file, n_ctx)  # the training context, before the planner sizes KV
             self.threads = threads
             self.plan = self.ledger = None
+            self.notes: list[str] = []  # start-up facts the CLI prints (context fitted, streaming)
             if mem_budget is not None or os.environ.get("MEMFIT_MEM_BUDGET"):
-                self._plan_budget(mem_budget, n_ctx, quiet)  # refuses before anything loads
+                n_ctx = self._plan_budget(mem_budget, n_ctx, quiet)  # refuses before anything loads
             else:
-                self._auto_budget(n_ctx, quiet)
+                n_ctx = self._auto_budget(n_ctx, quiet)
             self.tokenizer = Tokenizer.from_metadata(self.file.metadata)
             self.ops = get_ops(backend)
             if threads is not None and hasattr(self.ops, "set_threads"):
@@ -123,11 +126,18 @@ class Model:
         from .memory.budget import detect_budget, measure_baseline
         from .memory.planner import plan_for_path
 
+        from .memory.ctxfit import explain_streaming, fit_context
+
         try:
             budget, why = detect_budget()
         except (OSError, ValueError):  # no /proc/meminfo or cgroup files: nothing to plan for
-            return
+            return n_ctx
         baseline = measure_baseline()
+        if n_ctx is None:  # a smaller context that keeps the weights resident, if one is needed
+            fit, note = fit_context(self.file, budget, self.threads, baseline)
+            if fit:
+                n_ctx = fit
+                self.notes.append(note)
         plan = plan_for_path(self.file, budget, n_ctx=n_ctx, threads=self.threads,
                              baseline_bytes=baseline)
         if plan.tiers["file"] or plan.tiers["cache"]:
@@ -135,7 +145,9 @@ class Model:
                 print(f"memfit: the model does not fit in memory ({why}); streaming "
                       f"{plan.disk_bytes_per_token / 2**30:.2f} GiB per token from the file "
                       f"(set --mem-budget to choose the budget)", file=sys.stderr, flush=True)
+            self.notes.append(explain_streaming(self.file, plan, budget, self.threads, baseline))
             self._plan_budget(budget, n_ctx, quiet, plan=plan, baseline=baseline)
+        return n_ctx
 
     def _plan_budget(self, mem_budget, n_ctx, quiet: bool, plan=None, baseline=None) -> None:
         """Plan tiers for the budget (refusing below the floor before anything loads), then
@@ -145,15 +157,25 @@ class Model:
         from .memory.planner import plan_for_path
         from .memory.store import WeightStore
 
+        from .memory.ctxfit import explain_streaming, fit_context
+
         budget, _why = resolve_budget(mem_budget)
         if plan is None:
             baseline = measure_baseline()
+            if n_ctx is None:  # the largest context up to the default that keeps weights resident
+                fit, note = fit_context(self.file, budget, self.threads, baseline)
+                if fit:
+                    n_ctx = fit
+                    self.notes.append(note)
             plan = plan_for_path(self.file, budget, n_ctx=n_ctx, threads=self.threads,
                                  baseline_bytes=baseline)
+            if plan.tiers["file"] or plan.tiers["cache"]:
+                self.notes.append(explain_streaming(self.file, plan, budget, self.threads, baseline))
         self.plan = plan
         self.ledger = Ledger(budget)
         self.ledger.alloc("baseline", "runtime", baseline)
         self.store = WeightStore(self.file, self.plan, self.ledger)
+        return n_ctx
 
     # --- lifecycle
     def close(self) -> None:

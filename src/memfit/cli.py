@@ -177,6 +177,8 @@ def _load(a, n_ctx=None):
         print(f"memfit: loaded {m.path.name} ({m.config.arch}, {m.n_ctx} ctx) in "
               f"{time.perf_counter() - t0:.1f} s, RSS {_mib(peak_rss_bytes())}{tiers}",
               file=sys.stderr, flush=True)
+        for note in getattr(m, "notes", []):
+            print(f"memfit: {note}", file=sys.stderr, flush=True)
     return m
 
 
@@ -378,6 +380,10 @@ def cmd_plan(a) -> int:
     from .memory.planner import plan_for_path
     from .pull import resolve_model
     path = resolve_model(a.model, quiet=True)
+    from .gguf import open_gguf
+    from .memory.ctxfit import check_ctx
+    with open_gguf(path) as f:
+        check_ctx(f, a.ctx_size)
     budget, why = resolve_budget(a.mem_budget)
     p = plan_for_path(path, budget, n_ctx=a.ctx_size, threads=a.threads,
                       measure_bandwidth=not a.no_measure)
