@@ -376,6 +376,7 @@ def cmd_info(a) -> int:
 
 
 def cmd_plan(a) -> int:
+    from .memory.bandwidth import Bandwidth, get_bandwidth
     from .memory.budget import resolve_budget
     from .memory.planner import plan_for_path
     from .pull import resolve_model
@@ -385,13 +386,19 @@ def cmd_plan(a) -> int:
     with open_gguf(path) as f:
         check_ctx(f, a.ctx_size)
     budget, why = resolve_budget(a.mem_budget)
-    p = plan_for_path(path, budget, n_ctx=a.ctx_size, threads=a.threads,
-                      measure_bandwidth=not a.no_measure)
+    kw = dict(n_ctx=a.ctx_size, threads=a.threads)
+    plan_for_path(path, budget, bandwidth=Bandwidth(source="default"), **kw)  # floor first
+    bw = get_bandwidth(path, measure=not a.no_measure or a.reprobe, refresh=a.reprobe)
+    p = plan_for_path(path, budget, bandwidth=bw, **kw)
     if a.json:
-        print(p.to_json_str())
+        d = p.to_json()
+        d["bandwidth_notes"] = {"memory": bw.mem_note, "disk": bw.disk_note}
+        print(json.dumps(d, indent=1))
     else:
         print(f"budget: {_mib(budget)} ({why})")
         print(p.format())
+        print(f"memory bandwidth {bw.mem_read_bytes_per_s / 1e9:.1f} GB/s: {bw.mem_note}")
+        print(f"disk bandwidth {bw.disk_read_bytes_per_s / 1e9:.2f} GB/s: {bw.disk_note}")
     return 0
 
 
@@ -587,6 +594,8 @@ def _validate(a) -> None:
     if a.cmd == "synth":
         from .synth import check_output
         check_output(a.output, a.force)
+    if a.cmd == "plan" and a.reprobe and a.no_measure:
+        raise RequestError("--reprobe measures now; it cannot go with --no-measure")
     if a.cmd == "bench" and a.kernels:
         _check_kernel_shape(a.types, a.cols)
     _check_env()
