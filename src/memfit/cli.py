@@ -260,20 +260,41 @@ def cmd_tokenize(a) -> int:
     text = _read_text(a)
     if text is None:
         raise RequestError("give TEXT or -f FILE")
+    from array import array
+
     from .gguf import open_gguf
     from .pull import resolve_model
     from .tokenizer import Tokenizer
     with open_gguf(resolve_model(a.model, quiet=True)) as f:
         tok = Tokenizer.from_metadata(f.metadata)
-    ids = tok.encode(text, add_special=not a.no_add_special, parse_special=not a.no_parse_special)
-    pieces = [tok.piece(i) for i in ids]  # decoded text of each token, as llama-tokenize prints
-    if a.json:
-        print(json.dumps({"ids": ids, "pieces": pieces}, ensure_ascii=False))
+    # streamed in pieces (Tokenizer.iter_encode): memory ~ the text + 4 bytes per id
+    pieces = tok.iter_encode(text, add_special=not a.no_add_special,
+                             parse_special=not a.no_parse_special)
+    del text
+    out = sys.stdout
+    if a.json:  # ids first, then their pieces (decoded text of each token, as llama-tokenize)
+        ids = array("i")
+        for p in pieces:
+            ids.extend(p)
+        out.write('{"ids": [')
+        for k in range(0, len(ids), 4096):
+            out.write((", " if k else "") + ", ".join(map(str, ids[k:k + 4096])))
+        out.write('], "pieces": [')
+        for k in range(0, len(ids), 4096):
+            out.write((", " if k else "") + ", ".join(
+                json.dumps(tok.piece(i), ensure_ascii=False) for i in ids[k:k + 4096]))
+        out.write("]}\n")
     elif a.ids:
-        print(ids)
+        out.write("[")
+        first = True
+        for p in pieces:
+            if p:
+                out.write(("" if first else ", ") + ", ".join(map(str, p)))
+                first = False
+        out.write("]\n")
     else:
-        for i, p in zip(ids, pieces):
-            print(f"{i:6d} -> {p!r}")
+        for p in pieces:
+            out.write("".join(f"{i:6d} -> {tok.piece(i)!r}\n" for i in p))
     return 0
 
 
