@@ -68,6 +68,8 @@ def main() -> int:
     ap.add_argument("--chunks", type=int, default=2)
     ap.add_argument("--out", default="/tmp/memfit-kld")
     ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--base-only", action="store_true",
+                    help="only write llama.cpp's batch-512 base files into --out (the tests use this)")
     a = ap.parse_args()
     import llama_cpp as L
     _keep = _quiet_logs(L)  # noqa: F841
@@ -91,6 +93,10 @@ def main() -> int:
         base_path = os.path.join(a.out, f"{stem}.b512.kld")
         t0 = time.perf_counter()
         write_rows(base_path, N_CTX, peer.n_vocab, toks, lambda c: rows_llamacpp(peer, c, 512), bos)
+        if a.base_only:
+            print(base_path, flush=True)
+            peer.close()
+            continue
         base = read_base(base_path)
         r1 = compare_rows(base, lambda c: rows_llamacpp(peer, c, 1), bos)
         rows.append(summary(name, "llama.cpp batch 1 vs llama.cpp batch 512", r1))
@@ -103,6 +109,8 @@ def main() -> int:
         rows.append(summary(name, "memfit vs llama.cpp batch 512", json.loads(p.stdout)))
         print(json.dumps(rows[-1]), flush=True)
         print(f"{name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    if a.base_only:
+        return 0
     with open(os.path.join(HERE, "kld_peer.jsonl"), "a") as f:
         for r in rows:
             f.write(json.dumps({**r, "memfit_commit": commit, "llama_cpp_python": L.__version__,
