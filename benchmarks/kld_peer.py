@@ -44,7 +44,8 @@ def rows_llamacpp(peer: Peer, chunk: list[int], batch: int):
         if batch >= len(chunk):
             peer._decode(ctx, chunk, all_logits=True)
             z = np.ctypeslib.as_array(L.llama_get_logits(ctx), shape=(len(chunk), peer.n_vocab))
-            yield first, np.array(z[first:], dtype=np.float32)
+            for r in range(first, len(chunk), 16):  # slices: a 262k vocabulary is 1 MiB a row
+                yield r, np.array(z[r:r + 16], dtype=np.float32)
             return
         for i, t in enumerate(chunk):
             peer._decode(ctx, [t])

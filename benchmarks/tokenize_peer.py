@@ -26,7 +26,8 @@ MODEL_DIR = os.path.expanduser("~/.cache/memfit/models")
 
 PEER = r'''
 import ctypes, sys, llama_cpp as L
-L.llama_log_set(L.llama_log_callback(lambda a, b, c: None), ctypes.c_void_p(0))
+cb = L.llama_log_callback(lambda a, b, c: None)  # kept alive for the whole run
+L.llama_log_set(cb, ctypes.c_void_p(0))
 mp = L.llama_model_default_params(); mp.vocab_only = True
 m = L.llama_model_load_from_file(sys.argv[1].encode(), mp)
 v = L.llama_model_get_vocab(m)
