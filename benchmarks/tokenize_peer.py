@@ -52,6 +52,7 @@ def timed(cmd) -> tuple[float, int, str]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--models", default=",".join(MODELS))
     a = ap.parse_args()
     text = open(os.path.join(HERE, "..", "tests", "data", "golden", "GPL-3.txt"), encoding="utf-8").read()
     memfit_py = os.environ.get("MEMFIT_PY", os.path.join(HERE, "..", ".venv", "bin", "python"))
@@ -63,7 +64,8 @@ def main() -> int:
             f.write(text * 150)
         size = os.path.getsize(src)
         out = open(os.path.join(HERE, "tokenize_peer.jsonl"), "a")
-        for name, stem in MODELS.items():
+        for name in a.models.split(","):
+            stem = MODELS[name]
             path = os.path.join(MODEL_DIR, stem + ".gguf")
             for rep in range(a.reps):
                 for tool, cmd in (("llama.cpp", [sys.executable, "-c", PEER, path, src]),
@@ -76,6 +78,7 @@ def main() -> int:
                            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
                     print(json.dumps(rec), flush=True)
                     out.write(json.dumps(rec) + "\n")
+                    out.flush()
     return 0
 
 
