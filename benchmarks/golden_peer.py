@@ -3,7 +3,7 @@
 Run with the interpreter that has llama-cpp-python installed (never run in CI):
     /root/peer-venv/bin/python benchmarks/golden_peer.py [--json] [--modes repack,norepack]
 
-The goldens in ../shared/golden/ came from llama-server on an AVX-512 VNNI CPU with REPACK.
+The goldens in tests/data/golden/ came from llama-server on an AVX-512 VNNI CPU with REPACK.
 This asks whether anything but that binary on that CPU can meet the strict rule. Per case:
 the golden `prompt_ids` (not re-tokenized; the peer's own tokenization is checked equal), a
 fresh context (n_ctx 2048, 2 threads, n_batch 512), the prompt as ONE batch, then 32 single-token
@@ -27,7 +27,7 @@ from peer_llamacpp import _quiet_logs  # same folder (run as a script)
 
 MODELS = ["SmolLM2-135M-Instruct.Q4_1", "gemma-3-270m-q4_k_m"]
 MODEL_DIR = os.path.expanduser("~/.cache/memfit/models")
-GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "golden")
+GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data", "golden")
 STEPS, TOL = 32, 0.05
 
 

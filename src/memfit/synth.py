@@ -215,9 +215,48 @@ def _q8_0(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def check_output(path, force: bool = False) -> Path:
+    """Refuse an output path that cannot or should not be written, before any work: a missing
+    folder, a folder, anything that exists and is not a regular file (a device, a fifo, a
+    socket), and an existing regular file unless ``force``."""
+    path = Path(path)
+    if path.is_symlink() and not path.exists():
+        raise RequestError(f"output {path} is a dangling symbolic link; give a file path")
+    if path.exists() or path.is_symlink():
+        import stat
+        mode = path.stat().st_mode
+        if stat.S_ISDIR(mode):
+            raise RequestError(f"output {path} is a directory; give a file path such as {path}/model.gguf")
+        if not stat.S_ISREG(mode):
+            raise RequestError(f"output {path} exists and is not a regular file (a device, fifo or "
+                               f"socket); memfit never replaces it")
+        if not force:
+            raise RequestError(f"output {path} already exists; add --force to overwrite it")
+    parent = path.parent
+    if not parent.is_dir():
+        raise RequestError(f"the folder of output {path} ({parent}) does not exist; create it first")
+    if not os.access(parent, os.W_OK):
+        raise RequestError(f"the folder of output {path} ({parent}) is not writable")
+    return path
+
+
 def synth(path, arch: str = "llama", size: str = "7b", quant: str = "Q4_K_M", seed: int = 0,
-          progress: bool = True, routing_skew: float = 0.0) -> SynthResult:
-    """Write a synthetic GGUF; returns its size and write speed. See the module doc."""
+          progress: bool = True, routing_skew: float = 0.0, force: bool = False) -> SynthResult:
+    """Write a synthetic GGUF; returns its size and write speed. See the module doc.
+    An existing file is refused unless ``force``; a non-regular one always (check_output).
+    A failed or interrupted write leaves no ``*.partial`` behind."""
+    path = check_output(path, force)
+    tmp = path.with_name(path.name + ".partial")
+    try:
+        return _write(path, arch, size, quant, seed, progress, routing_skew)
+    except OSError as e:
+        raise RequestError(f"cannot write {tmp}: {e.strerror or e}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _write(path: Path, arch: str, size: str, quant: str, seed: int, progress: bool,
+           routing_skew: float) -> SynthResult:
     import gguf
 
     key = (arch, size.lower())
@@ -231,7 +270,6 @@ def synth(path, arch: str = "llama", size: str = "7b", quant: str = "Q4_K_M", se
         raise RequestError(f"--routing-skew {routing_skew} must be >= 0 (0: random routing)")
     if routing_skew and not cfg.get("n_expert"):
         raise RequestError(f"--routing-skew needs a mixture-of-experts config; {arch}-{size} is dense")
-    path = Path(path)
     tokens, ttypes, merges, bos, eos = _vocab(cfg["n_vocab"])
     mc = model_config(arch, cfg)
 
@@ -339,5 +377,5 @@ def synth(path, arch: str = "llama", size: str = "7b", quant: str = "Q4_K_M", se
     return SynthResult(path, path.stat().st_size, len(plan), dt)
 
 
-__all__ = ["CONFIGS", "FILE_TYPES", "SynthResult", "synth", "tensor_type", "model_tensors",
-           "model_config"]
+__all__ = ["CONFIGS", "FILE_TYPES", "SynthResult", "synth", "check_output", "tensor_type",
+           "model_tensors", "model_config"]

@@ -12,8 +12,13 @@ Characters that never form a piece fall back to ``<0xXX>`` byte tokens.
 from __future__ import annotations
 
 import heapq
+import re
 
 from ..errors import ModelError
+
+# a word: a run of '▁' and the non-'▁' characters after it (the unit merges stay inside)
+_WORD = re.compile("\u2581*[^\u2581]+|\u2581+")
+CACHE_MAX = 1 << 17
 
 
 class SPMModel:
@@ -23,6 +28,34 @@ class SPMModel:
         self.token_to_id = token_to_id
         self.scores = scores
         self._byte_ids: list[int] | None = None
+        self._cache: dict[str, list[int]] = {}
+        self._spanning: list[str] | None = None
+
+    def spanning(self) -> list[str]:
+        """Pieces with a '▁' after another character (gemma: one, '>▁</'): only these can
+        merge across a word boundary."""
+        if self._spanning is None:
+            self._spanning = [t for t in self.token_to_id if re.search("[^\u2581]\u2581", t)]
+        return self._spanning
+
+    def encode(self, text: str, out: list[int]) -> None:
+        """Word by word with a cache: no piece spans a word boundary (unless a spanning piece
+        occurs in the text, then the whole text at once), and the greedy merge only ever joins
+        neighbours that form a piece, so each word merges exactly as inside the whole text,
+        and natural text repeats its words (Zipf): a 5 MB text runs ~10x faster."""
+        if len(text) < 16 or any(t in text for t in self.spanning()):
+            self._encode(text, out)
+            return
+        cache = self._cache
+        for w in _WORD.findall(text):
+            ids = cache.get(w)
+            if ids is None:
+                ids = []
+                self._encode(w, ids)
+                if len(cache) >= CACHE_MAX:
+                    cache.clear()
+                cache[w] = ids
+            out.extend(ids)
 
     def byte_ids(self) -> list[int]:
         # byte b -> id of "<0xXX>" (or of the 1-char token, as llama.cpp's byte_to_token falls back)
@@ -36,7 +69,7 @@ class SPMModel:
             self._byte_ids = ids
         return self._byte_ids
 
-    def encode(self, text: str, out: list[int]) -> None:
+    def _encode(self, text: str, out: list[int]) -> None:
         n = len(text)
         if n == 0:
             return

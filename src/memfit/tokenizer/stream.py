@@ -12,9 +12,11 @@ import codecs
 
 
 class StreamDecoder:
-    def __init__(self, tok, skip_special: bool = False):
+    def __init__(self, tok, skip_special: bool | None = None):
         self._tok = tok
-        self._special = not skip_special
+        # default: the tokenizer's render_special (the CLI clears it: control tokens are not text)
+        self._special = getattr(tok, "render_special", True) if skip_special is None \
+            else not skip_special
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, tid: int) -> str:

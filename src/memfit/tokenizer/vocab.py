@@ -209,13 +209,25 @@ class Tokenizer:
 
     # -- encode -------------------------------------------------------------------------
 
+    def _present_specials(self, text: str) -> list[tuple[str, int, bool]]:
+        """The special tokens whose text occurs in ``text``, in partition order. Tokens are
+        grouped by their first 4 characters, so one substring search rules out a whole group
+        (gemma's 6k <unusedN> tokens cost one search, not 6k over the whole text)."""
+        groups = getattr(self, "_special_groups", None)
+        if groups is None:
+            by: dict[str, list[int]] = {}
+            for k, (t, _, _) in enumerate(self._special):
+                by.setdefault(t[:4], []).append(k)
+            groups = self._special_groups = list(by.items())
+        found = [k for key, ks in groups if key in text for k in ks if self._special[k][0] in text]
+        return [self._special[k] for k in sorted(found)]
+
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:
-        """Split special-token text out of ``text``: a list of plain str fragments and ids."""
+        """Split special-token text out of ``text``: a list of plain str fragments and ids
+        (llama.cpp's order: longest token first, each over every remaining fragment)."""
         frags: list[str | int] = [text]
-        for tok_text, tid, user_defined in self._special:
+        for tok_text, tid, user_defined in self._present_specials(text):
             if not parse_special and not user_defined:
-                continue
-            if tok_text not in text:            # cheap filter on the whole text first
                 continue
             out: list[str | int] = []
             for f in frags:
@@ -231,7 +243,7 @@ class Tokenizer:
             frags = out
         return frags
 
-    def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+    def _check_text(self, text) -> None:
         if not isinstance(text, str):
             raise RequestError(f"text to tokenize must be a str, got {type(text).__name__}")
         try:
@@ -239,12 +251,13 @@ class Tokenizer:
         except UnicodeEncodeError as e:
             raise RequestError(f"text to tokenize is not valid Unicode (lone surrogate at "
                                f"character {e.start}); send UTF-8 text") from None
-        out: list[int] = []
+
+    def _encode_into(self, text: str, out: list[int], parse_special: bool,
+                     prev_special: bool = True) -> bool:
+        """Append the ids of ``text`` (no BOS/EOS); returns whether it ended in a special
+        token (SPM adds the space prefix after one, so a streamed next piece continues it)."""
         frags = self._partition(text, parse_special) if text else []
-        if add_special and self.add_bos:
-            out.append(self.bos_id)
         if self.kind == "llama":
-            prev_special = True                 # a space prefix goes before the first fragment
             for f in frags:
                 if isinstance(f, int):
                     out.append(f)
@@ -258,11 +271,92 @@ class Tokenizer:
             for f in frags:
                 if isinstance(f, int):
                     out.append(f)
+                    prev_special = True
                 else:
                     out.extend(self._hf.encode(f, add_special_tokens=False).ids)
+                    prev_special = False
+        return prev_special
+
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        self._check_text(text)
+        out: list[int] = []
+        if add_special and self.add_bos:
+            out.append(self.bos_id)
+        self._encode_into(text, out, parse_special)
         if add_special and self.add_eos:
             out.append(self.eos_id)
         return out
+
+    def iter_encode(self, text: str, add_special: bool = True, parse_special: bool = True,
+                    piece_chars: int = 1 << 16):
+        """``encode`` in pieces of about piece_chars characters, cut only where no pre-token,
+        SPM merge or special token can span the cut (see _safe_cut); yields lists of ids whose
+        concatenation equals encode(text). Memory stays ~one piece whatever the text size."""
+        self._check_text(text)
+        if add_special and self.add_bos:
+            yield [self.bos_id]
+        start, prev = 0, True
+        while start < len(text):
+            end = self._safe_cut(text, start + piece_chars) if len(text) - start > 2 * piece_chars \
+                else len(text)
+            out: list[int] = []
+            prev = self._encode_into(text[start:end], out, parse_special, prev)
+            yield out
+            start = end
+        if add_special and self.add_eos:
+            yield [self.eos_id]
+
+    def _safe_cut(self, text: str, at: int, search: int = 1 << 14) -> int:
+        """The first position >= at (within ``search`` characters, else the end) where the
+        text can be cut without changing the ids. BPE: between a letter and " letter" (every
+        supported pre-tokenizer ends a letter run there, and the char before the cut is no
+        space, so no end-of-text lookahead differs); SPM: after a newline before a non-space,
+        when newline runs are special tokens (gemma) or no piece holds a newline."""
+        n = len(text)
+        if self.kind == "llama":
+            if not self._newline_cuts_ok():
+                return n
+            i = at
+            while i < min(n, at + search):
+                i = text.find("\n", i, at + search)
+                if i < 0:
+                    return n
+                j = i + 1
+                if j < n and not text[j].isspace() and not self._special_spans(text, j):
+                    return j
+                i = j
+            return n
+        for i in range(at, min(n - 1, at + search)):
+            if text[i] == " " and text[i - 1].isalpha() and text[i + 1].isalpha() \
+                    and not self._special_spans(text, i):
+                return i
+        return n
+
+    def _special_spans(self, text: str, i: int) -> bool:
+        """True when a special token's text could straddle position i."""
+        w = self._max_special_len()
+        window = text[max(0, i - w + 1):i + w - 1]
+        for t, _, _ in self._present_specials(window):
+            k = window.find(t)
+            while k >= 0:
+                a = max(0, i - w + 1) + k
+                if a < i < a + len(t):
+                    return True
+                k = window.find(t, k + 1)
+        return False
+
+    def _max_special_len(self) -> int:
+        if not hasattr(self, "_max_special"):
+            self._max_special = max((len(t) for t, _, _ in self._special), default=1)
+        return self._max_special
+
+    def _newline_cuts_ok(self) -> bool:
+        # a cut after "\n" is exact when no piece merges across it: every token holding a
+        # newline is a newline run split out as a special token first
+        if not hasattr(self, "_nl_ok"):
+            special = {t for t, _, _ in self._special}
+            self._nl_ok = all(t in special and not t.strip("\n") for t in self._tokens if "\n" in t)
+        return self._nl_ok
 
     # -- decode -------------------------------------------------------------------------
 
