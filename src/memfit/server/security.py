@@ -50,12 +50,13 @@ async def send_error(send, status: int, message: str, headers: dict | None = Non
 
 class Guard:
     def __init__(self, app, *, api_key: str | None, allowed_hosts: set[str] | None,
-                 max_body: int, max_connections: int, on_reject=None):
+                 max_body: int, max_connections: int, max_header: int = 16384, on_reject=None):
         self.app = app
         self.key = api_key.encode() if api_key else None
         self.allowed_hosts = allowed_hosts    # None: any Host
         self.max_body = max_body
         self.max_connections = max_connections
+        self.max_header = max_header          # uvicorn's h11 limit only sees a head split over reads
         self.on_reject = on_reject            # (path, status) for metrics
         self.active = 0
 
@@ -64,7 +65,9 @@ class Guard:
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
         headers = {}
+        head_bytes = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
         for k, v in scope.get("headers", []):
+            head_bytes += len(k) + len(v) + 4
             headers.setdefault(k.decode("latin-1").lower(), v.decode("latin-1"))
 
         async def reject(status, msg, hdrs=None, param=None):
@@ -72,6 +75,9 @@ class Guard:
                 self.on_reject(path, status)
             await send_error(send, status, msg, hdrs, param)
 
+        if head_bytes > self.max_header:
+            return await reject(431, f"the request head has {head_bytes} bytes; the limit is "
+                                     f"{self.max_header} (--max-header)")
         if self.allowed_hosts is not None:
             host = host_name(headers.get("host", ""))
             if host not in self.allowed_hosts:

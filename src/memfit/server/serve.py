@@ -123,7 +123,7 @@ def serve(a) -> int:
     app = build_app(state)
     metrics = state.metrics
     asgi = Guard(app, api_key=key, allowed_hosts=allowed, max_body=a.max_body,
-                 max_connections=a.max_connections,
+                 max_connections=a.max_connections, max_header=a.max_header,
                  on_reject=lambda p, s: metrics.requests.labels("guard", str(s)).inc())
     if a.cors_origin:
         asgi = CORSMiddleware(asgi, allow_origins=a.cors_origin, allow_methods=["GET", "POST"],
