@@ -180,3 +180,43 @@ def test_refused_at_start(smollm2_path):
     r = run_cli(["serve", str(smollm2_path), "--mem-budget", "20MiB", "--port", "0"], timeout=60)
     assert r.returncode not in (0, 70), r.stderr
     assert "listening" not in r.stderr and "budget" in r.stderr.lower(), r.stderr
+
+
+def test_health_is_503_while_loading():
+    from starlette.testclient import TestClient
+
+    from memfit.server.app import ServerState, build_app
+    app = build_app(ServerState(model_ids=["m"], n_parallel=1, max_queue=0))
+    with TestClient(app) as tc:
+        r = tc.get("/health")
+        assert_error(r, 503)
+        assert r.json()["error"]["message"] == "Loading model"
+        assert_error(tc.post("/v1/chat/completions", json={"messages": MSG}), 503)
+        assert tc.get("/v1/models").json()["data"][0]["id"] == "m"
+        assert_error(tc.get("/v1/nothing"), 404)
+
+
+def test_queue_timeout_is_429(smollm2_path):
+    s = ServerProcess([str(smollm2_path), "-c", "256", "-np", "1", "--max-queue", "4",
+                       "--queue-timeout", "0.3"])
+    try:
+        results = {}
+
+        def long_request():
+            results["long"] = httpx.post(s.base_url + "/completions", timeout=60, json={
+                "prompt": "1, 2, 3, 4,", "max_tokens": 120, "temperature": 0})
+        t = threading.Thread(target=long_request)
+        t.start()
+        deadline = time.monotonic() + 30
+        while s.metrics()["memfit_requests_running"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        r = httpx.post(s.base_url + "/completions", json={"prompt": "Hi", "max_tokens": 2},
+                       timeout=60)
+        err = assert_error(r, 429)
+        assert "queue" in err["message"] and r.headers["Retry-After"]
+        t.join()
+        assert results["long"].status_code == 200
+        assert httpx.post(s.base_url + "/completions", json={"prompt": "Hi", "max_tokens": 2},
+                          timeout=60).status_code == 200
+    finally:
+        s.stop()

@@ -165,6 +165,7 @@ def build_app(state: ServerState) -> Starlette:
             self.finish_reason = None
             self.prompt_n, self.cache_n, self.n_gen = len(req.prompt_ids), 0, 0
             self.t_last = None
+            self.engine_timings = None
             self.eog = state.model.tokenizer.eog_ids
 
         def push(self, o) -> tuple[str, list]:
@@ -186,6 +187,7 @@ def build_app(state: ServerState) -> Starlette:
             if o.finished:
                 self.finish_reason = "length" if o.finish_reason == "length" else "stop"
                 self.prompt_n, self.cache_n, self.n_gen = o.prompt_n, o.cache_n, o.n_generated
+                self.engine_timings = getattr(o, "timings", None)
                 metrics.prompt_tokens.inc(o.prompt_n)
                 metrics.cached_tokens.inc(o.cache_n)
                 metrics.generated_tokens.inc(o.n_generated)
@@ -195,8 +197,13 @@ def build_app(state: ServerState) -> Starlette:
             return P.usage(self.prompt_n, self.n_gen, self.cache_n)
 
         def timings(self) -> dict:
-            return {"prompt_n": self.prompt_n, "cache_n": self.cache_n,
-                    "predicted_n": self.n_gen}
+            """llama-server's `timings` (prompt_n counts the tokens not taken from the cache)."""
+            d = {"prompt_n": self.prompt_n - self.cache_n, "cache_n": self.cache_n,
+                 "predicted_n": self.n_gen}
+            if self.engine_timings is not None:
+                d.update(self.engine_timings.to_dict())
+                d["cache_n"] = self.cache_n
+            return d
 
     def piece_bytes(tid: int) -> bytes:
         return state.model.tokenizer.token_to_bytes(tid)

@@ -136,7 +136,7 @@ def serve(a) -> int:
           file=sys.stderr, flush=True)
 
     config = uvicorn.Config(asgi, http="h11", lifespan="off", log_level="warning",
-                            access_log=False, timeout_keep_alive=5,
+                            access_log=False, timeout_keep_alive=5, timeout_graceful_shutdown=5,
                             limit_concurrency=a.max_connections + 64,
                             h11_max_incomplete_event_size=a.max_header)
     server = uvicorn.Server(config)
