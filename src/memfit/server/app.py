@@ -114,14 +114,13 @@ def build_app(state: ServerState) -> Starlette:
         if n == 0:
             raise P.bad("prompt", "the prompt is empty (no tokens)")
         limit = state.max_prompt_tokens
+        param = "messages" if req.kind == "chat" else "prompt"
         if limit is not None and n > limit:
             raise P.APIError(400, f"the prompt has {n} tokens; this server takes at most {limit} "
-                                  f"(--max-prompt-tokens)", param="messages"
-                             if req.kind == "chat" else "prompt", code="context_length_exceeded")
+                                  f"(--max-prompt-tokens)", param, "context_length_exceeded")
         if n >= m.n_ctx:
             raise P.APIError(400, f"the prompt has {n} tokens but the context is {m.n_ctx}; "
-                                  f"shorten the prompt", param="messages" if req.kind == "chat"
-                             else "prompt", code="context_length_exceeded")
+                                  f"shorten the prompt", param, "context_length_exceeded")
         room = m.n_ctx - n  # max_tokens is capped by the context
         mt = room if req.max_tokens is None else min(req.max_tokens, room)
         try:
@@ -332,8 +331,8 @@ def build_app(state: ServerState) -> Starlette:
         stream_, include_usage = P.stream_fields(body)
         lp, top = P.chat_logprobs(body)
         m = state.model
-        prompt = m.apply_chat_template(msgs)
-        ids = m._prompt_ids(prompt)
+        # templating and tokenizing a long prompt must not stall the streams on this loop
+        ids = await asyncio.to_thread(lambda: m._prompt_ids(m.apply_chat_template(msgs)))
         req = P.GenRequest("chat", model, ids, sampling, max_tokens, stream_, include_usage,
                            lp, top)
         return await run_generation(request, req)
@@ -353,7 +352,7 @@ def build_app(state: ServerState) -> Starlette:
                                 "drop one of them")
         m = state.model
         try:
-            ids = m._prompt_ids(prompt)
+            ids = await asyncio.to_thread(m._prompt_ids, prompt)
         except MemfitError as e:
             raise P.bad("prompt", str(e)) from None
         echo_text = (prompt if isinstance(prompt, str) else m.detokenize(ids)) if echo else ""
