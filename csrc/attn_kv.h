@@ -41,6 +41,56 @@ static void KV_FN(attn_task_scalar)(const mf_attn_args *a, int64_t i, int64_t h)
     for (int64_t j = 0; j < Dv; j++) o[j] = acc[j] * inv;
 }
 
+/* Paged: query row i of pa, heads of sub (shapes, scale, softcap); keys through the row's block
+ * table, on the same KB grid from position 0 as above so an identity table matches it bit for
+ * bit. */
+static inline int64_t KV_FN(paged_lo)(const mf_paged_args *pa, int64_t qp) {
+    return pa->window > 0 && qp - pa->window + 1 > 0 ? qp - pa->window + 1 : 0;
+}
+
+static void KV_FN(paged_task_scalar)(const mf_paged_args *pa, int64_t i, int64_t h) {
+    const int64_t D = pa->D, Dv = pa->Dv, Hkv = pa->Hkv, g = h / (pa->Hq / Hkv), qp = pa->q_pos[i];
+    const int64_t bs = pa->bs, lo = KV_FN(paged_lo)(pa, qp);
+    const int32_t *tab = pa->tables + pa->q_tab[i];
+    const float *q = pa->q + (i * pa->Hq + h) * D;
+    float *o = pa->out + (i * pa->Hq + h) * Dv;
+    float acc[MF_ATTN_MAX_DIM], s[KB];
+    int64_t row[KB];
+    float m = -INFINITY, l = 0.0f;
+    memset(acc, 0, (size_t)Dv * sizeof(float));
+    for (int64_t t0 = lo / KB * KB; t0 <= qp; t0 += KB) {
+        const int64_t nb = qp + 1 - t0 < KB ? qp + 1 - t0 : KB;
+        float mb = -INFINITY;
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t t = t0 + b;
+            if (t < lo) { s[b] = -INFINITY; continue; }
+            row[b] = (int64_t)tab[t / bs] * bs + t % bs;
+            const KV_T *k = (const KV_T *)pa->k + (row[b] * Hkv + g) * D;
+            float d = 0.0f;
+            for (int64_t j = 0; j < D; j++) d += q[j] * KV_LD1(k + j);
+            s[b] = d * pa->scale;
+            if (pa->softcap > 0.0f) s[b] = pa->softcap * tanhf(s[b] / pa->softcap);
+            mb = s[b] > mb ? s[b] : mb;
+        }
+        if (mb == -INFINITY) continue;
+        if (mb > m) {
+            const float corr = expf(m - mb);
+            for (int64_t j = 0; j < Dv; j++) acc[j] *= corr;
+            l *= corr;
+            m = mb;
+        }
+        for (int64_t b = 0; b < nb; b++) {
+            if (s[b] == -INFINITY) continue;
+            const float p = expf(s[b] - m);
+            const KV_T *v = (const KV_T *)pa->v + (row[b] * Hkv + g) * Dv;
+            l += p;
+            for (int64_t j = 0; j < Dv; j++) acc[j] += p * KV_LD1(v + j);
+        }
+    }
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    for (int64_t j = 0; j < Dv; j++) o[j] = acc[j] * inv;
+}
+
 #ifdef MF_X86
 /* 4 dot products of q with 4 key rows, reduced into one __m128 [d0, d1, d2, d3]. */
 MF_AVX2 static inline __m128 KV_FN(dot4_avx2)(const float *q, const KV_T *k0, const KV_T *k1,
@@ -176,5 +226,35 @@ MF_AVX2 static void KV_FN(attn_task_avx2)(const mf_attn_args *a, int64_t i, int6
         for (; j < Dv; j++) o[j] = acc[hh][j] * inv;
     }
 }
+/* Paged (see paged_task_scalar): each key block's physical rows are gathered into idx once and
+ * serve the nh heads of one kv head. */
+MF_AVX2 static void KV_FN(paged_task_avx2)(const mf_paged_args *pa, const mf_attn_args *a, int64_t i,
+                                           int64_t h0, int64_t nh) {
+    const int64_t D = a->D, Dv = a->Dv, g = h0 / (a->Hq / a->Hkv), qp = pa->q_pos[i];
+    const int64_t bs = pa->bs, lo = KV_FN(paged_lo)(pa, qp);
+    const int32_t *tab = pa->tables + pa->q_tab[i];
+    const KV_T *kb = (const KV_T *)pa->k + g * D, *vb = (const KV_T *)pa->v + g * Dv;
+    float acc[HG][MF_ATTN_MAX_DIM], s[KB], m[HG], l[HG];
+    int32_t idx[KB];
+    for (int64_t hh = 0; hh < nh; hh++) {
+        m[hh] = -INFINITY;
+        l[hh] = 0.0f;
+        memset(acc[hh], 0, (size_t)Dv * sizeof(float));
+    }
+    for (int64_t t0 = lo / KB * KB; t0 <= qp; t0 += KB) {
+        const int64_t t1 = qp + 1 - t0 < KB ? qp + 1 : t0 + KB;
+        int nv = 0;
+        for (int64_t t = t0 < lo ? lo : t0; t < t1; t++) idx[nv++] = (int32_t)(tab[t / bs] * bs + t % bs);
+        for (int64_t hh = 0; hh < nh; hh++)
+            KV_FN(attn_block_avx2)(a, pa->q + (i * a->Hq + h0 + hh) * D, kb, vb, idx, nv, s, &m[hh], &l[hh], acc[hh]);
+    }
+    for (int64_t hh = 0; hh < nh; hh++) {
+        float *o = pa->out + (i * a->Hq + h0 + hh) * Dv;
+        const float inv = l[hh] > 0.0f ? 1.0f / l[hh] : 0.0f;
+        const __m256 vi = _mm256_set1_ps(inv);
+        int64_t j = 0;
+        for (; j + 8 <= Dv; j += 8) _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_loadu_ps(acc[hh] + j), vi));
+        for (; j < Dv; j++) o[j] = acc[hh][j] * inv;
+    }
+}
 #endif
-

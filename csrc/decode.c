@@ -19,8 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-int mf_matmul_multi(int k, const int *types, const uint8_t *const *ws, const int64_t *rows,
-                    int64_t cols, const float *x, int64_t n, float *const *ys);
+int mf_matmul_multi_ex(int k, const int *types, const uint8_t *const *ws, const int64_t *rows,
+                       int64_t cols, const float *x, int64_t n, float *const *ys, int vec_only);
 
 enum { W_Q, W_K, W_V, W_O, W_G, W_U, W_D, NW };
 enum { V_ATTN_NORM, V_Q_NORM, V_K_NORM, V_POST_ATTN, V_FFN_NORM, V_POST_FFW, V_BQ, V_BK, V_BV, V_BO,
@@ -45,8 +45,6 @@ typedef struct {
 
 static _Thread_local float *sc_buf;
 static _Thread_local size_t sc_cap;
-static _Thread_local int32_t *kp_buf;
-static _Thread_local int64_t kp_cap;
 
 static float *scratch(size_t n) {
     if (n > sc_cap) {
@@ -57,84 +55,78 @@ static float *scratch(size_t n) {
     return sc_buf;
 }
 
-static const int32_t *kv_positions(int64_t T) {
-    if (T > kp_cap) {
-        int64_t cap = T < 4096 ? 4096 : 2 * T;
-        int32_t *p = realloc(kp_buf, (size_t)cap * sizeof(int32_t));
-        if (!p) return NULL;
-        kp_buf = p;
-        for (int64_t t = kp_cap; t < cap; t++) kp_buf[t] = (int32_t)t;
-        kp_cap = cap;
-    }
-    return kp_buf;
+/* y[r, :] += b for each of n rows of d values */
+static inline void add_rows(float *y, const float *b, int64_t n, int64_t d) {
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t i = 0; i < d; i++) y[r * d + i] += b[i];
 }
 
-static inline void add_to(float *y, const float *b, int64_t n) {
-    for (int64_t i = 0; i < n; i++) y[i] += b[i];
-}
+/* Where a batch's K/V go and are read from: the layer's pools and the rows' paged addressing
+ * (see mf_paged_args); row i is written at physical row slots[i]. */
+typedef struct {
+    void *K, *V;
+    int kv_type;
+    const int32_t *pos, *slots, *q_tab, *tables;
+    int64_t bs;
+} kvref_t;
 
-/* The layer (see the file comment). Returns 0, -3 out of memory, or a matmul error code. */
-static int run_layer(const layer_t *L, float *x, int32_t pos, void *K, void *V, int kv_f16,
-                     const uint8_t *const *w) {
+/* The layer (see the file comment) for n rows, each a decode token of its own sequence (or any
+ * causal rows). Matmuls keep the one-row kernels (vec_only), so a row's result does not depend
+ * on the others. Returns 0, -3 out of memory, -4 unsupported kv type, or a matmul error code. */
+static int run_layer(const layer_t *L, float *x, int64_t n, const kvref_t *kv, const uint8_t *const *w) {
     const int64_t E = L->n_embd, qd = L->n_head * L->dk, kd = L->n_head_kv * L->dk,
-                  vd = L->n_head_kv * L->dv, ad = L->n_head * L->dv, F = L->n_ff, T = (int64_t)pos + 1;
-    float *s = scratch((size_t)(E + qd + kd + vd + ad + E + 2 * F));
-    const int32_t *kvpos = kv_positions(T);
-    if (!s || !kvpos) return -3;
-    float *h = s, *q = h + E, *k = q + qd, *v = k + kd, *att = v + vd, *o = att + ad, *g = o + E, *u = g + F;
+                  vd = L->n_head_kv * L->dv, ad = L->n_head * L->dv, F = L->n_ff;
+    float *s = scratch((size_t)(n * (E + qd + kd + vd + ad + E + 2 * F)));
+    if (!s) return -3;
+    float *h = s, *q = h + n * E, *k = q + n * qd, *v = k + n * kd, *att = v + n * vd, *o = att + n * ad,
+          *g = o + n * E, *u = g + n * F;
     const float *const *vec = L->vec;
     int rc;
 
     /* attention */
-    mf_rmsnorm_f32(x, vec[V_ATTN_NORM], h, 1, E, L->eps);
+    mf_rmsnorm_f32(x, vec[V_ATTN_NORM], h, n, E, L->eps);
     {
         float *ys[3] = {q, k, v};
-        if ((rc = mf_matmul_multi(3, L->types, w, L->rows, E, h, 1, ys))) return rc;
+        if ((rc = mf_matmul_multi_ex(3, L->types, w, L->rows, E, h, n, ys, 1))) return rc;
     }
-    if (vec[V_BQ]) add_to(q, vec[V_BQ], qd);
-    if (vec[V_BK]) add_to(k, vec[V_BK], kd);
-    if (vec[V_BV]) add_to(v, vec[V_BV], vd);
-    if (vec[V_Q_NORM]) mf_rmsnorm_f32(q, vec[V_Q_NORM], q, L->n_head, L->dk, L->eps);
-    if (vec[V_K_NORM]) mf_rmsnorm_f32(k, vec[V_K_NORM], k, L->n_head_kv, L->dk, L->eps);
-    mf_rope_f32(q, q, &pos, 1, L->n_head, L->dk, L->n_rot, L->rope_base, L->freq_scale, L->neox,
+    if (vec[V_BQ]) add_rows(q, vec[V_BQ], n, qd);
+    if (vec[V_BK]) add_rows(k, vec[V_BK], n, kd);
+    if (vec[V_BV]) add_rows(v, vec[V_BV], n, vd);
+    if (vec[V_Q_NORM]) mf_rmsnorm_f32(q, vec[V_Q_NORM], q, n * L->n_head, L->dk, L->eps);
+    if (vec[V_K_NORM]) mf_rmsnorm_f32(k, vec[V_K_NORM], k, n * L->n_head_kv, L->dk, L->eps);
+    mf_rope_f32(q, q, kv->pos, n, L->n_head, L->dk, L->n_rot, L->rope_base, L->freq_scale, L->neox,
                 vec[V_FREQ]);
-    mf_rope_f32(k, k, &pos, 1, L->n_head_kv, L->dk, L->n_rot, L->rope_base, L->freq_scale, L->neox,
+    mf_rope_f32(k, k, kv->pos, n, L->n_head_kv, L->dk, L->n_rot, L->rope_base, L->freq_scale, L->neox,
                 vec[V_FREQ]);
-    if (kv_f16) { /* llama.cpp's default cache: f16 K/V, and its flash path reads Q as f16 */
-        mf_f32_to_f16(k, (uint16_t *)K + (int64_t)pos * kd, kd);
-        mf_f32_to_f16(v, (uint16_t *)V + (int64_t)pos * vd, vd);
-        mf_round_f16_f32(q, q, qd);
-    } else {
-        memcpy((float *)K + (int64_t)pos * kd, k, (size_t)kd * sizeof(float));
-        memcpy((float *)V + (int64_t)pos * vd, v, (size_t)vd * sizeof(float));
-    }
-    mf_attn_args at = {.q = q, .k = K, .v = V, .out = att, .q_pos = &pos, .kv_pos = kvpos, .n = 1,
-                       .T = T, .Hq = L->n_head, .Hkv = L->n_head_kv, .D = L->dk, .Dv = L->dv,
-                       .scale = L->attn_scale, .softcap = L->softcap, .window = L->window,
-                       .kv_f16 = kv_f16};
-    mf_attention_f32(&at);
+    if (mf_kv_store(kv->kv_type, kv->K, kv->slots, k, n, kd) || mf_kv_store(kv->kv_type, kv->V, kv->slots, v, n, vd))
+        return -4;
+    mf_paged_args at = {.q = q, .k = kv->K, .v = kv->V, .out = att, .q_pos = kv->pos, .q_tab = kv->q_tab,
+                        .tables = kv->tables, .n = n, .Hq = L->n_head, .Hkv = L->n_head_kv, .D = L->dk,
+                        .Dv = L->dv, .bs = kv->bs, .scale = L->attn_scale, .softcap = L->softcap,
+                        .window = L->window, .kv_type = kv->kv_type};
+    if (mf_attention_paged(&at)) return -4;
     {
         float *ys[1] = {o};
-        if ((rc = mf_matmul_multi(1, &L->types[W_O], &w[W_O], &L->rows[W_O], ad, att, 1, ys))) return rc;
+        if ((rc = mf_matmul_multi_ex(1, &L->types[W_O], &w[W_O], &L->rows[W_O], ad, att, n, ys, 1))) return rc;
     }
-    if (vec[V_BO]) add_to(o, vec[V_BO], E);
-    if (vec[V_POST_ATTN]) mf_rmsnorm_f32(o, vec[V_POST_ATTN], o, 1, E, L->eps);
-    add_to(x, o, E);
+    if (vec[V_BO]) add_rows(o, vec[V_BO], n, E);
+    if (vec[V_POST_ATTN]) mf_rmsnorm_f32(o, vec[V_POST_ATTN], o, n, E, L->eps);
+    add_rows(x, o, 1, n * E);
 
     /* feed-forward */
-    mf_rmsnorm_f32(x, vec[V_FFN_NORM], h, 1, E, L->eps);
+    mf_rmsnorm_f32(x, vec[V_FFN_NORM], h, n, E, L->eps);
     {
         float *ys[2] = {g, u};
-        if ((rc = mf_matmul_multi(2, &L->types[W_G], &w[W_G], &L->rows[W_G], E, h, 1, ys))) return rc;
+        if ((rc = mf_matmul_multi_ex(2, &L->types[W_G], &w[W_G], &L->rows[W_G], E, h, n, ys, 1))) return rc;
     }
-    if (L->gelu) mf_gelu_mul_f32(g, u, g, F);
-    else mf_silu_mul_f32(g, u, g, F);
+    if (L->gelu) mf_gelu_mul_f32(g, u, g, n * F);
+    else mf_silu_mul_f32(g, u, g, n * F);
     {
         float *ys[1] = {o};
-        if ((rc = mf_matmul_multi(1, &L->types[W_D], &w[W_D], &L->rows[W_D], F, g, 1, ys))) return rc;
+        if ((rc = mf_matmul_multi_ex(1, &L->types[W_D], &w[W_D], &L->rows[W_D], F, g, n, ys, 1))) return rc;
     }
-    if (vec[V_POST_FFW]) mf_rmsnorm_f32(o, vec[V_POST_FFW], o, 1, E, L->eps);
-    add_to(x, o, E);
+    if (vec[V_POST_FFW]) mf_rmsnorm_f32(o, vec[V_POST_FFW], o, n, E, L->eps);
+    add_rows(x, o, 1, n * E);
     return 0;
 }
 
@@ -248,6 +240,28 @@ fail:
     return NULL;
 }
 
+/* the 7 weight buffers a[0..6], checked against the layer's shapes; *got of them held */
+static const char *get_weights(const layer_t *L, PyObject *const *a, Py_buffer *w, int *got) {
+    while (*got < NW) {
+        if (PyObject_GetBuffer(a[*got], &w[*got], PyBUF_C_CONTIGUOUS) < 0) return "";
+        (*got)++;
+        if (w[*got - 1].len < wbytes(L->types[*got - 1], L->rows[*got - 1], L->cols[*got - 1]))
+            return "a weight buffer is smaller than its shape and type need";
+    }
+    return NULL;
+}
+
+static PyObject *finish(const char *bad, int rc, Py_buffer *w, int got) {
+    for (int j = 0; j < got; j++) PyBuffer_Release(&w[j]);
+    if (bad && *bad) return PyErr_Format(PyExc_ValueError, "decode_layer: %s", bad);
+    if (bad || rc == -9) return NULL;
+    if (rc == -3) return PyErr_NoMemory();
+    if (rc == -4) return PyErr_Format(PyExc_ValueError, "decode_layer: unsupported KV cache type");
+    if (rc) return PyErr_Format(PyExc_ValueError, "decode_layer: native kernel failed (%d)", rc);
+    Py_RETURN_NONE;
+}
+
+/* decode_layer(layer, x, pos, K, V, kv_f16, w*7): one token, contiguous K/V [n_ctx, Hkv, D]. */
 static PyObject *py_decode_layer(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     if (na != 6 + NW)
         return PyErr_Format(PyExc_TypeError, "decode_layer(layer, x, pos, K, V, kv_f16, wq, wk, wv, wo, wg, wu, wd)");
@@ -267,28 +281,94 @@ static PyObject *py_decode_layer(PyObject *self, PyObject *const *a, Py_ssize_t 
     else if (pos < 0 || pos >= INT32_MAX || K.len < (pos + 1) * L->n_head_kv * L->dk * es ||
              V.len < (pos + 1) * L->n_head_kv * L->dv * es)
         bad = "pos is outside the K/V cache arrays";
-    while (!bad && got < NW) {
-        if (PyObject_GetBuffer(a[6 + got], &w[got], PyBUF_C_CONTIGUOUS) < 0) { rc = -9; break; }
-        got++;
-        if (w[got - 1].len < wbytes(L->types[got - 1], L->rows[got - 1], L->cols[got - 1]))
-            bad = "a weight buffer is smaller than its shape and type need";
-    }
-    if (!bad && rc == 0) {
+    if (!bad) bad = get_weights(L, a + 6, w, &got);
+    if (!bad) {
         const uint8_t *wp[NW];
         for (int j = 0; j < NW; j++) wp[j] = w[j].buf;
+        const int32_t p32 = (int32_t)pos, zero = 0;
+        /* one block as long as the arrays: logical row t is physical row t */
+        kvref_t kv = {.K = K.buf, .V = V.buf, .kv_type = kv_f16 ? MF_KV_F16 : MF_KV_F32, .pos = &p32,
+                      .slots = &p32, .q_tab = &zero, .tables = &zero, .bs = INT32_MAX};
         Py_BEGIN_ALLOW_THREADS
-        rc = run_layer(L, x.buf, (int32_t)pos, K.buf, V.buf, kv_f16, wp);
+        rc = run_layer(L, x.buf, 1, &kv, wp);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&x);
     PyBuffer_Release(&K);
     PyBuffer_Release(&V);
-    for (int j = 0; j < got; j++) PyBuffer_Release(&w[j]);
-    if (bad) return PyErr_Format(PyExc_ValueError, "decode_layer: %s", bad);
-    if (rc == -9) return NULL;
-    if (rc == -3) return PyErr_NoMemory();
-    if (rc) return PyErr_Format(PyExc_ValueError, "decode_layer: native kernel failed (%d)", rc);
-    Py_RETURN_NONE;
+    return finish(bad, rc, w, got);
+}
+
+/* an int32 C-contiguous buffer of at least `min` values */
+static int i32_buffer(PyObject *o, Py_buffer *b, const char *what) {
+    if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    const char *f = b->format ? b->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    if (b->itemsize != 4 || (strcmp(f, "i") != 0 && strcmp(f, "l") != 0)) {
+        PyErr_Format(PyExc_TypeError, "decode_batch: %s must be int32", what);
+        PyBuffer_Release(b);
+        return -1;
+    }
+    return 0;
+}
+
+/* decode_batch(layer, x[n, E], pos, slots, q_tab, tables, bs, kv_type, K, V, w*7):
+ * n rows through one layer, K/V pools of physical rows, paged addressing as mf_paged_args. */
+static PyObject *py_decode_batch(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    if (na != 10 + NW)
+        return PyErr_Format(PyExc_TypeError, "decode_batch(layer, x, pos, slots, q_tab, tables, bs, kv_type, K, V, "
+                            "wq, wk, wv, wo, wg, wu, wd)");
+    layer_t *L = PyCapsule_GetPointer(a[0], CAPSULE);
+    if (!L) return NULL;
+    long long bs = PyLong_AsLongLong(a[6]), kv_type = PyLong_AsLongLong(a[7]);
+    if (PyErr_Occurred()) return NULL;
+    Py_buffer x, ib[4], K, V, w[NW];
+    int nb = 0, got = 0, rc = 0, have_k = 0, have_v = 0;
+    const char *bad = NULL;
+    static const char *inames[4] = {"pos", "slots", "q_tab", "tables"};
+    if (typed_buffer(a[1], &x, 1, 0, "x") < 0) return NULL;
+    for (; nb < 4; nb++)
+        if (i32_buffer(a[2 + nb], &ib[nb], inames[nb]) < 0) { bad = ""; break; }
+    const int64_t rbk = mf_kv_row_bytes((int)kv_type, L->n_head_kv * L->dk),
+                  rbv = mf_kv_row_bytes((int)kv_type, L->n_head_kv * L->dv);
+    if (!bad && (rbk == 0 || rbv == 0)) bad = "unsupported KV cache type";
+    if (!bad) {
+        if (PyObject_GetBuffer(a[8], &K, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) bad = "";
+        else have_k = 1;
+    }
+    if (!bad) {
+        if (PyObject_GetBuffer(a[9], &V, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) bad = "";
+        else have_v = 1;
+    }
+    int64_t n = 0;
+    if (!bad) {
+        n = x.len / 4 / L->n_embd;
+        const int64_t rows = K.len / rbk, nt = ib[3].len / 4;
+        const int32_t *pos = ib[0].buf, *slots = ib[1].buf, *qt = ib[2].buf, *tab = ib[3].buf;
+        if (n < 1 || x.len != n * L->n_embd * 4) bad = "x must be [n, n_embd]";
+        else if (ib[0].len != n * 4 || ib[1].len != n * 4 || ib[2].len != n * 4) bad = "pos, slots and q_tab need n values";
+        else if (bs < 1 || rows % bs || V.len / rbv != rows) bad = "K and V must hold the same whole blocks of bs rows";
+        for (int64_t i = 0; !bad && i < nt; i++)
+            if (tab[i] < 0 || tab[i] >= rows / bs) bad = "a block table entry is outside the pool";
+        for (int64_t i = 0; !bad && i < n; i++)
+            if (pos[i] < 0 || slots[i] < 0 || slots[i] >= rows || qt[i] < 0 || qt[i] + pos[i] / bs >= nt)
+                bad = "a row's position, slot or table lies outside the pool";
+    }
+    if (!bad) bad = get_weights(L, a + 10, w, &got);
+    if (!bad) {
+        const uint8_t *wp[NW];
+        for (int j = 0; j < NW; j++) wp[j] = w[j].buf;
+        kvref_t kv = {.K = K.buf, .V = V.buf, .kv_type = (int)kv_type, .pos = ib[0].buf, .slots = ib[1].buf,
+                      .q_tab = ib[2].buf, .tables = ib[3].buf, .bs = bs};
+        Py_BEGIN_ALLOW_THREADS
+        rc = run_layer(L, x.buf, n, &kv, wp);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&x);
+    for (int i = 0; i < nb; i++) PyBuffer_Release(&ib[i]);
+    if (have_k) PyBuffer_Release(&K);
+    if (have_v) PyBuffer_Release(&V);
+    return finish(bad, rc, w, got);
 }
 
 PyMethodDef mf_decode_methods[] = {
@@ -297,5 +377,8 @@ PyMethodDef mf_decode_methods[] = {
     {"decode_layer", (PyCFunction)(void (*)(void))py_decode_layer, METH_FASTCALL,
      "decode_layer(layer, x[n_embd], pos, K, V, kv_f16, wq, wk, wv, wo, wg, wu, wd): one token through one "
      "layer, x updated in place, K/V row pos written"},
+    {"decode_batch", (PyCFunction)(void (*)(void))py_decode_batch, METH_FASTCALL,
+     "decode_batch(layer, x[n, n_embd], pos, slots, q_tab, tables (int32), bs, kv_type, K, V, wq, wk, wv, wo, wg, "
+     "wu, wd): n rows through one layer over a paged KV pool; x updated in place, K/V rows slots written"},
     {NULL, NULL, 0, NULL},
 };

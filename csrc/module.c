@@ -6,9 +6,10 @@ void mf_init_pool(void); /* pool.c */
 
 extern PyMethodDef mf_bench_methods[];  /* csrc/membw.c */
 extern PyMethodDef mf_decode_methods[]; /* csrc/decode.c */
+extern PyMethodDef mf_kv_methods[];     /* csrc/bind_kv.c */
 
 static PyMethodDef *tables[] = {mf_quant_methods, mf_ops_methods, mf_pool_methods,
-                                mf_bench_methods, mf_decode_methods};
+                                mf_bench_methods, mf_decode_methods, mf_kv_methods};
 static PyMethodDef all_methods[256];
 
 static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_native",

@@ -482,3 +482,72 @@ void mf_attention_f32(const mf_attn_args *a) {
     else
         for (int64_t t = 0; t < tasks; t++) attn_task(&c, t);
 }
+
+/* ------------------------------------------------------------------------------------------ */
+/* Paged attention (ops.h): the tasks of mf_attention_f32, keys through per-row block tables. */
+
+typedef struct {
+    const mf_paged_args *pa;
+    mf_attn_args a; /* shapes, scale and softcap for the shared block kernel */
+    int64_t hc, cpg;
+} paged_ctx;
+
+static void paged_task(void *p, int64_t task) {
+    const paged_ctx *c = p;
+    const mf_paged_args *pa = c->pa;
+    const int64_t G = pa->Hq / pa->Hkv, per_row = pa->Hkv * c->cpg;
+    const int64_t i = task / per_row, r = task % per_row, g = r / c->cpg, ch = r % c->cpg;
+    const int64_t h0 = g * G + ch * c->hc, nh = G - ch * c->hc < c->hc ? G - ch * c->hc : c->hc;
+#ifdef MF_X86
+    if (use_avx2()) {
+        if (pa->kv_type == MF_KV_F16) paged_task_avx2_f16(pa, &c->a, i, h0, nh);
+        else paged_task_avx2_f32(pa, &c->a, i, h0, nh);
+        return;
+    }
+#endif
+    for (int64_t hh = 0; hh < nh; hh++) {
+        if (pa->kv_type == MF_KV_F16) paged_task_scalar_f16(pa, i, h0 + hh);
+        else paged_task_scalar_f32(pa, i, h0 + hh);
+    }
+}
+
+int mf_attention_paged(const mf_paged_args *pa) {
+    if (pa->kv_type != MF_KV_F32 && pa->kv_type != MF_KV_F16) return -1;
+    if (pa->n == 0) return 0;
+    if (pa->kv_type == MF_KV_F16) /* llama.cpp's f16 flash path reads Q as f16 */
+        mf_round_f16_f32(pa->q, pa->q, pa->n * pa->Hq * pa->D);
+    const int64_t G = pa->Hq / pa->Hkv, want = 2 * (int64_t)mf_n_threads();
+    int64_t hc = G < HG ? G : HG;
+    while (hc > 1 && pa->n * pa->Hkv * ((G + hc - 1) / hc) < want) hc--;
+    paged_ctx c = {.pa = pa,
+                   .a = {.q = pa->q, .out = pa->out, .n = pa->n, .Hq = pa->Hq, .Hkv = pa->Hkv, .D = pa->D,
+                         .Dv = pa->Dv, .scale = pa->scale, .softcap = pa->softcap, .window = pa->window},
+                   .hc = hc, .cpg = (G + hc - 1) / hc};
+    const int64_t tasks = pa->n * pa->Hkv * c.cpg;
+    int64_t T = 1;
+    for (int64_t i = 0; i < pa->n; i++) T = pa->q_pos[i] + 1 > T ? pa->q_pos[i] + 1 : T;
+    if (tasks > 1 && pa->n * pa->Hq * T * (pa->D + pa->Dv) >= PAR_MIN)
+        mf_parallel_for(tasks, paged_task, &c);
+    else
+        for (int64_t t = 0; t < tasks; t++) paged_task(&c, t);
+    return 0;
+}
+
+int64_t mf_kv_row_bytes(int kv_type, int64_t elems) {
+    switch (kv_type) {
+    case MF_KV_F32: return elems * 4;
+    case MF_KV_F16: return elems * 2;
+    default: return 0;
+    }
+}
+
+int mf_kv_store(int kv_type, void *pool, const int32_t *rows, const float *x, int64_t n, int64_t elems) {
+    const int64_t rb = mf_kv_row_bytes(kv_type, elems);
+    if (rb == 0) return -1;
+    for (int64_t i = 0; i < n; i++) {
+        uint8_t *dst = (uint8_t *)pool + (int64_t)rows[i] * rb;
+        if (kv_type == MF_KV_F16) mf_f32_to_f16(x + i * elems, (uint16_t *)dst, elems);
+        else memcpy(dst, x + i * elems, (size_t)rb);
+    }
+    return 0;
+}

@@ -52,4 +52,33 @@ typedef struct {
 } mf_attn_args;
 void mf_attention_f32(const mf_attn_args *a);
 
+/* KV cache element types, numbered as GGML's type ids (the cache type enum of the paged
+ * attention entry point; quantized types are added in the same kernel family). */
+enum { MF_KV_F32 = 0, MF_KV_F16 = 1, MF_KV_Q4_0 = 2, MF_KV_Q8_0 = 8 };
+
+/* Attention over a paged KV cache. k/v are pools of physical rows [rows, Hkv, D] / [rows, Hkv,
+ * Dv] of kv_type elements. Query row i (position p = q_pos[i]) sees the logical keys 0..p of its
+ * sequence (p-window+1..p with a window); logical key t is physical row
+ * tables[q_tab[i] + t / bs] * bs + t % bs. q [n, Hq, D] is first rounded in place as llama.cpp
+ * does for the cache type (f16: to f16). Same arithmetic and key blocking as mf_attention_f32,
+ * so an identity table gives its result bit for bit. out [n, Hq, Dv]. */
+typedef struct {
+    float *q;
+    const void *k, *v;
+    float *out;
+    const int32_t *q_pos, *q_tab, *tables;
+    int64_t n, Hq, Hkv, D, Dv, bs;
+    float scale, softcap;
+    int64_t window;
+    int kv_type;
+} mf_paged_args;
+/* 0, or -1 for a kv_type without a kernel. */
+int mf_attention_paged(const mf_paged_args *a);
+
+/* Bytes of one cache row of `elems` values (one token, all kv heads), 0 for an unknown type. */
+int64_t mf_kv_row_bytes(int kv_type, int64_t elems);
+/* Store x[n, elems] f32 into physical rows rows[i] of pool (converted to kv_type). 0 or -1. */
+int mf_kv_store(int kv_type, void *pool, const int32_t *rows, const float *x, int64_t n,
+                int64_t elems);
+
 #endif

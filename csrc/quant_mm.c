@@ -212,7 +212,7 @@ typedef struct {
 
 /* Fill p for Y = X · W^T (everything but c.xq for quantized activations). 0 or -1/-2. */
 static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, int64_t cols,
-                        const float *x, int64_t n, float *y) {
+                        const float *x, int64_t n, float *y, int vec_only) {
     if (type < 0 || type >= T_MAX || mf_qtypes[type].block == 0) return -1;
     const mf_qinfo *q = &mf_qtypes[type];
     if (cols % q->block) return -2;
@@ -236,7 +236,7 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
         if (q->xfmt == XF_F32) {
             c.xq = (const uint8_t *)x;
             c.xs = (size_t)cols * 4;
-            if (n >= MF_FLOAT_MIN_N) {
+            if (n >= MF_FLOAT_MIN_N && !vec_only) {
                 int64_t rk = (128 * 1024) / (cols * 4);
                 c.rt = rk < 2 ? 2 : rk > c.rt ? c.rt : rk;
                 c.rt += c.rt & 1; /* even: the 2-row kernel pairs the same rows for any split */
@@ -246,7 +246,9 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
             if (q->xfmt == XF_Q8_256 && cols % 256) return -2;
             c.xs = q->xfmt == XF_Q8_32 ? (size_t)(cols / 32) * sizeof(mf_q8_32)
                                        : (size_t)(cols / 256) * sizeof(mf_q8_256);
-            if (n >= MF_KBLK_MIN_N && mf_kunpack_avx2[type]) {
+            if (vec_only) {
+                /* row-independent: every X row is dotted as if alone */
+            } else if (n >= MF_KBLK_MIN_N && mf_kunpack_avx2[type]) {
                 int64_t rk = (192 * 1024) / (c.nb * (int64_t)sizeof(mf_kblk));
                 c.rt = rk < 1 ? 1 : rk > c.rt ? c.rt : rk;
                 p->fn = mm_task_kblk;
@@ -290,14 +292,14 @@ static void multi_task(void *v, int64_t t) {
  * once per activation format and all weights' row tiles run as one pool job (decode issues
  * Q/K/V and gate/up this way: fewer wake-ups, one quantization).
  * Returns 0, or -1 unknown type / -2 bad cols / -3 out of memory. Call without the GIL. */
-int mf_matmul_multi(int k, const int *types, const uint8_t *const *ws, const int64_t *rows,
-                    int64_t cols, const float *x, int64_t n, float *const *ys) {
+int mf_matmul_multi_ex(int k, const int *types, const uint8_t *const *ws, const int64_t *rows,
+                       int64_t cols, const float *x, int64_t n, float *const *ys, int vec_only) {
     assert(k >= 1 && k <= MF_MM_MAX);
     mm_plan p[MF_MM_MAX];
     multi_ctx m = {p, k, {0}};
     int need_fmt[3] = {0, 0, 0};
     for (int j = 0; j < k; j++) {
-        int rc = mm_plan_init(&p[j], types[j], ws[j], rows[j], cols, x, n, ys[j]);
+        int rc = mm_plan_init(&p[j], types[j], ws[j], rows[j], cols, x, n, ys[j], vec_only);
         if (rc) return rc;
         m.off[j + 1] = m.off[j] + p[j].ntasks;
         if (p[j].c.xfmt != XF_F32) need_fmt[p[j].c.xfmt] = 1;
@@ -331,6 +333,13 @@ int mf_matmul_multi(int k, const int *types, const uint8_t *const *ws, const int
     mf_parallel_for(m.off[k], multi_task, &m);
     pthread_mutex_unlock(&xq_lock);
     return 0;
+}
+
+/* The above; vec_only keeps the one-row (decode) kernels for any n, so each row of Y is
+ * bit-identical to the same X row alone (batched decode relies on it). */
+int mf_matmul_multi(int k, const int *types, const uint8_t *const *ws, const int64_t *rows,
+                    int64_t cols, const float *x, int64_t n, float *const *ys) {
+    return mf_matmul_multi_ex(k, types, ws, rows, cols, x, n, ys, 0);
 }
 
 /* Returns 0, or -1 unknown type / -2 bad cols / -3 out of memory. Call without the GIL. */

@@ -65,7 +65,7 @@ class Model:
 
     def __init__(self, model: str | os.PathLike | None = None, threads: int | None = None,
                  n_ctx: int | None = None, backend: str | None = None, quiet: bool = True,
-                 mem_budget: int | str | None = None):
+                 mem_budget: int | str | None = None, n_parallel: int = 1):
         from .gguf import open_gguf
         from .models import load_model
         from .ops import get_ops
@@ -80,6 +80,9 @@ class Model:
                 raise RequestError(f"threads must be >= 1, got {threads}")
             if n_ctx is not None and int(n_ctx) < 8:  # before the planner sizes the KV cache
                 raise RequestError(f"context size {n_ctx} is too small (minimum 8)")
+            if int(n_parallel) < 1:
+                raise RequestError(f"n_parallel must be >= 1, got {n_parallel}")
+            self.n_parallel = int(n_parallel)
             self.threads = threads
             self.plan = self.ledger = None
             if mem_budget is not None or os.environ.get("MEMFIT_MEM_BUDGET"):
@@ -101,6 +104,10 @@ class Model:
                 raise RequestError(f"context size {self.n_ctx} exceeds the model's training "
                                    f"context {train_ctx}; use --ctx-size {train_ctx} or less")
             self._check_kv_fits()
+            from .engine.engine import Engine
+            # the paged KV pool for n_parallel sequences of n_ctx tokens, counted by the ledger
+            self.engine = Engine(self.model, self.tokenizer, self.n_ctx, self.n_parallel,
+                                 self.n_batch, ledger=self.ledger)
         except BaseException:
             self.close()
             raise
@@ -109,11 +116,15 @@ class Model:
         """Refuse a context whose KV cache cannot fit in available memory (before allocating)."""
         import psutil
         c = self.config
-        kv = 2 * self.n_ctx * c.n_layer * c.n_head_kv * (c.head_dim_k + c.head_dim_v)  # f16
+        from .engine.engine import kv_pool_blocks
+        from .kv import BLOCK_SIZE
+        tokens = kv_pool_blocks(self.n_ctx, self.n_parallel) * BLOCK_SIZE
+        kv = 2 * tokens * c.n_layer * c.n_head_kv * (c.head_dim_k + c.head_dim_v)  # f16
         avail = psutil.virtual_memory().available
         if kv > avail:
-            raise RequestError(f"context size {self.n_ctx} needs {kv / 2**30:.1f} GiB of KV cache "
-                               f"but {avail / 2**30:.1f} GiB is available; lower --ctx-size")
+            raise RequestError(f"context size {self.n_ctx} x {self.n_parallel} sequences needs "
+                               f"{kv / 2**30:.1f} GiB of KV cache but {avail / 2**30:.1f} GiB is "
+                               f"available; lower --ctx-size or --parallel")
 
     def _auto_budget(self, n_ctx, quiet: bool) -> None:
         """No budget given: plan against the detected one (MemAvailable or the cgroup limit,
@@ -129,7 +140,7 @@ class Model:
             return
         baseline = measure_baseline()
         plan = plan_for_path(self.file, budget, n_ctx=n_ctx, threads=self.threads,
-                             baseline_bytes=baseline)
+                             baseline_bytes=baseline, n_parallel=self.n_parallel)
         if plan.tiers["file"] or plan.tiers["cache"]:
             if not quiet:
                 print(f"memfit: the model does not fit in memory ({why}); streaming "
@@ -149,7 +160,7 @@ class Model:
         if plan is None:
             baseline = measure_baseline()
             plan = plan_for_path(self.file, budget, n_ctx=n_ctx, threads=self.threads,
-                                 baseline_bytes=baseline)
+                                 baseline_bytes=baseline, n_parallel=self.n_parallel)
         self.plan = plan
         self.ledger = Ledger(budget)
         self.ledger.alloc("baseline", "runtime", baseline)
@@ -194,24 +205,56 @@ class Model:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.tokenizer.n_vocab - 1})")
         return ids
 
-    # --- generation
+    # --- generation (clients of self.engine)
     def _steps(self, prompt, n_top: int, state: GenerationState | None, **sampling):
         params = SamplingParams(**sampling)
         ids = self._prompt_ids(prompt)
         st = state if state is not None else GenerationState(ids)
         st.prompt_ids = ids
         return st, generate_steps(self.model, self.tokenizer, ids, params, self.n_ctx,
-                                  n_top=n_top, state=st, n_batch=self.n_batch)
+                                  n_top=n_top, state=st, n_batch=self.n_batch,
+                                  engine=self.engine)
 
-    def generate(self, prompt: str | Sequence[int], max_tokens: int = 128,
-                 top_logprobs: int = 0, **sampling) -> Completion:
+    @staticmethod
+    def _is_batch(prompt) -> bool:
+        return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
+                and all(isinstance(p, str) or (isinstance(p, Sequence) and not isinstance(p, str))
+                        for p in prompt))
+
+    def generate(self, prompt: str | Sequence[int] | list, max_tokens: int = 128,
+                 top_logprobs: int = 0, **sampling) -> Completion | list[Completion]:
         """Complete ``prompt`` (text or ids). Sampling keywords: temperature, top_k, top_p,
-        min_p, repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty, seed, stop."""
-        st, steps = self._steps(prompt, top_logprobs, None, max_tokens=max_tokens, **sampling)
-        for _ in steps:
-            pass
-        return Completion(st.prompt_ids, st.ids, st.text, st.finish_reason, st.timings,
-                          st.top if top_logprobs > 0 else None)
+        min_p, repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty, seed, stop.
+        A list of prompts (texts or id lists) runs them together (up to n_parallel at once)
+        and returns a list of Completions in the same order."""
+        if not self._is_batch(prompt):
+            st, steps = self._steps(prompt, top_logprobs, None, max_tokens=max_tokens, **sampling)
+            for _ in steps:
+                pass
+            return Completion(st.prompt_ids, st.ids, st.text, st.finish_reason, st.timings,
+                              st.top if top_logprobs > 0 else None)
+        params = SamplingParams(max_tokens=max_tokens, **sampling)
+        eng = self.engine
+        all_ids = [self._prompt_ids(p) for p in prompt]
+        rids, seqs = [], {}
+        try:
+            for ids in all_ids:
+                rid = eng.add_request(ids, params, n_top=top_logprobs)
+                rids.append(rid)
+                seqs[rid] = eng.sequence(rid)
+            done: dict[str, Completion] = {}
+            while len(done) < len(rids):
+                for o in eng.step():
+                    if o.finished and o.request_id in seqs:
+                        s = seqs[o.request_id]
+                        done[o.request_id] = Completion(
+                            list(s.prompt_ids), list(s.output_ids), s.text, s.finish_reason,
+                            o.timings, s.top if top_logprobs > 0 else None)
+        finally:
+            for rid in rids:
+                if eng.sequence(rid) is not None:
+                    eng.abort(rid)
+        return [done[r] for r in rids]
 
     def stream(self, prompt: str | Sequence[int], max_tokens: int = 128, **sampling) -> Iterator[str]:
         """Yield text pieces as they are decoded (never a broken UTF-8 sequence)."""

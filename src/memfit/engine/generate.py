@@ -1,27 +1,23 @@
-"""The generation loop: prefill, then decode one token at a time until a stop condition.
-
-Mechanism only: the model turns ids into logits, the sampler picks a token, the stream
-decoder and stop matcher turn ids into text. Timings use llama-server's field names.
+"""Timings (llama-server's field names) and the one-sequence generation loop, now a client of
+the Engine (engine.py): it adds one request and steps until it is done.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
-import numpy as np
-
 from ..errors import RequestError
-from .sampler import Sampler, SamplingParams, StopMatcher, top_logprobs
+from .sampler import SamplingParams
 
 
 @dataclass
 class Timings:
-    prompt_n: int = 0
+    prompt_n: int = 0          # prompt tokens evaluated (llama-server: without the cached ones)
     prompt_ms: float = 0.0
     predicted_n: int = 0
     predicted_ms: float = 0.0
+    cache_n: int = 0           # prompt tokens reused from the prefix cache
 
     @property
     def prompt_per_second(self) -> float:
@@ -33,7 +29,7 @@ class Timings:
 
     def to_dict(self) -> dict:
         return {
-            "prompt_n": self.prompt_n, "prompt_ms": round(self.prompt_ms, 3),
+            "cache_n": self.cache_n, "prompt_n": self.prompt_n, "prompt_ms": round(self.prompt_ms, 3),
             "prompt_per_second": round(self.prompt_per_second, 3),
             "predicted_n": self.predicted_n, "predicted_ms": round(self.predicted_ms, 3),
             "predicted_per_second": round(self.predicted_per_second, 3),
@@ -61,59 +57,37 @@ class GenerationState:
 
 def generate_steps(model, tokenizer, prompt_ids: list[int], params: SamplingParams,
                    n_ctx: int, n_top: int = 0, state: GenerationState | None = None,
-                   n_batch: int = 512) -> Iterator[Step]:
-    """Yield a Step per generated token; fills ``state`` (ids, text, finish_reason, timings)."""
-    from ..tokenizer import StreamDecoder
+                   n_batch: int = 512, engine=None) -> Iterator[Step]:
+    """Yield a Step per generated token (and a last Step(-1, text) for text held back to the
+    end); fills ``state`` (ids, text, finish_reason, timings). Runs on ``engine`` when given
+    (others' requests may share its steps), else on a one-sequence Engine of its own."""
+    from .engine import Engine
 
     if not prompt_ids:
         raise RequestError("the prompt is empty (no tokens); give some text")
-    if len(prompt_ids) >= n_ctx:
-        raise RequestError(f"the prompt has {len(prompt_ids)} tokens but the context is {n_ctx}; "
-                           f"raise --ctx-size or shorten the prompt")
     st = state if state is not None else GenerationState(list(prompt_ids))
-    max_tokens = params.max_tokens if params.max_tokens is not None and params.max_tokens >= 0 \
-        else n_ctx
-    max_tokens = min(max_tokens, n_ctx - len(prompt_ids))
-    sampler = Sampler(params, tokenizer.n_vocab)
-    decoder = StreamDecoder(tokenizer)
-    stops = StopMatcher(params.stop or [])
-    eog = tokenizer.eog_ids
-    history = list(prompt_ids)
-
-    cache = model.new_cache(n_ctx)
-    t0 = time.perf_counter()
-    ids = np.asarray(prompt_ids, dtype=np.int32)
-    for b in range(0, len(ids), n_batch):  # prefill in batches of n_batch (scratch is sized for it)
-        logits = model.forward(ids[b:b + n_batch], cache)
-    t1 = time.perf_counter()
-    st.timings.prompt_n = len(prompt_ids)
-    st.timings.prompt_ms = (t1 - t0) * 1e3
-    st.finish_reason = "length"
-    for i in range(max_tokens):
-        top = top_logprobs(logits, n_top) if n_top > 0 else None
-        tok = int(sampler.sample(logits, history))
-        history.append(tok)
-        st.ids.append(tok)
-        if top is not None:
-            st.top.append(top)
-        if tok in eog:
-            st.finish_reason = "stop"
-            yield Step(tok, "", top)
-            break
-        emit, stopped = stops.push(decoder.push(tok))
-        st.text += emit
-        yield Step(tok, emit, top)
-        if stopped:
-            st.finish_reason = "stop"
-            break
-        if i + 1 < max_tokens:
-            logits = model.forward(np.asarray([tok], dtype=np.int32), cache)
-    if not stops.stopped:
-        # text held back by the stop matcher or the UTF-8 decoder was not a stop: emit it
-        emit, _ = stops.push(decoder.flush())
-        tail = emit + stops.flush()
-        if tail:
-            st.text += tail
-            yield Step(-1, tail, None)
-    st.timings.predicted_n = len(st.ids)
-    st.timings.predicted_ms = (time.perf_counter() - t1) * 1e3
+    eng = engine if engine is not None else Engine(model, tokenizer, n_ctx, 1, n_batch)
+    rid = eng.add_request(prompt_ids, params, n_top=n_top)
+    seq = eng.sequence(rid)
+    done = False
+    try:
+        while not done:
+            for o in eng.step():
+                if o.request_id != rid:
+                    continue
+                if o.token is not None:
+                    st.ids.append(o.token)
+                    if n_top > 0:
+                        st.top.append(seq.top[-1])
+                    st.text += o.text
+                    yield Step(o.token, o.text, seq.top[-1] if n_top > 0 else None)
+                elif o.text:
+                    st.text += o.text
+                    yield Step(-1, o.text, None)
+                if o.finished:
+                    st.finish_reason = o.finish_reason
+                    st.timings = o.timings
+                    done = True
+    finally:
+        if not done:
+            eng.abort(rid)

@@ -1,5 +1,8 @@
-"""KV caches: the protocol model code relies on (see cache.py)."""
+"""KV caches: the contiguous one-sequence cache (cache.py), the paged block pool with prefix
+reuse (pool.py) and the view model code sees during a forward pass (view.py)."""
 
 from .cache import KVCache
+from .pool import BLOCK_SIZE, KVPool
+from .view import KV_TYPES, BatchKV
 
-__all__ = ["KVCache"]
+__all__ = ["BLOCK_SIZE", "BatchKV", "KVCache", "KVPool", "KV_TYPES"]

@@ -1,4 +1,4 @@
-"""Contiguous per-sequence KV cache: the tiny protocol model code relies on.
+"""Contiguous one-sequence KV cache (the single-sequence path: perplexity, tests, benches).
 
 Per layer, K is [n_ctx, n_kv_head, head_dim_k] and V [n_ctx, n_kv_head, head_dim_v], stored
 as float16 with ``f16_values`` (the model default, as llama.cpp's default KV cache: half the
@@ -6,7 +6,8 @@ memory of f32, and attention sees exactly the numbers llama.cpp's does; the atte
 read f16 directly), else float32 (tests of exact float math).
 A forward pass of n tokens calls ``positions(n)`` once, ``update_and_fetch`` once per layer
 (writes rows offset..offset+n), then ``advance(n)``; so ``offset`` only moves when every
-layer has its rows. Model code never sees the layout.
+layer has its rows. Model code never sees the layout: the model asks ``view(n)`` for the
+BatchKV of its next n tokens (kv/view.py), the same interface the paged pool gives.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import RequestError
+from .view import KV_TYPES, BatchKV
 
 try:  # float32 -> float16 -> float32 rounding in C (F16C), bit-identical to numpy's astype pair
     from .._native import round_f16 as _round_f16_native
@@ -45,6 +47,15 @@ class KVCache:
         self.offset = 0  # tokens stored (== position of the next token)
         self.f16_values = f16_values
         self._pos = np.arange(n_ctx, dtype=np.int32)
+        self._zeros = np.zeros(max(n_ctx, 1), dtype=np.int32)
+        self.kv_type = KV_TYPES["f16" if dtype == np.float16 else "f32"]
+
+    def view(self, n: int) -> BatchKV:
+        """The BatchKV of the next n tokens (positions offset..offset+n; RequestError if they do
+        not fit): one block as long as the context, so logical row t is physical row t."""
+        pos = self.positions(n)
+        return BatchKV(self.k, self.v, self.kv_type, pos, pos, self._zeros[:n], self._zeros[:1],
+                       self.n_ctx)
 
     def positions(self, n: int) -> np.ndarray:
         """Positions of the next n tokens (int32[n]); RequestError if they do not fit."""

@@ -312,6 +312,13 @@ def _summarize(names: list[str]) -> str:
     return ", ".join(f"{k} x{v}" if v > 1 else k for k, v in c.items())
 
 
+def kv_pool_tokens(n_ctx: int, n_parallel: int = 1) -> int:
+    """Token rows of the engine's KV block pool: n_parallel sequences of n_ctx tokens, each
+    rounded up to whole blocks (engine.engine.kv_pool_blocks)."""
+    from ..kv.pool import BLOCK_SIZE
+    return n_parallel * -(-n_ctx // BLOCK_SIZE) * BLOCK_SIZE
+
+
 def scratch_bytes(m: ModelDesc, n_batch: int, n_ctx: int, threads: int,
                   logits_all: bool = False) -> int:
     """Activation/scratch estimate for a batch of n_batch tokens (f32 everywhere)."""
@@ -359,12 +366,13 @@ def _max_unit(units: list[Unit]) -> int:
 
 def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Bandwidth,
          *, baseline_bytes: int, n_batch: int = 512, overlap_io: bool = True,
-         logits_all: bool = False, kv_bytes_per_elem: float = 2) -> Plan:
+         logits_all: bool = False, kv_bytes_per_elem: float = 2, n_parallel: int = 1) -> Plan:
     """Place every tensor in a tier within `budget` bytes. Pure: no I/O, no measurement.
-    baseline_bytes: the measured runtime RSS; kv_bytes_per_elem: 2 for the f16 cache (4 for f32)."""
-    assert n_ctx > 0 and threads > 0 and n_batch > 0
+    baseline_bytes: the measured runtime RSS; kv_bytes_per_elem: 2 for the f16 cache (4 for f32).
+    The KV cache is the engine's block pool for n_parallel sequences of n_ctx tokens."""
+    assert n_ctx > 0 and threads > 0 and n_batch > 0 and n_parallel > 0
     m = model
-    kv = int(m.kv_elems_per_token * n_ctx * kv_bytes_per_elem)
+    kv = int(m.kv_elems_per_token * kv_pool_tokens(n_ctx, n_parallel) * kv_bytes_per_elem)
     # the larger of the measured RSS and the model's predicted runtime (see RUNTIME_BASE_BYTES)
     baseline = max(baseline_bytes, m.runtime_bytes) + RUNTIME_EXTRA_BYTES
     n_batch = min(n_batch, n_ctx)  # a prefill batch never exceeds the context
@@ -528,7 +536,7 @@ def _round_up_mib(n: int) -> int:
 def plan_for_path(path, budget: int, n_ctx: int | None = None, threads: int | None = None, *,
                   baseline_bytes: int | None = None, bandwidth: Bandwidth | None = None,
                   measure_bandwidth: bool = False, n_batch: int = 512,
-                  kv_bytes_per_elem: float = 2) -> Plan:
+                  kv_bytes_per_elem: float = 2, n_parallel: int = 1) -> Plan:
     """Convenience for the CLI/API: describe the GGUF (a path, or a GGUFFile already open,
     used as is: the API plans the file it has opened, not a second copy), measure baseline
     (this process's RSS) and bandwidth (cached/default unless measure_bandwidth), and plan.
@@ -551,7 +559,7 @@ def plan_for_path(path, budget: int, n_ctx: int | None = None, threads: int | No
             opened.close()
     args = (desc, budget, n_ctx, threads or os.cpu_count() or 1)
     kw = dict(baseline_bytes=measure_baseline() if baseline_bytes is None else baseline_bytes,
-              n_batch=n_batch, kv_bytes_per_elem=kv_bytes_per_elem)
+              n_batch=n_batch, kv_bytes_per_elem=kv_bytes_per_elem, n_parallel=n_parallel)
     if bandwidth is None and measure_bandwidth:
         # refuse a budget below the floor before the probes allocate or write anything
         plan(*args, Bandwidth(source="default"), **kw)

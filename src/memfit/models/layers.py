@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ModelError, RequestError, UnsupportedError
-from ..kv.cache import KVCache, round_f16
+from ..kv.cache import KVCache
+from .batch import Batch
 from ..quant.reference import dequantize
 from ..quant.types import SUPPORTED, TYPES
 from .config import ModelConfig
@@ -102,46 +103,78 @@ class Model:
         return KVCache(c.n_layer, n_ctx, c.n_head_kv, c.head_dim_k, c.head_dim_v,
                        f16_values=self.kv_f16)
 
-    def forward(self, ids, cache: KVCache, all_logits: bool = False,
+    def forward(self, batch, cache: KVCache | None = None, all_logits: bool = False,
                 hidden_from: int | None = None) -> np.ndarray:
-        """Logits f32 [n_vocab] of the last token, or [n, n_vocab] with all_logits; the tokens
-        are placed at positions cache.offset.. and the cache advances by len(ids).
-        With hidden_from=k, returns the final-normed hidden states [n - k, n_embd] of rows
-        k.. instead, for the caller to turn into logits in slices (``logits``)."""
-        all_logits = all_logits or hidden_from is not None
-        c, ops = self.config, self.ops
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        """``forward(batch)``: logits f32 [len(batch.out_rows), n_vocab] of a Batch
+        (models/batch.py: flat rows of any sequences, the engine's runner builds it).
+
+        ``forward(ids, cache)``: one sequence in a contiguous KVCache, logits f32 [n_vocab] of
+        the last token, or [n, n_vocab] with all_logits; the tokens are placed at positions
+        cache.offset.. and the cache advances by len(ids). With hidden_from=k, returns the
+        final-normed hidden states [n - k, n_embd] of rows k.. instead, for the caller to turn
+        into logits in slices (``logits``)."""
+        if isinstance(batch, Batch):
+            return self._forward(batch)
+        ids = np.asarray(batch, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             raise RequestError("forward needs at least one token")
+        self._check_ids(ids)
+        n = ids.size
+        kv = cache.view(n)  # RequestError on context overflow, before anything is written
+        if hidden_from is not None:
+            out = np.arange(hidden_from, n)
+        else:
+            out = np.arange(n) if all_logits else np.array([n - 1])
+        b = Batch(ids, kv.pos, self._zero_seq(n), out, kv,
+                  decode=n == 1 and not all_logits and hidden_from is None,
+                  hidden=hidden_from is not None)
+        r = self._forward(b)
+        cache.advance(n)
+        return r if all_logits or hidden_from is not None else r[-1]
+
+    def _zero_seq(self, n: int) -> np.ndarray:
+        z = self._bufs.get("seq0")
+        if z is None or z.size < n:
+            z = self._bufs["seq0"] = np.zeros(max(n, 512), np.int32)
+        return z[:n]
+
+    def _check_ids(self, ids: np.ndarray) -> None:
+        c = self.config
         if ids.min() < 0 or ids.max() >= c.n_vocab:
             bad = int(ids[(ids < 0) | (ids >= c.n_vocab)][0])
             raise RequestError(f"token id {bad} is outside the vocabulary [0, {c.n_vocab})")
-        pos = cache.positions(ids.size)
-        x = ops.get_rows(self.weights.get("token_embd.weight"), ids)
+
+    def _forward(self, b: Batch) -> np.ndarray:
+        c, ops = self.config, self.ops
+        n = b.n
+        x = ops.get_rows(self.weights.get("token_embd.weight"), b.ids)
         if c.embd_scale != 1.0:
             x = x * np.float32(c.embd_scale)
-        fused = self._decode_layers() if ids.size == 1 and not all_logits else None
+        fused = self._decode_layers() if b.decode else None
         if fused:
-            # one native call per layer (csrc/decode.c): the same kernels in the same order as
-            # block(), without per-op interpreter overhead
-            get, p, f16 = self.weights.get, int(pos[0]), cache.f16_values
-            xr = x.reshape(-1)
+            # one native call per layer for all rows (csrc/decode.c): the same kernels in the
+            # same order as block(); each weight matrix is read once for the whole batch
+            get, kv = self.weights.get, b.kv
+            x = np.ascontiguousarray(x)
             for il, (layer, names) in enumerate(fused):
-                K, V = cache.layer_arrays(il)
-                ops.decode_layer(layer, xr, p, K, V, f16, *[get(n).data for n in names])
+                ops.decode_batch(layer, x, *kv.fused(il), *[get(nm).data for nm in names])
+            if len(b.out_rows) < n:
+                x = x[b.out_rows]
         else:
+            out = b.out_rows
+            # after the last layer's attention only the out rows are needed (at least one row
+            # goes through it so that every row's K/V is stored)
+            last = None if len(out) == n else (out if len(out) else np.array([n - 1]))
             for il in range(c.n_layer):
-                # only the last row is needed after the last layer's attention
-                last = None if all_logits or il < c.n_layer - 1 else slice(-1, None)
-                x = self.block(il, x, pos, cache, last)
-        cache.advance(ids.size)
-        if hidden_from is not None:
-            x = x[hidden_from:]
-        x = ops.rmsnorm(x, self.vec["output_norm.weight"], c.rms_eps)
-        if hidden_from is not None:
+                x = self.block(il, x, b.pos, b.kv, last if il == c.n_layer - 1 else None)
+            if len(out) == 0:
+                x = x[:0]
+        x = ops.rmsnorm(np.ascontiguousarray(x), self.vec["output_norm.weight"], c.rms_eps)
+        if b.hidden:
             return x
-        logits = self.logits(x)
-        return logits if all_logits else logits[-1]
+        if x.shape[0] == 0:
+            return np.zeros((0, c.n_vocab), np.float32)
+        return self.logits(x)
 
     def logits(self, h: np.ndarray) -> np.ndarray:
         """Final-normed hidden states [n, n_embd] -> logits [n, n_vocab]."""
@@ -232,14 +265,8 @@ class Model:
         kw = {} if ff is None else {"freq_factors": ff}
         q = ops.rope(q, pos, c.n_rot, base, fs, c.rope_neox, **kw)
         k = ops.rope(k, pos, c.n_rot, base, fs, c.rope_neox, **kw)
-        K, V, kv_pos = cache.update_and_fetch(il, k, v)
-        if last is not None:
-            q, pos = q[last], pos[last]
-        q = np.ascontiguousarray(q)
-        if cache.f16_values:
-            q = round_f16(q, q)  # q is this layer's own rope output
-        o = ops.attention(q, K, V, pos, kv_pos, c.attn_scale, window,
-                          c.attn_softcap)
+        # the cache stores k/v and attends (q rows ``last`` only): its layout and type stay there
+        o = cache.attend(il, ops, q, k, v, last, c.attn_scale, window, c.attn_softcap)
         return self.linear(o.reshape(o.shape[0], c.n_head * c.head_dim_v), p + "attn_output")
 
     def ffn(self, il: int, x: np.ndarray) -> np.ndarray:

@@ -124,3 +124,9 @@ attention = _pick("attention")
 # One decoder layer for one token (csrc/decode.c); models/layers.py uses it for decode.
 decode_layer_new = _native.decode_layer_new
 decode_layer = _native.decode_layer
+
+# Batches of decode rows through one layer over a paged KV pool; attention and KV stores over
+# such a pool (csrc/decode.c, csrc/bind_kv.c). kv/view.py BatchKV uses them.
+decode_batch = _native.decode_batch
+attention_paged = _native.attention_paged
+kv_store = _native.kv_store

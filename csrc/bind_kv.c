@@ -1,0 +1,115 @@
+/* Python bindings of the paged KV kernels (ops.h): attention_paged and kv_store.
+ *
+ *   attention_paged(q[n, Hq, D] f32 (rounded in place for the cache type), K, V (pools of
+ *                   physical rows), kv_type, q_pos, q_tab, tables (int32), bs, scale, window,
+ *                   softcap, out[n, Hq, Dv] f32)
+ *   kv_store(kv_type, pool, rows int32[n], x[n, elems] f32)
+ * Shapes are checked here; the kernels trust them. */
+#include "memfit.h"
+#include "ops.h"
+
+#include <string.h>
+
+static int get(PyObject *o, Py_buffer *b, int writable, char fmt, const char *what) {
+    if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
+        return -1;
+    const char *f = b->format ? b->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    int ok = fmt == 'f' ? (strcmp(f, "f") == 0 && b->itemsize == 4)
+           : fmt == 'i' ? ((strcmp(f, "i") == 0 || strcmp(f, "l") == 0) && b->itemsize == 4)
+                        : 1; /* any bytes */
+    if (!ok) {
+        PyErr_Format(PyExc_TypeError, "%s must be %s, C-contiguous%s", what,
+                     fmt == 'f' ? "float32" : "int32", writable ? " and writable" : "");
+        PyBuffer_Release(b);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_attention_paged(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    if (na != 12)
+        return PyErr_Format(PyExc_TypeError, "attention_paged(q, K, V, kv_type, q_pos, q_tab, tables, bs, scale, "
+                            "window, softcap, out)");
+    Py_buffer b[8];
+    int nb = 0;
+    const char *bad = NULL;
+    long long kv_type = PyLong_AsLongLong(a[3]), bs = PyLong_AsLongLong(a[7]), window = PyLong_AsLongLong(a[9]);
+    double scale = PyFloat_AsDouble(a[8]), softcap = PyFloat_AsDouble(a[10]);
+    if (PyErr_Occurred()) return NULL;
+    static const int idx[8] = {0, 1, 2, 4, 5, 6, 11, -1};
+    static const char fmts[7] = {'f', 'b', 'b', 'i', 'i', 'i', 'f'};
+    static const int wr[7] = {1, 0, 0, 0, 0, 0, 1};
+    static const char *names[7] = {"q", "K", "V", "q_pos", "q_tab", "tables", "out"};
+    for (; nb < 7; nb++)
+        if (get(a[idx[nb]], &b[nb], wr[nb], fmts[nb], names[nb]) < 0) { bad = ""; break; }
+    if (!bad) {
+        Py_buffer *q = &b[0], *K = &b[1], *V = &b[2], *qp = &b[3], *qt = &b[4], *tab = &b[5], *out = &b[6];
+        if (q->ndim != 3 || out->ndim != 3 || K->ndim != 3 || V->ndim != 3) bad = "q, K, V and out must be 3-D";
+        else {
+            const int64_t n = q->shape[0], Hq = q->shape[1], D = q->shape[2], Hkv = K->shape[1], Dv = V->shape[2];
+            const int64_t rows = K->shape[0], rbk = mf_kv_row_bytes((int)kv_type, Hkv * D),
+                          rbv = mf_kv_row_bytes((int)kv_type, Hkv * Dv), nt = tab->len / 4;
+            const int32_t *p = qp->buf, *t = qt->buf, *tb = tab->buf;
+            if (rbk == 0 || rbv == 0) bad = "unsupported KV cache type";
+            else if (Hkv < 1 || Hq % Hkv || D > MF_ATTN_MAX_DIM || Dv > MF_ATTN_MAX_DIM) bad = "bad head shapes";
+            else if (K->len != rows * rbk || V->shape[0] != rows || V->shape[1] != Hkv || V->len != rows * rbv)
+                bad = "K and V must be [rows, Hkv, D] pools of the cache type";
+            else if (out->shape[0] != n || out->shape[1] != Hq || out->shape[2] != Dv) bad = "out must be [n, Hq, Dv]";
+            else if (qp->len != n * 4 || qt->len != n * 4) bad = "q_pos and q_tab need n values";
+            else if (bs < 1 || rows % bs || window < 0 || softcap < 0) bad = "bad bs, window or softcap";
+            for (int64_t i = 0; !bad && i < nt; i++)
+                if (tb[i] < 0 || tb[i] >= rows / bs) bad = "a block table entry is outside the pool";
+            for (int64_t i = 0; !bad && i < n; i++)
+                if (p[i] < 0 || t[i] < 0 || t[i] + p[i] / bs >= nt) bad = "a row's position or table is outside tables";
+            if (!bad) {
+                mf_paged_args at = {.q = q->buf, .k = K->buf, .v = V->buf, .out = out->buf, .q_pos = p, .q_tab = t,
+                                    .tables = tb, .n = n, .Hq = Hq, .Hkv = Hkv, .D = D, .Dv = Dv, .bs = bs,
+                                    .scale = (float)scale, .softcap = (float)softcap, .window = window,
+                                    .kv_type = (int)kv_type};
+                Py_BEGIN_ALLOW_THREADS
+                mf_attention_paged(&at);
+                Py_END_ALLOW_THREADS
+            }
+        }
+    }
+    for (int i = 0; i < nb; i++) PyBuffer_Release(&b[i]);
+    if (bad && *bad) return PyErr_Format(PyExc_ValueError, "attention_paged: %s", bad);
+    if (bad) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_kv_store(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    if (na != 4) return PyErr_Format(PyExc_TypeError, "kv_store(kv_type, pool, rows, x)");
+    long long kv_type = PyLong_AsLongLong(a[0]);
+    if (PyErr_Occurred()) return NULL;
+    Py_buffer pool, rows, x;
+    if (get(a[1], &pool, 1, 'b', "pool") < 0) return NULL;
+    if (get(a[2], &rows, 0, 'i', "rows") < 0) { PyBuffer_Release(&pool); return NULL; }
+    if (get(a[3], &x, 0, 'f', "x") < 0) { PyBuffer_Release(&pool); PyBuffer_Release(&rows); return NULL; }
+    const char *bad = NULL;
+    const int64_t n = rows.len / 4, elems = n ? x.len / 4 / n : 0, rb = mf_kv_row_bytes((int)kv_type, elems);
+    const int32_t *r = rows.buf;
+    if (n && (rb == 0 || x.len != n * elems * 4 || pool.len % rb)) bad = "x must be [n, row] and pool whole rows of the cache type";
+    for (int64_t i = 0; !bad && i < n; i++)
+        if (r[i] < 0 || r[i] >= pool.len / rb) bad = "a row is outside the pool";
+    if (!bad && n) {
+        Py_BEGIN_ALLOW_THREADS
+        mf_kv_store((int)kv_type, pool.buf, r, x.buf, n, elems);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&pool);
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&x);
+    if (bad) return PyErr_Format(PyExc_ValueError, "kv_store: %s", bad);
+    Py_RETURN_NONE;
+}
+
+PyMethodDef mf_kv_methods[] = {
+    {"attention_paged", (PyCFunction)(void (*)(void))py_attention_paged, METH_FASTCALL,
+     "attention_paged(q, K, V, kv_type, q_pos, q_tab, tables, bs, scale, window, softcap, out): causal attention "
+     "over a paged KV pool (see csrc/ops.h mf_paged_args); q is rounded in place for the cache type"},
+    {"kv_store", (PyCFunction)(void (*)(void))py_kv_store, METH_FASTCALL,
+     "kv_store(kv_type, pool, rows int32[n], x f32[n, row]): x converted to the cache type into pool rows"},
+    {NULL, NULL, 0, NULL},
+};

@@ -1,0 +1,192 @@
+"""The engine: requests in, tokens out, many sequences at once.
+
+    eng = Engine(model, tokenizer, n_ctx=4096, n_parallel=4)
+    rid = eng.add_request(ids, SamplingParams(temperature=0, max_tokens=32))
+    while eng.has_unfinished():
+        for out in eng.step():      # one scheduler step: a prefill chunk or a decode row each
+            print(out.request_id, out.text, out.finished)
+
+One step = schedule (scheduler.py, integers), run (runner.py -> Model.forward), postprocess
+(sample, detokenize, stop strings, EOG, max_tokens). Prefix reuse is automatic: full KV blocks
+are keyed by their tokens (kv/pool.py). Not thread-safe: one thread owns an Engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import RequestError
+from ..kv.pool import BLOCK_SIZE, KVPool
+from .generate import Timings
+from .runner import Runner
+from .sampler import Sampler, SamplingParams, StopMatcher, top_logprobs
+from .scheduler import Scheduler
+from .sequence import Sequence, Status
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    token: int | None          # the token sampled this step (None: an abort notice)
+    text: str                  # new text ('' mid UTF-8 / while a stop string is pending)
+    top: list | None           # [[id, logprob], ...] when n_top > 0
+    logprob: float | None      # logprob of `token` (when n_top > 0)
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    prompt_n: int              # prompt tokens
+    cache_n: int               # prompt tokens reused from the prefix cache
+    n_generated: int
+    timings: Timings | None = None  # on the finished output
+
+
+def kv_pool_blocks(n_ctx: int, n_parallel: int) -> int:
+    """Blocks of the pool for n_parallel sequences of up to n_ctx tokens (the planner's KV)."""
+    return n_parallel * ((n_ctx + BLOCK_SIZE - 1) // BLOCK_SIZE)
+
+
+class Engine:
+    def __init__(self, model, tokenizer, n_ctx: int, n_parallel: int = 1, n_batch: int = 512,
+                 cache_type: str | None = None, n_blocks: int | None = None, ledger=None):
+        if n_parallel < 1:
+            raise RequestError(f"n_parallel must be >= 1, got {n_parallel}")
+        c = model.config
+        cache_type = cache_type or ("f16" if getattr(model, "kv_f16", True) else "f32")
+        self.model, self.tokenizer = model, tokenizer
+        self.n_ctx, self.n_parallel, self.n_batch = n_ctx, n_parallel, n_batch
+        self.pool = KVPool(c.n_layer, n_blocks or kv_pool_blocks(n_ctx, n_parallel), c.n_head_kv,
+                           c.head_dim_k, c.head_dim_v, cache_type, ledger=ledger)
+        self.scheduler = Scheduler(self.pool, n_parallel, n_batch, n_ctx)
+        self.runner = Runner(model, self.pool, n_parallel, n_batch, n_ctx)
+        self.seqs: dict[str, Sequence] = {}
+        self._pending: list[StepOutput] = []  # abort notices for the next step()
+        self._ids = itertools.count()
+        self.n_steps = 0
+
+    # --- requests
+    def add_request(self, prompt_ids, params: SamplingParams, *, n_top: int = 0,
+                    request_id: str | None = None) -> str:
+        from ..tokenizer import StreamDecoder
+
+        ids = [int(i) for i in prompt_ids]
+        if not ids:
+            raise RequestError("the prompt is empty (no tokens); give some text")
+        nv = self.model.config.n_vocab
+        bad = [i for i in ids if not 0 <= i < nv]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{nv - 1})")
+        if len(ids) >= self.n_ctx:
+            raise RequestError(f"the prompt has {len(ids)} tokens but the context is {self.n_ctx}; "
+                               f"raise --ctx-size or shorten the prompt")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.seqs:
+            raise RequestError(f"request id {rid!r} is already running")
+        mt = params.max_tokens
+        mt = self.n_ctx if mt is None or mt < 0 else mt
+        seq = Sequence(rid, ids, params, min(mt, self.n_ctx - len(ids)),
+                       Sampler(params, self.tokenizer.n_vocab), StreamDecoder(self.tokenizer),
+                       StopMatcher(params.stop or []), n_top=int(n_top))
+        self.seqs[rid] = seq
+        self.scheduler.add(seq)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its KV blocks (its last output says "abort")."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return
+        if seq in self.scheduler.waiting:
+            self.scheduler.waiting.remove(seq)
+        self.scheduler.free(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, "abort"
+        self._pending.append(StepOutput(request_id, None, "", None, None, True, "abort",
+                                        seq.n_prompt, seq.cache_n, seq.n_generated,
+                                        self._timings(seq)))
+
+    def has_unfinished(self) -> bool:
+        return bool(self._pending) or self.scheduler.has_unfinished()
+
+    def stats(self) -> dict:
+        s, p = self.scheduler, self.pool
+        return {"running": len(s.running), "waiting": len(s.waiting),
+                "kv_blocks_total": p.n_blocks, "kv_blocks_used": p.n_used,
+                "kv_blocks_cached": p.n_cached, "kv_block_size": p.block_size,
+                "kv_cache_type": p.cache_type, "kv_bytes": p.nbytes,
+                "prefix_cache_queries": s.prefix_queries, "prefix_cache_hits": s.prefix_hits,
+                "preempted": s.n_preempted, "steps": self.n_steps, "n_parallel": self.n_parallel}
+
+    # --- one step
+    def step(self) -> list[StepOutput]:
+        outs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if sched is None:
+            return outs
+        self.n_steps += 1
+        now = time.perf_counter()
+        for s in sched.seqs:
+            if not s.t_prefill_start:
+                s.t_prefill_start = now
+        logits = self.runner.run(sched)
+        self.scheduler.after_step(sched)
+        j = 0
+        for s in sched.seqs:
+            if s.n_computed < len(s.tokens):
+                continue  # a prefill chunk short of the end: nothing to sample yet
+            outs.append(self._sample(s, logits[j]))
+            j += 1
+        assert j == logits.shape[0]
+        return outs
+
+    def _sample(self, s: Sequence, logits: np.ndarray) -> StepOutput:
+        if not s.t_first:
+            s.t_first = time.perf_counter()
+        if s.n_generated >= s.max_tokens:  # max_tokens 0 (or a full context): nothing to sample
+            return self._finish(s, None, "", None, None, "length")
+        top = top_logprobs(logits, s.n_top) if s.n_top > 0 else None
+        tok = int(s.sampler.sample(logits, s.tokens))
+        s.tokens.append(tok)
+        lp = None
+        if top is not None:
+            s.top.append(top)
+            mx = float(np.max(logits))
+            logz = mx + math.log(float(np.exp(logits - mx, dtype=np.float64).sum()))
+            lp = float(logits[tok]) - logz
+            top = [[i, math.log(p) if p > 0 else -math.inf] for i, p in top]
+        if tok in self.tokenizer.eog_ids:
+            return self._finish(s, tok, "", top, lp, "stop")
+        emit, stopped = s.stops.push(s.decoder.push(tok))
+        if stopped:
+            return self._finish(s, tok, emit, top, lp, "stop")
+        if s.n_generated >= s.max_tokens:
+            return self._finish(s, tok, emit, top, lp, "length")
+        s.text += emit
+        return StepOutput(s.request_id, tok, emit, top, lp, False, None, s.n_prompt, s.cache_n,
+                          s.n_generated)
+
+    def _finish(self, s: Sequence, tok, emit: str, top, lp, reason: str) -> StepOutput:
+        if not s.stops.stopped:
+            # text held back by the stop matcher or the UTF-8 decoder was not a stop: emit it
+            e2, _ = s.stops.push(s.decoder.flush())
+            emit += e2 + s.stops.flush()
+        s.text += emit
+        s.status, s.finish_reason = Status.FINISHED, reason
+        s.t_done = time.perf_counter()
+        self.scheduler.free(s)
+        self.seqs.pop(s.request_id, None)
+        return StepOutput(s.request_id, tok, emit, top, lp, True, reason, s.n_prompt, s.cache_n,
+                          s.n_generated, self._timings(s))
+
+    @staticmethod
+    def _timings(s: Sequence) -> Timings:
+        t = Timings(prompt_n=s.n_prompt - s.cache_n, cache_n=s.cache_n, predicted_n=s.n_generated)
+        if s.t_first:
+            t.prompt_ms = (s.t_first - s.t_prefill_start) * 1e3
+            t.predicted_ms = ((s.t_done or time.perf_counter()) - s.t_first) * 1e3
+        return t
+
+    def sequence(self, request_id: str) -> Sequence | None:
+        return self.seqs.get(request_id)

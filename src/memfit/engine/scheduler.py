@@ -1,0 +1,134 @@
+"""The scheduler: who runs this step and with how many tokens, decided with integers only.
+
+Policy: sequences are admitted in arrival order while a slot is free (at most ``max_seqs``
+running) and the pool has blocks for the part of the prompt the prefix cache does not hold.
+A step is either one prefill chunk (at most ``n_batch`` tokens of one sequence) or one decode
+row for every sequence past its prefill; the two alternate while both kinds wait, so a long
+prompt does not stall the others. A decode row that needs a new block when none is free
+preempts the most recently admitted other sequence: its blocks go back to the pool (its full
+ones stay in the prefix cache) and it waits at the front of the queue to be recomputed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from ..kv.pool import KVPool, block_key
+from .sequence import Sequence, Status
+
+
+@dataclass
+class Scheduled:
+    seqs: list[Sequence]
+    n_tokens: list[int]    # tokens fed for each sequence this step
+    decode: bool           # every sequence feeds its one sampled token
+
+
+class Scheduler:
+    def __init__(self, pool: KVPool, max_seqs: int, n_batch: int, n_ctx: int):
+        self.pool, self.max_seqs, self.n_batch, self.n_ctx = pool, max_seqs, n_batch, n_ctx
+        self.bs = pool.block_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._free_slots = list(range(max_seqs - 1, -1, -1))
+        self._last_prefill = False
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0     # of them found
+        self.n_preempted = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- blocks
+    def _blocks_for(self, n_tokens: int) -> int:
+        return (n_tokens + self.bs - 1) // self.bs
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Give seq its cached prefix blocks and blocks for the rest of its tokens; False (and
+        no change) when the pool cannot hold them now."""
+        toks = seq.tokens
+        # reuse whole cached blocks, but leave at least one token to compute (its logits)
+        hit, key = [], None
+        for i in range((len(toks) - 1) // self.bs):
+            k = block_key(key, toks[i * self.bs:(i + 1) * self.bs])
+            if self.pool.peek(k) is None:
+                break
+            hit.append(k)
+            key = k
+        need = self._blocks_for(len(toks)) - len(hit)
+        cached_hits = sum(1 for k in hit if self.pool.ref[self.pool.peek(k)] == 0)
+        if need > self.pool.n_free - cached_hits:
+            return False
+        seq.block_table = [self.pool.lookup(k) for k in hit]
+        seq.block_table += [self.pool.allocate() for _ in range(need)]
+        seq.n_computed = len(hit) * self.bs
+        seq.n_hashed = len(hit)
+        seq.last_key = key
+        if not seq.admitted:
+            seq.admitted = True
+            seq.cache_n = seq.n_computed
+            self.prefix_queries += len(toks)
+            self.prefix_hits += seq.n_computed
+        seq.slot = self._free_slots.pop()
+        seq.status = Status.RUNNING
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Return seq's blocks and slot (finished, aborted or preempted)."""
+        self.pool.release(seq.block_table)
+        seq.block_table = []
+        if seq.slot >= 0:
+            self._free_slots.append(seq.slot)
+            seq.slot = -1
+        if seq in self.running:
+            self.running.remove(seq)
+
+    def _preempt(self, keep: Sequence) -> bool:
+        victims = [s for s in self.running if s is not keep]
+        if not victims:
+            return False
+        v = victims[-1]
+        self.free(v)
+        v.n_computed = v.n_hashed = 0
+        v.last_key = None
+        v.status = Status.WAITING
+        self.waiting.appendleft(v)
+        self.n_preempted += 1
+        return True
+
+    # --- one step
+    def schedule(self) -> Scheduled | None:
+        while self.waiting and self._free_slots and self._admit(self.waiting[0]):
+            self.running.append(self.waiting.popleft())
+        if not self.running:
+            return None
+        prefill = [s for s in self.running if s.n_pending > 1]
+        decode = [s for s in self.running if s.n_pending == 1]
+        if prefill and (not decode or not self._last_prefill):
+            self._last_prefill = True
+            s = prefill[0]
+            return Scheduled([s], [min(self.n_batch, s.n_pending)], False)
+        self._last_prefill = False
+        # a decode row writes position n_computed: its block must exist
+        for s in decode:
+            while s.status is Status.RUNNING and s.n_computed // self.bs >= len(s.block_table):
+                if self.pool.n_free > 0:
+                    s.block_table.append(self.pool.allocate())
+                elif not self._preempt(s):
+                    raise AssertionError("one sequence outgrew the whole pool")
+        decode = [d for d in decode if d.status is Status.RUNNING]
+        return Scheduled(decode, [1] * len(decode), True)
+
+    def after_step(self, sched: Scheduled) -> None:
+        """Advance n_computed and key the blocks that became full (prefix cache)."""
+        for s, k in zip(sched.seqs, sched.n_tokens):
+            s.n_computed += k
+            while (s.n_hashed + 1) * self.bs <= s.n_computed:
+                i = s.n_hashed
+                s.last_key = block_key(s.last_key, s.tokens[i * self.bs:(i + 1) * self.bs])
+                self.pool.register(s.block_table[i], s.last_key)
+                s.n_hashed += 1

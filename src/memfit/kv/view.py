@@ -1,0 +1,67 @@
+"""What model code sees of the KV cache during one forward pass: a BatchKV.
+
+It stores each layer's new K/V rows and runs attention over every row's own sequence, so the
+model never learns the layout (contiguous or paged blocks) nor the element type (f32, f16, and
+the quantized types the kernels add). Rows are addressed as the native kernels take them
+(csrc/ops.h mf_paged_args): token i goes to physical row ``slots[i]``; query row i at position
+``pos[i]`` reads logical keys 0..pos[i] of its sequence, key t at physical row
+``tables[q_tab[i] + t // bs] * bs + t % bs``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# cache type name -> element type id (GGML's numbering; csrc/ops.h MF_KV_*)
+KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8}
+_NP = {0: np.float32, 1: np.float16}
+
+
+class BatchKV:
+    def __init__(self, k: list, v: list, kv_type: int, pos: np.ndarray, slots: np.ndarray,
+                 q_tab: np.ndarray, tables: np.ndarray, bs: int):
+        # k[l], v[l]: the layer's pools as physical rows [rows, Hkv, D]
+        self.k, self.v, self.kv_type = k, v, kv_type
+        self.pos, self.slots, self.q_tab, self.tables, self.bs = pos, slots, q_tab, tables, bs
+
+    def fused(self, il: int) -> tuple:
+        """Arguments of the native batched decode layer after x (opaque to model code)."""
+        return (self.pos, self.slots, self.q_tab, self.tables, self.bs, self.kv_type,
+                self.k[il], self.v[il])
+
+    def attend(self, il: int, ops, q: np.ndarray, k: np.ndarray, v: np.ndarray, rows,
+               scale: float, window: int, softcap: float) -> np.ndarray:
+        """Store k[n, Hkv, Dk], v[n, Hkv, Dv] of the batch's tokens, then causal attention of
+        q[n, Hq, Dk] (only the query rows ``rows`` when given) -> [n_rows, Hq, Dv]. q is the
+        caller's own scratch: it may be rounded in place for the cache type."""
+        K, V = self.k[il], self.v[il]
+        pos, q_tab = self.pos, self.q_tab
+        if rows is not None:
+            q, pos, q_tab = q[rows], pos[rows], q_tab[rows]
+        q = np.ascontiguousarray(q, dtype=np.float32)
+        paged = getattr(ops, "attention_paged", None)
+        if paged is not None:
+            ops.kv_store(self.kv_type, K, self.slots, np.ascontiguousarray(k, np.float32))
+            ops.kv_store(self.kv_type, V, self.slots, np.ascontiguousarray(v, np.float32))
+            out = np.empty((q.shape[0], q.shape[1], V.shape[2]), np.float32)
+            paged(q, K, V, self.kv_type, pos, q_tab, self.tables, self.bs, scale, window, softcap, out)
+            return out
+        return self._attend_reference(ops, K, V, q, k, v, pos, q_tab, scale, window, softcap)
+
+    def _attend_reference(self, ops, K, V, q, k, v, pos, q_tab, scale, window, softcap):
+        # numpy backend: write through numpy's rounding, gather each sequence's keys, attend
+        assert self.kv_type in _NP, "the numpy backend has f32 and f16 caches only"
+        K[self.slots] = k
+        V[self.slots] = v
+        if self.kv_type == 1:
+            q = q.astype(np.float16).astype(np.float32)  # llama.cpp's f16 path reads Q as f16
+        out = np.empty((q.shape[0], q.shape[1], V.shape[2]), np.float32)
+        bs = self.bs
+        for tab in np.unique(q_tab):
+            sel = np.nonzero(q_tab == tab)[0]
+            T = int(pos[sel].max()) + 1
+            t = np.arange(T)
+            phys = self.tables[tab + t // bs].astype(np.int64) * bs + t % bs
+            out[sel] = ops.attention(np.ascontiguousarray(q[sel]), K[phys], V[phys], pos[sel],
+                                     t.astype(np.int32), scale, window, softcap)
+        return out

@@ -1,0 +1,138 @@
+"""The engine runs many sequences at once: batched greedy decoding gives every sequence the
+tokens it gets alone (tiny models of every architecture, the two real models), a row's logits
+do not depend on its neighbours, the Python API takes a list of prompts, and add_request /
+step / abort / stats behave as documented."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from memfit.engine.engine import Engine
+from memfit.engine.sampler import SamplingParams
+from memfit.models import load_model
+from memfit.models.synthetic import write_tiny_model
+from memfit.ops import get_ops
+from memfit.tokenizer import Tokenizer
+
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3"]
+# different lengths; two cross a 32-token block boundary while decoding
+PROMPTS = [[5, 17, 200], [33, 290, 0, 64, 64, 128, 7], list(range(40, 69)), [255],
+           [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], list(range(100, 160)), [9, 9, 9, 9], [77, 66]]
+N_GEN = 10
+
+
+def _tiny(tmp_path, arch, qtype="Q4_K", **kw):
+    from memfit.gguf import open_gguf
+    kw = {"sliding_window": 4, **kw} if arch == "gemma3" else kw
+    path = write_tiny_model(tmp_path / f"{arch}.gguf", arch, qtype, seed=11, **kw)
+    f = open_gguf(path)
+    return load_model(f, ops=get_ops("native")), Tokenizer.from_metadata(f.metadata)
+
+
+def _run(model, tok, prompts, n_parallel, n_batch=512, **kw):
+    eng = Engine(model, tok, n_ctx=128, n_parallel=n_parallel, n_batch=n_batch, **kw)
+    p = SamplingParams(temperature=0, max_tokens=N_GEN)
+    rids = [eng.add_request(ids, p) for ids in prompts]
+    got = {r: [] for r in rids}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.token is not None:
+                got[o.request_id].append(o.token)
+    assert eng.pool.n_used == 0  # every block went back
+    return [got[r] for r in rids], eng
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batched_greedy_equals_alone_tiny(tmp_path, arch):
+    model, tok = _tiny(tmp_path, arch)
+    model.config  # noqa: B018
+    tok.eog_ids = set()  # random weights: generate N_GEN tokens whatever they are
+    alone = [_run(model, tok, [p], 1)[0][0] for p in PROMPTS]
+    assert all(len(a) == N_GEN for a in alone)
+    for n in (2, 4, 8):
+        got, eng = _run(model, tok, PROMPTS[:n], n)
+        assert got == alone[:n], n
+        assert eng.stats()["running"] == 0
+
+
+def test_row_logits_do_not_depend_on_neighbours(tmp_path):
+    from memfit.kv import KVPool
+    from memfit.kv.view import BatchKV
+    from memfit.models.batch import Batch
+    model, _ = _tiny(tmp_path, "qwen3", "Q8_0")
+    c = model.config
+    pool = KVPool(c.n_layer, 8, c.n_head_kv, c.head_dim_k, c.head_dim_v)
+    ids = np.array([5, 17, 200, 33], np.int64)
+
+    def fwd(rows):  # each row its own one-block sequence at position 0
+        n = len(rows)
+        pos = np.zeros(n, np.int32)
+        tabs = np.array(rows, np.int32)
+        kv = BatchKV(pool.k, pool.v, pool.kv_type, pos, tabs * 32, np.arange(n, dtype=np.int32),
+                     tabs, 32)
+        return model.forward(Batch(ids[:n], pos, np.arange(n, dtype=np.int32),
+                                   np.arange(n), kv, decode=True))
+    one = fwd([0])
+    four = fwd([1, 2, 3, 4])
+    np.testing.assert_array_equal(one[0], four[0])
+
+
+def test_pool_blocks_freed_and_reused(tmp_path):
+    model, tok = _tiny(tmp_path, "llama")
+    tok.eog_ids = set()
+    eng = Engine(model, tok, n_ctx=64, n_parallel=2)
+    total = eng.pool.n_blocks
+    assert total == 4 and eng.pool.nbytes == sum(a.nbytes for a in eng.pool.k + eng.pool.v)
+    p = SamplingParams(temperature=0, max_tokens=20)
+    for _ in range(3):  # more requests than the pool holds at once, one after another
+        rids = [eng.add_request(list(range(3, 40)), p), eng.add_request([4, 5, 6], p)]
+        while eng.has_unfinished():
+            eng.step()
+            assert eng.pool.n_used <= total
+        assert eng.pool.n_used == 0
+    assert len(eng.pool.k[0]) == total * 32  # never grew
+
+
+def test_abort_frees_blocks(tmp_path):
+    model, tok = _tiny(tmp_path, "llama")
+    tok.eog_ids = set()
+    eng = Engine(model, tok, n_ctx=64, n_parallel=2)
+    rid = eng.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=30))
+    eng.step()
+    eng.step()
+    assert eng.pool.n_used > 0
+    eng.abort(rid)
+    assert eng.pool.n_used == 0
+    outs = eng.step()
+    assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == [(rid, True, "abort")]
+    assert not eng.has_unfinished()
+
+
+def test_preemption_recomputes_and_matches(tmp_path):
+    model, tok = _tiny(tmp_path, "llama")
+    tok.eog_ids = set()
+    alone = [_run(model, tok, [p], 1)[0][0] for p in PROMPTS[:4]]
+    # 4 sequences share a pool too small for all of them to grow: some are preempted
+    got, eng = _run(model, tok, PROMPTS[:4], 4, n_blocks=4)
+    assert eng.stats()["preempted"] > 0
+    assert got == alone
+
+
+@pytest.mark.realmodel
+@pytest.mark.parametrize("which", ["smollm2_path", "gemma_path"])
+def test_batched_greedy_equals_alone_real(request, which):
+    import memfit
+    path = request.getfixturevalue(which)
+    prompts = ["The capital of France is", "Once upon a time, there was a little",
+               "1, 2, 3, 4,", "def fib(n):", "The quick brown fox", "In 1969, the first",
+               "Water boils at", "My favourite colour is"]
+    with memfit.load(path, n_ctx=256, n_parallel=8) as m:
+        alone = [m.generate(p, max_tokens=8, temperature=0) for p in prompts]
+        for n in (1, 2, 4, 8):
+            batch = m.generate(prompts[:n], max_tokens=8, temperature=0)
+            assert isinstance(batch, list) and len(batch) == n
+            assert [b.ids for b in batch] == [a.ids for a in alone[:n]], n
+            assert [b.text for b in batch] == [a.text for a in alone[:n]]
+        single = m.generate(prompts[0], max_tokens=8, temperature=0)
+        assert not isinstance(single, list) and single.ids == alone[0].ids
