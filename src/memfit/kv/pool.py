@@ -50,7 +50,7 @@ class KVPool:
         self._key_of: dict[int, tuple] = {}
         self.ledger = ledger
         if ledger is not None:
-            ledger.alloc("kv_pool", "kv", self.nbytes)
+            ledger.alloc("kv", "kv_pool", self.nbytes)  # (category, name)
 
     @property
     def nbytes(self) -> int:

@@ -64,18 +64,19 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def _load_kwargs(a) -> dict:
-    """Keywords for memfit.api.Model; n_parallel/cache types only where the API has them."""
+    """Keywords for memfit.api.Model; the KV cache types only where the API has them (the
+    quantized KV formats come from another branch)."""
     from ..api import Model
     kw = dict(threads=a.threads, n_ctx=a.ctx_size, backend=a.backend, quiet=True,
-              mem_budget=a.mem_budget)
+              mem_budget=a.mem_budget, n_parallel=a.parallel)
     sig = inspect.signature(Model.__init__).parameters
-    extra = {"n_parallel": a.parallel, "cache_type_k": a.cache_type_k,
-             "cache_type_v": a.cache_type_v}
-    for k, v in extra.items():
+    for k in ("cache_type_k", "cache_type_v"):
+        v = getattr(a, k)
         if k in sig:
             kw[k] = v
-        elif k != "n_parallel" and v not in (None, "f16"):
-            raise RequestError(f"--{k.replace('_', '-')} {v} is not supported by this build")
+        elif v not in (None, "f16"):
+            raise RequestError(f"--{k.replace('_', '-')} {v} is not supported by this build "
+                               f"(f16 only)")
     return kw
 
 
@@ -97,7 +98,8 @@ def serve(a) -> int:
     # plan before binding: a budget below the floor is refused here, before the port opens
     if a.mem_budget is not None or os.environ.get("MEMFIT_MEM_BUDGET"):
         budget, why = resolve_budget(a.mem_budget)
-        plan = plan_for_path(path, budget, n_ctx=a.ctx_size, threads=a.threads)
+        plan = plan_for_path(path, budget, n_ctx=a.ctx_size, threads=a.threads,
+                             n_parallel=a.parallel)
         tb = plan.tier_bytes
         print(f"memfit: plan: budget {_mib(budget)} ({why}), floor {_mib(plan.min_budget_bytes)}, "
               f"pinned {_mib(tb.get('pinned', 0))}, streamed "
@@ -151,12 +153,8 @@ def serve(a) -> int:
             failure.append(e)
             server.should_exit = True
             return
-        engine = getattr(m, "engine", None)
-        if engine is None:
-            from ._interim import InterimEngine
-            engine = InterimEngine(m)
         state.model = m
-        w = EngineWorker(engine, a.parallel, a.queue_timeout)
+        w = EngineWorker(m.engine, a.parallel, a.queue_timeout)
         w.start()
         state.worker = w
         budget = f" of budget {_mib(m.ledger.budget)}" if m.ledger is not None else ""
