@@ -56,7 +56,7 @@ def _sampling_kwargs(a) -> dict:
                 seed=a.seed, stop=a.stop)
 
 
-def _load(a, n_ctx=None):
+def _load(a, n_ctx=None, n_parallel=1):
     import time
 
     from .api import Model, peak_rss_bytes
@@ -68,7 +68,7 @@ def _load(a, n_ctx=None):
     t0 = time.perf_counter()
     m = Model(a.model, threads=getattr(a, "threads", None), n_ctx=n_ctx,
               backend=getattr(a, "backend", None), quiet=quiet,
-              mem_budget=getattr(a, "mem_budget", None))
+              mem_budget=getattr(a, "mem_budget", None), n_parallel=n_parallel)
     if not quiet:
         tiers = ""
         if m.plan is not None:
@@ -238,6 +238,19 @@ def cmd_synth(a) -> int:
     return 0
 
 
+def _parallel_list(text) -> list[int]:
+    """--parallel "1,2,4" -> [1, 2, 4] (empty when not given)."""
+    if not text:
+        return []
+    try:
+        vals = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        vals = []
+    if not vals or min(vals) < 1:
+        raise RequestError(f"--parallel {text!r}: give sequence counts >= 1, e.g. 1,2,4,8")
+    return vals
+
+
 def cmd_bench(a) -> int:
     from .api import peak_rss_bytes
     from .bench.llama_bench import markdown_table, run_bench
@@ -247,7 +260,10 @@ def cmd_bench(a) -> int:
         return run_kernel_bench(types=a.types, rows=a.rows, cols=a.cols, threads=a.threads,
                                 as_json=a.json, trials=a.trials,
                                 stream_bytes=parse_size(a.stream_bytes))
-    with _load(a, n_ctx=a.n_prompt + a.n_gen + 8) as m:
+    parallel = _parallel_list(a.parallel)
+    n_par = max(parallel) if parallel else 1
+    n_ctx = a.n_prompt + a.n_gen + 8 + (n_par if parallel else 0)
+    with _load(a, n_ctx=n_ctx, n_parallel=n_par) as m:
         threads = a.threads or (m.ops.get_threads() if hasattr(m.ops, "get_threads") else 1)
         name = m.path.name
 
@@ -259,8 +275,14 @@ def cmd_bench(a) -> int:
             if a.json:
                 print(json.dumps(r.to_dict()), flush=True)
 
-        res = run_bench(m.model, name, m.tokenizer.n_vocab, a.n_prompt, a.n_gen, a.repetitions,
-                        threads, progress=not a.json, on_result=emit)
+        if parallel:
+            from .bench.llama_bench import run_bench_parallel
+            res = run_bench_parallel(m.engine, name, m.tokenizer.n_vocab, parallel, a.n_prompt,
+                                     a.n_gen, a.repetitions, threads, progress=not a.json,
+                                     on_result=emit)
+        else:
+            res = run_bench(m.model, name, m.tokenizer.n_vocab, a.n_prompt, a.n_gen,
+                            a.repetitions, threads, progress=not a.json, on_result=emit)
         if not a.json:
             print(markdown_table(res, "native" if "native" in m.ops.__name__ else "numpy"))
     return 0
@@ -326,6 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens for the tg test (default 128; 0 = skip)")
     b.add_argument("-r", "--repetitions", type=int, default=5, help="repetitions after one warm-up (default 5)")
     b.add_argument("--json", action="store_true", help="one JSON object per line per test")
+    b.add_argument("--parallel", "-np", default=None, metavar="N[,N...]",
+                   help="N sequences decoding together (llama-batched-bench's S_TG); tokens/s is the aggregate")
     b.add_argument("--kernels", action="store_true", help="kernel micro-benchmark: matvec GB/s per type vs memory bandwidth")
     b.add_argument("--types", default="Q4_0,Q8_0,Q4_K,Q6_K", help="with --kernels: comma-separated types")
     b.add_argument("--rows", type=int, default=14336, help="with --kernels: matrix rows")

@@ -75,13 +75,61 @@ def run_bench(model, name: str, n_vocab: int, n_prompt: int = 512, n_gen: int = 
     return out
 
 
+def _tg_parallel(engine, n_vocab: int, n_par: int, n_prompt: int, n_gen: int, rng) -> tuple:
+    """llama-batched-bench's S_TG: n_par sequences of n_prompt random ids prefilled, then
+    n_gen decode steps with all of them in every step. (aggregate tokens/s, prefill tokens/s)."""
+    from ..engine.sampler import SamplingParams
+    p = SamplingParams(temperature=0, max_tokens=n_gen + n_par)
+    t0 = time.perf_counter()
+    rids = [engine.add_request(rng.integers(0, n_vocab, size=max(n_prompt, 1)).tolist(), p,
+                               ignore_eos=True) for _ in range(n_par)]
+    while any(engine.sequence(r).n_pending > 1 for r in rids):
+        engine.step()
+    t1 = time.perf_counter()
+    for _ in range(n_gen):
+        outs = engine.step()
+        assert len(outs) == n_par
+    t2 = time.perf_counter()
+    for r in rids:
+        engine.abort(r)
+    engine.step()  # deliver the abort notices
+    return n_par * n_gen / (t2 - t1), n_par * max(n_prompt, 1) / (t1 - t0)
+
+
+def run_bench_parallel(engine, name: str, n_vocab: int, parallel: list[int], n_prompt: int = 512,
+                       n_gen: int = 128, reps: int = 5, threads: int = 1, seed: int = 0,
+                       progress: bool = True, on_result=None) -> list[BenchResult]:
+    """For each N of ``parallel``: N sequences decoding together (test tg{n_gen}, extra
+    ``parallel``: N); tokens_per_s is the aggregate over the N sequences."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for n_par in parallel:
+        res = BenchResult(name, f"tg{n_gen}", threads, extra={"parallel": n_par,
+                                                              "n_prompt": n_prompt})
+        pps = []
+        for r in range(reps + 1):
+            tps, pp = _tg_parallel(engine, n_vocab, n_par, n_prompt, n_gen, rng)
+            if progress:
+                what = "warm-up" if r == 0 else f"rep {r}/{reps}"
+                print(f"  tg{n_gen} x{n_par} {what}: {tps:.2f} tok/s", file=sys.stderr, flush=True)
+            if r > 0:
+                res.samples.append(tps)
+                pps.append(pp)
+        res.extra["pp_tokens_per_s"] = round(statistics.median(pps), 3)
+        out.append(res)
+        if on_result:
+            on_result(res)
+    return out
+
+
 def markdown_table(results: list[BenchResult], backend: str) -> str:
     """llama-bench's table, plus peak RSS and, under a memory budget, the budget, the bytes
     the weight store has read so far and its time stalled on I/O (from ``extra``)."""
     from ..memory.budget import format_size
     budget = any("mem_budget_bytes" in r.extra for r in results)
-    head = "| model | backend | threads | test | t/s | peak RSS |"
-    rule = "|---|---|---:|---:|---:|---:|"
+    par = any("parallel" in r.extra for r in results)
+    head = "| model | backend | threads | test |" + (" parallel |" if par else "") + " t/s | peak RSS |"
+    rule = "|---|---|---:|---:|" + ("---:|" if par else "") + "---:|---:|"
     if budget:
         head += " budget | read from disk | I/O stall |"
         rule += "---:|---:|---:|"
@@ -90,7 +138,8 @@ def markdown_table(results: list[BenchResult], backend: str) -> str:
         e = r.extra
         rss = format_size(e["peak_rss_bytes"]) if "peak_rss_bytes" in e else "?"
         row = (f"| {r.model} | {backend} | {r.threads} | {r.test} | "
-               f"{r.tokens_per_s:.2f} ± {r.stdev:.2f} | {rss} |")
+               + (f"{e.get('parallel', 1)} | " if par else "")
+               + f"{r.tokens_per_s:.2f} ± {r.stdev:.2f} | {rss} |")
         if budget:
             row += (f" {format_size(e.get('mem_budget_bytes', 0))} |"
                     f" {format_size(e.get('bytes_read', 0))} | {e.get('io_stall_s', 0.0):.2f} s |")

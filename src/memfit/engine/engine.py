@@ -69,7 +69,7 @@ class Engine:
 
     # --- requests
     def add_request(self, prompt_ids, params: SamplingParams, *, n_top: int = 0,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, ignore_eos: bool = False) -> str:
         from ..tokenizer import StreamDecoder
 
         ids = [int(i) for i in prompt_ids]
@@ -89,7 +89,7 @@ class Engine:
         mt = self.n_ctx if mt is None or mt < 0 else mt
         seq = Sequence(rid, ids, params, min(mt, self.n_ctx - len(ids)),
                        Sampler(params, self.tokenizer.n_vocab), StreamDecoder(self.tokenizer),
-                       StopMatcher(params.stop or []), n_top=int(n_top))
+                       StopMatcher(params.stop or []), n_top=int(n_top), ignore_eos=ignore_eos)
         self.seqs[rid] = seq
         self.scheduler.add(seq)
         return rid
@@ -156,7 +156,7 @@ class Engine:
             logz = mx + math.log(float(np.exp(logits - mx, dtype=np.float64).sum()))
             lp = float(logits[tok]) - logz
             top = [[i, math.log(p) if p > 0 else -math.inf] for i, p in top]
-        if tok in self.tokenizer.eog_ids:
+        if tok in self.tokenizer.eog_ids and not s.ignore_eos:
             return self._finish(s, tok, "", top, lp, "stop")
         emit, stopped = s.stops.push(s.decoder.push(tok))
         if stopped:

@@ -29,6 +29,7 @@ class Sequence:
     decoder: object                   # tokenizer.StreamDecoder
     stops: StopMatcher
     n_top: int = 0
+    ignore_eos: bool = False          # benches: end-of-generation tokens do not stop it
     slot: int = -1                    # sequence slot while running (Batch.seq)
     tokens: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
