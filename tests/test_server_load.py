@@ -36,6 +36,10 @@ def _chat(prompt: str) -> dict:
 
 def test_concurrent_equals_sequential(server):
     c = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=300)
+    # one pass first, so both measured passes find the same prefix-cache state (prefill over a
+    # cached prefix is not bit-identical to a cold prefill yet: see docs/NOTES.md, Server)
+    for p in PROMPTS:
+        c.chat.completions.create(**_chat(p))
     t0 = time.perf_counter()
     seq = [c.chat.completions.create(**_chat(p)) for p in PROMPTS]
     t_seq = time.perf_counter() - t0
