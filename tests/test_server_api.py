@@ -137,3 +137,22 @@ def test_tokenize_detokenize_health_metrics(server):
     assert m["memfit_generated_tokens_total"] > 0 and m["memfit_prompt_tokens_total"] > 0
     assert m["memfit_time_to_first_token_seconds_count"] >= 1
     assert m["memfit_rss_bytes"] > 0 and m["memfit_requests_running"] == 0
+
+
+def test_shared_system_prompt_is_prefilled_once(client, server):
+    system = ("You are a careful assistant. Answer in plain words, keep every answer short, "
+              "never invent facts, and say so when you do not know something. ") * 2
+    before = server.metrics()
+    rs = [client.chat.completions.create(model="smollm2", temperature=0, max_tokens=2,
+                                         messages=[{"role": "system", "content": system},
+                                                   {"role": "user", "content": q}])
+          for q in ["Hi.", "What is 1+1?"]]
+    assert rs[0].usage.prompt_tokens_details.cached_tokens in (0, rs[1].usage
+                                                               .prompt_tokens_details.cached_tokens)
+    cached = rs[1].usage.prompt_tokens_details.cached_tokens
+    assert cached >= 32 and cached % 32 == 0 and cached < rs[1].usage.prompt_tokens
+    after = server.metrics()
+    assert after["memfit_prompt_tokens_cached_total"] - before["memfit_prompt_tokens_cached_total"] \
+        >= cached
+    assert after["memfit_prefix_cache_hits_tokens"] > before["memfit_prefix_cache_hits_tokens"]
+    assert after["memfit_kv_blocks_cached"] >= cached // 32
