@@ -45,8 +45,9 @@ def test_concurrent_equals_sequential(server):
     t_seq = time.perf_counter() - t0
 
     async def run_all():
-        ac = openai.AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=300)
-        return await asyncio.gather(*[ac.chat.completions.create(**_chat(p)) for p in PROMPTS])
+        async with openai.AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0,
+                                      timeout=300) as ac:
+            return await asyncio.gather(*[ac.chat.completions.create(**_chat(p)) for p in PROMPTS])
     t0 = time.perf_counter()
     conc = asyncio.run(run_all())
     t_conc = time.perf_counter() - t0
@@ -102,7 +103,11 @@ def test_bounded_load(server):
     n_clients = 16
 
     async def load(n_req):
-        ac = openai.AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=300)
+        async with openai.AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0,
+                                      timeout=300) as ac:
+            return await _load(ac, n_req)
+
+    async def _load(ac, n_req):
         todo = list(range(n_req))
         errors, tokens = [], 0
 
@@ -111,12 +116,13 @@ def test_bounded_load(server):
             while todo:
                 i = todo.pop()
                 try:
-                    if i % 2:
-                        r = await ac.chat.completions.create(**{**_chat(PROMPTS[i % 8]),
-                                                                "max_tokens": 4})
+                    if i % 2:  # the template's default system prompt is the shared prefix
+                        r = await ac.chat.completions.create(
+                            model="smollm2", max_tokens=4, temperature=0,
+                            messages=[{"role": "user", "content": f"Hi {i}"}])
                     else:
                         r = await ac.completions.create(model="smollm2", max_tokens=4,
-                                                        prompt=f"{SYSTEM} Item {i}:")
+                                                        prompt=f"Item {i}:")
                     tokens += r.usage.completion_tokens
                 except Exception as e:  # noqa: BLE001 - collected and asserted below
                     errors.append(repr(e))

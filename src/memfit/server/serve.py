@@ -153,6 +153,11 @@ def serve(a) -> int:
             failure.append(e)
             server.should_exit = True
             return
+        # commit the KV pool's pages now, as llama-server clears its KV buffer at start: the
+        # memory in use is printed as it will be under load, and RSS stays flat under load
+        pool = getattr(m.engine, "pool", None)
+        for arr in (*getattr(pool, "k", ()), *getattr(pool, "v", ())):
+            arr.fill(0)
         state.model = m
         w = EngineWorker(m.engine, a.parallel, a.queue_timeout)
         w.start()
