@@ -46,7 +46,6 @@ def _run(model, tok, prompts, n_parallel, n_batch=512, **kw):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_batched_greedy_equals_alone_tiny(tmp_path, arch):
     model, tok = _tiny(tmp_path, arch)
-    model.config  # noqa: B018
     tok.eog_ids = set()  # random weights: generate N_GEN tokens whatever they are
     alone = [_run(model, tok, [p], 1)[0][0] for p in PROMPTS]
     assert all(len(a) == N_GEN for a in alone)
@@ -136,3 +135,91 @@ def test_batched_greedy_equals_alone_real(request, which):
             assert [b.text for b in batch] == [a.text for a in alone[:n]]
         single = m.generate(prompts[0], max_tokens=8, temperature=0)
         assert not isinstance(single, list) and single.ids == alone[0].ids
+
+
+TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
+
+
+def _paged_steps(model, fused: bool, kv_type: str):
+    """Three sequences (prefill 3, 9 and 40 tokens) in scattered blocks, then two decode steps
+    of all three at once: logits per step and the pool."""
+    from memfit.kv import KVPool
+    from memfit.kv.view import BatchKV
+    from memfit.models.batch import Batch
+    c = model.config
+    model._fused = None if fused else []
+    pool = KVPool(c.n_layer, 8, c.n_head_kv, c.head_dim_k, c.head_dim_v, kv_type)
+    tabs = [[5], [2], [7, 0]]
+    prompts = [[5, 17, 200], [33, 290, 0, 64, 64, 128, 7, 1, 2], list(range(60, 100))]
+    flat = np.array(sum(tabs, []), np.int32)
+    offs = [0, 1, 2]
+
+    def batch(rows, decode):  # rows: [(seq, position, token)]
+        pos = np.array([p for _, p, _ in rows], np.int32)
+        s = np.array([q for q, _, _ in rows], np.int32)
+        slots = np.array([tabs[q][p // 32] * 32 + p % 32 for q, p, _ in rows], np.int32)
+        kv = BatchKV(pool.k, pool.v, pool.kv_type, pos, slots, np.array([offs[q] for q in s], np.int32),
+                     flat, 32)
+        out = np.arange(len(rows)) if decode else np.array([len(rows) - 1])
+        return model.forward(Batch(np.array([t for _, _, t in rows], np.int64), pos, s, out, kv,
+                                   decode=decode))
+    for q, ids in enumerate(prompts):
+        batch([(q, p, t) for p, t in enumerate(ids)], False)
+    steps = []
+    for step in range(2):
+        steps.append(batch([(q, len(ids) + step, 11 + q + step) for q, ids in enumerate(prompts)],
+                           True))
+    return np.stack(steps), pool
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_batched_decode_equals_blocks(tmp_path, arch, qtype):
+    # the native batched decode layer over paged KV against the op-by-op block, bit for bit
+    kw = {"sliding_window": 4} if arch == "gemma3" else {}
+    path = write_tiny_model(tmp_path / f"{arch}-{qtype}.gguf", arch, qtype, seed=3, **kw)
+    model = load_model(path, ops=get_ops("native"))
+    kv = "f16" if qtype in ("Q4_K", "F16", "Q8_0", "Q4_0") else "f32"
+    a, pa = _paged_steps(model, True, kv)
+    assert model._decode_layers() is not None
+    b, pb = _paged_steps(model, False, kv)
+    assert np.isfinite(a).all()
+    np.testing.assert_array_equal(a, b)
+    for il in range(len(pa.k)):
+        np.testing.assert_array_equal(pa.k[il], pb.k[il])
+        np.testing.assert_array_equal(pa.v[il], pb.v[il])
+
+
+def test_mixed_prefill_and_decode_rows_in_one_forward(tmp_path):
+    # the contract lets one forward carry a prefill chunk of one sequence and decode rows of
+    # others; each sequence's logits match its own forward (within the tiled kernels' order)
+    from memfit.kv import KVPool
+    from memfit.kv.view import BatchKV
+    from memfit.models.batch import Batch
+    model, _ = _tiny(tmp_path, "qwen2", "Q8_0")
+    c = model.config
+
+    def run(groups):  # groups: [[(seq, pos, tok), ...], ...] forwarded one group per call
+        pool = KVPool(c.n_layer, 6, c.n_head_kv, c.head_dim_k, c.head_dim_v, "f32")
+        tabs = np.array([0, 1, 2, 3, 4, 5], np.int32)  # seq s owns blocks 2s, 2s + 1
+        outs = {}
+        for rows in groups:
+            pos = np.array([p for _, p, _ in rows], np.int32)
+            s = np.array([q for q, _, _ in rows], np.int32)
+            kv = BatchKV(pool.k, pool.v, pool.kv_type, pos, (2 * s + pos // 32) * 32 + pos % 32,
+                         2 * s, tabs, 32)
+            # logits for the last row of each sequence in the group
+            last = [i for i in range(len(rows)) if i == len(rows) - 1 or rows[i + 1][0] != rows[i][0]]
+            lg = model.forward(Batch(np.array([t for _, _, t in rows], np.int64), pos, s,
+                                     np.array(last), kv))
+            for j, i in enumerate(last):
+                outs.setdefault(rows[i][0], []).append(lg[j])
+        return outs
+    a = [(0, p, 3 + p) for p in range(20)]
+    b = [(1, p, 7 + p) for p in range(5)]
+    c2 = [(2, p, 50 + p) for p in range(40)]
+    sep = run([a, b, c2, [(0, 20, 9)], [(1, 5, 8)], [(2, 40, 4)]])
+    mixed = run([a, b, c2[:30], [(0, 20, 9), (1, 5, 8)] + c2[30:], [(2, 40, 4)]])
+    for q in (0, 1, 2):
+        np.testing.assert_allclose(mixed[q][-1], sep[q][-1], rtol=1e-4, atol=1e-4)

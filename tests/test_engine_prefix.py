@@ -96,17 +96,19 @@ def test_chat_second_turn_real(request, which):
     msgs = [{"role": "system", "content": system},
             {"role": "user", "content": "What is the capital of France?"}]
     with memfit.load(path, n_ctx=512) as m:
-        if not m.tokenizer.chat_template:
-            pytest.skip("no chat template")
-        if "system" not in m.tokenizer.chat_template:
-            msgs = msgs[1:]
-            msgs[0]["content"] = system + " " + msgs[0]["content"]
-        p1 = m.apply_chat_template(msgs)
+        if m.tokenizer.chat_template:
+            if "system" not in m.tokenizer.chat_template:
+                msgs = msgs[1:]
+                msgs[0]["content"] = system + " " + msgs[0]["content"]
+            p1 = m.apply_chat_template(msgs)
+        else:  # a plain-text dialogue
+            p1 = f"{system}\nQ: What is the capital of France?\nA:"
         r1 = m.generate(p1, max_tokens=8, temperature=0)
         assert r1.timings.cache_n == 0
         msgs += [{"role": "assistant", "content": "Paris."},
                  {"role": "user", "content": "And of Germany?"}]
-        p2 = m.apply_chat_template(msgs)
+        p2 = (m.apply_chat_template(msgs) if m.tokenizer.chat_template
+              else p1 + " Paris.\nQ: And of Germany?\nA:")
         r2 = m.generate(p2, max_tokens=12, temperature=0)
         n1, n2 = len(m.tokenize(p1)), len(m.tokenize(p2))
         assert r2.timings.cache_n >= (n1 - 1) // BLOCK_SIZE * BLOCK_SIZE >= BLOCK_SIZE
@@ -115,3 +117,16 @@ def test_chat_second_turn_real(request, which):
         rc = cold.generate(p2, max_tokens=12, temperature=0)
         assert rc.timings.cache_n == 0
     assert r2.ids == rc.ids and r2.text == rc.text
+
+
+@pytest.mark.realmodel
+def test_run_json_reports_cache_n(smollm2_path):
+    import json
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-m", "memfit", "run", str(smollm2_path), "-p",
+                        "The capital of France is", "-n", "2", "--temp", "0", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    t = json.loads(p.stdout)["timings"]
+    assert t["cache_n"] == 0 and t["prompt_n"] == 5  # llama-server's fields

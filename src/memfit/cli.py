@@ -272,6 +272,11 @@ def cmd_bench(a) -> int:
                 r.extra.update({"mem_budget_bytes": m.ledger.budget, **{
                     k: m.store.stats()[k] for k in ("bytes_read", "io_stall_s")}})
             r.extra["peak_rss_bytes"] = peak_rss_bytes()
+            if parallel:
+                st = m.engine.stats()
+                r.extra.update(kv_pool_bytes=st["kv_bytes"], kv_blocks_total=st["kv_blocks_total"])
+                if m.plan is not None:
+                    r.extra["plan_kv_bytes"] = m.plan.kv_bytes
             if a.json:
                 print(json.dumps(r.to_dict()), flush=True)
 

@@ -1,7 +1,7 @@
 """Paged KV cache: a pool of fixed-size blocks, their reference counts and the prefix cache.
 
 Per layer a K pool [n_blocks, BLOCK_SIZE, n_kv_head, head_dim_k] and a V pool (float16 for
-cache type f16, float32 for f32); the pool is allocated once at its planned size and never
+cache type f16, float32 for f32; the quantized types store raw block bytes per row); the pool is allocated once at its planned size and never
 grows. A sequence owns a block table (block ids); logical position p is row p % BLOCK_SIZE of
 block table[p // BLOCK_SIZE].
 
@@ -40,9 +40,14 @@ class KVPool:
         self.cache_type, self.kv_type = cache_type, KV_TYPES[cache_type]
         self.n_blocks, self.block_size = n_blocks, BLOCK_SIZE
         rows = n_blocks * BLOCK_SIZE
-        # physical rows [n_blocks * BLOCK_SIZE, Hkv, D]: the kernels' addressing (kv/view.py)
-        self.k = [np.zeros((rows, n_kv_head, head_dim_k), dt) for _ in range(n_layer)]
-        self.v = [np.zeros((rows, n_kv_head, head_dim_v), dt) for _ in range(n_layer)]
+        # per layer [n_blocks, BLOCK_SIZE, Hkv, D] (INTERFACES.md §2); k/v are the same memory as
+        # physical rows [n_blocks * BLOCK_SIZE, Hkv, D], the kernels' addressing (kv/view.py)
+        self.k_blocks = [np.zeros((n_blocks, BLOCK_SIZE, n_kv_head, head_dim_k), dt)
+                         for _ in range(n_layer)]
+        self.v_blocks = [np.zeros((n_blocks, BLOCK_SIZE, n_kv_head, head_dim_v), dt)
+                         for _ in range(n_layer)]
+        self.k = [a.reshape(rows, n_kv_head, head_dim_k) for a in self.k_blocks]
+        self.v = [a.reshape(rows, n_kv_head, head_dim_v) for a in self.v_blocks]
         self.ref = np.zeros(n_blocks, np.int32)
         self._free = list(range(n_blocks - 1, -1, -1))  # never-keyed free blocks (a stack)
         self._cached: OrderedDict[int, None] = OrderedDict()  # keyed, unreferenced: LRU order
@@ -50,11 +55,15 @@ class KVPool:
         self._key_of: dict[int, tuple] = {}
         self.ledger = ledger
         if ledger is not None:
-            ledger.alloc("kv", "kv_pool", self.nbytes)  # (category, name)
+            # the planner's KV reservation (the weight store books it as kv/plan) is this pool
+            if "plan" in ledger.items("kv"):
+                ledger.resize("kv", "plan", self.nbytes)
+            else:
+                ledger.alloc("kv", "kv_pool", self.nbytes)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
+        return sum(a.nbytes for a in self.k_blocks) + sum(a.nbytes for a in self.v_blocks)
 
     # --- counts (integers the scheduler decides with)
     @property
