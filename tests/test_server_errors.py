@@ -220,3 +220,22 @@ def test_queue_timeout_is_429(smollm2_path):
                           timeout=60).status_code == 200
     finally:
         s.stop()
+
+
+def test_connection_limit_is_429(smollm2_path):
+    s = ServerProcess([str(smollm2_path), "-c", "256", "-np", "1", "--max-connections", "1"])
+    try:
+        t = threading.Thread(target=lambda: httpx.post(s.base_url + "/completions", timeout=60, json={
+            "prompt": "1, 2, 3, 4,", "max_tokens": 100, "temperature": 0}))
+        t.start()
+        deadline = time.monotonic() + 30
+        while s.metrics()["memfit_requests_running"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        r = httpx.get(s.base_url + "/models")
+        err = assert_error(r, 429)
+        assert "concurrent" in err["message"] and r.headers["Retry-After"] == "1"
+        assert httpx.get(s.url + "/health").status_code == 200  # probes are not limited
+        t.join()
+        assert httpx.get(s.base_url + "/models").status_code == 200
+    finally:
+        s.stop()

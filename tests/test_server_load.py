@@ -93,6 +93,18 @@ def test_disconnect_frees_blocks(server):
     assert c.completions.create(model="smollm2", prompt="Hi", max_tokens=3).choices[0].text
 
 
+def test_non_streamed_disconnect_stops_generation(server):
+    before = server.metrics()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + "/completions", timeout=1.5, json={
+            "model": "smollm2", "prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 400, "temperature": 0})
+    assert _wait_metric(server, "memfit_requests_running", lambda v: v == 0) == 0
+    assert _wait_metric(server, "memfit_kv_blocks_used", lambda v: v == 0) == 0
+    after = server.metrics()
+    assert after["memfit_client_disconnects_total"] == before["memfit_client_disconnects_total"] + 1
+    assert after["memfit_generated_tokens_total"] - before["memfit_generated_tokens_total"] < 400
+
+
 def _rss(server) -> tuple[float, float]:
     m = server.metrics()
     return m["memfit_rss_bytes"], m["memfit_peak_rss_bytes"]

@@ -137,14 +137,20 @@ def build_app(state: ServerState) -> Starlette:
         return Job(req.prompt_ids, params, n_top, asyncio.get_running_loop())
 
     async def next_item(job: Job, request: Request):
+        """The job's next output; checks every _POLL_S that the client is still there (also
+        while outputs keep coming, so a long non-streamed answer is stopped too)."""
         while True:
-            try:
-                return await asyncio.wait_for(job.out.get(), _POLL_S)
-            except asyncio.TimeoutError:
+            now = time.perf_counter()
+            if now - job.t_checked > _POLL_S:
+                job.t_checked = now
                 if await request.is_disconnected():
                     state.worker.abort(job)
                     metrics.disconnects.inc()
-                    raise _Disconnected() from None
+                    raise _Disconnected()
+            try:
+                return await asyncio.wait_for(job.out.get(), _POLL_S)
+            except asyncio.TimeoutError:
+                pass
 
     def raise_item_error(item: Exception):
         if isinstance(item, QueueTimeout):

@@ -15,6 +15,7 @@ import json
 from .protocol import error_body
 
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
+UNLIMITED_PATHS = PUBLIC_PATHS | {"/metrics"}  # probes and scrapes answer under any load
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
@@ -101,7 +102,7 @@ class Guard:
             if int(cl) > self.max_body:
                 return await reject(413, f"the request body has {int(cl)} bytes; the limit is "
                                          f"{self.max_body} (--max-body)")
-        if self.active >= self.max_connections:
+        if self.active >= self.max_connections and path not in UNLIMITED_PATHS:
             return await reject(429, f"too many concurrent requests (limit "
                                      f"{self.max_connections}); retry later", {"Retry-After": 1})
 

@@ -36,7 +36,7 @@ class Job:
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     rid: str | None = None
     t_submit: float = field(default_factory=time.perf_counter)
-    t_first: float | None = None    # set by the handler on the first token
+    t_checked: float = field(default_factory=time.perf_counter)  # client last seen (handler)
     done: bool = False
 
 
