@@ -20,7 +20,8 @@ QUESTION = "What is the capital of France? Answer in one sentence."
 
 @pytest.fixture(scope="module")
 def server(smollm2_path):
-    s = ServerProcess([str(smollm2_path), "--alias", "smollm2", "-c", "1024", "-np", "4"])
+    s = ServerProcess([str(smollm2_path), "--alias", "smollm2", "-c", "1024", "-np", "4",
+                       "--cors-origin", "http://app.example"])
     yield s
     s.stop()
 
@@ -156,3 +157,16 @@ def test_shared_system_prompt_is_prefilled_once(client, server):
         >= cached
     assert after["memfit_prefix_cache_hits_tokens"] > before["memfit_prefix_cache_hits_tokens"]
     assert after["memfit_kv_blocks_cached"] >= cached // 32
+
+
+def test_cors_only_for_given_origins(server):
+    pre = {"Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization,content-type"}
+    r = httpx.options(server.base_url + "/chat/completions",
+                      headers={"Origin": "http://app.example", **pre})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
+    r = httpx.options(server.base_url + "/chat/completions",
+                      headers={"Origin": "http://evil.example", **pre})
+    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+    r = httpx.get(server.base_url + "/models", headers={"Origin": "http://evil.example"})
+    assert "access-control-allow-origin" not in r.headers

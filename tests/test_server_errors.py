@@ -142,6 +142,15 @@ def test_api_key(keyed):
     assert httpx.get(keyed.url + "/health").status_code == 200  # public, as in llama-server
 
 
+def test_cors_is_off_by_default(keyed):
+    r = httpx.options(keyed.base_url + "/models", headers={
+        "Origin": "http://app.example", "Access-Control-Request-Method": "GET"})
+    assert "access-control-allow-origin" not in r.headers
+    r = httpx.get(keyed.base_url + "/models", headers={**keyed.headers,
+                                                       "Origin": "http://app.example"})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
 def test_host_allowlist(keyed):
     r = httpx.get(keyed.url + "/v1/models", headers={**keyed.headers, "Host": "evil.example:80"})
     assert_error(r, 403)
