@@ -248,3 +248,11 @@ def test_connection_limit_is_429(smollm2_path):
         assert httpx.get(s.base_url + "/models").status_code == 200
     finally:
         s.stop()
+
+
+def test_port_in_use_is_one_line(keyed, smollm2_path):
+    port = keyed.url.rsplit(":", 1)[1]
+    r = run_cli(["serve", str(smollm2_path), "--port", port], timeout=60)
+    assert r.returncode not in (0, 70) and f"cannot listen on 127.0.0.1:{port}" in r.stderr
+    assert "Traceback" not in r.stderr
+    healthy(keyed)

@@ -66,6 +66,7 @@ def build_app(state: ServerState) -> Starlette:
         """Turns APIError/MemfitError into OpenAI error responses and counts statuses."""
         def wrap(fn):
             async def handler(request: Request):
+                request.state.t0 = time.perf_counter()  # arrival: TTFT and queue wait count from here
                 try:
                     resp = await fn(request)
                 except P.APIError as e:
@@ -107,7 +108,7 @@ def build_app(state: ServerState) -> Starlette:
         return state.model_ids[0]
 
     # ------------------------------------------------------------------ generation
-    def make_job(req: P.GenRequest) -> Job:
+    def make_job(req: P.GenRequest, t0: float) -> Job:
         from ..engine.sampler import SamplingParams
         m = state.model
         n = len(req.prompt_ids)
@@ -134,7 +135,7 @@ def build_app(state: ServerState) -> Starlette:
                                   f"retry later", headers={"Retry-After": "1"})
         # the engine reports the sampled token's logprob alongside its top list
         n_top = max(req.n_top, 1) if req.logprobs else 0
-        return Job(req.prompt_ids, params, n_top, asyncio.get_running_loop())
+        return Job(req.prompt_ids, params, n_top, asyncio.get_running_loop(), t_submit=t0)
 
     async def next_item(job: Job, request: Request):
         """The job's next output; checks every _POLL_S that the client is still there (also
@@ -233,31 +234,31 @@ def build_app(state: ServerState) -> Starlette:
                 "created": req.created, "model": req.model, "system_fingerprint": FINGERPRINT}
 
     async def run_generation(request: Request, req: P.GenRequest) -> Response:
-        job = make_job(req)
+        job = make_job(req, request.state.t0)
         state.worker.submit(job)
         try:
             first = await next_item(job, request)
+            if isinstance(first, Exception):
+                raise_item_error(first)
+            col = Collector(req, job)
+            if req.stream:  # the stream owns the job from here on
+                return StreamingResponse(stream(request, req, job, col, first),
+                                         media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache",
+                                                  "X-Accel-Buffering": "no"})
+            item = first
+            while True:
+                if isinstance(item, Exception):
+                    raise_item_error(item)
+                col.push(item)
+                if item.finished:
+                    break
+                item = await next_item(job, request)
         except _Disconnected:
             return Response(status_code=499)
-        if isinstance(first, Exception):
-            raise_item_error(first)
-        col = Collector(req, job)
-        if req.stream:
-            return StreamingResponse(stream(request, req, job, col, first),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache",
-                                              "X-Accel-Buffering": "no"})
-        item = first
-        while True:
-            if isinstance(item, Exception):
-                raise_item_error(item)
-            col.push(item)
-            if item.finished:
-                break
-            try:
-                item = await next_item(job, request)
-            except _Disconnected:
-                return Response(status_code=499)
+        except BaseException:  # cancelled (shutdown) or failed: the job must not keep decoding
+            state.worker.abort(job)  # a no-op for a job that already finished
+            raise
         text = req.echo_text + col.text
         lp = logprobs_obj(req.kind, col.lp, len(req.echo_text)) if req.logprobs else None
         if req.kind == "chat":

@@ -105,7 +105,7 @@ class EngineWorker:
         now = time.perf_counter()
         while self._waiting and now - self._waiting[0].t_submit > self.queue_timeout:
             job = self._waiting.popleft()
-            self._finish(job, QueueTimeout(f"waited {now - job.t_submit:.0f} s in the queue"))
+            self._finish(job, QueueTimeout(f"waited {now - job.t_submit:.1f} s in the queue"))
         while self._waiting and len(self._jobs) < self.n_parallel:
             job = self._waiting.popleft()
             try:
