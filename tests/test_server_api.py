@@ -170,3 +170,23 @@ def test_cors_only_for_given_origins(server):
     assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
     r = httpx.get(server.base_url + "/models", headers={"Origin": "http://evil.example"})
     assert "access-control-allow-origin" not in r.headers
+
+
+def test_streamed_logprobs_and_stop(client):
+    kw = dict(model="smollm2", temperature=0, max_tokens=12, logprobs=True, top_logprobs=1,
+              messages=[{"role": "user", "content": "Count from one to ten in words."}])
+    plain = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    toks = [t for c in chunks if c.choices and c.choices[0].logprobs
+            for t in c.choices[0].logprobs.content]
+    assert [t.token for t in toks] == [t.token for t in plain.choices[0].logprobs.content]
+    text = plain.choices[0].message.content
+    assert "".join(t.token for t in toks) == text
+    words = text.split()
+    assert len(words) >= 3
+    stop = words[2]
+    s = list(client.chat.completions.create(**{**kw, "logprobs": False, "top_logprobs": None},
+                                            stream=True, stop=[stop]))
+    got = "".join(c.choices[0].delta.content or "" for c in s if c.choices)
+    assert got == text[:text.index(stop)]
+    assert s[-1].choices[0].finish_reason == "stop"
