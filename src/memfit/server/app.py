@@ -187,7 +187,9 @@ def build_app(state: ServerState) -> Starlette:
                     top = o.top or []
                     lp = o.logprob if o.logprob is not None else \
                         next((x for i, x in top if i == o.token), float("-inf"))
-                    new_lp.append((o.token, float(lp), top[:self.req.n_top]))
+                    # JSON has no -inf: OpenAI reports impossible tokens as -9999
+                    new_lp.append((o.token, max(float(lp), -9999.0),
+                                   [[i, max(float(x), -9999.0)] for i, x in top[:self.req.n_top]]))
             self.text += o.text
             self.lp += new_lp
             if o.finished:
@@ -216,7 +218,7 @@ def build_app(state: ServerState) -> Starlette:
 
     def logprobs_obj(kind: str, entries: list, offset0: int) -> dict | None:
         if kind == "chat":
-            return {"content": [P.chat_token_logprob(t, piece_bytes(t), lp, top, piece_bytes)
+            return {"content": [P.chat_token_logprob(piece_bytes(t), lp, top, piece_bytes)
                                 for t, lp, top in entries]}
         toks, offs, off = [], [], offset0
         for t, _, _ in entries:

@@ -245,7 +245,7 @@ def usage(prompt_n: int, completion_n: int, cache_n: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": cache_n}}
 
 
-def chat_token_logprob(tok, piece_bytes: bytes, lp: float, top: list, pieces) -> dict:
+def chat_token_logprob(piece_bytes: bytes, lp: float, top: list, pieces) -> dict:
     """OpenAI chat logprobs entry; ``pieces(id) -> bytes``."""
     def one(b: bytes, x: float) -> dict:
         return {"token": b.decode("utf-8", errors="replace"), "logprob": x, "bytes": list(b)}
