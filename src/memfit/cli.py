@@ -408,13 +408,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default 64); beyond it: 429")
     sv.add_argument("--queue-timeout", type=float, default=300.0, metavar="S",
                     help="seconds a request may wait for a slot before a 429 (default 300)")
-    sv.add_argument("--max-body", default="4MiB", metavar="SIZE", help="largest request body (default 4MiB)")
+    sv.add_argument("--max-body", default="1MiB", metavar="SIZE", help="largest request body (default 1MiB)")
     sv.add_argument("--max-header", type=int, default=16384, metavar="BYTES",
                     help="largest request head (default 16384)")
     sv.add_argument("--max-prompt-tokens", type=int, default=None, metavar="N",
                     help="longest prompt in tokens (default: the context size)")
-    sv.add_argument("--max-connections", type=int, default=256, metavar="N",
-                    help="concurrent HTTP requests (default 256); beyond it: 429")
+    sv.add_argument("--max-connections", type=int, default=64, metavar="N",
+                    help="concurrent HTTP requests (default 64); beyond it: 429")
     _add_runtime_args(sv)
     sv.set_defaults(func=cmd_serve)
 
