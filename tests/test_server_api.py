@@ -190,3 +190,12 @@ def test_streamed_logprobs_and_stop(client):
     got = "".join(c.choices[0].delta.content or "" for c in s if c.choices)
     assert got == text[:text.index(stop)]
     assert s[-1].choices[0].finish_reason == "stop"
+
+
+def test_ignore_eos(client):
+    kw = dict(model="smollm2", temperature=0, max_tokens=40,
+              messages=[{"role": "user", "content": "Reply with just the word yes."}])
+    plain = client.chat.completions.create(**kw)
+    assert plain.choices[0].finish_reason == "stop" and plain.usage.completion_tokens < 40
+    r = client.chat.completions.create(**kw, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 40

@@ -135,7 +135,8 @@ def build_app(state: ServerState) -> Starlette:
                                   f"retry later", headers={"Retry-After": "1"})
         # the engine reports the sampled token's logprob alongside its top list
         n_top = max(req.n_top, 1) if req.logprobs else 0
-        return Job(req.prompt_ids, params, n_top, asyncio.get_running_loop(), t_submit=t0)
+        return Job(req.prompt_ids, params, n_top, asyncio.get_running_loop(),
+                   ignore_eos=req.ignore_eos, t_submit=t0)
 
     async def next_item(job: Job, request: Request):
         """The job's next output; checks every _POLL_S that the client is still there (also
@@ -343,7 +344,7 @@ def build_app(state: ServerState) -> Starlette:
         # templating and tokenizing a long prompt must not stall the streams on this loop
         ids = await asyncio.to_thread(lambda: m._prompt_ids(m.apply_chat_template(msgs)))
         req = P.GenRequest("chat", model, ids, sampling, max_tokens, stream_, include_usage,
-                           lp, top)
+                           lp, top, ignore_eos=P.get_bool(body, "ignore_eos", False))
         return await run_generation(request, req)
 
     @endpoint("completions")
@@ -366,7 +367,8 @@ def build_app(state: ServerState) -> Starlette:
             raise P.bad("prompt", str(e)) from None
         echo_text = (prompt if isinstance(prompt, str) else m.detokenize(ids)) if echo else ""
         req = P.GenRequest("completion", model, ids, sampling, max_tokens, stream_,
-                           include_usage, lp, top, echo_text)
+                           include_usage, lp, top, echo_text,
+                           ignore_eos=P.get_bool(body, "ignore_eos", False))
         return await run_generation(request, req)
 
     @endpoint("models")

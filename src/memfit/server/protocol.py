@@ -116,6 +116,7 @@ class GenRequest:
     logprobs: bool = False
     n_top: int = 0                     # top alternatives per token
     echo_text: str = ""                # completions with echo: the prompt text
+    ignore_eos: bool = False           # llama-server's extension: end-of-generation does not stop
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 

@@ -33,6 +33,7 @@ class Job:
     params: object                  # SamplingParams
     n_top: int
     loop: asyncio.AbstractEventLoop
+    ignore_eos: bool = False        # llama-server's extension (benchmarks: fixed lengths)
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     rid: str | None = None
     t_submit: float = field(default_factory=time.perf_counter)
@@ -109,7 +110,8 @@ class EngineWorker:
         while self._waiting and len(self._jobs) < self.n_parallel:
             job = self._waiting.popleft()
             try:
-                job.rid = self.engine.add_request(job.prompt_ids, job.params, n_top=job.n_top)
+                job.rid = self.engine.add_request(job.prompt_ids, job.params, n_top=job.n_top,
+                                                  ignore_eos=job.ignore_eos)
             except MemfitError as e:
                 self._finish(job, e)
                 continue
