@@ -95,17 +95,19 @@ def serve(a) -> int:
         raise RequestError(f"refusing to listen on {a.host} without an API key: give "
                            f"--api-key-file FILE (or MEMFIT_API_KEY), or bind 127.0.0.1")
     path = Path(resolve_model(a.model, quiet=False))
-    # plan before binding: a budget below the floor is refused here, before the port opens
-    if a.mem_budget is not None or os.environ.get("MEMFIT_MEM_BUDGET"):
+    # plan before binding: a budget below the floor (given or detected, as the load will use)
+    # is refused here, before the port opens
+    try:
         budget, why = resolve_budget(a.mem_budget)
+    except (OSError, ValueError):  # nothing to detect from: the load maps the model whole
+        budget = None
+    if budget is not None:
         plan = plan_for_path(path, budget, n_ctx=a.ctx_size, threads=a.threads,
                              n_parallel=a.parallel)
         tb = plan.tier_bytes
         print(f"memfit: plan: budget {_mib(budget)} ({why}), floor {_mib(plan.min_budget_bytes)}, "
-              f"pinned {_mib(tb.get('pinned', 0))}, streamed "
-              f"{plan.disk_bytes_per_token / 2**20:.0f} MiB/token", file=sys.stderr, flush=True)
-    else:
-        print("memfit: plan: no --mem-budget; the detected budget is planned at load",
+              f"KV {_mib(plan.kv_bytes)}, weights resident {_mib(tb.get('pinned', 0))}, "
+              f"streamed {plan.disk_bytes_per_token / 2**20:.0f} MiB/token",
               file=sys.stderr, flush=True)
     kw = _load_kwargs(a)
 
@@ -116,7 +118,9 @@ def serve(a) -> int:
     from .security import Guard
     from .worker import EngineWorker
 
-    state = ServerState(model_ids=_model_ids(a.model, path, a.alias), n_parallel=a.parallel,
+    from ..pull import DEFAULT_MODEL
+    state = ServerState(model_ids=_model_ids(a.model or DEFAULT_MODEL, path, a.alias),
+                        n_parallel=a.parallel,
                         max_queue=a.max_queue, max_prompt_tokens=a.max_prompt_tokens)
     allowed = None
     if a.allowed_host or is_loopback(a.host):
