@@ -223,3 +223,41 @@ def test_mixed_prefill_and_decode_rows_in_one_forward(tmp_path):
     mixed = run([a, b, c2[:30], [(0, 20, 9), (1, 5, 8)] + c2[30:], [(2, 40, 4)]])
     for q in (0, 1, 2):
         np.testing.assert_allclose(mixed[q][-1], sep[q][-1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2"])
+def test_fused_batched_decode_isa_and_threads(tmp_path, isa):
+    # the scalar kernels too; and the result does not depend on the thread count
+    from memfit import _native
+    if isa == "avx2" and _native.isa_hw() == "scalar":
+        pytest.skip("no AVX2")
+    path = write_tiny_model(tmp_path / "m.gguf", "gemma3", "Q4_K", seed=8, sliding_window=5)
+    model = load_model(path, ops=get_ops("native"))
+    before, threads = _native.isa(), _native.get_threads()
+    _native.set_isa(isa)
+    try:
+        a, _ = _paged_steps(model, True, "f16")
+        b, _ = _paged_steps(model, False, "f16")
+        _native.set_threads(1)
+        c, _ = _paged_steps(model, True, "f16")
+    finally:
+        _native.set_isa(before)
+        _native.set_threads(threads)
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(a, c)
+
+
+def test_request_larger_than_the_pool_is_refused(tmp_path):
+    from memfit.errors import RequestError
+    model, tok = _tiny(tmp_path, "llama")
+    eng = Engine(model, tok, n_ctx=128, n_blocks=2)
+    with pytest.raises(RequestError, match="KV pool"):
+        eng.add_request(list(range(1, 40)), SamplingParams(temperature=0, max_tokens=40))
+    with pytest.raises(RequestError, match="context"):
+        eng.add_request(list(range(1, 200)), SamplingParams(temperature=0))
+    tok.eog_ids = set()
+    eng.add_request(list(range(1, 40)), SamplingParams(temperature=0, max_tokens=20))
+    n = 0
+    while eng.has_unfinished():
+        n += sum(o.token is not None for o in eng.step())
+    assert n == 20 and eng.pool.n_used == 0

@@ -87,7 +87,13 @@ class Engine:
             raise RequestError(f"request id {rid!r} is already running")
         mt = params.max_tokens
         mt = self.n_ctx if mt is None or mt < 0 else mt
-        seq = Sequence(rid, ids, params, min(mt, self.n_ctx - len(ids)),
+        mt = min(mt, self.n_ctx - len(ids))
+        bs = self.pool.block_size
+        if (len(ids) + mt + bs - 1) // bs > self.pool.n_blocks:
+            raise RequestError(f"the prompt ({len(ids)} tokens) and max_tokens ({mt}) need more "
+                               f"than the KV pool's {self.pool.n_blocks * bs} tokens; lower "
+                               f"max_tokens or shorten the prompt")
+        seq = Sequence(rid, ids, params, mt,
                        Sampler(params, self.tokenizer.n_vocab), StreamDecoder(self.tokenizer),
                        StopMatcher(params.stop or []), n_top=int(n_top), ignore_eos=ignore_eos)
         self.seqs[rid] = seq
