@@ -164,8 +164,8 @@ def test_full_queue_is_429(keyed):
     results = {}
 
     def long_request():
-        results["long"] = post(keyed, "/v1/completions", {"prompt": "1, 2, 3, 4,",
-                                                          "max_tokens": 150, "temperature": 0})
+        results["long"] = post(keyed, "/v1/completions", {
+            "prompt": "1, 2, 3, 4,", "max_tokens": 60, "temperature": 0, "ignore_eos": True})
     t = threading.Thread(target=long_request)
     t.start()
     deadline = time.monotonic() + 30
@@ -213,7 +213,8 @@ def test_queue_timeout_is_429(smollm2_path):
 
         def long_request():
             results["long"] = httpx.post(s.base_url + "/completions", timeout=60, json={
-                "prompt": "1, 2, 3, 4,", "max_tokens": 120, "temperature": 0})
+                "prompt": "1, 2, 3, 4,", "max_tokens": 60, "temperature": 0,
+                "ignore_eos": True})
         t = threading.Thread(target=long_request)
         t.start()
         deadline = time.monotonic() + 30
@@ -234,8 +235,9 @@ def test_queue_timeout_is_429(smollm2_path):
 def test_connection_limit_is_429(smollm2_path):
     s = ServerProcess([str(smollm2_path), "-c", "256", "-np", "1", "--max-connections", "1"])
     try:
-        t = threading.Thread(target=lambda: httpx.post(s.base_url + "/completions", timeout=60, json={
-            "prompt": "1, 2, 3, 4,", "max_tokens": 100, "temperature": 0}))
+        t = threading.Thread(target=lambda: httpx.post(s.base_url + "/completions", timeout=60,
+                                                       json={"prompt": "1, 2, 3, 4,",
+                                                             "max_tokens": 60, "ignore_eos": True}))
         t.start()
         deadline = time.monotonic() + 30
         while s.metrics()["memfit_requests_running"] < 1 and time.monotonic() < deadline:

@@ -71,7 +71,7 @@ def _wait_metric(server, name, pred, timeout=10.0):
 def test_disconnect_frees_blocks(server):
     before = server.metrics()
     body = {"model": "smollm2", "prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 400,
-            "temperature": 0, "stream": True}
+            "ignore_eos": True, "temperature": 0, "stream": True}
     with httpx.Client(timeout=60) as h:
         with h.stream("POST", server.base_url + "/completions", json=body) as r:
             assert r.status_code == 200
@@ -97,7 +97,8 @@ def test_non_streamed_disconnect_stops_generation(server):
     before = server.metrics()
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.base_url + "/completions", timeout=1.5, json={
-            "model": "smollm2", "prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 400, "temperature": 0})
+            "model": "smollm2", "prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True})
     assert _wait_metric(server, "memfit_requests_running", lambda v: v == 0) == 0
     assert _wait_metric(server, "memfit_kv_blocks_used", lambda v: v == 0) == 0
     after = server.metrics()

@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # llama-server / OpenAI error types by status
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error", 431: "invalid_request_error",
-          429: "rate_limit_error", 500: "server_error", 503: "unavailable_error"}
+_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+          429: "rate_limit_error", 500: "server_error", 503: "unavailable_error"}  # else invalid_request_error
 
 MAX_STOP = 16          # stop strings per request
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs
