@@ -155,4 +155,8 @@ def test_bounded_load(server):
     assert errors == []
     assert peak <= BUDGET_MIB * 2**20
     assert abs(rss1 - rss0) <= 8 * 2**20
-    assert server.metrics()["memfit_requests_running"] == 0
+    m = server.metrics()
+    assert m["memfit_requests_running"] == 0 and m["memfit_requests_queued"] == 0
+    assert m["memfit_mem_budget_bytes"] == BUDGET_MIB * 2**20
+    assert m["memfit_weight_store_bytes_read"] >= 0 and m["memfit_kv_blocks_total"] > 0
+    assert m['memfit_requests_total{endpoint="chat",status="200"}'] >= n_req // 2
