@@ -59,6 +59,24 @@ def test_concurrent_equals_sequential(server):
           f"prompt tokens from the prefix cache: {cached}")
 
 
+def test_requests_join_the_running_batch(server):
+    import threading
+    done = {}
+
+    def long_request():
+        done["long"] = httpx.post(server.base_url + "/completions", timeout=120, json={
+            "prompt": "1, 2, 3,", "max_tokens": 120, "temperature": 0, "ignore_eos": True})
+    t = threading.Thread(target=long_request)
+    t.start()
+    assert _wait_metric(server, "memfit_requests_running", lambda v: v >= 1) >= 1
+    r = httpx.post(server.base_url + "/completions", timeout=120,
+                   json={"prompt": "Hello", "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200
+    assert "long" not in done  # it finished while the long one was still decoding
+    t.join()
+    assert done["long"].json()["usage"]["completion_tokens"] == 120
+
+
 def _wait_metric(server, name, pred, timeout=10.0):
     deadline = time.monotonic() + timeout
     while True:
