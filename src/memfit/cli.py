@@ -588,6 +588,13 @@ def cmd_bench(a) -> int:
     return 0
 
 
+def cmd_serve(a) -> int:
+    from .memory.budget import parse_size
+    from .server.serve import serve
+    a.max_body = parse_size(a.max_body)
+    return serve(a)
+
+
 # ---------------------------------------------------------------------------- parser
 
 def build_parser() -> argparse.ArgumentParser:
@@ -714,6 +721,41 @@ def build_parser() -> argparse.ArgumentParser:
     sy.add_argument("--force", action="store_true", help="overwrite an existing regular file")
     sy.add_argument("--json", action="store_true")
     sy.set_defaults(func=cmd_synth)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server on the batch engine (binds 127.0.0.1)",
+                        description="Serve a model over HTTP with OpenAI's API (/v1/chat/completions, "
+                                    "/v1/completions, /v1/models) plus /health, /metrics, /tokenize, "
+                                    "/detokenize. The plan is made before the port opens.")
+    _add_model_arg(sv, optional=True)
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other "
+                    "address needs an API key)")
+    sv.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 = a free port, printed)")
+    sv.add_argument("-c", "--ctx-size", type=int, default=None, help="context size per request "
+                    "(default: min(training context, 4096))")
+    sv.add_argument("-np", "--parallel", type=int, default=4, help="requests decoded together (default 4)")
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (prefer "
+                    "--api-key-file or MEMFIT_API_KEY: a command line is visible to other users)")
+    sv.add_argument("--api-key-file", default=None, metavar="F", help="read the API key from a file")
+    sv.add_argument("--alias", default=None, help="model name in /v1/models (default: the MODEL argument)")
+    sv.add_argument("-ctk", "--cache-type-k", default="f16", help="KV cache type for K: f16|q8_0|q4_0")
+    sv.add_argument("-ctv", "--cache-type-v", default="f16", help="KV cache type for V: f16|q8_0|q4_0")
+    sv.add_argument("--allowed-host", action="append", default=[], metavar="HOST",
+                    help="Host header to accept besides localhost/127.0.0.1/::1 (repeatable)")
+    sv.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                    help="allow browser requests from this origin (repeatable; default: CORS off)")
+    sv.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a slot "
+                    "(default 64); beyond it: 429")
+    sv.add_argument("--queue-timeout", type=float, default=300.0, metavar="S",
+                    help="seconds a request may wait for a slot before a 429 (default 300)")
+    sv.add_argument("--max-body", default="1MiB", metavar="SIZE", help="largest request body (default 1MiB)")
+    sv.add_argument("--max-header", type=int, default=16384, metavar="BYTES",
+                    help="largest request head (default 16384)")
+    sv.add_argument("--max-prompt-tokens", type=int, default=None, metavar="N",
+                    help="longest prompt in tokens (default: the context size)")
+    sv.add_argument("--max-connections", type=int, default=64, metavar="N",
+                    help="concurrent HTTP requests (default 64); beyond it: 429")
+    _add_runtime_args(sv)
+    sv.set_defaults(func=cmd_serve)
 
     i = sub.add_parser("info", help="describe a GGUF model: architecture, hyperparameters, tensors by type")
     _add_model_arg(i)

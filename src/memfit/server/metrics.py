@@ -1,0 +1,77 @@
+"""Prometheus metrics (prometheus-client, a registry of our own; text format at GET /metrics).
+
+Counters and histograms are updated by the handlers; gauges that mirror the engine, the weight
+store and the process are read at scrape time from the worker's last stats snapshot.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
+                               generate_latest)
+
+disable_created_metrics()  # no *_created series: they only add noise to every scrape
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("memfit_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("memfit_prompt_tokens", "prompt tokens processed", registry=r)
+        self.cached_tokens = Counter("memfit_prompt_tokens_cached",
+                                     "prompt tokens reused from the prefix cache", registry=r)
+        self.generated_tokens = Counter("memfit_generated_tokens", "tokens generated", registry=r)
+        self.ttft = Histogram("memfit_time_to_first_token_seconds",
+                              "time from request arrival to its first token", buckets=_LATENCY,
+                              registry=r)
+        self.itl = Histogram("memfit_inter_token_latency_seconds",
+                             "time between consecutive tokens of a request", buckets=_LATENCY,
+                             registry=r)
+        self.disconnects = Counter("memfit_client_disconnects",
+                                   "requests stopped because the client went away", registry=r)
+        g = {}
+        for name, doc in [
+            ("requests_running", "requests decoding in the engine"),
+            ("requests_queued", "requests waiting for a slot (server queue + engine)"),
+            ("kv_blocks_total", "KV cache blocks in the pool"),
+            ("kv_blocks_used", "KV cache blocks held by running requests"),
+            ("kv_blocks_cached", "KV cache blocks kept for prefix reuse"),
+            ("prefix_cache_queries_tokens", "prompt tokens looked up in the prefix cache"),
+            ("prefix_cache_hits_tokens", "prompt tokens found in the prefix cache"),
+            ("weight_store_bytes_read", "bytes the weight store read from the file"),
+            ("weight_store_io_stall_seconds", "seconds compute waited for weight reads"),
+            ("expert_cache_hit_rate", "expert cache hit rate (MoE models with an expert cache)"),
+            ("mem_budget_bytes", "the memory budget (peak RSS cap), 0 when none"),
+            ("rss_bytes", "resident set size of the server process"),
+            ("peak_rss_bytes", "peak resident set size (VmHWM) of the server process"),
+        ]:
+            g[name] = Gauge(f"memfit_{name}", doc, registry=r)
+        self.gauges = g
+
+    def render(self, worker, model) -> bytes:
+        from ..memory.budget import current_rss, peak_rss
+
+        g = self.gauges
+        if worker is not None:
+            s = worker.stats
+            g["requests_running"].set(s.get("running", 0))
+            g["requests_queued"].set(worker.queued + s.get("waiting", 0))
+            for k in ("kv_blocks_total", "kv_blocks_used", "kv_blocks_cached"):
+                g[k].set(s.get(k, 0))
+            g["prefix_cache_queries_tokens"].set(s.get("prefix_cache_queries", 0))
+            g["prefix_cache_hits_tokens"].set(s.get("prefix_cache_hits", 0))
+        if model is not None:
+            store = getattr(model, "store", None)
+            if store is not None:
+                st = store.stats()
+                g["weight_store_bytes_read"].set(st.get("bytes_read", 0))
+                g["weight_store_io_stall_seconds"].set(st.get("io_stall_s", 0.0))
+                if "expert_hit_rate" in st:
+                    g["expert_cache_hit_rate"].set(st["expert_hit_rate"])
+            ledger = getattr(model, "ledger", None)
+            g["mem_budget_bytes"].set(ledger.budget if ledger is not None else 0)
+        g["rss_bytes"].set(current_rss())
+        g["peak_rss_bytes"].set(peak_rss())
+        return generate_latest(self.registry)

@@ -1,0 +1,254 @@
+"""OpenAI request validation and response shapes (explicit checks; no framework).
+
+Every bad request becomes an APIError whose body is OpenAI's error object
+``{"error": {"message", "type", "param", "code"}}``; the message names the field and what to
+do. Unknown fields are ignored, as OpenAI's API does. Sampling defaults are llama-server's.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+# llama-server / OpenAI error types by status
+_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+          429: "rate_limit_error", 500: "server_error", 503: "unavailable_error"}  # else invalid_request_error
+
+MAX_STOP = 16          # stop strings per request
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs
+
+
+class APIError(Exception):
+    """An HTTP error with an OpenAI-style body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code if code is not None else status}}
+
+
+def bad(param: str, message: str) -> APIError:
+    return APIError(400, message, param=param)
+
+
+# ----------------------------------------------------------------------------- field checks
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def get_int(body: dict, name: str, default, lo: int | None = None, hi: int | None = None):
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_int(v):
+        raise bad(name, f"{name}={v!r} must be an integer")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+        raise bad(name, f"{name}={v} is out of range; use an integer in {rng}")
+    return v
+
+
+def get_num(body: dict, name: str, default, lo: float, hi: float, lo_open: bool = False):
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_num(v):
+        raise bad(name, f"{name}={v!r} must be a finite number")
+    if v < lo or v > hi or (lo_open and v == lo):
+        raise bad(name, f"{name}={v} is out of range; use a number in "
+                        f"{'(' if lo_open else '['}{lo}, {hi}]")
+    return float(v)
+
+
+def get_bool(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(name, f"{name}={v!r} must be true or false")
+    return v
+
+
+def get_stop(body: dict) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
+        raise bad("stop", "stop must be a non-empty string or a list of non-empty strings")
+    if len(v) > MAX_STOP:
+        raise bad("stop", f"stop has {len(v)} strings; at most {MAX_STOP} are allowed")
+    return v
+
+
+# ----------------------------------------------------------------------------- requests
+
+@dataclass
+class GenRequest:
+    """A validated generation request, endpoint-independent."""
+
+    kind: str                          # "chat" | "completion"
+    model: str
+    prompt_ids: list[int]
+    sampling: dict                     # SamplingParams keywords
+    max_tokens: int | None             # None: until end-of-generation or the context is full
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    n_top: int = 0                     # top alternatives per token
+    echo_text: str = ""                # completions with echo: the prompt text
+    ignore_eos: bool = False           # llama-server's extension: end-of-generation does not stop
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def common_fields(body: dict, n_ctx: int, max_tokens_default: int | None) -> tuple[dict, int | None]:
+    """Sampling keywords and max_tokens shared by both endpoints (llama-server defaults)."""
+    n = get_int(body, "n", 1, lo=1)
+    if n != 1:
+        raise bad("n", f"n={n} is not supported: memfit returns one choice per request; "
+                       f"send {n} requests instead")
+    mt = body.get("max_completion_tokens")
+    name = "max_completion_tokens"
+    if mt is None:
+        mt, name = body.get("max_tokens"), "max_tokens"
+    if mt is None or mt == -1:  # -1: llama-server's "until the context is full"
+        max_tokens = max_tokens_default
+    else:
+        if not _is_int(mt):
+            raise bad(name, f"{name}={mt!r} must be an integer")
+        if mt < 1:
+            raise bad(name, f"{name}={mt} must be >= 1")
+        if mt > n_ctx:
+            raise bad(name, f"{name}={mt} exceeds the context size {n_ctx}; "
+                            f"ask for at most {n_ctx} tokens")
+        max_tokens = mt
+    seed = get_int(body, "seed", None)
+    sampling = dict(
+        temperature=get_num(body, "temperature", 0.8, 0.0, 2.0),
+        top_p=get_num(body, "top_p", 0.95, 0.0, 1.0, lo_open=True),
+        top_k=get_int(body, "top_k", 40, lo=0),
+        min_p=get_num(body, "min_p", 0.05, 0.0, 1.0),
+        repeat_penalty=get_num(body, "repeat_penalty", 1.0, 0.0, 10.0, lo_open=True),
+        repeat_last_n=get_int(body, "repeat_last_n", 64, lo=-1),
+        presence_penalty=get_num(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=get_num(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        seed=None if seed is None or seed == -1 else seed,
+        stop=get_stop(body),
+    )
+    return sampling, max_tokens
+
+
+def stream_fields(body: dict) -> tuple[bool, bool]:
+    stream = get_bool(body, "stream", False)
+    so = body.get("stream_options")
+    include_usage = False
+    if so is not None:
+        if not isinstance(so, dict):
+            raise bad("stream_options", "stream_options must be an object like {\"include_usage\": true}")
+        if not stream:
+            raise bad("stream_options", "stream_options is only allowed when stream is true")
+        include_usage = get_bool(so, "include_usage", False)
+    return stream, include_usage
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """messages as [{"role", "content": str}] for the chat template (text parts joined)."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("messages", "messages must be a non-empty list of {\"role\", \"content\"} objects")
+    out = []
+    for i, m in enumerate(msgs):
+        p = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(p, f"{p} must be an object with role and content")
+        role = m.get("role")
+        if not isinstance(role, str) or role not in ("system", "developer", "user", "assistant", "tool"):
+            raise bad(f"{p}.role", f"{p}.role={role!r} must be one of system, developer, user, "
+                                   f"assistant, tool")
+        c = m.get("content")
+        if c is None and role == "assistant":
+            c = ""
+        if isinstance(c, list):
+            parts = []
+            for j, part in enumerate(c):
+                if not (isinstance(part, dict) and part.get("type") == "text"
+                        and isinstance(part.get("text"), str)):
+                    raise bad(f"{p}.content[{j}]", f"{p}.content[{j}] must be a text part "
+                                                    f"{{\"type\": \"text\", \"text\": ...}}; "
+                                                    f"other content types are not supported")
+                parts.append(part["text"])
+            c = "".join(parts)
+        if not isinstance(c, str):
+            raise bad(f"{p}.content", f"{p}.content must be a string or a list of text parts")
+        out.append({"role": "system" if role == "developer" else role, "content": c})
+    return out
+
+
+def chat_logprobs(body: dict) -> tuple[bool, int]:
+    lp = get_bool(body, "logprobs", False)
+    top = get_int(body, "top_logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS)
+    if top and not lp:
+        raise bad("top_logprobs", "top_logprobs needs logprobs set to true")
+    return lp, top
+
+
+def completion_prompt(body: dict):
+    """The prompt as text or a list of token ids (one prompt per request)."""
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # a batch of one
+    if isinstance(p, str):
+        if not p:
+            raise bad("prompt", "prompt is empty; give some text or token ids")
+        return p
+    if isinstance(p, list) and p and all(_is_int(t) for t in p):
+        return p
+    if isinstance(p, list) and p and all(isinstance(t, (str, list)) for t in p):
+        raise bad("prompt", f"prompt has {len(p)} prompts; memfit takes one prompt per request")
+    raise bad("prompt", "prompt must be a non-empty string or a non-empty list of token ids")
+
+
+def completion_logprobs(body: dict) -> tuple[bool, int]:
+    v = body.get("logprobs")
+    if v is None or v is False:
+        return False, 0
+    if v is True:
+        return True, 1
+    n = get_int(body, "logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS)
+    return True, n
+
+
+# ----------------------------------------------------------------------------- responses
+
+def usage(prompt_n: int, completion_n: int, cache_n: int) -> dict:
+    return {"prompt_tokens": prompt_n, "completion_tokens": completion_n,
+            "total_tokens": prompt_n + completion_n,
+            "prompt_tokens_details": {"cached_tokens": cache_n}}
+
+
+def chat_token_logprob(piece_bytes: bytes, lp: float, top: list, pieces) -> dict:
+    """OpenAI chat logprobs entry; ``pieces(id) -> bytes``."""
+    def one(b: bytes, x: float) -> dict:
+        return {"token": b.decode("utf-8", errors="replace"), "logprob": x, "bytes": list(b)}
+    d = one(piece_bytes, lp)
+    d["top_logprobs"] = [one(pieces(i), x) for i, x in top]
+    return d
