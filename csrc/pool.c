@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #define MF_MAX_THREADS 256
@@ -123,13 +124,27 @@ static struct {
 static _Thread_local int in_task;
 static int n_threads = 1;
 
+/* Profile counters (memfit bench --profile), only touched while mf_prof_on: pool jobs, their
+ * wall time, the threads' time inside tasks, and the caller's wait for the last task. */
+int mf_prof_on;
+static atomic_int_fast64_t prof_jobs, prof_inline, prof_wall_ns, prof_busy_ns, prof_tail_ns;
+
+int64_t mf_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
 static void run_job(job_t *j) {
     in_task = 1;
+    const int prof = mf_prof_on;
+    int64_t t0 = prof ? mf_now_ns() : 0;
     for (;;) {
         int64_t i = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
         if (i >= j->n) break;
         j->fn(j->ctx, i);
     }
+    if (prof) atomic_fetch_add_explicit(&prof_busy_ns, mf_now_ns() - t0, memory_order_relaxed);
     in_task = 0;
 }
 
@@ -224,9 +239,12 @@ int mf_n_threads(void) { return n_threads; }
 void mf_parallel_for(int64_t n, mf_task_fn fn, void *ctx) {
     if (n <= 0) return;
     if (n == 1 || in_task || P.n_workers == 0) {
+        if (mf_prof_on && !in_task) atomic_fetch_add_explicit(&prof_inline, 1, memory_order_relaxed);
         for (int64_t i = 0; i < n; i++) fn(ctx, i);
         return;
     }
+    const int prof = mf_prof_on;
+    int64_t t0 = prof ? mf_now_ns() : 0;
     pthread_mutex_lock(&P.call_lock);
     atomic_fetch_add_explicit(&P.gen, 1, memory_order_seq_cst); /* odd: job being rewritten */
     wait_inflight();                                             /* stale registrants leave */
@@ -239,8 +257,15 @@ void mf_parallel_for(int64_t n, mf_task_fn fn, void *ctx) {
     pthread_cond_broadcast(&P.wake);
     pthread_mutex_unlock(&P.mu);
     run_job(&P.job);
+    int64_t t1 = prof ? mf_now_ns() : 0;
     wait_inflight();
     pthread_mutex_unlock(&P.call_lock);
+    if (prof) {
+        int64_t t2 = mf_now_ns();
+        atomic_fetch_add_explicit(&prof_jobs, 1, memory_order_relaxed);
+        atomic_fetch_add_explicit(&prof_wall_ns, t2 - t0, memory_order_relaxed);
+        atomic_fetch_add_explicit(&prof_tail_ns, t2 - t1, memory_order_relaxed);
+    }
 }
 
 /* ---------------- Python API ---------------- */
@@ -275,11 +300,46 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
 
 static PyObject *py_isa_hw(PyObject *self, PyObject *unused) { return PyUnicode_FromString(isa_names[mf_isa_hw]); }
 
+/* The ISAs with kernels of their own (avx512 without VNNI runs the avx2 kernels). */
+static PyObject *py_isas(PyObject *self, PyObject *unused) {
+    return Py_BuildValue("(sss)", "scalar", "avx2", "avx512vnni");
+}
+
+void mf_prof_mm_reset(void);          /* quant_mm.c */
+PyObject *mf_prof_mm_list(void);      /* quant_mm.c */
+
+static PyObject *py_profile(PyObject *self, PyObject *arg) {
+    int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    if (on) {
+        atomic_store(&prof_jobs, 0); atomic_store(&prof_inline, 0); atomic_store(&prof_wall_ns, 0);
+        atomic_store(&prof_busy_ns, 0); atomic_store(&prof_tail_ns, 0);
+        mf_prof_mm_reset();
+    }
+    mf_prof_on = on;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_profile_stats(PyObject *self, PyObject *unused) {
+    PyObject *mm = mf_prof_mm_list();
+    if (!mm) return NULL;
+    return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:i,s:N}", "jobs", (long long)atomic_load(&prof_jobs),
+                         "inline_jobs", (long long)atomic_load(&prof_inline),
+                         "wall_ns", (long long)atomic_load(&prof_wall_ns),
+                         "busy_ns", (long long)atomic_load(&prof_busy_ns),
+                         "tail_wait_ns", (long long)atomic_load(&prof_tail_ns), "threads", n_threads,
+                         "matmul", mm);
+}
+
 PyMethodDef mf_pool_methods[] = {
     {"set_threads", py_set_threads, METH_O, "set_threads(n) -> n: restart the pool with n threads (<=0: physical cores)"},
     {"get_threads", py_get_threads, METH_NOARGS, "get_threads() -> int"},
     {"isa", py_isa, METH_NOARGS, "isa() -> active ISA name"},
     {"isa_hw", py_isa_hw, METH_NOARGS, "isa_hw() -> best ISA this CPU supports"},
     {"set_isa", py_set_isa, METH_O, "set_isa(name) -> name: select a kernel ISA the CPU supports (tests)"},
+    {"isas", py_isas, METH_NOARGS, "isas() -> the ISA names that have kernels of their own (a CPU runs those <= isa_hw())"},
+    {"profile", py_profile, METH_O, "profile(on): reset and start (True) or stop (False) the kernel profile counters"},
+    {"profile_stats", py_profile_stats, METH_NOARGS,
+     "profile_stats() -> {jobs, inline_jobs, wall_ns, busy_ns, tail_wait_ns, threads, matmul: [...]}"},
     {NULL, NULL, 0, NULL},
 };

@@ -286,12 +286,8 @@ static void multi_task(void *v, int64_t t) {
     m->p[j].fn(&m->p[j].c, t - m->off[j]);
 }
 
-/* Y_j[n, rows_j] = X[n, cols] · W_j^T for k <= MF_MM_MAX weights sharing X: X is quantized
- * once per activation format and all weights' row tiles run as one pool job (decode issues
- * Q/K/V and gate/up this way: fewer wake-ups, one quantization).
- * Returns 0, or -1 unknown type / -2 bad cols / -3 out of memory. Call without the GIL. */
-int mf_matmul_multi(int k, const int *types, const uint8_t *const *ws, const int64_t *rows,
-                    int64_t cols, const float *x, int64_t n, float *const *ys) {
+static int matmul_multi(int k, const int *types, const uint8_t *const *ws, const int64_t *rows,
+                        int64_t cols, const float *x, int64_t n, float *const *ys) {
     assert(k >= 1 && k <= MF_MM_MAX);
     mm_plan p[MF_MM_MAX];
     multi_ctx m = {p, k, {0}};
@@ -331,6 +327,87 @@ int mf_matmul_multi(int k, const int *types, const uint8_t *const *ws, const int
     mf_parallel_for(m.off[k], multi_task, &m);
     pthread_mutex_unlock(&xq_lock);
     return 0;
+}
+
+/* ---- profile (memfit bench --profile): calls, time and weight bytes per weight set ---- */
+extern int mf_prof_on;   /* pool.c */
+int64_t mf_now_ns(void); /* pool.c */
+#define MF_PROF_KEYS 64
+typedef struct {
+    int k, types[MF_MM_MAX];
+    int64_t rows[MF_MM_MAX], cols, n, calls, ns, bytes;
+} prof_mm;
+static prof_mm prof_tab[MF_PROF_KEYS];
+static int prof_used;
+static pthread_mutex_t prof_lock = PTHREAD_MUTEX_INITIALIZER;
+
+void mf_prof_mm_reset(void) {
+    pthread_mutex_lock(&prof_lock);
+    prof_used = 0;
+    pthread_mutex_unlock(&prof_lock);
+}
+
+static void prof_record(int k, const int *types, const int64_t *rows, int64_t cols, int64_t n, int64_t ns) {
+    pthread_mutex_lock(&prof_lock);
+    int e = 0;
+    for (; e < prof_used; e++) {
+        prof_mm *p = &prof_tab[e];
+        int same = p->k == k && p->cols == cols && p->n == n;
+        for (int j = 0; same && j < k; j++) same = p->types[j] == types[j] && p->rows[j] == rows[j];
+        if (same) break;
+    }
+    if (e == prof_used && prof_used < MF_PROF_KEYS) {
+        prof_mm *p = &prof_tab[prof_used++];
+        *p = (prof_mm){.k = k, .cols = cols, .n = n};
+        for (int j = 0; j < k; j++) {
+            p->types[j] = types[j];
+            p->rows[j] = rows[j];
+            p->bytes += rows[j] * (cols / mf_qtypes[types[j]].block) * mf_qtypes[types[j]].bytes;
+        }
+    }
+    if (e < prof_used) {
+        prof_tab[e].calls++;
+        prof_tab[e].ns += ns;
+    }
+    pthread_mutex_unlock(&prof_lock);
+}
+
+/* [{types, rows, cols, n, calls, ns, bytes (weight bytes of one call)}] */
+PyObject *mf_prof_mm_list(void) {
+    pthread_mutex_lock(&prof_lock);
+    PyObject *out = PyList_New(0);
+    for (int e = 0; out && e < prof_used; e++) {
+        prof_mm *p = &prof_tab[e];
+        PyObject *t = PyTuple_New(p->k), *r = PyTuple_New(p->k), *d = NULL;
+        if (t && r) {
+            for (int j = 0; j < p->k; j++) {
+                PyTuple_SET_ITEM(t, j, PyLong_FromLong(p->types[j]));
+                PyTuple_SET_ITEM(r, j, PyLong_FromLongLong(p->rows[j]));
+            }
+            d = Py_BuildValue("{s:O,s:O,s:L,s:L,s:L,s:L,s:L}", "types", t, "rows", r, "cols",
+                              (long long)p->cols, "n", (long long)p->n, "calls", (long long)p->calls,
+                              "ns", (long long)p->ns, "bytes", (long long)p->bytes);
+        }
+        Py_XDECREF(t);
+        Py_XDECREF(r);
+        if (!d || PyList_Append(out, d) < 0) { Py_XDECREF(d); Py_CLEAR(out); break; }
+        Py_DECREF(d);
+    }
+    pthread_mutex_unlock(&prof_lock);
+    return out;
+}
+
+/* Y_j[n, rows_j] = X[n, cols] · W_j^T for k <= MF_MM_MAX weights sharing X: X is quantized
+ * once per activation format and all weights' row tiles run as one pool job (decode issues
+ * Q/K/V and gate/up this way: fewer wake-ups, one quantization).
+ * Returns 0, or -1 unknown type / -2 bad cols / -3 out of memory. Call without the GIL. */
+int mf_matmul_multi(int k, const int *types, const uint8_t *const *ws, const int64_t *rows,
+                    int64_t cols, const float *x, int64_t n, float *const *ys) {
+    if (!mf_prof_on) return matmul_multi(k, types, ws, rows, cols, x, n, ys);
+    int64_t t0 = mf_now_ns();
+    int rc = matmul_multi(k, types, ws, rows, cols, x, n, ys);
+    if (rc == 0) prof_record(k, types, rows, cols, n, mf_now_ns() - t0);
+    return rc;
 }
 
 /* Returns 0, or -1 unknown type / -2 bad cols / -3 out of memory. Call without the GIL. */

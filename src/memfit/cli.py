@@ -246,7 +246,12 @@ def cmd_bench(a) -> int:
         from .memory.budget import parse_size
         return run_kernel_bench(types=a.types, rows=a.rows, cols=a.cols, threads=a.threads,
                                 as_json=a.json, trials=a.trials,
-                                stream_bytes=parse_size(a.stream_bytes))
+                                stream_bytes=parse_size(a.stream_bytes), shapes=a.shapes,
+                                isas=a.isa)
+    if a.profile:
+        from .bench.profile import run_profile
+        with _load(a, n_ctx=a.n_prompt + a.n_gen + 8) as m:
+            return run_profile(m.model, n_gen=max(1, a.n_gen), n_prompt=a.n_prompt, as_json=a.json)
     with _load(a, n_ctx=a.n_prompt + a.n_gen + 8) as m:
         threads = a.threads or (m.ops.get_threads() if hasattr(m.ops, "get_threads") else 1)
         name = m.path.name
@@ -326,6 +331,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--trials", type=int, default=3, help="with --kernels: trials (bandwidth probe + every type); medians reported")
     b.add_argument("--stream-bytes", default="512MiB", metavar="SIZE",
                    help="with --kernels: bytes of distinct matrix copies cycled so each call reads from DRAM (default 512MiB)")
+    b.add_argument("--profile", action="store_true",
+                   help="where one decode token's time goes: after -p prompt tokens, -n decoded tokens "
+                        "with each matvec (type, shape, GB/s vs the read probe), the rest of the layers, "
+                        "the output matrix, Python and the thread pool, per token")
+    b.add_argument("--shapes", default=None, metavar="LIST",
+                   help="with --kernels: comma-separated ROWSxCOLS, or 7b for --rows x --cols plus a 7B's "
+                        "4096x4096, 14336x4096, 4096x14336 and 152064x3584 (output)")
+    b.add_argument("--isa", default=None, metavar="LIST",
+                   help="with --kernels: comma-separated kernel ISAs to alternate on the same matrices "
+                        "(scalar, avx2, avx512vnni; default: the active one)")
     _add_runtime_args(b)
     b.set_defaults(func=cmd_bench)
 
