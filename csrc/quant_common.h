@@ -65,4 +65,11 @@ extern mf_vecdot_fn mf_vecdot_avx2[T_MAX];
 void mf_quantize_q8_32_avx2(const float *x, mf_q8_32 *y, int64_t n);
 void mf_quantize_q8_256_avx2(const float *x, mf_q8_256 *y, int64_t n);
 
+/* AVX-512 VNNI decode vec-dots (quant_avx512.c): NULL where the AVX2 one is used (a type with
+ * a 4-row kernel there has its 1-row AVX2 vec-dot for the remainder rows); the activation
+ * format per type */
+extern mf_vecdot_fn mf_vecdot_avx512[T_MAX];
+extern mf_vecdot4_fn mf_vecdot4_avx512[T_MAX];
+extern int mf_xfmt_avx512[T_MAX];
+
 #endif

@@ -258,6 +258,12 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
             }
         }
     }
+    if (p->fn == mm_task_vec && mf_isa >= MF_ISA_AVX512VNNI && (mf_vecdot_avx512[type] || mf_vecdot4_avx512[type])) {
+        if (mf_vecdot_avx512[type]) c.vd = mf_vecdot_avx512[type];
+        c.vd4 = mf_vecdot4_avx512[type];
+        c.xfmt = mf_xfmt_avx512[type];
+        c.xs = c.xfmt == XF_Q8_256 ? (size_t)(cols / 256) * sizeof(mf_q8_256) : (size_t)(cols / 32) * sizeof(mf_q8_32);
+    }
     if (p->fn == mm_task_vec) {
         /* decode streams W once: tasks of ~MF_VEC_TASK_BYTES contiguous bytes (at most one
          * share per thread). Small interleaved tiles defeat the hardware prefetchers: with

@@ -1,0 +1,242 @@
+/* AVX-512 VNNI decode vec-dots (Ice Lake and later: F/BW/VL/VNNI/VBMI), one W row against
+ * one prepared X row, 64 weights per 512-bit step.
+ *
+ * K-quants x Q8_256: a 32-byte chunk of packed quants is broadcast to both 256-bit halves by
+ * the load itself and one per-half variable shift + mask gives 64 weights in element order,
+ * so X is read in its natural order (one aligned 64-byte load). vpmaddubsw makes the u8 x s8
+ * pair sums, vpdpwssd multiplies them by the sub-block scales and accumulates in int32 (the
+ * AVX2 path needs madd + add + a scale shuffle for that): exact integer block sums, then one
+ * float FMA per block as in the AVX2 kernels (only the float summation order differs).
+ *
+ * 32-element types x Q8_32P (a row of X as all blocks' 32 int8 values, then per-block
+ * dx expanded to 8 lanes, then -8 * the sums of each 4 values, see mf_quantize_q8_32p): two
+ * blocks per 512-bit step; one unaligned 64-byte load of W covers both blocks (18- or 34-byte
+ * blocks) and one vpermb puts their quants (and another their scales) in place; vpdpbusd
+ * accumulates u8 x s8 into an accumulator that starts at the offset term. */
+#include "quant_common.h"
+
+#include <immintrin.h>
+#include <string.h>
+
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx512dq,avx2,fma,f16c")))
+
+/* Q4_K/Q5_K 12-byte scales -> sc[0..7] in bytes 0..7, mins in bytes 8..15 (ggml's packing) */
+static inline void k4_scales(const uint8_t *q, uint32_t u[4]) {
+    memcpy(u, q, 12);
+    const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+    uint32_t mins_lo = u[1] & k1;
+    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+    u[2] = mins_lo;
+    u[0] &= k1;
+}
+/* lane j: mins[j] * (bsums[2j] + bsums[2j+1]), mins = bytes 8..15 of u (no horizontal sum:
+ * the caller accumulates the 8 lanes in float and sums once per row) */
+VNNI static inline __m256i k4_minlanes(const uint32_t u[4], const int16_t *bsums) {
+    const __m128i m8 = _mm_cvtsi64_si128((int64_t)((uint64_t)u[3] << 32 | u[2]));
+    const __m256i m16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8)); /* each min twice */
+    return _mm256_madd_epi16(m16, _mm256_loadu_si256((const __m256i *)bsums));
+}
+/* words 0..15 = index a, 16..31 = index b (a vpermw selector) */
+VNNI static inline __m512i sel2(int a, int b) {
+    return _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_set1_epi8((char)b), _mm_set1_epi8((char)a)));
+}
+/* words 8i..8i+7 = index a + i, i < 4 */
+VNNI static inline __m512i sel4(int a) {
+    return _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_set_epi64x(0x0303030303030303 + a * 0x0101010101010101LL,
+                                                                0x0202020202020202 + a * 0x0101010101010101LL),
+                                                 _mm_set_epi64x(0x0101010101010101 + a * 0x0101010101010101LL,
+                                                                a * 0x0101010101010101LL)));
+}
+/* 32 bytes at p in both 256-bit halves */
+VNNI static inline __m512i bcast32(const uint8_t *p) {
+    return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p));
+}
+/* (A & C) | B */
+#define OR_AND(A, B, C) _mm512_ternarylogic_epi32((A), (B), (C), 0xEC)
+
+/* ---------------- K-quants x Q8_256 ---------------- */
+
+VNNI static float vd_q4_k(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_256 *x = xv;
+    __m512 acc = _mm512_setzero_ps();
+    __m256 accm = _mm256_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(0xF), sh = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
+    for (int64_t b = 0; b < nb; b++, w += 144) {
+        uint32_t u[4];
+        k4_scales(w + 4, u);
+        const __m256i mlanes = k4_minlanes(u, x[b].bsums);
+        const __m512i sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)((uint64_t)u[1] << 32 | u[0]))));
+        const uint8_t *qs = w + 16;
+        const int8_t *y = x[b].qs;
+        __m512i s2[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}; /* two chains */
+        for (int j = 0; j < 4; j++) { /* elements 64j..64j+63: low nibbles of chunk j, then high */
+            __m512i q = _mm512_and_si512(_mm512_srlv_epi64(bcast32(qs + 32 * j), sh), m4);
+            __m512i p = _mm512_maddubs_epi16(q, _mm512_loadu_si512((const void *)(y + 64 * j)));
+            s2[j & 1] = _mm512_dpwssd_epi32(s2[j & 1], p, _mm512_permutexvar_epi16(sel2(2 * j, 2 * j + 1), sc));
+        }
+        const __m512i sumi = _mm512_add_epi32(s2[0], s2[1]);
+        int32_t h;
+        memcpy(&h, w, 4);
+        const __m128 dm = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(h)), _mm_set1_ps(x[b].d)); /* d*dx, dmin*dx */
+        acc = _mm512_fmadd_ps(_mm512_broadcastss_ps(dm), _mm512_cvtepi32_ps(sumi), acc);
+        accm = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)), _mm256_cvtepi32_ps(mlanes), accm);
+    }
+    return _mm512_reduce_add_ps(_mm512_sub_ps(acc, _mm512_zextps256_ps512(accm)));
+}
+
+VNNI static float vd_q5_k(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_256 *x = xv;
+    __m512 acc = _mm512_setzero_ps();
+    __m256 accm = _mm256_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(0xF), b4 = _mm512_set1_epi8(0x10);
+    const __m512i sh = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
+    for (int64_t b = 0; b < nb; b++, w += 176) {
+        uint32_t u[4];
+        k4_scales(w + 4, u);
+        const __m256i mlanes = k4_minlanes(u, x[b].bsums);
+        const __m512i sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)((uint64_t)u[1] << 32 | u[0]))));
+        const uint8_t *qs = w + 48;
+        const __m512i qh = bcast32(w + 16);
+        const int8_t *y = x[b].qs;
+        __m512i s2[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+        for (int j = 0; j < 4; j++) {
+            /* bit 2j (low half) / 2j+1 (high half) of each qh byte rotated to bit 4 */
+            const __m512i rot = _mm512_set_epi64((3 - 2 * j) & 63, (3 - 2 * j) & 63, (3 - 2 * j) & 63, (3 - 2 * j) & 63,
+                                                 (4 - 2 * j) & 63, (4 - 2 * j) & 63, (4 - 2 * j) & 63, (4 - 2 * j) & 63);
+            __m512i hb = _mm512_and_si512(_mm512_rolv_epi64(qh, rot), b4);
+            __m512i q = OR_AND(_mm512_srlv_epi64(bcast32(qs + 32 * j), sh), hb, m4);
+            __m512i p = _mm512_maddubs_epi16(q, _mm512_loadu_si512((const void *)(y + 64 * j)));
+            s2[j & 1] = _mm512_dpwssd_epi32(s2[j & 1], p, _mm512_permutexvar_epi16(sel2(2 * j, 2 * j + 1), sc));
+        }
+        const __m512i sumi = _mm512_add_epi32(s2[0], s2[1]);
+        int32_t h;
+        memcpy(&h, w, 4);
+        const __m128 dm = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(h)), _mm_set1_ps(x[b].d));
+        acc = _mm512_fmadd_ps(_mm512_broadcastss_ps(dm), _mm512_cvtepi32_ps(sumi), acc);
+        accm = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)), _mm256_cvtepi32_ps(mlanes), accm);
+    }
+    return _mm512_reduce_add_ps(_mm512_sub_ps(acc, _mm512_zextps256_ps512(accm)));
+}
+
+VNNI static float vd_q6_k(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_256 *x = xv;
+    __m512 acc = _mm512_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30);
+    const __m512i shl = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4), shr = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
+    for (int64_t b = 0; b < nb; b++, w += 210) {
+        const __m256i sc8 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 192)));
+        const int corr = _mm512_reduce_add_epi32(_mm512_zextsi256_si512(_mm256_madd_epi16(sc8, _mm256_loadu_si256((const __m256i *)x[b].bsums))));
+        const __m512i sc = _mm512_castsi256_si512(sc8);
+        __m512i s2[2] = {_mm512_zextsi128_si512(_mm_cvtsi32_si128(-32 * corr)), _mm512_setzero_si512()};
+        for (int h = 0; h < 2; h++) {
+            const __m512i ql = _mm512_loadu_si512((const void *)(w + 64 * h));
+            const __m512i qh = bcast32(w + 128 + 32 * h);
+            const int8_t *y = x[b].qs + 128 * h;
+            /* elements 128h + 0..63: low nibbles | qh bits 0-1 (first 32) / 2-3 (next 32) << 4 */
+            __m512i v0 = OR_AND(ql, _mm512_and_si512(_mm512_sllv_epi64(qh, shl), m30), m4);
+            /* elements 128h + 64..127: high nibbles | qh bits 4-5 / 6-7 << 4 */
+            __m512i v1 = OR_AND(_mm512_srli_epi16(ql, 4), _mm512_and_si512(_mm512_srlv_epi64(qh, shr), m30), m4);
+            __m512i p0 = _mm512_maddubs_epi16(v0, _mm512_loadu_si512((const void *)y));
+            __m512i p1 = _mm512_maddubs_epi16(v1, _mm512_loadu_si512((const void *)(y + 64)));
+            s2[h] = _mm512_dpwssd_epi32(s2[h], p0, _mm512_permutexvar_epi16(sel4(8 * h), sc));
+            s2[h] = _mm512_dpwssd_epi32(s2[h], p1, _mm512_permutexvar_epi16(sel4(8 * h + 4), sc));
+        }
+        const __m512i sumi = _mm512_add_epi32(s2[0], s2[1]);
+        uint16_t hd;
+        memcpy(&hd, w + 208, 2);
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(_cvtsh_ss(hd) * x[b].d), _mm512_cvtepi32_ps(sumi), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* ---------------- 32-element types x Q8_32 (256-bit VNNI) ----------------
+ * Per block the work is one 32-byte product and its float scale; vpdpbusd replaces the
+ * maddubs + madd pair, and the 4-row Q4_0 kernel shares X and the scale conversion. */
+
+/* 4 f16 from 4 addresses -> the low 4 halves */
+VNNI static inline __m128i ld4_f16(const uint8_t *p0, const uint8_t *p1, const uint8_t *p2, const uint8_t *p3) {
+    uint16_t h0, h1, h2, h3;
+    memcpy(&h0, p0, 2); memcpy(&h1, p1, 2); memcpy(&h2, p2, 2); memcpy(&h3, p3, 2);
+    return _mm_cvtsi64_si128((int64_t)((uint64_t)h0 | (uint64_t)h1 << 16 | (uint64_t)h2 << 32 | (uint64_t)h3 << 48));
+}
+VNNI static inline __m128 hsum4_ps(__m256 a, __m256 b, __m256 c, __m256 d) {
+    __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+    __m256 s = _mm256_hadd_ps(ab, cd);
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+/* Q4_0, 4 rows: w = d (q - 8); the -8 d s_x term as one 4-lane FMA per block */
+VNNI static void vd4_q4_0(const uint8_t *w, size_t rb, const void *xv, int64_t nb, float *out) {
+    const mf_q8_32 *x = xv;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m128 cacc = _mm_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0xF), sh = _mm256_set_epi64x(4, 4, 0, 0);
+    const __m128 m8 = _mm_set1_ps(-8.0f);
+    const uint8_t *w0 = w, *w1 = w + rb, *w2 = w + 2 * rb, *w3 = w + 3 * rb;
+    float sc[4];
+    for (int64_t b = 0; b < nb; b++, w0 += 18, w1 += 18, w2 += 18, w3 += 18) {
+        const __m256i y = _mm256_loadu_si256((const __m256i *)x[b].qs);
+        const __m128 d4 = _mm_cvtph_ps(ld4_f16(w0, w1, w2, w3));
+        _mm_storeu_ps(sc, _mm_mul_ps(d4, _mm_set1_ps(x[b].d)));
+        cacc = _mm_fmadd_ps(_mm_mul_ps(d4, m8), _mm_set1_ps(x[b].s), cacc);
+#define Q40_ROW(W, A, I)                                                                            \
+        {                                                                                           \
+            __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)((W) + 2)));  \
+            q = _mm256_and_si256(_mm256_srlv_epi64(q, sh), m4);                                     \
+            const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, y);                   \
+            A = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + I), _mm256_cvtepi32_ps(p), A);              \
+        }
+        Q40_ROW(w0, a0, 0) Q40_ROW(w1, a1, 1) Q40_ROW(w2, a2, 2) Q40_ROW(w3, a3, 3)
+#undef Q40_ROW
+    }
+    _mm_storeu_ps(out, _mm_add_ps(hsum4_ps(a0, a1, a2, a3), cacc));
+}
+
+/* Q8_0: w + 128 is unsigned (one xor), so vpdpbusd applies; the 128 * d * s_x it adds is
+ * taken off in float once per row */
+VNNI static float vd_q8_0(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_32 *x = xv;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float c0 = 0, c1 = 0;
+    const __m256i k80 = _mm256_set1_epi8((char)0x80);
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2, w += 68) {
+        uint16_t h0, h1;
+        memcpy(&h0, w, 2); memcpy(&h1, w + 34, 2);
+        const float d0 = _cvtsh_ss(h0), d1 = _cvtsh_ss(h1);
+        __m256i q0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + 2)), k80);
+        __m256i q1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + 36)), k80);
+        __m256i p0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q0, _mm256_loadu_si256((const __m256i *)x[b].qs));
+        __m256i p1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q1, _mm256_loadu_si256((const __m256i *)x[b + 1].qs));
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0 * x[b].d), _mm256_cvtepi32_ps(p0), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d1 * x[b + 1].d), _mm256_cvtepi32_ps(p1), acc1);
+        c0 += d0 * x[b].s;
+        c1 += d1 * x[b + 1].s;
+    }
+    for (; b < nb; b++, w += 34) {
+        uint16_t h0;
+        memcpy(&h0, w, 2);
+        const float d0 = _cvtsh_ss(h0);
+        __m256i q0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + 2)), k80);
+        __m256i p0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q0, _mm256_loadu_si256((const __m256i *)x[b].qs));
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0 * x[b].d), _mm256_cvtepi32_ps(p0), acc0);
+        c0 += d0 * x[b].s;
+    }
+    __m256 a = _mm256_add_ps(acc0, acc1);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s) - 128.0f * (c0 + c1);
+}
+
+mf_vecdot4_fn mf_vecdot4_avx512[T_MAX] = {[T_Q4_0] = vd4_q4_0};
+
+mf_vecdot_fn mf_vecdot_avx512[T_MAX] = {
+    [T_Q8_0] = vd_q8_0,
+    [T_Q4_K] = vd_q4_k, [T_Q5_K] = vd_q5_k, [T_Q6_K] = vd_q6_k,
+};
+int mf_xfmt_avx512[T_MAX] = {
+    [T_Q4_0] = XF_Q8_32, [T_Q8_0] = XF_Q8_32,
+    [T_Q4_K] = XF_Q8_256, [T_Q5_K] = XF_Q8_256, [T_Q6_K] = XF_Q8_256,
+};
