@@ -160,6 +160,13 @@ VNNI static inline __m128i ld4_f16(const uint8_t *p0, const uint8_t *p1, const u
     memcpy(&h0, p0, 2); memcpy(&h1, p1, 2); memcpy(&h2, p2, 2); memcpy(&h3, p3, 2);
     return _mm_cvtsi64_si128((int64_t)((uint64_t)h0 | (uint64_t)h1 << 16 | (uint64_t)h2 << 32 | (uint64_t)h3 << 48));
 }
+/* the same reduction order as simd_x86.h's hsum_ps (bit-identical sums) */
+VNNI static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
 VNNI static inline __m128 hsum4_ps(__m256 a, __m256 b, __m256 c, __m256 d) {
     __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
     __m256 s = _mm256_hadd_ps(ab, cd);
@@ -231,6 +238,112 @@ VNNI static float vd_q8_0(const uint8_t *w, const void *xv, int64_t nb) {
 }
 
 mf_vecdot4_fn mf_vecdot4_avx512[T_MAX] = {[T_Q4_0] = vd4_q4_0};
+
+/* ---------------- prefill, K-quants: the AVX2 kernels (quant_avx2.c) with vpdpwssd ---------
+ * madd(maddubs(q, y), sv) + add becomes dpwssd(acc, maddubs(q, y), sv): the same exact int32
+ * sums, so the results are bit-identical to the AVX2 kernels (tests/test_native_quant.py). */
+#define KDOT(M)                                                                                        \
+    VNNI static void kdot##M(const mf_kblk *w, int64_t nb, const uint8_t *xb, size_t xs, float *out) { \
+        __m256 acc[M];                                                                                 \
+        for (int i = 0; i < M; i++) acc[i] = _mm256_setzero_ps();                                      \
+        for (int64_t b = 0; b < nb; b++) {                                                             \
+            const mf_kblk *k = w + b;                                                                  \
+            const mf_q8_256 *x[M];                                                                     \
+            __m256i s[M];                                                                              \
+            for (int i = 0; i < M; i++) {                                                              \
+                x[i] = (const mf_q8_256 *)(xb + i * xs) + b;                                           \
+                s[i] = _mm256_setzero_si256();                                                         \
+            }                                                                                          \
+            for (int c = 0; c < 8; c++) {                                                              \
+                __m256i q = _mm256_loadu_si256((const __m256i *)(k->q + 32 * c));                      \
+                __m256i sv = _mm256_loadu_si256((const __m256i *)k->sv[c]);                            \
+                for (int i = 0; i < M; i++)                                                            \
+                    s[i] = _mm256_dpwssd_epi32(s[i], _mm256_maddubs_epi16(q,                           \
+                               _mm256_loadu_si256((const __m256i *)(x[i]->qs + 32 * c))), sv);         \
+            }                                                                                          \
+            __m256i cc = _mm256_loadu_si256((const __m256i *)k->cc);                                   \
+            __m256 d = _mm256_set1_ps(k->d), dc = _mm256_set1_ps(k->dc);                               \
+            for (int i = 0; i < M; i++) {                                                              \
+                __m256i cr = _mm256_madd_epi16(cc, _mm256_loadu_si256((const __m256i *)x[i]->bsums));  \
+                __m256 t = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s[i]), _mm256_mul_ps(dc, _mm256_cvtepi32_ps(cr))); \
+                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(x[i]->d), t, acc[i]);                          \
+            }                                                                                          \
+        }                                                                                              \
+        for (int i = 0; i < M; i++) out[i] = hsum8(acc[i]);                                            \
+    }
+KDOT(4)
+KDOT(1)
+
+VNNI static void kdot2x4(const mf_kblk *w0, const mf_kblk *w1, int64_t nb, const uint8_t *xb, size_t xs,
+                         float *out0, float *out1) {
+    __m256 a0[4], a1[4];
+    for (int i = 0; i < 4; i++) a0[i] = a1[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const mf_kblk *k0 = w0 + b, *k1 = w1 + b;
+        const mf_q8_256 *x[4];
+        __m256i s0[4], s1[4];
+        for (int i = 0; i < 4; i++) {
+            x[i] = (const mf_q8_256 *)(xb + i * xs) + b;
+            s0[i] = s1[i] = _mm256_setzero_si256();
+        }
+        for (int c = 0; c < 8; c++) {
+            const __m256i q0 = _mm256_loadu_si256((const __m256i *)(k0->q + 32 * c));
+            const __m256i q1 = _mm256_loadu_si256((const __m256i *)(k1->q + 32 * c));
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)k0->sv[c]);
+            const __m256i v1 = _mm256_loadu_si256((const __m256i *)k1->sv[c]);
+            for (int i = 0; i < 4; i++) {
+                const __m256i y = _mm256_loadu_si256((const __m256i *)(x[i]->qs + 32 * c));
+                s0[i] = _mm256_dpwssd_epi32(s0[i], _mm256_maddubs_epi16(q0, y), v0);
+                s1[i] = _mm256_dpwssd_epi32(s1[i], _mm256_maddubs_epi16(q1, y), v1);
+            }
+        }
+        const __m256i cc0 = _mm256_loadu_si256((const __m256i *)k0->cc), cc1 = _mm256_loadu_si256((const __m256i *)k1->cc);
+        const __m256 d0 = _mm256_set1_ps(k0->d), dc0 = _mm256_set1_ps(k0->dc);
+        const __m256 d1 = _mm256_set1_ps(k1->d), dc1 = _mm256_set1_ps(k1->dc);
+        for (int i = 0; i < 4; i++) {
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)x[i]->bsums);
+            const __m256 dx = _mm256_set1_ps(x[i]->d);
+            __m256 t0 = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(s0[i]), _mm256_mul_ps(dc0, _mm256_cvtepi32_ps(_mm256_madd_epi16(cc0, bs))));
+            __m256 t1 = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(s1[i]), _mm256_mul_ps(dc1, _mm256_cvtepi32_ps(_mm256_madd_epi16(cc1, bs))));
+            a0[i] = _mm256_fmadd_ps(dx, t0, a0[i]);
+            a1[i] = _mm256_fmadd_ps(dx, t1, a1[i]);
+        }
+    }
+    for (int i = 0; i < 4; i++) {
+        out0[i] = hsum8(a0[i]);
+        out1[i] = hsum8(a1[i]);
+    }
+}
+
+VNNI void mf_kdot_avx512(const mf_kblk *w, int64_t nb, const uint8_t *x, size_t xs, int64_t m, float *out, int64_t ostride) {
+    int64_t i = 0;
+    float o[4];
+    for (; i + 4 <= m; i += 4) {
+        kdot4(w, nb, x + i * xs, xs, o);
+        for (int k = 0; k < 4; k++) out[(i + k) * ostride] = o[k];
+    }
+    for (; i < m; i++) {
+        kdot1(w, nb, x + i * xs, xs, o);
+        out[i * ostride] = o[0];
+    }
+}
+
+VNNI void mf_kdot2_avx512(const mf_kblk *w0, const mf_kblk *w1, int64_t nb, const uint8_t *x, size_t xs,
+                          int64_t m, float *out0, float *out1, int64_t ostride) {
+    int64_t i = 0;
+    float o0[4], o1[4];
+    for (; i + 4 <= m; i += 4) {
+        kdot2x4(w0, w1, nb, x + i * xs, xs, o0, o1);
+        for (int k = 0; k < 4; k++) {
+            out0[(i + k) * ostride] = o0[k];
+            out1[(i + k) * ostride] = o1[k];
+        }
+    }
+    if (i < m) {
+        mf_kdot_avx512(w0, nb, x + i * xs, xs, m - i, out0 + i * ostride, ostride);
+        mf_kdot_avx512(w1, nb, x + i * xs, xs, m - i, out1 + i * ostride, ostride);
+    }
+}
 
 mf_vecdot_fn mf_vecdot_avx512[T_MAX] = {
     [T_Q8_0] = vd_q8_0,

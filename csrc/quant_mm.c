@@ -132,15 +132,16 @@ static void mm_task_kblk(void *p, int64_t t) {
     int bytes = mf_qtypes[c->type].bytes;
     for (int64_t r = r0; r < r1; r++)
         for (int64_t b = 0; b < c->nb; b++) up(c->w + r * c->rb + b * bytes, tl_kb + (r - r0) * c->nb + b);
+    const int vnni = mf_isa >= MF_ISA_AVX512VNNI; /* same bits, fewer instructions */
     for (int64_t i0 = 0; i0 < c->n; i0 += XT2) {
         int64_t m = c->n - i0 < XT2 ? c->n - i0 : XT2;
         int64_t r = r0;
         for (; r + 2 <= r1; r += 2) /* W row pairs: each X load serves two rows */
-            mf_kdot2_avx2(tl_kb + (r - r0) * c->nb, tl_kb + (r + 1 - r0) * c->nb, c->nb,
+            (vnni ? mf_kdot2_avx512 : mf_kdot2_avx2)(tl_kb + (r - r0) * c->nb, tl_kb + (r + 1 - r0) * c->nb, c->nb,
                           c->xq + (size_t)i0 * c->xs, c->xs, m, c->y + i0 * c->rows + r,
                           c->y + i0 * c->rows + r + 1, c->rows);
         for (; r < r1; r++)
-            mf_kdot_avx2(tl_kb + (r - r0) * c->nb, c->nb, c->xq + (size_t)i0 * c->xs, c->xs, m,
+            (vnni ? mf_kdot_avx512 : mf_kdot_avx2)(tl_kb + (r - r0) * c->nb, c->nb, c->xq + (size_t)i0 * c->xs, c->xs, m,
                          c->y + i0 * c->rows + r, c->rows);
     }
 }

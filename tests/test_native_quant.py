@@ -165,3 +165,25 @@ def test_bad_shapes_raise():
         _native.dequantize(9, W, 32, np.empty(32, np.float32))  # Q8_1: no kernel
     with pytest.raises(TypeError, match="float32"):
         _native.matmul(t.id, W, 2, 256, np.zeros((1, 256), np.float32), 1, np.empty((1, 2), np.float64))
+
+
+@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_kquant_prefill_vnni_bit_identical_to_avx2(name):
+    # the VNNI prefill kernels only fuse madd + add into vpdpwssd (exact int32 sums)
+    if ISAS.index(_native.isa_hw()) < ISAS.index("avx512vnni"):
+        pytest.skip("CPU lacks avx512vnni")
+    t = BY_NAME[name]
+    rng = np.random.default_rng(500 + t.id)
+    rows, cols = 37, 512
+    w = QTensor("w", t, (rows, cols), random_blocks(t, rows * cols, rng))
+    before = _native.isa()
+    try:
+        for n in (4, 7, 33):
+            x = rng.standard_normal((n, cols)).astype(np.float32)
+            got = {}
+            for isa in ("avx2", "avx512vnni"):
+                _native.set_isa(isa)
+                got[isa] = nat.matmul(x, w)
+            np.testing.assert_array_equal(got["avx2"], got["avx512vnni"], err_msg=f"{name} n={n}")
+    finally:
+        _native.set_isa(before)
