@@ -150,6 +150,44 @@ VNNI static float vd_q6_k(const uint8_t *w, const void *xv, int64_t nb) {
     return _mm512_reduce_add_ps(acc);
 }
 
+/* Q3_K: element e = 128c + 32s + l is ((qs[32c + l] >> 2s) & 3) | 4 * (bit e/32 of hmask[l]),
+ * minus 4 (taken off as -4 * sum_i sc_i * bsums_i); 16 6-bit scales unpacked in registers. */
+VNNI static float vd_q3_k(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_256 *x = xv;
+    __m512 acc = _mm512_setzero_ps();
+    const __m512i m3 = _mm512_set1_epi8(3), b2 = _mm512_set1_epi8(4);
+    for (int64_t b = 0; b < nb; b++, w += 110) {
+        uint32_t a[3], u[4];
+        memcpy(a, w + 96, 12);
+        const uint32_t k1 = 0x03030303, k2 = 0x0f0f0f0f;
+        u[0] = (a[0] & k2) | ((a[2] & k1) << 4);
+        u[1] = (a[1] & k2) | (((a[2] >> 2) & k1) << 4);
+        u[2] = ((a[0] >> 4) & k2) | (((a[2] >> 4) & k1) << 4);
+        u[3] = ((a[1] >> 4) & k2) | (((a[2] >> 6) & k1) << 4);
+        const __m128i s8 = _mm_sub_epi8(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]), _mm_set1_epi8(32));
+        const __m256i sc16 = _mm256_cvtepi8_epi16(s8);
+        const int corr = _mm512_reduce_add_epi32(_mm512_zextsi256_si512(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)x[b].bsums))));
+        const __m512i sc = _mm512_castsi256_si512(sc16);
+        const __m512i hm = bcast32(w);
+        __m512i s2[2] = {_mm512_zextsi128_si512(_mm_cvtsi32_si128(-4 * corr)), _mm512_setzero_si512()};
+        for (int k = 0; k < 4; k++) { /* elements 64k..64k+63: c = k/2, s = 2(k%2) and 2(k%2)+1 */
+            const int s0 = 2 * (k & 1);
+            const __m512i shq = _mm512_set_epi64(2 * s0 + 2, 2 * s0 + 2, 2 * s0 + 2, 2 * s0 + 2, 2 * s0, 2 * s0, 2 * s0, 2 * s0);
+            /* hmask bit 2k (low half) / 2k+1 (high half) rotated to bit 2 */
+            const __m512i rot = _mm512_set_epi64((1 - 2 * k) & 63, (1 - 2 * k) & 63, (1 - 2 * k) & 63, (1 - 2 * k) & 63,
+                                                 (2 - 2 * k) & 63, (2 - 2 * k) & 63, (2 - 2 * k) & 63, (2 - 2 * k) & 63);
+            __m512i h = _mm512_and_si512(_mm512_rolv_epi64(hm, rot), b2);
+            __m512i q = OR_AND(_mm512_srlv_epi64(bcast32(w + 32 + 32 * (k >> 1)), shq), h, m3);
+            __m512i p = _mm512_maddubs_epi16(q, _mm512_loadu_si512((const void *)(x[b].qs + 64 * k)));
+            s2[k & 1] = _mm512_dpwssd_epi32(s2[k & 1], p, _mm512_permutexvar_epi16(sel4(4 * k), sc));
+        }
+        uint16_t hd;
+        memcpy(&hd, w + 108, 2);
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(_cvtsh_ss(hd) * x[b].d), _mm512_cvtepi32_ps(_mm512_add_epi32(s2[0], s2[1])), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
 /* ---------------- 32-element types x Q8_32 (256-bit VNNI) ----------------
  * Per block the work is one 32-byte product and its float scale; vpdpbusd replaces the
  * maddubs + madd pair, and the 4-row Q4_0 kernel shares X and the scale conversion. */
@@ -346,10 +384,10 @@ VNNI void mf_kdot2_avx512(const mf_kblk *w0, const mf_kblk *w1, int64_t nb, cons
 }
 
 mf_vecdot_fn mf_vecdot_avx512[T_MAX] = {
-    [T_Q8_0] = vd_q8_0,
+    [T_Q8_0] = vd_q8_0, [T_Q3_K] = vd_q3_k,
     [T_Q4_K] = vd_q4_k, [T_Q5_K] = vd_q5_k, [T_Q6_K] = vd_q6_k,
 };
 int mf_xfmt_avx512[T_MAX] = {
-    [T_Q4_0] = XF_Q8_32, [T_Q8_0] = XF_Q8_32,
+    [T_Q4_0] = XF_Q8_32, [T_Q8_0] = XF_Q8_32, [T_Q3_K] = XF_Q8_256,
     [T_Q4_K] = XF_Q8_256, [T_Q5_K] = XF_Q8_256, [T_Q6_K] = XF_Q8_256,
 };
