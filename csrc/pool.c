@@ -8,6 +8,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -105,6 +106,8 @@ typedef struct {
     void *ctx;
     int64_t n;
     atomic_int_fast64_t next;
+    int ranged, nranges; /* mf_parallel_for_ranged: one contiguous range of tasks per thread */
+    struct { _Alignas(64) atomic_uint_fast64_t v; } rng[MF_MAX_THREADS]; /* (back << 32) | front */
 } job_t;
 
 static struct {
@@ -122,6 +125,7 @@ static struct {
        .wake = PTHREAD_COND_INITIALIZER};
 
 static _Thread_local int in_task;
+static _Thread_local int tl_tid; /* 0: the calling thread, i + 1: worker i */
 static int n_threads = 1;
 
 /* Profile counters (memfit bench --profile), only touched while mf_prof_on: pool jobs, their
@@ -135,15 +139,37 @@ int64_t mf_now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
+/* Ranged jobs: a thread takes tasks from the front of its own range (so it streams one
+ * contiguous stretch of memory), then steals from the back of the others' ranges. */
+static void run_ranged(job_t *j) {
+    const int R = j->nranges, own = tl_tid % R;
+    for (int k = 0; k < R; k++) {
+        const int r = (own + k) % R;
+        uint_fast64_t v = atomic_load_explicit(&j->rng[r].v, memory_order_relaxed);
+        for (;;) {
+            const uint64_t f = v & 0xffffffffu, b = v >> 32;
+            if (f >= b) break;
+            const uint64_t nv = k == 0 ? (b << 32) | (f + 1) : ((b - 1) << 32) | f;
+            if (!atomic_compare_exchange_weak_explicit(&j->rng[r].v, &v, nv, memory_order_relaxed,
+                                                       memory_order_relaxed))
+                continue; /* v reloaded */
+            j->fn(j->ctx, (int64_t)(k == 0 ? f : b - 1));
+            v = atomic_load_explicit(&j->rng[r].v, memory_order_relaxed);
+        }
+    }
+}
+
 static void run_job(job_t *j) {
     in_task = 1;
     const int prof = mf_prof_on;
     int64_t t0 = prof ? mf_now_ns() : 0;
-    for (;;) {
-        int64_t i = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
-        if (i >= j->n) break;
-        j->fn(j->ctx, i);
-    }
+    if (j->ranged) run_ranged(j);
+    else
+        for (;;) {
+            int64_t i = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+            if (i >= j->n) break;
+            j->fn(j->ctx, i);
+        }
     if (prof) atomic_fetch_add_explicit(&prof_busy_ns, mf_now_ns() - t0, memory_order_relaxed);
     in_task = 0;
 }
@@ -158,7 +184,7 @@ static inline void cpu_relax(void) {
  * only ever waits for workers that are really inside the job: a worker the OS has not yet
  * scheduled costs nothing (important when cores are oversubscribed). */
 static void *worker(void *arg) {
-    (void)arg;
+    tl_tid = (int)(intptr_t)arg;
     unsigned seen = 0;
     for (;;) {
         unsigned g = atomic_load_explicit(&P.gen, memory_order_acquire);
@@ -206,7 +232,7 @@ static int pool_start(int threads) {
     if (threads > MF_MAX_THREADS) threads = MF_MAX_THREADS;
     P.n_workers = 0;
     for (int i = 0; i < threads - 1; i++) {
-        if (pthread_create(&P.tid[i], NULL, worker, NULL) != 0) break;
+        if (pthread_create(&P.tid[i], NULL, worker, (void *)(intptr_t)(i + 1)) != 0) break;
         P.n_workers++;
     }
     P.started = 1;
@@ -236,7 +262,15 @@ void mf_init_pool(void) {
 
 int mf_n_threads(void) { return n_threads; }
 
-void mf_parallel_for(int64_t n, mf_task_fn fn, void *ctx) {
+static void parallel_for(int64_t n, mf_task_fn fn, void *ctx, int ranged);
+void mf_parallel_for(int64_t n, mf_task_fn fn, void *ctx) { parallel_for(n, fn, ctx, 0); }
+/* As mf_parallel_for, but thread k first runs tasks [n k / T, n (k + 1) / T) in order (T
+ * threads), then helps the others from the back of their ranges: for tasks that are
+ * consecutive stretches of one stream (decode matvec rows), each thread reads memory in one
+ * ascending sweep instead of jumping every task. Which thread runs a task never changes it. */
+void mf_parallel_for_ranged(int64_t n, mf_task_fn fn, void *ctx) { parallel_for(n, fn, ctx, 1); }
+
+static void parallel_for(int64_t n, mf_task_fn fn, void *ctx, int ranged) {
     if (n <= 0) return;
     if (n == 1 || in_task || P.n_workers == 0) {
         if (mf_prof_on && !in_task) atomic_fetch_add_explicit(&prof_inline, 1, memory_order_relaxed);
@@ -252,6 +286,14 @@ void mf_parallel_for(int64_t n, mf_task_fn fn, void *ctx) {
     P.job.ctx = ctx;
     P.job.n = n;
     atomic_store_explicit(&P.job.next, 0, memory_order_relaxed);
+    P.job.ranged = ranged && n < ((int64_t)1 << 32);
+    if (P.job.ranged) {
+        const int R = P.n_workers + 1;
+        P.job.nranges = R;
+        for (int r = 0; r < R; r++)
+            atomic_store_explicit(&P.job.rng[r].v, ((uint64_t)(n * (r + 1) / R) << 32) | (uint64_t)(n * r / R),
+                                  memory_order_relaxed);
+    }
     pthread_mutex_lock(&P.mu);
     atomic_fetch_add_explicit(&P.gen, 1, memory_order_seq_cst); /* even: published */
     pthread_cond_broadcast(&P.wake);

@@ -306,13 +306,17 @@ static int matmul_multi(int k, const int *types, const uint8_t *const *ws, const
         if (p[j].c.xfmt != XF_F32) need_fmt[p[j].c.xfmt] = 1;
     }
     if (n == 0 || m.off[k] == 0) return 0;
+    /* decode: every thread sweeps one ascending stretch of the weights (see pool.c) */
+    int vec = 1;
+    for (int j = 0; j < k; j++) vec &= p[j].fn == mm_task_vec;
+    void (*pfor)(int64_t, mf_task_fn, void *) = vec ? mf_parallel_for_ranged : mf_parallel_for;
     size_t sz[3] = {0, 0, 0}, at[3] = {0, 0, 0}, total = 0;
     if (need_fmt[XF_Q8_32]) sz[XF_Q8_32] = (size_t)(cols / 32) * sizeof(mf_q8_32) * (size_t)n;
     if (need_fmt[XF_Q8_256]) sz[XF_Q8_256] = (size_t)(cols / 256) * sizeof(mf_q8_256) * (size_t)n;
     at[XF_Q8_256] = (sz[XF_Q8_32] + 63) & ~(size_t)63;
     total = at[XF_Q8_256] + sz[XF_Q8_256];
     if (total == 0) {
-        mf_parallel_for(m.off[k], multi_task, &m);
+        pfor(m.off[k], multi_task, &m);
         return 0;
     }
     pthread_mutex_lock(&xq_lock);
@@ -331,7 +335,7 @@ static int matmul_multi(int k, const int *types, const uint8_t *const *ws, const
         for (int i = 0; i < k; i++)
             if (p[i].c.xfmt == f) p[i].c.xq = xq_buf + at[f];
     }
-    mf_parallel_for(m.off[k], multi_task, &m);
+    pfor(m.off[k], multi_task, &m);
     pthread_mutex_unlock(&xq_lock);
     return 0;
 }
