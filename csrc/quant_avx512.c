@@ -275,7 +275,81 @@ VNNI static float vd_q8_0(const uint8_t *w, const void *xv, int64_t nb) {
     return _mm_cvtss_f32(s) - 128.0f * (c0 + c1);
 }
 
-mf_vecdot4_fn mf_vecdot4_avx512[T_MAX] = {[T_Q4_0] = vd4_q4_0};
+/* 32 bits -> 32 bytes, 0xFF where the bit is set: one mask op */
+VNNI static inline __m256i bits32(const uint8_t *p) {
+    uint32_t x;
+    memcpy(&x, p, 4);
+    return _mm256_movm_epi8((__mmask32)x);
+}
+
+/* Q5_0, 4 rows: as the AVX2 vd4_q5_0 (same lanes and float order, so the same bits) with
+ * vpdpbusd and the 5th bits from one mask move */
+VNNI static void vd4_q5_0(const uint8_t *w, size_t rb, const void *xv, int64_t nb, float *out) {
+    const mf_q8_32 *x = xv;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m128 cacc = _mm_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0xF), b4 = _mm256_set1_epi8(0x10), sh = _mm256_set_epi64x(4, 4, 0, 0);
+    const __m128 m16 = _mm_set1_ps(-16.0f);
+    const uint8_t *w0 = w, *w1 = w + rb, *w2 = w + 2 * rb, *w3 = w + 3 * rb;
+    float sc[4];
+    for (int64_t b = 0; b < nb; b++, w0 += 22, w1 += 22, w2 += 22, w3 += 22) {
+        const __m256i y = _mm256_loadu_si256((const __m256i *)x[b].qs);
+        const __m128 d4 = _mm_cvtph_ps(ld4_f16(w0, w1, w2, w3));
+        _mm_storeu_ps(sc, _mm_mul_ps(d4, _mm_set1_ps(x[b].d)));
+        cacc = _mm_fmadd_ps(_mm_mul_ps(d4, m16), _mm_set1_ps(x[b].s), cacc);
+#define Q50_ROW(W, A, I)                                                                            \
+        {                                                                                           \
+            __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)((W) + 6)));  \
+            q = _mm256_ternarylogic_epi32(_mm256_srlv_epi64(q, sh), _mm256_and_si256(bits32((W) + 2), b4), m4, 0xEC); \
+            const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, y);                   \
+            A = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + I), _mm256_cvtepi32_ps(p), A);              \
+        }
+        Q50_ROW(w0, a0, 0) Q50_ROW(w1, a1, 1) Q50_ROW(w2, a2, 2) Q50_ROW(w3, a3, 3)
+#undef Q50_ROW
+    }
+    _mm_storeu_ps(out, _mm_add_ps(hsum4_ps(a0, a1, a2, a3), cacc));
+}
+
+/* Q4_1 / Q5_1, 4 rows: w = d q + m, as the AVX2 vd4_q4_1 (same bits) with vpdpbusd */
+#define VD4_Q41(NAME, BYTES, QOFF, HIBITS)                                                          \
+    VNNI static void NAME(const uint8_t *w, size_t rb, const void *xv, int64_t nb, float *out) {   \
+        const mf_q8_32 *x = xv;                                                                    \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, macc = a0;                     \
+        const __m256i m4 = _mm256_set1_epi8(0xF), b4 = _mm256_set1_epi8(0x10);                     \
+        const __m256i sh = _mm256_set_epi64x(4, 4, 0, 0);                                          \
+        const __m256i i0 = _mm256_set1_epi32(0), i1 = _mm256_set1_epi32(2);                        \
+        const __m256i i2 = _mm256_set1_epi32(4), i3 = _mm256_set1_epi32(6);                        \
+        const uint8_t *w0 = w, *w1 = w + rb, *w2 = w + 2 * rb, *w3 = w + 3 * rb;                   \
+        (void)b4;                                                                                  \
+        for (int64_t b = 0; b < nb; b++, w0 += BYTES, w1 += BYTES, w2 += BYTES, w3 += BYTES) {     \
+            const __m256i y = _mm256_loadu_si256((const __m256i *)x[b].qs);                        \
+            const __m256 xs = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)&x[b]));        \
+            int32_t h0, h1, h2, h3;                                                                \
+            memcpy(&h0, w0, 4); memcpy(&h1, w1, 4); memcpy(&h2, w2, 4); memcpy(&h3, w3, 4);        \
+            const __m256 dm = _mm256_cvtph_ps(_mm_setr_epi32(h0, h1, h2, h3));                     \
+            const __m256 sc = _mm256_mul_ps(dm, xs);                                               \
+            macc = _mm256_fmadd_ps(dm, xs, macc);                                                  \
+            Q41_ROW(w0, a0, i0, QOFF, HIBITS) Q41_ROW(w1, a1, i1, QOFF, HIBITS) \
+            Q41_ROW(w2, a2, i2, QOFF, HIBITS) Q41_ROW(w3, a3, i3, QOFF, HIBITS)        \
+        }                                                                                          \
+        const __m128 c = _mm256_castps256_ps128(_mm256_permutevar8x32_ps(macc, _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7))); \
+        _mm_storeu_ps(out, _mm_add_ps(hsum4_ps(a0, a1, a2, a3), c));                               \
+    }
+#define Q41_ROW(W, A, I, QOFF, HIBITS)                                                                          \
+    {                                                                                               \
+        __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)((W) + QOFF)));   \
+        q = _mm256_and_si256(_mm256_srlv_epi64(q, sh), m4);                                         \
+        if (HIBITS) q = _mm256_or_si256(q, _mm256_and_si256(bits32((W) + 4), b4));                  \
+        const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, y);                       \
+        A = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(sc, I), _mm256_cvtepi32_ps(p), A);             \
+    }
+VD4_Q41(vd4_q4_1, 20, 4, 0)
+VD4_Q41(vd4_q5_1, 24, 8, 1)
+#undef Q41_ROW
+
+mf_vecdot4_fn mf_vecdot4_avx512[T_MAX] = {
+    [T_Q4_0] = vd4_q4_0, [T_Q5_0] = vd4_q5_0, [T_Q4_1] = vd4_q4_1, [T_Q5_1] = vd4_q5_1,
+};
 
 /* ---------------- prefill, K-quants: the AVX2 kernels (quant_avx2.c) with vpdpwssd ---------
  * madd(maddubs(q, y), sv) + add becomes dpwssd(acc, maddubs(q, y), sv): the same exact int32
@@ -388,6 +462,7 @@ mf_vecdot_fn mf_vecdot_avx512[T_MAX] = {
     [T_Q4_K] = vd_q4_k, [T_Q5_K] = vd_q5_k, [T_Q6_K] = vd_q6_k,
 };
 int mf_xfmt_avx512[T_MAX] = {
-    [T_Q4_0] = XF_Q8_32, [T_Q8_0] = XF_Q8_32, [T_Q3_K] = XF_Q8_256,
+    [T_Q4_0] = XF_Q8_32, [T_Q8_0] = XF_Q8_32, [T_Q3_K] = XF_Q8_256, [T_Q5_0] = XF_Q8_32,
+    [T_Q4_1] = XF_Q8_32, [T_Q5_1] = XF_Q8_32,
     [T_Q4_K] = XF_Q8_256, [T_Q5_K] = XF_Q8_256, [T_Q6_K] = XF_Q8_256,
 };

@@ -167,18 +167,24 @@ def test_bad_shapes_raise():
         _native.matmul(t.id, W, 2, 256, np.zeros((1, 256), np.float32), 1, np.empty((1, 2), np.float64))
 
 
-@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
-def test_kquant_prefill_vnni_bit_identical_to_avx2(name):
-    # the VNNI prefill kernels only fuse madd + add into vpdpwssd (exact int32 sums)
+# (type, row counts n): the VNNI kernels that only fuse integer steps of an AVX2 kernel
+# (vpdpwssd for madd + add, vpdpbusd for maddubs + madd) keep its lanes and float order
+VNNI_SAME_BITS = [("Q2_K", (4, 7, 33)), ("Q3_K", (4, 7, 33)), ("Q4_K", (4, 7, 33)),
+                  ("Q5_K", (4, 7, 33)), ("Q6_K", (4, 7, 33)),  # prefill (decode differs: 512-bit)
+                  ("Q4_0", (1, 2, 3)), ("Q4_1", (1, 2, 3)), ("Q5_0", (1, 2, 3)), ("Q5_1", (1, 2, 3))]
+
+
+@pytest.mark.parametrize("name, ns", VNNI_SAME_BITS, ids=[n for n, _ in VNNI_SAME_BITS])
+def test_vnni_kernels_bit_identical_to_avx2(name, ns):
     if ISAS.index(_native.isa_hw()) < ISAS.index("avx512vnni"):
         pytest.skip("CPU lacks avx512vnni")
     t = BY_NAME[name]
     rng = np.random.default_rng(500 + t.id)
-    rows, cols = 37, 512
+    rows, cols = 37, 512  # 37 rows: 4-row groups and a 1-row remainder
     w = QTensor("w", t, (rows, cols), random_blocks(t, rows * cols, rng))
     before = _native.isa()
     try:
-        for n in (4, 7, 33):
+        for n in ns:
             x = rng.standard_normal((n, cols)).astype(np.float32)
             got = {}
             for isa in ("avx2", "avx512vnni"):
