@@ -24,6 +24,7 @@ typedef struct {
     size_t xs; /* bytes per prepared X row */
     mf_vecdot_fn vd;
     mf_vecdot4_fn vd4; /* optional 4-row variant */
+    mf_vecdot4_fn vd8; /* optional 8-row variant (each row's bits equal vd4's) */
     int64_t rt; /* W rows per task */
 } mm_ctx;
 
@@ -94,6 +95,15 @@ static void mm_task_vec(void *p, int64_t t) {
         int64_t i1 = i0 + XT < c->n ? i0 + XT : c->n;
         const int pf = pf_ok && i0 == 0; /* the first X tile streams W; later ones hit cache */
         int64_t r = r0;
+        if (c->vd8)
+            for (; r + 8 <= r1; r += 8) {
+                if (pf) prefetch_rows(c, r + MF_PF_ROWS, r + MF_PF_ROWS + 8, r1);
+                for (int64_t i = i0; i < i1; i++) {
+                    float o[8];
+                    c->vd8(c->w + r * c->rb, (size_t)c->rb, c->xq + (size_t)i * c->xs, c->nb, o);
+                    for (int k = 0; k < 8; k++) c->y[i * c->rows + r + k] = o[k];
+                }
+            }
         if (c->vd4)
             for (; r + 4 <= r1; r += 4) {
                 if (pf) prefetch_rows(c, r + MF_PF_ROWS, r + MF_PF_ROWS + 4, r1);
@@ -262,6 +272,7 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
     if (p->fn == mm_task_vec && mf_isa >= MF_ISA_AVX512VNNI && (mf_vecdot_avx512[type] || mf_vecdot4_avx512[type])) {
         if (mf_vecdot_avx512[type]) c.vd = mf_vecdot_avx512[type];
         c.vd4 = mf_vecdot4_avx512[type];
+        c.vd8 = mf_vecdot8_avx512[type];
         c.xfmt = mf_xfmt_avx512[type];
         c.xs = c.xfmt == XF_Q8_256 ? (size_t)(cols / 256) * sizeof(mf_q8_256) : (size_t)(cols / 32) * sizeof(mf_q8_32);
     }

@@ -193,3 +193,4 @@ def test_vnni_kernels_bit_identical_to_avx2(name, ns):
             np.testing.assert_array_equal(got["avx2"], got["avx512vnni"], err_msg=f"{name} n={n}")
     finally:
         _native.set_isa(before)
+
