@@ -47,3 +47,18 @@ def test_cli_profile_json(tmp_path):
     r = json.loads(p.stdout)
     assert r["threads"] == 2 and r["n_gen"] == 3 and r["read_probe_gb_per_s"] > 0
     assert {x["what"] for x in r["matmuls"]} == {"layer", "output"}
+
+
+def test_kernel_bench_cpu_time_needs_one_thread(capsys):
+    from memfit.bench.kernels import run_kernel_bench
+    from memfit.errors import RequestError
+    n = _native.get_threads()
+    try:
+        with pytest.raises(RequestError, match="-t 1"):
+            run_kernel_bench(types="Q4_0", rows=64, cols=512, threads=2, cpu_time=True)
+        run_kernel_bench(types="Q4_0", rows=64, cols=512, threads=1, as_json=True, trials=1,
+                         stream_bytes=1 << 20, cpu_time=True)
+    finally:
+        _native.set_threads(n)
+    r = json.loads(capsys.readouterr().out)
+    assert r["clock"] == "thread_time" and r["threads"] == 1 and r["gb_per_s"] > 0

@@ -247,7 +247,7 @@ def cmd_bench(a) -> int:
         return run_kernel_bench(types=a.types, rows=a.rows, cols=a.cols, threads=a.threads,
                                 as_json=a.json, trials=a.trials,
                                 stream_bytes=parse_size(a.stream_bytes), shapes=a.shapes,
-                                isas=a.isa)
+                                isas=a.isa, cpu_time=a.cpu_time)
     if a.profile:
         from .bench.profile import run_profile
         with _load(a, n_ctx=a.n_prompt + a.n_gen + 8) as m:
@@ -341,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--isa", default=None, metavar="LIST",
                    help="with --kernels: comma-separated kernel ISAs to alternate on the same matrices "
                         "(scalar, avx2, avx512vnni; default: the active one)")
+    b.add_argument("--cpu-time", action="store_true",
+                   help="with --kernels -t 1: time by this thread's CPU time (other processes on a shared machine do not count)")
     _add_runtime_args(b)
     b.set_defaults(func=cmd_bench)
 

@@ -11,16 +11,18 @@ import time
 import numpy as np
 
 
-def memory_read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
-    """Bytes/s of one parallel read pass over a buffer larger than any cache (best of reps)."""
+def memory_read_bandwidth(nbytes: int = 1 << 30, reps: int = 5, clock=time.perf_counter) -> float:
+    """Bytes/s of one parallel read pass over a buffer larger than any cache (best of reps).
+    clock=time.thread_time (1 thread only: the pass then runs in this thread) counts only the
+    CPU time this thread got: a preemption-proof figure on a shared machine."""
     from .. import _native
     buf = np.full(nbytes, 7, dtype=np.uint8)  # written: real pages, not the shared zero page
     _native.read_buffer(buf)
     best = 0.0
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = clock()
         _native.read_buffer(buf)
-        best = max(best, nbytes / (time.perf_counter() - t0))
+        best = max(best, nbytes / (clock() - t0))
     return best
 
 
@@ -61,8 +63,9 @@ def _matrices(type_name: str, rows: int, cols: int, seed: int, min_total: int):
     return [QTensor("bench", t, (rows, cols), w0 if i == 0 else w0.copy()) for i in range(copies)]
 
 
-def _time_matvec(ws: list, reps: int, seed: int = 0) -> float:
-    """Median seconds of one n=1 matmul, calls cycling over the copies."""
+def _time_matvec(ws: list, reps: int, seed: int = 0, clock=time.perf_counter) -> float:
+    """Median seconds of one n=1 matmul, calls cycling over the copies (clock: see
+    memory_read_bandwidth)."""
     from ..ops import native
     rows, cols = ws[0].shape
     x = np.random.default_rng(seed).standard_normal((1, cols)).astype(np.float32)
@@ -72,9 +75,9 @@ def _time_matvec(ws: list, reps: int, seed: int = 0) -> float:
     times = []
     for r in range(max(reps, len(ws))):
         q = ws[r % len(ws)]
-        t0 = time.perf_counter()
+        t0 = clock()
         native.matmul(x, q, out=out)
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times)
 
 
@@ -91,18 +94,22 @@ def matvec_bandwidth(type_name: str, rows: int, cols: int, reps: int = 10, seed:
 def run_kernel_bench(types: str = "Q4_0,Q8_0,Q4_K,Q6_K", rows: int = 14336, cols: int = 4096,
                      threads: int | None = None, as_json: bool = False, trials: int = 3,
                      stream_bytes: int = 512 << 20, shapes: str | None = None,
-                     isas: str | None = None) -> int:
+                     isas: str | None = None, cpu_time: bool = False) -> int:
     """Each trial measures the read bandwidth, then every (type, shape) matvec streamed from
     DRAM, once per ISA in `isas` (alternating on the same matrices: an A/B within the trial).
     Every matvec is reported as a fraction of the probe *of its own trial* (median over the
     trials: this host's probe moves +-15% between trials); --json prints one object per
-    (type, shape, isa) with all samples."""
+    (type, shape, isa) with all samples. cpu_time (1 thread only): probe and matvecs timed
+    by this thread's CPU time, so other processes on the cores do not count."""
     from .. import _native
     from ..errors import RequestError
     from ..ops import native
     if threads:
         native.set_threads(threads)
     threads = native.get_threads()
+    if cpu_time and threads != 1:
+        raise RequestError("--cpu-time measures one thread: add -t 1")
+    clock = time.thread_time if cpu_time else time.perf_counter
     names = [t.strip() for t in types.split(",") if t.strip()]
     shape_list = parse_shapes(shapes, rows, cols)
     isa_before = _native.isa()
@@ -120,7 +127,7 @@ def run_kernel_bench(types: str = "Q4_0,Q8_0,Q4_K,Q6_K", rows: int = 14336, cols
     info: dict = {}
     try:
         for k in range(max(1, trials)):
-            bw = memory_read_bandwidth(max(64 << 20, 2 * stream_bytes)) / 1e9
+            bw = memory_read_bandwidth(max(64 << 20, 2 * stream_bytes), clock=clock) / 1e9
             bws.append(bw)
             for name in names:
                 for (r, c) in shape_list:
@@ -128,7 +135,7 @@ def run_kernel_bench(types: str = "Q4_0,Q8_0,Q4_K,Q6_K", rows: int = 14336, cols
                     nbytes = int(ws[0].data.nbytes)
                     for isa in isa_list:
                         _native.set_isa(isa)
-                        g = nbytes / _time_matvec(ws, 10, k) / 1e9
+                        g = nbytes / _time_matvec(ws, 10, k, clock) / 1e9
                         gbs[(name, (r, c), isa)].append(g)
                         fracs[(name, (r, c), isa)].append(g / bw)
                         info[(name, (r, c), isa)] = {"weight_bytes": nbytes, "copies": len(ws)}
@@ -142,8 +149,8 @@ def run_kernel_bench(types: str = "Q4_0,Q8_0,Q4_K,Q6_K", rows: int = 14336, cols
         _native.set_isa(isa_before)
     bw = statistics.median(bws)
     if not as_json:
-        print(f"memory read bandwidth: {bw:.1f} GB/s ({threads} threads, median of {len(bws)})",
-              file=sys.stderr)
+        print(f"memory read bandwidth: {bw:.1f} GB/s ({threads} threads, median of {len(bws)}"
+              + (", per CPU-second" if cpu_time else "") + ")", file=sys.stderr)
         print("| type | matrix | isa | weight MB | GB/s | % of read probe (same trial) |")
         print("|---|---|---|---:|---:|---:|")
     for key in keys:
@@ -152,7 +159,8 @@ def run_kernel_bench(types: str = "Q4_0,Q8_0,Q4_K,Q6_K", rows: int = 14336, cols
                "gb_per_s": statistics.median(gbs[key]), "samples_gb_per_s": gbs[key],
                "fraction_of_bandwidth": statistics.median(fracs[key]),
                "samples_fraction": fracs[key],
-               "mem_read_gb_per_s": bw, "mem_read_samples_gb_per_s": bws, "threads": threads}
+               "mem_read_gb_per_s": bw, "mem_read_samples_gb_per_s": bws, "threads": threads,
+               "clock": "thread_time" if cpu_time else "wall"}
         if as_json:
             print(json.dumps(res), flush=True)
         else:
