@@ -423,6 +423,9 @@ mf_vecdot4_fn mf_vecdot4_avx512[T_MAX] = {
 KDOT(4)
 KDOT(1)
 
+/* two unpacked W rows x 4 X rows, 64 weights (two chunks, their two scale vectors are adjacent
+ * in sv) per 512-bit step; the halves are added in int32 at the end of the block, so the
+ * sums, and with the same float steps the results, equal the AVX2 kernel's bit for bit */
 VNNI static void kdot2x4(const mf_kblk *w0, const mf_kblk *w1, int64_t nb, const uint8_t *xb, size_t xs,
                          float *out0, float *out1) {
     __m256 a0[4], a1[4];
@@ -430,30 +433,32 @@ VNNI static void kdot2x4(const mf_kblk *w0, const mf_kblk *w1, int64_t nb, const
     for (int64_t b = 0; b < nb; b++) {
         const mf_kblk *k0 = w0 + b, *k1 = w1 + b;
         const mf_q8_256 *x[4];
-        __m256i s0[4], s1[4];
+        __m512i s0[4], s1[4];
         for (int i = 0; i < 4; i++) {
             x[i] = (const mf_q8_256 *)(xb + i * xs) + b;
-            s0[i] = s1[i] = _mm256_setzero_si256();
+            s0[i] = s1[i] = _mm512_setzero_si512();
         }
-        for (int c = 0; c < 8; c++) {
-            const __m256i q0 = _mm256_loadu_si256((const __m256i *)(k0->q + 32 * c));
-            const __m256i q1 = _mm256_loadu_si256((const __m256i *)(k1->q + 32 * c));
-            const __m256i v0 = _mm256_loadu_si256((const __m256i *)k0->sv[c]);
-            const __m256i v1 = _mm256_loadu_si256((const __m256i *)k1->sv[c]);
+        for (int c = 0; c < 8; c += 2) {
+            const __m512i q0 = _mm512_load_si512((const void *)(k0->q + 32 * c));
+            const __m512i q1 = _mm512_load_si512((const void *)(k1->q + 32 * c));
+            const __m512i v0 = _mm512_loadu_si512((const void *)k0->sv[c]);
+            const __m512i v1 = _mm512_loadu_si512((const void *)k1->sv[c]);
             for (int i = 0; i < 4; i++) {
-                const __m256i y = _mm256_loadu_si256((const __m256i *)(x[i]->qs + 32 * c));
-                s0[i] = _mm256_dpwssd_epi32(s0[i], _mm256_maddubs_epi16(q0, y), v0);
-                s1[i] = _mm256_dpwssd_epi32(s1[i], _mm256_maddubs_epi16(q1, y), v1);
+                const __m512i y = _mm512_load_si512((const void *)(x[i]->qs + 32 * c));
+                s0[i] = _mm512_dpwssd_epi32(s0[i], _mm512_maddubs_epi16(q0, y), v0);
+                s1[i] = _mm512_dpwssd_epi32(s1[i], _mm512_maddubs_epi16(q1, y), v1);
             }
         }
         const __m256i cc0 = _mm256_loadu_si256((const __m256i *)k0->cc), cc1 = _mm256_loadu_si256((const __m256i *)k1->cc);
         const __m256 d0 = _mm256_set1_ps(k0->d), dc0 = _mm256_set1_ps(k0->dc);
         const __m256 d1 = _mm256_set1_ps(k1->d), dc1 = _mm256_set1_ps(k1->dc);
         for (int i = 0; i < 4; i++) {
+            const __m256i t0i = _mm256_add_epi32(_mm512_castsi512_si256(s0[i]), _mm512_extracti64x4_epi64(s0[i], 1));
+            const __m256i t1i = _mm256_add_epi32(_mm512_castsi512_si256(s1[i]), _mm512_extracti64x4_epi64(s1[i], 1));
             const __m256i bs = _mm256_loadu_si256((const __m256i *)x[i]->bsums);
             const __m256 dx = _mm256_set1_ps(x[i]->d);
-            __m256 t0 = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(s0[i]), _mm256_mul_ps(dc0, _mm256_cvtepi32_ps(_mm256_madd_epi16(cc0, bs))));
-            __m256 t1 = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(s1[i]), _mm256_mul_ps(dc1, _mm256_cvtepi32_ps(_mm256_madd_epi16(cc1, bs))));
+            __m256 t0 = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(t0i), _mm256_mul_ps(dc0, _mm256_cvtepi32_ps(_mm256_madd_epi16(cc0, bs))));
+            __m256 t1 = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(t1i), _mm256_mul_ps(dc1, _mm256_cvtepi32_ps(_mm256_madd_epi16(cc1, bs))));
             a0[i] = _mm256_fmadd_ps(dx, t0, a0[i]);
             a1[i] = _mm256_fmadd_ps(dx, t1, a1[i]);
         }
