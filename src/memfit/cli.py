@@ -329,8 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rows", type=int, default=14336, help="with --kernels: matrix rows")
     b.add_argument("--cols", type=int, default=4096, help="with --kernels: matrix cols")
     b.add_argument("--trials", type=int, default=3, help="with --kernels: trials (bandwidth probe + every type); medians reported")
-    b.add_argument("--stream-bytes", default="512MiB", metavar="SIZE",
-                   help="with --kernels: bytes of distinct matrix copies cycled so each call reads from DRAM (default 512MiB)")
+    b.add_argument("--stream-bytes", default="1GiB", metavar="SIZE",
+                   help="with --kernels: bytes of distinct matrix copies cycled so each call reads from DRAM (default 1GiB: 4x a 260 MiB L3)")
     b.add_argument("--profile", action="store_true",
                    help="where one decode token's time goes: after -p prompt tokens, -n decoded tokens "
                         "with each matvec (type, shape, GB/s vs the read probe), the rest of the layers, "

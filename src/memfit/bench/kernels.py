@@ -93,7 +93,7 @@ def matvec_bandwidth(type_name: str, rows: int, cols: int, reps: int = 10, seed:
 
 def run_kernel_bench(types: str = "Q4_0,Q8_0,Q4_K,Q6_K", rows: int = 14336, cols: int = 4096,
                      threads: int | None = None, as_json: bool = False, trials: int = 3,
-                     stream_bytes: int = 512 << 20, shapes: str | None = None,
+                     stream_bytes: int = 1 << 30, shapes: str | None = None,
                      isas: str | None = None, cpu_time: bool = False) -> int:
     """Each trial measures the read bandwidth, then every (type, shape) matvec streamed from
     DRAM, once per ISA in `isas` (alternating on the same matrices: an A/B within the trial).
