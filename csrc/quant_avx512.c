@@ -508,3 +508,42 @@ int mf_xfmt_avx512[T_MAX] = {
     [T_Q4_1] = XF_Q8_32, [T_Q5_1] = XF_Q8_32,
     [T_Q4_K] = XF_Q8_256, [T_Q5_K] = XF_Q8_256, [T_Q6_K] = XF_Q8_256,
 };
+
+/* ---------------- prefill, 32-element types: the AVX2 bdot kernels with vpdpbusd ----------
+ * dpbusd(0, q, y) gives the lanes of madd(maddubs(q, y), 1) exactly (no pair sum reaches
+ * the int16 limit: |q| <= 128 after the sign trick, |y| <= 127), so the same bits. */
+#define BDOT(M, SIGNED)                                                                              \
+    VNNI static void bdot##M##_##SIGNED(const mf_b32 *w, int64_t nb, const uint8_t *xb, size_t xs, float *out) { \
+        __m256 acc[M];                                                                               \
+        for (int i = 0; i < M; i++) acc[i] = _mm256_setzero_ps();                                    \
+        for (int64_t b = 0; b < nb; b++) {                                                           \
+            __m256i q = _mm256_loadu_si256((const __m256i *)w[b].q);                                 \
+            __m256i aq = SIGNED ? _mm256_sign_epi8(q, q) : q;                                        \
+            for (int i = 0; i < M; i++) {                                                            \
+                const mf_q8_32 *x = (const mf_q8_32 *)(xb + i * xs) + b;                             \
+                __m256i y = _mm256_loadu_si256((const __m256i *)x->qs);                              \
+                if (SIGNED) y = _mm256_sign_epi8(y, q);                                              \
+                __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), aq, y);                      \
+                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(w[b].d * x->d), _mm256_cvtepi32_ps(p), acc[i]); \
+            }                                                                                        \
+        }                                                                                            \
+        for (int i = 0; i < M; i++) out[i] = hsum8(acc[i]);                                          \
+    }
+BDOT(4, 0)
+BDOT(1, 0)
+BDOT(4, 1)
+BDOT(1, 1)
+
+VNNI void mf_bdot_avx512(const mf_b32 *w, int64_t nb, int sgn, const uint8_t *x, size_t xs, int64_t m,
+                         const float *corr, float *out, int64_t ostride) {
+    int64_t i = 0;
+    float o[4];
+    for (; i + 4 <= m; i += 4) {
+        if (sgn) bdot4_1(w, nb, x + i * xs, xs, o); else bdot4_0(w, nb, x + i * xs, xs, o);
+        for (int k = 0; k < 4; k++) out[(i + k) * ostride] = sgn ? o[k] : o[k] + corr[i + k];
+    }
+    for (; i < m; i++) {
+        if (sgn) bdot1_1(w, nb, x + i * xs, xs, o); else bdot1_0(w, nb, x + i * xs, xs, o);
+        out[i * ostride] = sgn ? o[0] : o[0] + corr[i];
+    }
+}

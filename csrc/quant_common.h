@@ -71,7 +71,10 @@ void mf_quantize_q8_256_avx2(const float *x, mf_q8_256 *y, int64_t n);
 extern mf_vecdot_fn mf_vecdot_avx512[T_MAX];
 extern mf_vecdot4_fn mf_vecdot4_avx512[T_MAX];
 extern mf_vecdot4_fn mf_vecdot8_avx512[T_MAX]; /* 8 rows -> out[8], per row the bits of the 4-row one */
-/* prefill K-quant kernels with vpdpwssd: bit-identical to mf_kdot_avx2 / mf_kdot2_avx2 */
+/* prefill kernels with vpdpwssd / vpdpbusd: bit-identical to mf_kdot_avx2 / mf_kdot2_avx2 /
+ * mf_bdot_avx2 */
+void mf_bdot_avx512(const mf_b32 *w, int64_t nb, int sgn, const uint8_t *x, size_t xs, int64_t m,
+                    const float *corr, float *out, int64_t ostride);
 void mf_kdot_avx512(const mf_kblk *w, int64_t nb, const uint8_t *x, size_t xs, int64_t m, float *out, int64_t ostride);
 void mf_kdot2_avx512(const mf_kblk *w0, const mf_kblk *w1, int64_t nb, const uint8_t *x, size_t xs, int64_t m,
                      float *out0, float *out1, int64_t ostride);

@@ -183,7 +183,7 @@ static void mm_task_b32(void *p, int64_t t) {
                     st[b * MF_BST + i] = i < m ? ((const mf_q8_32 *)(c->xq + (size_t)(i0 + i) * c->xs))[b].s : 0.0f;
         for (int64_t r = r0; r < r1; r++) {
             if (!sgn) mf_b32_corr_avx2(tl_bb + (r - r0) * c->nb, c->nb, st, m, corr);
-            mf_bdot_avx2(tl_bb + (r - r0) * c->nb, c->nb, sgn, c->xq + (size_t)i0 * c->xs, c->xs, m,
+            (mf_isa >= MF_ISA_AVX512VNNI ? mf_bdot_avx512 : mf_bdot_avx2)(tl_bb + (r - r0) * c->nb, c->nb, sgn, c->xq + (size_t)i0 * c->xs, c->xs, m,
                          corr, c->y + i0 * c->rows + r, c->rows);
         }
     }

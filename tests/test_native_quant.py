@@ -168,10 +168,12 @@ def test_bad_shapes_raise():
 
 
 # (type, row counts n): the VNNI kernels that only fuse integer steps of an AVX2 kernel
-# (vpdpwssd for madd + add, vpdpbusd for maddubs + madd) keep its lanes and float order
+# (vpdpwssd for madd + add, vpdpbusd for maddubs + madd) keep its lanes and float order:
+# K-quant prefill, 32-element decode (4/8 rows) and prefill
 VNNI_SAME_BITS = [("Q2_K", (4, 7, 33)), ("Q3_K", (4, 7, 33)), ("Q4_K", (4, 7, 33)),
                   ("Q5_K", (4, 7, 33)), ("Q6_K", (4, 7, 33)),  # prefill (decode differs: 512-bit)
-                  ("Q4_0", (1, 2, 3)), ("Q4_1", (1, 2, 3)), ("Q5_0", (1, 2, 3)), ("Q5_1", (1, 2, 3))]
+                  ("Q4_0", (1, 2, 3, 7, 33)), ("Q4_1", (1, 2, 3, 7, 33)), ("Q5_0", (1, 2, 3, 7, 33)),
+                  ("Q5_1", (1, 2, 3, 7, 33)), ("Q8_0", (16, 33)), ("IQ4_NL", (16, 33))]  # n >= 6/16: prefill
 
 
 @pytest.mark.parametrize("name, ns", VNNI_SAME_BITS, ids=[n for n, _ in VNNI_SAME_BITS])
