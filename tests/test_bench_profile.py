@@ -62,3 +62,12 @@ def test_kernel_bench_cpu_time_needs_one_thread(capsys):
         _native.set_threads(n)
     r = json.loads(capsys.readouterr().out)
     assert r["clock"] == "thread_time" and r["threads"] == 1 and r["gb_per_s"] > 0
+
+
+def test_read_probe_streams_argument():
+    import numpy as np
+    buf = np.full(1 << 20, 3, np.uint8)
+    for k in (1, 2, 4, 64):
+        _native.read_buffer(buf, k)
+    with pytest.raises(ValueError, match="streams 0"):
+        _native.read_buffer(buf, 0)
