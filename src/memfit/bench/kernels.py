@@ -125,7 +125,7 @@ def run_kernel_bench(types: str = "Q4_0,Q8_0,Q4_K,Q6_K", rows: int = 14336, cols
     _native.set_isa(isa_before)
     keys = [(n, s, i) for n in names for s in shape_list for i in isa_list]
     bws: list[float] = []
-    bwm: list[float] = []  # the 2- and 4-stream probe (best of the two), same trials
+    bwm: list[float] = []  # the best of the 2-, 4- and 8-stream probes, same trials
     gbs: dict = {k: [] for k in keys}
     fracs: dict = {k: [] for k in keys}
     info: dict = {}
@@ -134,7 +134,7 @@ def run_kernel_bench(types: str = "Q4_0,Q8_0,Q4_K,Q6_K", rows: int = 14336, cols
             bw = memory_read_bandwidth(max(64 << 20, 2 * stream_bytes), clock=clock) / 1e9
             bws.append(bw)
             bwm.append(max(memory_read_bandwidth(max(64 << 20, 2 * stream_bytes), reps=3, clock=clock,
-                                                 streams=k) for k in (2, 4)) / 1e9)
+                                                 streams=k) for k in (2, 4, 8)) / 1e9)
             for name in names:
                 for (r, c) in shape_list:
                     ws = _matrices(name, r, c, k, stream_bytes)
