@@ -11,6 +11,7 @@
 typedef struct {
     const uint8_t *p;
     int64_t n, chunk;
+    int streams; /* each thread's chunk read as this many parts in alternation, 2 KiB at a time */
     uint64_t sums[256];
 } bw_ctx;
 
@@ -45,32 +46,50 @@ static uint64_t read_scalar(const uint8_t *p, int64_t n) {
     return s;
 }
 
+static uint64_t read_range(const uint8_t *p, int64_t n) {
+#if defined(__x86_64__)
+    if (mf_isa >= MF_ISA_AVX2 && ((uintptr_t)p & 31) == 0) return read_avx2(p, n);
+#endif
+    return read_scalar(p, n);
+}
+
+#define BW_STEP 2048
 static void bw_task(void *vctx, int64_t t) {
     bw_ctx *c = vctx;
     int64_t lo = t * c->chunk, hi = lo + c->chunk < c->n ? lo + c->chunk : c->n;
     if (lo >= hi) return;
-    uint64_t s;
-#if defined(__x86_64__)
-    if (mf_isa >= MF_ISA_AVX2 && ((uintptr_t)(c->p + lo) & 31) == 0)
-        s = read_avx2(c->p + lo, hi - lo);
-    else
-#endif
-        s = read_scalar(c->p + lo, hi - lo);
+    uint64_t s = 0;
+    if (c->streams <= 1) s = read_range(c->p + lo, hi - lo);
+    else { /* parts of a multiple of BW_STEP bytes, one step of each in turn */
+        const int64_t part = ((hi - lo) / c->streams / BW_STEP + 1) * BW_STEP;
+        for (int64_t j = 0; j < part; j += BW_STEP)
+            for (int k = 0; k < c->streams; k++) {
+                int64_t a = lo + k * part + j, b = a + BW_STEP;
+                if (b > lo + (k + 1) * part) b = lo + (k + 1) * part;
+                if (b > hi) b = hi;
+                if (a < b) s ^= read_range(c->p + a, b - a);
+            }
+    }
     c->sums[t & 255] ^= s;
 }
 
-/* read_buffer(buf) -> checksum: one parallel pass over the buffer (64-byte aligned chunks). */
+/* read_buffer(buf[, streams]) -> checksum: one parallel pass over the buffer (64-byte aligned
+ * chunks, one per thread; each chunk read as `streams` interleaved ascending streams). */
 static PyObject *py_read_buffer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 1) {
-        PyErr_SetString(PyExc_TypeError, "read_buffer(buf) takes one buffer");
+    if (nargs != 1 && nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "read_buffer(buf[, streams]) takes a buffer and an optional stream count");
         return NULL;
     }
+    long streams = nargs == 2 ? PyLong_AsLong(args[1]) : 1;
+    if (streams == -1 && PyErr_Occurred()) return NULL;
+    if (streams < 1 || streams > 64) return PyErr_Format(PyExc_ValueError, "read_buffer: streams %ld not in 1..64", streams);
     Py_buffer b;
     if (PyObject_GetBuffer(args[0], &b, PyBUF_SIMPLE) < 0) return NULL;
     bw_ctx c;
     memset(&c, 0, sizeof c);
     c.p = b.buf;
     c.n = b.len;
+    c.streams = (int)streams;
     int64_t tasks = mf_n_threads() > 0 ? mf_n_threads() : 1;
     if (tasks > 256) tasks = 256;
     c.chunk = ((c.n / tasks) + 63) & ~(int64_t)63;
@@ -86,6 +105,6 @@ static PyObject *py_read_buffer(PyObject *self, PyObject *const *args, Py_ssize_
 
 PyMethodDef mf_bench_methods[] = {
     {"read_buffer", (PyCFunction)(void (*)(void))py_read_buffer, METH_FASTCALL,
-     "read_buffer(buf) -> checksum; one parallel read pass (memory bandwidth probe)"},
+     "read_buffer(buf[, streams]) -> checksum; one parallel read pass (memory bandwidth probe)"},
     {NULL, NULL, 0, NULL},
 };

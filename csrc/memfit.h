@@ -18,6 +18,7 @@ extern PyMethodDef mf_pool_methods[];  /* csrc/pool.c       : set_threads, get_t
  * returns when all are done. Must be called without the GIL held. */
 typedef void (*mf_task_fn)(void *ctx, int64_t i);
 void mf_parallel_for(int64_t n, mf_task_fn fn, void *ctx);
+void mf_parallel_for_ranged(int64_t n, mf_task_fn fn, void *ctx); /* one ascending range per thread first */
 int mf_n_threads(void);
 
 /* Runtime ISA selected once at import: MEMFIT_ISA=scalar|avx2|avx512 may force a lower one. */

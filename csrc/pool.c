@@ -8,9 +8,11 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #define MF_MAX_THREADS 256
@@ -39,7 +41,7 @@ static int detect_isa(void) {
     int avx2 = (b >> 5) & 1;
     if (!(avx2 && fma && f16c)) return MF_ISA_SCALAR;
     int avx512f = (b >> 16) & 1, avx512bw = (b >> 30) & 1, avx512vl = (b >> 31) & 1;
-    int vnni = (c >> 11) & 1;
+    int vnni = ((c >> 11) & 1) && ((c >> 1) & 1); /* VNNI and VBMI (vpermb): Ice Lake and later */
     int zmm_os = (xcr0 & 0xe6) == 0xe6; /* opmask + ZMM hi256 + hi16 ZMM */
     if (avx512f && avx512bw && avx512vl && zmm_os) return vnni ? MF_ISA_AVX512VNNI : MF_ISA_AVX512;
     return MF_ISA_AVX2;
@@ -104,6 +106,8 @@ typedef struct {
     void *ctx;
     int64_t n;
     atomic_int_fast64_t next;
+    int ranged, nranges; /* mf_parallel_for_ranged: one contiguous range of tasks per thread */
+    struct { _Alignas(64) atomic_uint_fast64_t v; } rng[MF_MAX_THREADS]; /* (back << 32) | front */
 } job_t;
 
 static struct {
@@ -121,15 +125,52 @@ static struct {
        .wake = PTHREAD_COND_INITIALIZER};
 
 static _Thread_local int in_task;
+static _Thread_local int tl_tid; /* 0: the calling thread, i + 1: worker i */
 static int n_threads = 1;
+
+/* Profile counters (memfit bench --profile), only touched while mf_prof_on: pool jobs, their
+ * wall time, the threads' time inside tasks, and the caller's wait for the last task. */
+int mf_prof_on;
+static atomic_int_fast64_t prof_jobs, prof_inline, prof_wall_ns, prof_busy_ns, prof_tail_ns;
+
+int64_t mf_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* Ranged jobs: a thread takes tasks from the front of its own range (so it streams one
+ * contiguous stretch of memory), then steals from the back of the others' ranges. */
+static void run_ranged(job_t *j) {
+    const int R = j->nranges, own = tl_tid % R;
+    for (int k = 0; k < R; k++) {
+        const int r = (own + k) % R;
+        uint_fast64_t v = atomic_load_explicit(&j->rng[r].v, memory_order_relaxed);
+        for (;;) {
+            const uint64_t f = v & 0xffffffffu, b = v >> 32;
+            if (f >= b) break;
+            const uint64_t nv = k == 0 ? (b << 32) | (f + 1) : ((b - 1) << 32) | f;
+            if (!atomic_compare_exchange_weak_explicit(&j->rng[r].v, &v, nv, memory_order_relaxed,
+                                                       memory_order_relaxed))
+                continue; /* v reloaded */
+            j->fn(j->ctx, (int64_t)(k == 0 ? f : b - 1));
+            v = atomic_load_explicit(&j->rng[r].v, memory_order_relaxed);
+        }
+    }
+}
 
 static void run_job(job_t *j) {
     in_task = 1;
-    for (;;) {
-        int64_t i = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
-        if (i >= j->n) break;
-        j->fn(j->ctx, i);
-    }
+    const int prof = mf_prof_on;
+    int64_t t0 = prof ? mf_now_ns() : 0;
+    if (j->ranged) run_ranged(j);
+    else
+        for (;;) {
+            int64_t i = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+            if (i >= j->n) break;
+            j->fn(j->ctx, i);
+        }
+    if (prof) atomic_fetch_add_explicit(&prof_busy_ns, mf_now_ns() - t0, memory_order_relaxed);
     in_task = 0;
 }
 
@@ -143,7 +184,7 @@ static inline void cpu_relax(void) {
  * only ever waits for workers that are really inside the job: a worker the OS has not yet
  * scheduled costs nothing (important when cores are oversubscribed). */
 static void *worker(void *arg) {
-    (void)arg;
+    tl_tid = (int)(intptr_t)arg;
     unsigned seen = 0;
     for (;;) {
         unsigned g = atomic_load_explicit(&P.gen, memory_order_acquire);
@@ -191,7 +232,7 @@ static int pool_start(int threads) {
     if (threads > MF_MAX_THREADS) threads = MF_MAX_THREADS;
     P.n_workers = 0;
     for (int i = 0; i < threads - 1; i++) {
-        if (pthread_create(&P.tid[i], NULL, worker, NULL) != 0) break;
+        if (pthread_create(&P.tid[i], NULL, worker, (void *)(intptr_t)(i + 1)) != 0) break;
         P.n_workers++;
     }
     P.started = 1;
@@ -221,12 +262,23 @@ void mf_init_pool(void) {
 
 int mf_n_threads(void) { return n_threads; }
 
-void mf_parallel_for(int64_t n, mf_task_fn fn, void *ctx) {
+static void parallel_for(int64_t n, mf_task_fn fn, void *ctx, int ranged);
+void mf_parallel_for(int64_t n, mf_task_fn fn, void *ctx) { parallel_for(n, fn, ctx, 0); }
+/* As mf_parallel_for, but thread k first runs tasks [n k / T, n (k + 1) / T) in order (T
+ * threads), then helps the others from the back of their ranges: for tasks that are
+ * consecutive stretches of one stream (decode matvec rows), each thread reads memory in one
+ * ascending sweep instead of jumping every task. Which thread runs a task never changes it. */
+void mf_parallel_for_ranged(int64_t n, mf_task_fn fn, void *ctx) { parallel_for(n, fn, ctx, 1); }
+
+static void parallel_for(int64_t n, mf_task_fn fn, void *ctx, int ranged) {
     if (n <= 0) return;
     if (n == 1 || in_task || P.n_workers == 0) {
+        if (mf_prof_on && !in_task) atomic_fetch_add_explicit(&prof_inline, 1, memory_order_relaxed);
         for (int64_t i = 0; i < n; i++) fn(ctx, i);
         return;
     }
+    const int prof = mf_prof_on;
+    int64_t t0 = prof ? mf_now_ns() : 0;
     pthread_mutex_lock(&P.call_lock);
     atomic_fetch_add_explicit(&P.gen, 1, memory_order_seq_cst); /* odd: job being rewritten */
     wait_inflight();                                             /* stale registrants leave */
@@ -234,13 +286,28 @@ void mf_parallel_for(int64_t n, mf_task_fn fn, void *ctx) {
     P.job.ctx = ctx;
     P.job.n = n;
     atomic_store_explicit(&P.job.next, 0, memory_order_relaxed);
+    P.job.ranged = ranged && n < ((int64_t)1 << 32);
+    if (P.job.ranged) {
+        const int R = P.n_workers + 1;
+        P.job.nranges = R;
+        for (int r = 0; r < R; r++)
+            atomic_store_explicit(&P.job.rng[r].v, ((uint64_t)(n * (r + 1) / R) << 32) | (uint64_t)(n * r / R),
+                                  memory_order_relaxed);
+    }
     pthread_mutex_lock(&P.mu);
     atomic_fetch_add_explicit(&P.gen, 1, memory_order_seq_cst); /* even: published */
     pthread_cond_broadcast(&P.wake);
     pthread_mutex_unlock(&P.mu);
     run_job(&P.job);
+    int64_t t1 = prof ? mf_now_ns() : 0;
     wait_inflight();
     pthread_mutex_unlock(&P.call_lock);
+    if (prof) {
+        int64_t t2 = mf_now_ns();
+        atomic_fetch_add_explicit(&prof_jobs, 1, memory_order_relaxed);
+        atomic_fetch_add_explicit(&prof_wall_ns, t2 - t0, memory_order_relaxed);
+        atomic_fetch_add_explicit(&prof_tail_ns, t2 - t1, memory_order_relaxed);
+    }
 }
 
 /* ---------------- Python API ---------------- */
@@ -275,11 +342,46 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
 
 static PyObject *py_isa_hw(PyObject *self, PyObject *unused) { return PyUnicode_FromString(isa_names[mf_isa_hw]); }
 
+/* The ISAs with kernels of their own (avx512 without VNNI runs the avx2 kernels). */
+static PyObject *py_isas(PyObject *self, PyObject *unused) {
+    return Py_BuildValue("(sss)", "scalar", "avx2", "avx512vnni");
+}
+
+void mf_prof_mm_reset(void);          /* quant_mm.c */
+PyObject *mf_prof_mm_list(void);      /* quant_mm.c */
+
+static PyObject *py_profile(PyObject *self, PyObject *arg) {
+    int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    if (on) {
+        atomic_store(&prof_jobs, 0); atomic_store(&prof_inline, 0); atomic_store(&prof_wall_ns, 0);
+        atomic_store(&prof_busy_ns, 0); atomic_store(&prof_tail_ns, 0);
+        mf_prof_mm_reset();
+    }
+    mf_prof_on = on;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_profile_stats(PyObject *self, PyObject *unused) {
+    PyObject *mm = mf_prof_mm_list();
+    if (!mm) return NULL;
+    return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:i,s:N}", "jobs", (long long)atomic_load(&prof_jobs),
+                         "inline_jobs", (long long)atomic_load(&prof_inline),
+                         "wall_ns", (long long)atomic_load(&prof_wall_ns),
+                         "busy_ns", (long long)atomic_load(&prof_busy_ns),
+                         "tail_wait_ns", (long long)atomic_load(&prof_tail_ns), "threads", n_threads,
+                         "matmul", mm);
+}
+
 PyMethodDef mf_pool_methods[] = {
     {"set_threads", py_set_threads, METH_O, "set_threads(n) -> n: restart the pool with n threads (<=0: physical cores)"},
     {"get_threads", py_get_threads, METH_NOARGS, "get_threads() -> int"},
     {"isa", py_isa, METH_NOARGS, "isa() -> active ISA name"},
     {"isa_hw", py_isa_hw, METH_NOARGS, "isa_hw() -> best ISA this CPU supports"},
     {"set_isa", py_set_isa, METH_O, "set_isa(name) -> name: select a kernel ISA the CPU supports (tests)"},
+    {"isas", py_isas, METH_NOARGS, "isas() -> the ISA names that have kernels of their own (a CPU runs those <= isa_hw())"},
+    {"profile", py_profile, METH_O, "profile(on): reset and start (True) or stop (False) the kernel profile counters"},
+    {"profile_stats", py_profile_stats, METH_NOARGS,
+     "profile_stats() -> {jobs, inline_jobs, wall_ns, busy_ns, tail_wait_ns, threads, matmul: [...]}"},
     {NULL, NULL, 0, NULL},
 };

@@ -65,4 +65,19 @@ extern mf_vecdot_fn mf_vecdot_avx2[T_MAX];
 void mf_quantize_q8_32_avx2(const float *x, mf_q8_32 *y, int64_t n);
 void mf_quantize_q8_256_avx2(const float *x, mf_q8_256 *y, int64_t n);
 
+/* AVX-512 VNNI decode vec-dots (quant_avx512.c): NULL where the AVX2 one is used (a type with
+ * a 4-row kernel there has its 1-row AVX2 vec-dot for the remainder rows); the activation
+ * format per type */
+extern mf_vecdot_fn mf_vecdot_avx512[T_MAX];
+extern mf_vecdot4_fn mf_vecdot4_avx512[T_MAX];
+extern mf_vecdot4_fn mf_vecdot8_avx512[T_MAX]; /* 8 rows -> out[8], per row the bits of the 4-row one */
+/* prefill kernels with vpdpwssd / vpdpbusd: bit-identical to mf_kdot_avx2 / mf_kdot2_avx2 /
+ * mf_bdot_avx2 */
+void mf_bdot_avx512(const mf_b32 *w, int64_t nb, int sgn, const uint8_t *x, size_t xs, int64_t m,
+                    const float *corr, float *out, int64_t ostride);
+void mf_kdot_avx512(const mf_kblk *w, int64_t nb, const uint8_t *x, size_t xs, int64_t m, float *out, int64_t ostride);
+void mf_kdot2_avx512(const mf_kblk *w0, const mf_kblk *w1, int64_t nb, const uint8_t *x, size_t xs, int64_t m,
+                     float *out0, float *out1, int64_t ostride);
+extern int mf_xfmt_avx512[T_MAX];
+
 #endif

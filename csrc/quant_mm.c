@@ -24,6 +24,8 @@ typedef struct {
     size_t xs; /* bytes per prepared X row */
     mf_vecdot_fn vd;
     mf_vecdot4_fn vd4; /* optional 4-row variant */
+    mf_vecdot4_fn vd8; /* optional 8-row variant (each row's bits equal vd4's) */
+    int streams;       /* decode, 1-row kernels: rows of a task read as this many streams */
     int64_t rt; /* W rows per task */
 } mm_ctx;
 
@@ -86,29 +88,58 @@ static inline void prefetch_rows(const mm_ctx *c, int64_t a, int64_t b, int64_t 
     for (; p < e; p += 64) __builtin_prefetch(p, 0, 0);
 }
 
+/* rows [a, b) of W against X rows [i0, i1): 8-row, then 4-row groups from a (a multiple of
+ * 4 rows from the matrix start, so a row's kernel never depends on the task split), the
+ * last rows of the matrix one by one */
+static void vec_rows(const mm_ctx *c, int64_t a, int64_t b, int64_t i0, int64_t i1, int pf, int64_t end) {
+    int64_t r = a;
+    if (c->vd8)
+        for (; r + 8 <= b; r += 8) {
+            if (pf) prefetch_rows(c, r + MF_PF_ROWS, r + MF_PF_ROWS + 8, end);
+            for (int64_t i = i0; i < i1; i++) {
+                float o[8];
+                c->vd8(c->w + r * c->rb, (size_t)c->rb, c->xq + (size_t)i * c->xs, c->nb, o);
+                for (int k = 0; k < 8; k++) c->y[i * c->rows + r + k] = o[k];
+            }
+        }
+    if (c->vd4)
+        for (; r + 4 <= b; r += 4) {
+            if (pf) prefetch_rows(c, r + MF_PF_ROWS, r + MF_PF_ROWS + 4, end);
+            for (int64_t i = i0; i < i1; i++) {
+                float o[4];
+                c->vd4(c->w + r * c->rb, (size_t)c->rb, c->xq + (size_t)i * c->xs, c->nb, o);
+                for (int k = 0; k < 4; k++) c->y[i * c->rows + r + k] = o[k];
+            }
+        }
+    for (; r < b; r++) {
+        const uint8_t *w = c->w + r * c->rb;
+        if (pf) prefetch_rows(c, r + MF_PF_ROWS, r + MF_PF_ROWS + 1, end);
+        for (int64_t i = i0; i < i1; i++)
+            c->y[i * c->rows + r] = c->vd(w, c->xq + (size_t)i * c->xs, c->nb);
+    }
+}
+
 static void mm_task_vec(void *p, int64_t t) {
     mm_ctx *c = p;
     int64_t r0 = t * c->rt, r1 = r0 + c->rt < c->rows ? r0 + c->rt : c->rows;
     const int pf_ok = c->rb <= MF_PF_MAX_RB;
+    /* 1-row kernels read the task as c->streams parts in row-by-row alternation: from DRAM,
+     * two long ascending streams per core measured ~8-10% faster than one (1 thread, Q4_K/Q6_K
+     * 14336x4096: 8.3 -> 9.1, 8.9 -> 9.9 GB/s per CPU-second); alternating 8-row or 16-row
+     * stretches gained nothing, nor did 4 adjacent rows block by block (-10%). */
+    const int64_t S = c->streams > 1 ? c->streams : 1, part = (r1 - r0 + S - 1) / S;
     for (int64_t i0 = 0; i0 < c->n; i0 += XT) {
         int64_t i1 = i0 + XT < c->n ? i0 + XT : c->n;
         const int pf = pf_ok && i0 == 0; /* the first X tile streams W; later ones hit cache */
-        int64_t r = r0;
-        if (c->vd4)
-            for (; r + 4 <= r1; r += 4) {
-                if (pf) prefetch_rows(c, r + MF_PF_ROWS, r + MF_PF_ROWS + 4, r1);
-                for (int64_t i = i0; i < i1; i++) {
-                    float o[4];
-                    c->vd4(c->w + r * c->rb, (size_t)c->rb, c->xq + (size_t)i * c->xs, c->nb, o);
-                    for (int k = 0; k < 4; k++) c->y[i * c->rows + r + k] = o[k];
-                }
-            }
-        for (; r < r1; r++) {
-            const uint8_t *w = c->w + r * c->rb;
-            if (pf) prefetch_rows(c, r + MF_PF_ROWS, r + MF_PF_ROWS + 1, r1);
-            for (int64_t i = i0; i < i1; i++)
-                c->y[i * c->rows + r] = c->vd(w, c->xq + (size_t)i * c->xs, c->nb);
+        if (S == 1) {
+            vec_rows(c, r0, r1, i0, i1, pf, r1);
+            continue;
         }
+        for (int64_t j = 0; j < part; j++)
+            for (int64_t s = 0; s < S; s++) {
+                const int64_t r = r0 + s * part + j;
+                if (r < r1 && r < r0 + (s + 1) * part) vec_rows(c, r, r + 1, i0, i1, pf, r1);
+            }
     }
 }
 
@@ -132,15 +163,16 @@ static void mm_task_kblk(void *p, int64_t t) {
     int bytes = mf_qtypes[c->type].bytes;
     for (int64_t r = r0; r < r1; r++)
         for (int64_t b = 0; b < c->nb; b++) up(c->w + r * c->rb + b * bytes, tl_kb + (r - r0) * c->nb + b);
+    const int vnni = mf_isa >= MF_ISA_AVX512VNNI; /* same bits, fewer instructions */
     for (int64_t i0 = 0; i0 < c->n; i0 += XT2) {
         int64_t m = c->n - i0 < XT2 ? c->n - i0 : XT2;
         int64_t r = r0;
         for (; r + 2 <= r1; r += 2) /* W row pairs: each X load serves two rows */
-            mf_kdot2_avx2(tl_kb + (r - r0) * c->nb, tl_kb + (r + 1 - r0) * c->nb, c->nb,
+            (vnni ? mf_kdot2_avx512 : mf_kdot2_avx2)(tl_kb + (r - r0) * c->nb, tl_kb + (r + 1 - r0) * c->nb, c->nb,
                           c->xq + (size_t)i0 * c->xs, c->xs, m, c->y + i0 * c->rows + r,
                           c->y + i0 * c->rows + r + 1, c->rows);
         for (; r < r1; r++)
-            mf_kdot_avx2(tl_kb + (r - r0) * c->nb, c->nb, c->xq + (size_t)i0 * c->xs, c->xs, m,
+            (vnni ? mf_kdot_avx512 : mf_kdot_avx2)(tl_kb + (r - r0) * c->nb, c->nb, c->xq + (size_t)i0 * c->xs, c->xs, m,
                          c->y + i0 * c->rows + r, c->rows);
     }
 }
@@ -172,7 +204,7 @@ static void mm_task_b32(void *p, int64_t t) {
                     st[b * MF_BST + i] = i < m ? ((const mf_q8_32 *)(c->xq + (size_t)(i0 + i) * c->xs))[b].s : 0.0f;
         for (int64_t r = r0; r < r1; r++) {
             if (!sgn) mf_b32_corr_avx2(tl_bb + (r - r0) * c->nb, c->nb, st, m, corr);
-            mf_bdot_avx2(tl_bb + (r - r0) * c->nb, c->nb, sgn, c->xq + (size_t)i0 * c->xs, c->xs, m,
+            (mf_isa >= MF_ISA_AVX512VNNI ? mf_bdot_avx512 : mf_bdot_avx2)(tl_bb + (r - r0) * c->nb, c->nb, sgn, c->xq + (size_t)i0 * c->xs, c->xs, m,
                          corr, c->y + i0 * c->rows + r, c->rows);
         }
     }
@@ -260,6 +292,13 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
             }
         }
     }
+    if (p->fn == mm_task_vec && mf_isa >= MF_ISA_AVX512VNNI && (mf_vecdot_avx512[type] || mf_vecdot4_avx512[type])) {
+        if (mf_vecdot_avx512[type]) c.vd = mf_vecdot_avx512[type];
+        c.vd4 = mf_vecdot4_avx512[type];
+        c.vd8 = mf_vecdot8_avx512[type];
+        c.xfmt = mf_xfmt_avx512[type];
+        c.xs = c.xfmt == XF_Q8_256 ? (size_t)(cols / 256) * sizeof(mf_q8_256) : (size_t)(cols / 32) * sizeof(mf_q8_32);
+    }
     if (p->fn == mm_task_vec) {
         /* decode streams W once: tasks of ~MF_VEC_TASK_BYTES contiguous bytes (at most one
          * share per thread). Small interleaved tiles defeat the hardware prefetchers: with
@@ -267,7 +306,9 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
          * at 11 GB/s (one thread: 6 GB/s). A multiple of 4 rows keeps the 4-row kernel's
          * grouping (and so the result bits) independent of the task size. */
         int64_t share = (rows + nt - 1) / nt;
-        if (share * c.rb > MF_VEC_TASK_BYTES) share = MF_VEC_TASK_BYTES / c.rb;
+        c.streams = c.vd4 || c.vd8 ? 1 : 2;
+        const int64_t tb = c.streams > 1 ? 4 * MF_VEC_TASK_BYTES : MF_VEC_TASK_BYTES; /* 2 x 128 KiB */
+        if (share * c.rb > tb) share = tb / c.rb;
         c.rt = (share + 3) & ~(int64_t)3;
     }
     p->ntasks = rows == 0 ? 0 : (rows + c.rt - 1) / c.rt;
@@ -288,12 +329,8 @@ static void multi_task(void *v, int64_t t) {
     m->p[j].fn(&m->p[j].c, t - m->off[j]);
 }
 
-/* Y_j[n, rows_j] = X[n, cols] · W_j^T for k <= MF_MM_MAX weights sharing X: X is quantized
- * once per activation format and all weights' row tiles run as one pool job (decode issues
- * Q/K/V and gate/up this way: fewer wake-ups, one quantization).
- * Returns 0, or -1 unknown type / -2 bad cols / -3 out of memory. Call without the GIL. */
-int mf_matmul_multi_ex(int k, const int *types, const uint8_t *const *ws, const int64_t *rows,
-                       int64_t cols, const float *x, int64_t n, float *const *ys, int vec_only) {
+static int matmul_multi(int k, const int *types, const uint8_t *const *ws, const int64_t *rows,
+                        int64_t cols, const float *x, int64_t n, float *const *ys, int vec_only) {
     assert(k >= 1 && k <= MF_MM_MAX);
     mm_plan p[MF_MM_MAX];
     multi_ctx m = {p, k, {0}};
@@ -305,13 +342,17 @@ int mf_matmul_multi_ex(int k, const int *types, const uint8_t *const *ws, const 
         if (p[j].c.xfmt != XF_F32) need_fmt[p[j].c.xfmt] = 1;
     }
     if (n == 0 || m.off[k] == 0) return 0;
+    /* decode: every thread sweeps one ascending stretch of the weights (see pool.c) */
+    int vec = 1;
+    for (int j = 0; j < k; j++) vec &= p[j].fn == mm_task_vec;
+    void (*pfor)(int64_t, mf_task_fn, void *) = vec ? mf_parallel_for_ranged : mf_parallel_for;
     size_t sz[3] = {0, 0, 0}, at[3] = {0, 0, 0}, total = 0;
     if (need_fmt[XF_Q8_32]) sz[XF_Q8_32] = (size_t)(cols / 32) * sizeof(mf_q8_32) * (size_t)n;
     if (need_fmt[XF_Q8_256]) sz[XF_Q8_256] = (size_t)(cols / 256) * sizeof(mf_q8_256) * (size_t)n;
     at[XF_Q8_256] = (sz[XF_Q8_32] + 63) & ~(size_t)63;
     total = at[XF_Q8_256] + sz[XF_Q8_256];
     if (total == 0) {
-        mf_parallel_for(m.off[k], multi_task, &m);
+        pfor(m.off[k], multi_task, &m);
         return 0;
     }
     pthread_mutex_lock(&xq_lock);
@@ -330,9 +371,90 @@ int mf_matmul_multi_ex(int k, const int *types, const uint8_t *const *ws, const 
         for (int i = 0; i < k; i++)
             if (p[i].c.xfmt == f) p[i].c.xq = xq_buf + at[f];
     }
-    mf_parallel_for(m.off[k], multi_task, &m);
+    pfor(m.off[k], multi_task, &m);
     pthread_mutex_unlock(&xq_lock);
     return 0;
+}
+
+/* ---- profile (memfit bench --profile): calls, time and weight bytes per weight set ---- */
+extern int mf_prof_on;   /* pool.c */
+int64_t mf_now_ns(void); /* pool.c */
+#define MF_PROF_KEYS 64
+typedef struct {
+    int k, types[MF_MM_MAX];
+    int64_t rows[MF_MM_MAX], cols, n, calls, ns, bytes;
+} prof_mm;
+static prof_mm prof_tab[MF_PROF_KEYS];
+static int prof_used;
+static pthread_mutex_t prof_lock = PTHREAD_MUTEX_INITIALIZER;
+
+void mf_prof_mm_reset(void) {
+    pthread_mutex_lock(&prof_lock);
+    prof_used = 0;
+    pthread_mutex_unlock(&prof_lock);
+}
+
+static void prof_record(int k, const int *types, const int64_t *rows, int64_t cols, int64_t n, int64_t ns) {
+    pthread_mutex_lock(&prof_lock);
+    int e = 0;
+    for (; e < prof_used; e++) {
+        prof_mm *p = &prof_tab[e];
+        int same = p->k == k && p->cols == cols && p->n == n;
+        for (int j = 0; same && j < k; j++) same = p->types[j] == types[j] && p->rows[j] == rows[j];
+        if (same) break;
+    }
+    if (e == prof_used && prof_used < MF_PROF_KEYS) {
+        prof_mm *p = &prof_tab[prof_used++];
+        *p = (prof_mm){.k = k, .cols = cols, .n = n};
+        for (int j = 0; j < k; j++) {
+            p->types[j] = types[j];
+            p->rows[j] = rows[j];
+            p->bytes += rows[j] * (cols / mf_qtypes[types[j]].block) * mf_qtypes[types[j]].bytes;
+        }
+    }
+    if (e < prof_used) {
+        prof_tab[e].calls++;
+        prof_tab[e].ns += ns;
+    }
+    pthread_mutex_unlock(&prof_lock);
+}
+
+/* [{types, rows, cols, n, calls, ns, bytes (weight bytes of one call)}] */
+PyObject *mf_prof_mm_list(void) {
+    pthread_mutex_lock(&prof_lock);
+    PyObject *out = PyList_New(0);
+    for (int e = 0; out && e < prof_used; e++) {
+        prof_mm *p = &prof_tab[e];
+        PyObject *t = PyTuple_New(p->k), *r = PyTuple_New(p->k), *d = NULL;
+        if (t && r) {
+            for (int j = 0; j < p->k; j++) {
+                PyTuple_SET_ITEM(t, j, PyLong_FromLong(p->types[j]));
+                PyTuple_SET_ITEM(r, j, PyLong_FromLongLong(p->rows[j]));
+            }
+            d = Py_BuildValue("{s:O,s:O,s:L,s:L,s:L,s:L,s:L}", "types", t, "rows", r, "cols",
+                              (long long)p->cols, "n", (long long)p->n, "calls", (long long)p->calls,
+                              "ns", (long long)p->ns, "bytes", (long long)p->bytes);
+        }
+        Py_XDECREF(t);
+        Py_XDECREF(r);
+        if (!d || PyList_Append(out, d) < 0) { Py_XDECREF(d); Py_CLEAR(out); break; }
+        Py_DECREF(d);
+    }
+    pthread_mutex_unlock(&prof_lock);
+    return out;
+}
+
+/* Y_j[n, rows_j] = X[n, cols] · W_j^T for k <= MF_MM_MAX weights sharing X: X is quantized
+ * once per activation format and all weights' row tiles run as one pool job (decode issues
+ * Q/K/V and gate/up this way: fewer wake-ups, one quantization).
+ * Returns 0, or -1 unknown type / -2 bad cols / -3 out of memory. Call without the GIL. */
+int mf_matmul_multi_ex(int k, const int *types, const uint8_t *const *ws, const int64_t *rows,
+                       int64_t cols, const float *x, int64_t n, float *const *ys, int vec_only) {
+    if (!mf_prof_on) return matmul_multi(k, types, ws, rows, cols, x, n, ys, vec_only);
+    int64_t t0 = mf_now_ns();
+    int rc = matmul_multi(k, types, ws, rows, cols, x, n, ys, vec_only);
+    if (rc == 0) prof_record(k, types, rows, cols, n, mf_now_ns() - t0);
+    return rc;
 }
 
 /* The above; vec_only keeps the one-row (decode) kernels for any n, so each row of Y is

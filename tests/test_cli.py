@@ -127,14 +127,23 @@ def test_bad_run_arguments_are_clear_errors(smollm2_path, args, needle):
 def test_bench_kernels_json_reports_medians_against_bandwidth():
     # tiny shapes and stream volume: the schema and arithmetic, not the speed
     p = memfit("bench", "--kernels", "--types", "Q4_0,Q6_K", "--rows", 64, "--cols", 512,
+               "--shapes", "64x512,32x256", "--isa", "scalar,avx2",
                "--trials", 2, "--stream-bytes", "4MiB", "--json", "-t", 2)
     rows = [json.loads(x) for x in p.stdout.splitlines()]
-    assert [r["type"] for r in rows] == ["Q4_0", "Q6_K"]
+    assert [(r["type"], r["rows"], r["cols"], r["isa"]) for r in rows] == [
+        (t, r, c, i) for t in ("Q4_0", "Q6_K") for r, c in ((64, 512), (32, 256)) for i in ("scalar", "avx2")]
     for r in rows:
         assert len(r["samples_gb_per_s"]) == 2 and len(r["mem_read_samples_gb_per_s"]) == 2
         assert r["gb_per_s"] == pytest.approx(sorted(r["samples_gb_per_s"])[0] / 2
                                               + sorted(r["samples_gb_per_s"])[1] / 2)
-        assert r["fraction_of_bandwidth"] == pytest.approx(r["gb_per_s"] / r["mem_read_gb_per_s"])
+        # each sample against the probe of its own trial, then the median
+        assert r["samples_fraction"] == pytest.approx(
+            [g / b for g, b in zip(r["samples_gb_per_s"], r["mem_read_samples_gb_per_s"])])
+        assert r["fraction_of_bandwidth"] == pytest.approx(sum(r["samples_fraction"]) / 2)
         assert r["gb_per_s"] > 0 and r["threads"] == 2 and r["copies"] >= 2
+        assert len(r["mem_read_multi_samples_gb_per_s"]) == 2 and r["fraction_of_multi_stream"] > 0
+    for bad_arg, needle in (("--shapes", "12y4"), ("--isa", "avx9")):
+        bad = memfit("bench", "--kernels", bad_arg, needle, check=False)
+        assert bad.returncode != 0 and needle in bad.stderr.strip().splitlines()[-1]
     bad = memfit("bench", "--kernels", "--stream-bytes", "12XB", check=False)
     assert bad.returncode != 0 and "12XB" in bad.stderr

@@ -1,10 +1,12 @@
 """Native quant kernels vs gguf-py (dequantize, bit-exact) and a float64 product (matmul).
 
-Every ISA path this CPU can run is exercised in-process through _native.set_isa; the AVX2
-matmul quantizes activations to 8 bits per block, hence the 3e-2 relative bound (measured
-<= ~1.1e-2 on these shapes; against a product with the 8-bit x the kernels agree to ~1e-6,
-Q4_K/Q5_K ~1e-3 from the f32 cancellation of the min term); the scalar path dots in f32
-(measured ~4e-7, bound 1e-5).
+Every ISA path this CPU can run is exercised in-process through _native.set_isa. The integer
+paths (avx2, avx512vnni) quantize activations to 8 bits per block as ggml does (Q8_0/Q8_1 per
+32, Q8_K per 256), so they are compared with the float64 product of the dequantized weights and
+the activations rounded the same way (memfit.quant.activations): measured 5e-8..2e-7 of the
+largest output for every type, bound 1e-5. The scalar path dots in f32 against the plain
+product (measured ~4e-7, bound 1e-5). One 32-value sub-block zeroed in one row moves the
+output by >= 6e-2 of its largest value (test_bound_catches_a_zeroed_subblock), 6000x the bound.
 
 ASan/UBSan (documented command, not run in CI): build a sanitized copy outside the tree and
 put it first on PYTHONPATH:
@@ -25,15 +27,14 @@ import pytest
 _native = pytest.importorskip("memfit._native")
 from memfit.ops import QTensor  # noqa: E402
 from memfit.ops import native as nat  # noqa: E402
+from memfit.quant.activations import round_activations  # noqa: E402
 from memfit.quant.random import random_blocks  # noqa: E402
 from memfit.quant.types import BY_NAME  # noqa: E402
 
 NAMES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
          "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
 ISAS = ["scalar", "avx2", "avx512", "avx512vnni"]
-BOUND = {"scalar": 1e-5}  # others: 8-bit activations
-QUANT_BOUND = 3e-2
-FLOAT_BOUND = 1e-5
+BOUND = 1e-5  # every type and ISA, against the reference with the kernel's own activations
 
 
 def _gguf_deq(t, raw):
@@ -71,8 +72,12 @@ def test_dequantize_bit_exact(name):
         np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32), err_msg=f"{name} n={n}")
 
 
-def _tol(isa, t):
-    return FLOAT_BOUND if (isa == "scalar" or t.block_size == 1) else QUANT_BOUND
+def _xref(isa, t, X):
+    """The activations the kernel of this ISA dots with: f32 as given on the scalar path and
+    for float weights, else rounded to 8 bits per block as ggml's vec_dot_type."""
+    if isa == "scalar" or t.block_size == 1:
+        return X.astype(np.float64)
+    return round_activations(X, t.block_size if t.block_size == 256 else 32).astype(np.float64)
 
 
 def _relerr(y, ref, scale=None):
@@ -92,14 +97,14 @@ def test_matmul_shapes(isa, name):
     W = random_blocks(t, 129 * cols, rng)
     Wf = _gguf_deq(t, W).reshape(129, cols).astype(np.float64)
     X = rng.standard_normal((512, cols)).astype(np.float32)
-    ref = X.astype(np.float64) @ Wf.T
+    ref = _xref(isa, t, X) @ Wf.T
     for rows in (1, 3, 37, 129):
         w = QTensor("w", t, (rows, cols), W[: rows * rb])
         for n in (1, 2, 7, 64, 512):
             y = nat.matmul(X[:n], w)
             assert y.shape == (n, rows) and y.dtype == np.float32
             err = _relerr(y, ref[:n, :rows], np.abs(ref).max())
-            assert err < _tol(isa, t), f"{name} {isa} rows={rows} n={n}: rel err {err:.2e}"
+            assert err < BOUND, f"{name} {isa} rows={rows} n={n}: rel err {err:.2e}"
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -117,8 +122,26 @@ def test_matmul_widths(isa, name):
         out = np.full((7, rows), np.nan, dtype=np.float32)
         y = nat.matmul(X, QTensor("w", t, (rows, cols), W), out=out)
         assert y is out
-        err = _relerr(y, X.astype(np.float64) @ Wf.T)
-        assert err < _tol(isa, t), f"{name} {isa} cols={cols}: rel err {err:.2e}"
+        err = _relerr(y, _xref(isa, t, X) @ Wf.T)
+        assert err < BOUND, f"{name} {isa} cols={cols}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if BY_NAME[n].block_size > 1])
+def test_bound_catches_a_zeroed_subblock(name):
+    # a kernel that dropped one 32-value sub-block of one row (a scale or offset bug) would
+    # miss the reference by far more than BOUND on every type (measured >= 6e-2)
+    t = BY_NAME[name]
+    rng = np.random.default_rng(400 + t.id)
+    rows, cols = 37, 3 * (256 if t.block_size == 256 else 32)
+    W = random_blocks(t, rows * cols, rng)
+    Wf = _gguf_deq(t, W).reshape(rows, cols).astype(np.float64)
+    X = rng.standard_normal((7, cols)).astype(np.float32)
+    isa = _native.isa()
+    y = nat.matmul(X, QTensor("w", t, (rows, cols), W))
+    ref = _xref(isa, t, X) @ Wf.T
+    assert _relerr(y, ref) < BOUND
+    Wf[5, 32:64] = 0
+    assert _relerr(y, _xref(isa, t, X) @ Wf.T, np.abs(ref).max()) > 1000 * BOUND
 
 
 @pytest.mark.parametrize("name", ["F16", "Q4_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_XS"])
@@ -147,3 +170,34 @@ def test_bad_shapes_raise():
         _native.dequantize(9, W, 32, np.empty(32, np.float32))  # Q8_1: no kernel
     with pytest.raises(TypeError, match="float32"):
         _native.matmul(t.id, W, 2, 256, np.zeros((1, 256), np.float32), 1, np.empty((1, 2), np.float64))
+
+
+# (type, row counts n): the VNNI kernels that only fuse integer steps of an AVX2 kernel
+# (vpdpwssd for madd + add, vpdpbusd for maddubs + madd) keep its lanes and float order:
+# K-quant prefill, 32-element decode (4/8 rows) and prefill
+VNNI_SAME_BITS = [("Q2_K", (4, 7, 33)), ("Q3_K", (4, 7, 33)), ("Q4_K", (4, 7, 33)),
+                  ("Q5_K", (4, 7, 33)), ("Q6_K", (4, 7, 33)),  # prefill (decode differs: 512-bit)
+                  ("Q4_0", (1, 2, 3, 7, 33)), ("Q4_1", (1, 2, 3, 7, 33)), ("Q5_0", (1, 2, 3, 7, 33)),
+                  ("Q5_1", (1, 2, 3, 7, 33)), ("Q8_0", (16, 33)), ("IQ4_NL", (16, 33))]  # n >= 6/16: prefill
+
+
+@pytest.mark.parametrize("name, ns", VNNI_SAME_BITS, ids=[n for n, _ in VNNI_SAME_BITS])
+def test_vnni_kernels_bit_identical_to_avx2(name, ns):
+    if ISAS.index(_native.isa_hw()) < ISAS.index("avx512vnni"):
+        pytest.skip("CPU lacks avx512vnni")
+    t = BY_NAME[name]
+    rng = np.random.default_rng(500 + t.id)
+    rows, cols = 37, 512  # 37 rows: 4-row groups and a 1-row remainder
+    w = QTensor("w", t, (rows, cols), random_blocks(t, rows * cols, rng))
+    before = _native.isa()
+    try:
+        for n in ns:
+            x = rng.standard_normal((n, cols)).astype(np.float32)
+            got = {}
+            for isa in ("avx2", "avx512vnni"):
+                _native.set_isa(isa)
+                got[isa] = nat.matmul(x, w)
+            np.testing.assert_array_equal(got["avx2"], got["avx512vnni"], err_msg=f"{name} n={n}")
+    finally:
+        _native.set_isa(before)
+

@@ -547,7 +547,12 @@ def cmd_bench(a) -> int:
         from .memory.budget import parse_size
         return run_kernel_bench(types=a.types, rows=a.rows, cols=a.cols, threads=a.threads,
                                 as_json=a.json, trials=a.trials,
-                                stream_bytes=parse_size(a.stream_bytes))
+                                stream_bytes=parse_size(a.stream_bytes), shapes=a.shapes,
+                                isas=a.isa, cpu_time=a.cpu_time)
+    if a.profile:
+        from .bench.profile import run_profile
+        with _load(a, n_ctx=a.n_prompt + a.n_gen + 8) as m:
+            return run_profile(m.model, n_gen=max(1, a.n_gen), n_prompt=a.n_prompt, as_json=a.json)
     parallel = _parallel_list(a.parallel)
     n_par = max(parallel) if parallel else 1
     n_ctx = a.n_prompt + a.n_gen + 8 + (n_par if parallel else 0)
@@ -692,8 +697,20 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rows", type=_int_at_least(1), default=14336, help="with --kernels: matrix rows")
     b.add_argument("--cols", type=_int_at_least(1), default=4096, help="with --kernels: matrix cols (a multiple of each type's block size)")
     b.add_argument("--trials", type=_int_at_least(1), default=3, help="with --kernels: trials (bandwidth probe + every type); medians reported")
-    b.add_argument("--stream-bytes", type=_size, default="512MiB", metavar="SIZE",
-                   help="with --kernels: bytes of distinct matrix copies cycled so each call reads from DRAM (default 512MiB)")
+    b.add_argument("--stream-bytes", type=_size, default="1GiB", metavar="SIZE",
+                   help="with --kernels: bytes of distinct matrix copies cycled so each call reads from DRAM (default 1GiB: 4x a 260 MiB L3)")
+    b.add_argument("--profile", action="store_true",
+                   help="where one decode token's time goes: after -p prompt tokens, -n decoded tokens "
+                        "with each matvec (type, shape, GB/s vs the read probe), the rest of the layers, "
+                        "the output matrix, Python and the thread pool, per token")
+    b.add_argument("--shapes", default=None, metavar="LIST",
+                   help="with --kernels: comma-separated ROWSxCOLS, or 7b for --rows x --cols plus a 7B's "
+                        "4096x4096, 14336x4096, 4096x14336 and 152064x3584 (output)")
+    b.add_argument("--isa", default=None, metavar="LIST",
+                   help="with --kernels: comma-separated kernel ISAs to alternate on the same matrices "
+                        "(scalar, avx2, avx512vnni; default: the active one)")
+    b.add_argument("--cpu-time", action="store_true",
+                   help="with --kernels -t 1: time by this thread's CPU time (other processes on a shared machine do not count)")
     _add_cache_type_args(b)
     _add_runtime_args(b)
     b.set_defaults(func=cmd_bench)

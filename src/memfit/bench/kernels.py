@@ -11,85 +11,171 @@ import time
 import numpy as np
 
 
-def memory_read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
-    """Bytes/s of one parallel read pass over a buffer larger than any cache (best of reps)."""
+def memory_read_bandwidth(nbytes: int = 1 << 30, reps: int = 5, clock=time.perf_counter,
+                          streams: int = 1) -> float:
+    """Bytes/s of one parallel read pass over a buffer larger than any cache (best of reps).
+    clock=time.thread_time (1 thread only: the pass then runs in this thread) counts only the
+    CPU time this thread got: a preemption-proof figure on a shared machine. streams > 1:
+    each thread reads its chunk as that many interleaved ascending streams (a core of this
+    Xeon reads more that way than with one)."""
     from .. import _native
     buf = np.full(nbytes, 7, dtype=np.uint8)  # written: real pages, not the shared zero page
-    _native.read_buffer(buf)
+    _native.read_buffer(buf, streams)
     best = 0.0
     for _ in range(reps):
-        t0 = time.perf_counter()
-        _native.read_buffer(buf)
-        best = max(best, nbytes / (time.perf_counter() - t0))
+        t0 = clock()
+        _native.read_buffer(buf, streams)
+        best = max(best, nbytes / (clock() - t0))
     return best
 
 
-def matvec_bandwidth(type_name: str, rows: int, cols: int, reps: int = 10, seed: int = 0,
-                     min_total: int = 512 << 20) -> dict:
-    """Median GB/s of one n=1 matvec. Calls cycle over enough distinct copies of the matrix
-    (>= min_total bytes in all) that each call streams its weights from DRAM, not from L3."""
+# The matrices a 7B-class decode streams (qwen2/llama 7-8B: attention 4096x4096 (Q, O), FFN
+# gate/up 14336x4096 and down 4096x14336, the qwen2 output matrix 152064x3584).
+SHAPES_7B = [(4096, 4096), (14336, 4096), (4096, 14336), (152064, 3584)]
+
+
+def parse_shapes(spec: str | None, rows: int, cols: int) -> list[tuple[int, int]]:
+    """--shapes: None -> [(rows, cols)]; "7b" -> (rows, cols) then SHAPES_7B (no repeats);
+    else a comma list of ROWSxCOLS."""
+    from ..errors import RequestError
+    if not spec:
+        return [(rows, cols)]
+    out: list[tuple[int, int]] = []
+    for part in spec.split(","):
+        part = part.strip().lower()
+        if part == "7b":
+            cand = [(rows, cols)] + SHAPES_7B
+        else:
+            r, x, c = part.partition("x")
+            if not (x and r.isdigit() and c.isdigit() and int(r) > 0 and int(c) > 0):
+                raise RequestError(f"--shapes: {part!r} is not ROWSxCOLS (e.g. 4096x4096) or 7b")
+            cand = [(int(r), int(c))]
+        out += [s for s in cand if s not in out]
+    return out
+
+
+def _matrices(type_name: str, rows: int, cols: int, seed: int, min_total: int):
+    """Distinct copies of one random matrix, >= min_total bytes in all (>= 2 copies), so that
+    cycling over them streams every call's weights from DRAM rather than the L3."""
     from ..ops import QTensor
-    from ..ops import native
     from ..quant.random import random_weight
     from ..quant.types import BY_NAME
     t = BY_NAME[type_name]
-    rng = np.random.default_rng(seed)
-    w0 = random_weight(t, (rows, cols), rng).reshape(-1)
+    w0 = random_weight(t, (rows, cols), np.random.default_rng(seed)).reshape(-1)
     copies = max(2, -(-min_total // w0.nbytes))
-    ws = [QTensor("bench", t, (rows, cols), w0 if i == 0 else w0.copy()) for i in range(copies)]
-    x = rng.standard_normal((1, cols)).astype(np.float32)
+    return [QTensor("bench", t, (rows, cols), w0 if i == 0 else w0.copy()) for i in range(copies)]
+
+
+def _time_matvec(ws: list, reps: int, seed: int = 0, clock=time.perf_counter) -> float:
+    """Median seconds of one n=1 matmul, calls cycling over the copies (clock: see
+    memory_read_bandwidth)."""
+    from ..ops import native
+    rows, cols = ws[0].shape
+    x = np.random.default_rng(seed).standard_normal((1, cols)).astype(np.float32)
     out = np.empty((1, rows), np.float32)
     for q in ws:
         native.matmul(x, q, out=out)
     times = []
-    for r in range(max(reps, copies)):
-        q = ws[r % copies]
-        t0 = time.perf_counter()
+    for r in range(max(reps, len(ws))):
+        q = ws[r % len(ws)]
+        t0 = clock()
         native.matmul(x, q, out=out)
-        times.append(time.perf_counter() - t0)
-    med = statistics.median(times)
-    return {"type": type_name, "rows": rows, "cols": cols, "weight_bytes": int(w0.nbytes),
-            "copies": copies, "seconds": med, "gb_per_s": w0.nbytes / med / 1e9}
+        times.append(clock() - t0)
+    return statistics.median(times)
+
+
+def matvec_bandwidth(type_name: str, rows: int, cols: int, reps: int = 10, seed: int = 0,
+                     min_total: int = 512 << 20) -> dict:
+    """Median GB/s of one n=1 matvec streamed from DRAM (see _matrices)."""
+    ws = _matrices(type_name, rows, cols, seed, min_total)
+    med = _time_matvec(ws, reps, seed)
+    nbytes = int(ws[0].data.nbytes)
+    return {"type": type_name, "rows": rows, "cols": cols, "weight_bytes": nbytes,
+            "copies": len(ws), "seconds": med, "gb_per_s": nbytes / med / 1e9}
 
 
 def run_kernel_bench(types: str = "Q4_0,Q8_0,Q4_K,Q6_K", rows: int = 14336, cols: int = 4096,
                      threads: int | None = None, as_json: bool = False, trials: int = 3,
-                     stream_bytes: int = 512 << 20) -> int:
-    """Each trial measures the read bandwidth, then every type's DRAM-streamed matvec; the
-    table reports medians over the trials (this kind of host moves +-15% between runs, so a
-    single probe next to a single matvec can mislead), --json one object per type with all
-    samples."""
+                     stream_bytes: int = 1 << 30, shapes: str | None = None,
+                     isas: str | None = None, cpu_time: bool = False) -> int:
+    """Each trial measures the read bandwidth, then every (type, shape) matvec streamed from
+    DRAM, once per ISA in `isas` (alternating on the same matrices: an A/B within the trial).
+    Every matvec is reported as a fraction of the probe *of its own trial* (median over the
+    trials: this host's probe moves +-15% between trials); --json prints one object per
+    (type, shape, isa) with all samples. cpu_time (1 thread only): probe and matvecs timed
+    by this thread's CPU time, so other processes on the cores do not count."""
+    from .. import _native
+    from ..errors import RequestError
     from ..ops import native
     if threads:
         native.set_threads(threads)
-    threads = native.get_threads() if hasattr(native, "get_threads") else threads
+    threads = native.get_threads()
+    if cpu_time and threads != 1:
+        raise RequestError("--cpu-time measures one thread: add -t 1")
+    clock = time.thread_time if cpu_time else time.perf_counter
     names = [t.strip() for t in types.split(",") if t.strip()]
+    shape_list = parse_shapes(shapes, rows, cols)
+    isa_before = _native.isa()
+    isa_list = [i.strip() for i in (isas or isa_before).split(",") if i.strip()]
+    for i in isa_list:
+        try:
+            _native.set_isa(i)
+        except ValueError as e:
+            raise RequestError(f"--isa: {e}") from None
+    _native.set_isa(isa_before)
+    keys = [(n, s, i) for n in names for s in shape_list for i in isa_list]
     bws: list[float] = []
-    gbs: dict[str, list[float]] = {n: [] for n in names}
-    info: dict[str, dict] = {}
-    for k in range(max(1, trials)):
-        bws.append(memory_read_bandwidth(max(64 << 20, 2 * stream_bytes)) / 1e9)
-        for name in names:
-            r = matvec_bandwidth(name, rows, cols, min_total=stream_bytes)
-            gbs[name].append(r["gb_per_s"])
-            info[name] = r
-        if not as_json:
-            print(f"  trial {k + 1}/{max(1, trials)}: read {bws[-1]:.1f} GB/s, "
-                  + ", ".join(f"{n} {gbs[n][-1]:.1f}" for n in names), file=sys.stderr, flush=True)
+    bwm: list[float] = []  # the best of the 2-, 4- and 8-stream probes, same trials
+    gbs: dict = {k: [] for k in keys}
+    fracs: dict = {k: [] for k in keys}
+    info: dict = {}
+    try:
+        for k in range(max(1, trials)):
+            bw = memory_read_bandwidth(max(64 << 20, 2 * stream_bytes), clock=clock) / 1e9
+            bws.append(bw)
+            bwm.append(max(memory_read_bandwidth(max(64 << 20, 2 * stream_bytes), reps=3, clock=clock,
+                                                 streams=k) for k in (2, 4, 8)) / 1e9)
+            for name in names:
+                for (r, c) in shape_list:
+                    ws = _matrices(name, r, c, k, stream_bytes)
+                    nbytes = int(ws[0].data.nbytes)
+                    for isa in isa_list:
+                        _native.set_isa(isa)
+                        g = nbytes / _time_matvec(ws, 10, k, clock) / 1e9
+                        gbs[(name, (r, c), isa)].append(g)
+                        fracs[(name, (r, c), isa)].append(g / bw)
+                        info[(name, (r, c), isa)] = {"weight_bytes": nbytes, "copies": len(ws)}
+                    del ws
+            if not as_json:
+                print(f"  trial {k + 1}/{max(1, trials)}: read {bw:.1f} GB/s ({bwm[-1]:.1f} multi-stream), "
+                      + ", ".join(f"{n} {r}x{c}{'/' + i if len(isa_list) > 1 else ''} "
+                                  f"{gbs[(n, (r, c), i)][-1]:.1f}" for n, (r, c), i in keys),
+                      file=sys.stderr, flush=True)
+    finally:
+        _native.set_isa(isa_before)
     bw = statistics.median(bws)
     if not as_json:
-        print(f"memory read bandwidth: {bw:.1f} GB/s ({threads} threads, median of {len(bws)})",
-              file=sys.stderr)
-        print("| type | matrix | weight MB | GB/s | % of memory bandwidth |")
-        print("|---|---|---:|---:|---:|")
-    for name in names:
-        r = {**info[name], "gb_per_s": statistics.median(gbs[name]), "samples_gb_per_s": gbs[name],
-             "mem_read_gb_per_s": bw, "mem_read_samples_gb_per_s": bws, "threads": threads}
-        r["fraction_of_bandwidth"] = r["gb_per_s"] / bw
-        del r["seconds"]
+        print(f"memory read bandwidth: {bw:.1f} GB/s ({threads} threads, median of {len(bws)}"
+              + (", per CPU-second" if cpu_time else "") + ")", file=sys.stderr)
+        print(f"multi-stream read probe: {statistics.median(bwm):.1f} GB/s", file=sys.stderr)
+        print("| type | matrix | isa | weight MB | GB/s | % of read probe (same trial) "
+              "| % of multi-stream probe |")
+        print("|---|---|---|---:|---:|---:|---:|")
+    for key in keys:
+        name, (r, c), isa = key
+        res = {"type": name, "rows": r, "cols": c, "isa": isa, **info[key],
+               "gb_per_s": statistics.median(gbs[key]), "samples_gb_per_s": gbs[key],
+               "fraction_of_bandwidth": statistics.median(fracs[key]),
+               "samples_fraction": fracs[key],
+               "mem_read_gb_per_s": bw, "mem_read_samples_gb_per_s": bws,
+               "mem_read_multi_samples_gb_per_s": bwm,
+               "fraction_of_multi_stream": statistics.median(g / b for g, b in zip(gbs[key], bwm)),
+               "threads": threads,
+               "clock": "thread_time" if cpu_time else "wall"}
         if as_json:
-            print(json.dumps(r), flush=True)
+            print(json.dumps(res), flush=True)
         else:
-            print(f"| {name} | {rows}x{cols} | {r['weight_bytes'] / 1e6:.1f} | {r['gb_per_s']:.1f} | "
-                  f"{100 * r['fraction_of_bandwidth']:.0f}% |", flush=True)
+            print(f"| {name} | {r}x{c} | {isa} | {res['weight_bytes'] / 1e6:.1f} | "
+                  f"{res['gb_per_s']:.1f} | {100 * res['fraction_of_bandwidth']:.0f}% | "
+                  f"{100 * res['fraction_of_multi_stream']:.0f}% |", flush=True)
     return 0

@@ -4,19 +4,23 @@ matmul and get_rows run the quant kernels (csrc/quant*.c); rmsnorm, rope, softma
 gelu_mul and attention come from csrc/ops.c when the extension has them (else the numpy
 reference stands in, so get_ops('native') always works end to end).
 
-Tolerance. On AVX2 the quantized matmul quantizes each activation row to 8 bits per block as
-llama.cpp's vec_dot_type does (Q8_0-style per 32 values with an f16-rounded scale for
-Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL; Q8_K-style per 256 for the K-quants and IQ4_XS), then dots in
-integers. Against a float64 product with the dequantized weights, max|y - ref| / max|ref|
-measures 3e-3..1.1e-2 on random data (tests/test_native_quant.py bounds it at 3e-2); against
-a product with the same 8-bit activations it agrees to ~1e-6 (Q4_K/Q5_K ~1e-3: f32
-cancellation of the min term). F32/F16/BF16 weights use f32 FMA (~1e-7). The scalar ISA
-path dequantizes each W row to f32 and dots in f32 (no activation quantization, ~3e-7).
+Tolerance. On AVX2 and AVX-512 VNNI the quantized matmul quantizes each activation row to
+8 bits per block as llama.cpp's vec_dot_type does (Q8_0-style per 32 values with an f16-rounded
+scale for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL; Q8_K-style per 256 for the K-quants and IQ4_XS),
+then dots in integers. Against the float64 product of the dequantized weights with the
+activations rounded that way (memfit.quant.activations) max|y - ref| / max|ref| is 5e-8..2e-7
+for every type (tests/test_native_quant.py bounds it at 1e-5); against the plain float64
+product ~3e-3..1.1e-2 (the 8-bit activations). F32/F16/BF16 weights use f32 FMA (~1e-7). The
+scalar ISA path dequantizes each W row to f32 and dots in f32 (no activation quantization,
+~3e-7).
 
 Paths: n < 4..16 rows (decode) run integer vec-dots per W row (4 W rows per call for the
 unsigned 32-blocks); larger n (prefill) unpack each W row once per task and run a 4-X-row
-kernel. MEMFIT_ISA=scalar|avx2 or memfit._native.set_isa() selects the ISA (tests);
-MEMFIT_THREADS or set_threads() the pool size (default: physical cores).
+kernel. avx512vnni has its own decode vec-dots for Q3_K..Q6_K (512-bit), Q4_0/Q4_1/Q5_0/Q5_1
+and Q8_0 (VNNI), and a VNNI form of the K-quant prefill kernel (the same bits as AVX2);
+other types run the AVX2 kernels. MEMFIT_ISA=scalar|avx2|avx512vnni or
+memfit._native.set_isa() selects the ISA (tests); memfit._native.isas() lists those with
+kernels of their own. MEMFIT_THREADS or set_threads() the pool size (default: physical cores).
 """
 
 from __future__ import annotations

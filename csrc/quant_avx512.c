@@ -1,0 +1,549 @@
+/* AVX-512 VNNI decode vec-dots (Ice Lake and later: F/BW/VL/VNNI/VBMI), one W row against
+ * one prepared X row, 64 weights per 512-bit step.
+ *
+ * K-quants x Q8_256: a 32-byte chunk of packed quants is broadcast to both 256-bit halves by
+ * the load itself and one per-half variable shift + mask gives 64 weights in element order,
+ * so X is read in its natural order (one aligned 64-byte load). vpmaddubsw makes the u8 x s8
+ * pair sums, vpdpwssd multiplies them by the sub-block scales and accumulates in int32 (the
+ * AVX2 path needs madd + add + a scale shuffle for that): exact integer block sums, then one
+ * float FMA per block as in the AVX2 kernels (only the float summation order differs).
+ *
+ * 32-element types x Q8_32P (a row of X as all blocks' 32 int8 values, then per-block
+ * dx expanded to 8 lanes, then -8 * the sums of each 4 values, see mf_quantize_q8_32p): two
+ * blocks per 512-bit step; one unaligned 64-byte load of W covers both blocks (18- or 34-byte
+ * blocks) and one vpermb puts their quants (and another their scales) in place; vpdpbusd
+ * accumulates u8 x s8 into an accumulator that starts at the offset term. */
+#include "quant_common.h"
+
+#include <immintrin.h>
+#include <string.h>
+
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx512dq,avx2,fma,f16c")))
+
+/* Q4_K/Q5_K 12-byte scales -> sc[0..7] in bytes 0..7, mins in bytes 8..15 (ggml's packing) */
+static inline void k4_scales(const uint8_t *q, uint32_t u[4]) {
+    memcpy(u, q, 12);
+    const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+    uint32_t mins_lo = u[1] & k1;
+    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+    u[2] = mins_lo;
+    u[0] &= k1;
+}
+/* lane j: mins[j] * (bsums[2j] + bsums[2j+1]), mins = bytes 8..15 of u (no horizontal sum:
+ * the caller accumulates the 8 lanes in float and sums once per row) */
+VNNI static inline __m256i k4_minlanes(const uint32_t u[4], const int16_t *bsums) {
+    const __m128i m8 = _mm_cvtsi64_si128((int64_t)((uint64_t)u[3] << 32 | u[2]));
+    const __m256i m16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8)); /* each min twice */
+    return _mm256_madd_epi16(m16, _mm256_loadu_si256((const __m256i *)bsums));
+}
+/* words 0..15 = index a, 16..31 = index b (a vpermw selector) */
+VNNI static inline __m512i sel2(int a, int b) {
+    return _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_set1_epi8((char)b), _mm_set1_epi8((char)a)));
+}
+/* words 8i..8i+7 = index a + i, i < 4 */
+VNNI static inline __m512i sel4(int a) {
+    return _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_set_epi64x(0x0303030303030303 + a * 0x0101010101010101LL,
+                                                                0x0202020202020202 + a * 0x0101010101010101LL),
+                                                 _mm_set_epi64x(0x0101010101010101 + a * 0x0101010101010101LL,
+                                                                a * 0x0101010101010101LL)));
+}
+/* 32 bytes at p in both 256-bit halves */
+VNNI static inline __m512i bcast32(const uint8_t *p) {
+    return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p));
+}
+/* (A & C) | B */
+#define OR_AND(A, B, C) _mm512_ternarylogic_epi32((A), (B), (C), 0xEC)
+
+/* ---------------- K-quants x Q8_256 ---------------- */
+
+/* One block of one row into the row's accumulators (acc; accm: the mins term). */
+VNNI static inline void q4_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *acc, __m256 *accm) {
+    const __m512i m4 = _mm512_set1_epi8(0xF), sh = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
+    uint32_t u[4];
+    k4_scales(w + 4, u);
+    const __m256i mlanes = k4_minlanes(u, x->bsums);
+    const __m512i sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)((uint64_t)u[1] << 32 | u[0]))));
+    const uint8_t *qs = w + 16;
+    const int8_t *y = x->qs;
+    __m512i s2[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}; /* two chains */
+    for (int j = 0; j < 4; j++) { /* elements 64j..64j+63: low nibbles of chunk j, then high */
+        __m512i q = _mm512_and_si512(_mm512_srlv_epi64(bcast32(qs + 32 * j), sh), m4);
+        __m512i p = _mm512_maddubs_epi16(q, _mm512_loadu_si512((const void *)(y + 64 * j)));
+        s2[j & 1] = _mm512_dpwssd_epi32(s2[j & 1], p, _mm512_permutexvar_epi16(sel2(2 * j, 2 * j + 1), sc));
+    }
+    const __m512i sumi = _mm512_add_epi32(s2[0], s2[1]);
+    int32_t h;
+    memcpy(&h, w, 4);
+    const __m128 dm = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(h)), _mm_set1_ps(x->d)); /* d*dx, dmin*dx */
+    *acc = _mm512_fmadd_ps(_mm512_broadcastss_ps(dm), _mm512_cvtepi32_ps(sumi), *acc);
+    *accm = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)), _mm256_cvtepi32_ps(mlanes), *accm);
+}
+
+VNNI static inline void q5_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *acc, __m256 *accm) {
+    const __m512i m4 = _mm512_set1_epi8(0xF), b4 = _mm512_set1_epi8(0x10);
+    const __m512i sh = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
+    uint32_t u[4];
+    k4_scales(w + 4, u);
+    const __m256i mlanes = k4_minlanes(u, x->bsums);
+    const __m512i sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)((uint64_t)u[1] << 32 | u[0]))));
+    const uint8_t *qs = w + 48;
+    const __m512i qh = bcast32(w + 16);
+    const int8_t *y = x->qs;
+    __m512i s2[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (int j = 0; j < 4; j++) {
+        /* bit 2j (low half) / 2j+1 (high half) of each qh byte rotated to bit 4 */
+        const __m512i rot = _mm512_set_epi64((3 - 2 * j) & 63, (3 - 2 * j) & 63, (3 - 2 * j) & 63, (3 - 2 * j) & 63,
+                                             (4 - 2 * j) & 63, (4 - 2 * j) & 63, (4 - 2 * j) & 63, (4 - 2 * j) & 63);
+        __m512i hb = _mm512_and_si512(_mm512_rolv_epi64(qh, rot), b4);
+        __m512i q = OR_AND(_mm512_srlv_epi64(bcast32(qs + 32 * j), sh), hb, m4);
+        __m512i p = _mm512_maddubs_epi16(q, _mm512_loadu_si512((const void *)(y + 64 * j)));
+        s2[j & 1] = _mm512_dpwssd_epi32(s2[j & 1], p, _mm512_permutexvar_epi16(sel2(2 * j, 2 * j + 1), sc));
+    }
+    const __m512i sumi = _mm512_add_epi32(s2[0], s2[1]);
+    int32_t h;
+    memcpy(&h, w, 4);
+    const __m128 dm = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(h)), _mm_set1_ps(x->d));
+    *acc = _mm512_fmadd_ps(_mm512_broadcastss_ps(dm), _mm512_cvtepi32_ps(sumi), *acc);
+    *accm = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)), _mm256_cvtepi32_ps(mlanes), *accm);
+}
+
+VNNI static inline void q6_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *acc, __m256 *unused) {
+    (void)unused;
+    const __m512i m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30);
+    const __m512i shl = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4), shr = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
+    const __m256i sc8 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 192)));
+    const int corr = _mm512_reduce_add_epi32(_mm512_zextsi256_si512(_mm256_madd_epi16(sc8, _mm256_loadu_si256((const __m256i *)x->bsums))));
+    const __m512i sc = _mm512_castsi256_si512(sc8);
+    __m512i s2[2] = {_mm512_zextsi128_si512(_mm_cvtsi32_si128(-32 * corr)), _mm512_setzero_si512()};
+    for (int h = 0; h < 2; h++) {
+        const __m512i ql = _mm512_loadu_si512((const void *)(w + 64 * h));
+        const __m512i qh = bcast32(w + 128 + 32 * h);
+        const int8_t *y = x->qs + 128 * h;
+        /* elements 128h + 0..63: low nibbles | qh bits 0-1 (first 32) / 2-3 (next 32) << 4 */
+        __m512i v0 = OR_AND(ql, _mm512_and_si512(_mm512_sllv_epi64(qh, shl), m30), m4);
+        /* elements 128h + 64..127: high nibbles | qh bits 4-5 / 6-7 << 4 */
+        __m512i v1 = OR_AND(_mm512_srli_epi16(ql, 4), _mm512_and_si512(_mm512_srlv_epi64(qh, shr), m30), m4);
+        __m512i p0 = _mm512_maddubs_epi16(v0, _mm512_loadu_si512((const void *)y));
+        __m512i p1 = _mm512_maddubs_epi16(v1, _mm512_loadu_si512((const void *)(y + 64)));
+        s2[h] = _mm512_dpwssd_epi32(s2[h], p0, _mm512_permutexvar_epi16(sel4(8 * h), sc));
+        s2[h] = _mm512_dpwssd_epi32(s2[h], p1, _mm512_permutexvar_epi16(sel4(8 * h + 4), sc));
+    }
+    const __m512i sumi = _mm512_add_epi32(s2[0], s2[1]);
+    uint16_t hd;
+    memcpy(&hd, w + 208, 2);
+    *acc = _mm512_fmadd_ps(_mm512_set1_ps(_cvtsh_ss(hd) * x->d), _mm512_cvtepi32_ps(sumi), *acc);
+}
+
+/* Q3_K: element e = 128c + 32s + l is ((qs[32c + l] >> 2s) & 3) | 4 * (bit e/32 of hmask[l]),
+ * minus 4 (taken off as -4 * sum_i sc_i * bsums_i); 16 6-bit scales unpacked in registers. */
+VNNI static inline void q3_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *acc, __m256 *unused) {
+    (void)unused;
+    const __m512i m3 = _mm512_set1_epi8(3), b2 = _mm512_set1_epi8(4);
+    {
+        uint32_t a[3], u[4];
+        memcpy(a, w + 96, 12);
+        const uint32_t k1 = 0x03030303, k2 = 0x0f0f0f0f;
+        u[0] = (a[0] & k2) | ((a[2] & k1) << 4);
+        u[1] = (a[1] & k2) | (((a[2] >> 2) & k1) << 4);
+        u[2] = ((a[0] >> 4) & k2) | (((a[2] >> 4) & k1) << 4);
+        u[3] = ((a[1] >> 4) & k2) | (((a[2] >> 6) & k1) << 4);
+        const __m128i s8 = _mm_sub_epi8(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]), _mm_set1_epi8(32));
+        const __m256i sc16 = _mm256_cvtepi8_epi16(s8);
+        const int corr = _mm512_reduce_add_epi32(_mm512_zextsi256_si512(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)x->bsums))));
+        const __m512i sc = _mm512_castsi256_si512(sc16);
+        const __m512i hm = bcast32(w);
+        __m512i s2[2] = {_mm512_zextsi128_si512(_mm_cvtsi32_si128(-4 * corr)), _mm512_setzero_si512()};
+        for (int k = 0; k < 4; k++) { /* elements 64k..64k+63: c = k/2, s = 2(k%2) and 2(k%2)+1 */
+            const int s0 = 2 * (k & 1);
+            const __m512i shq = _mm512_set_epi64(2 * s0 + 2, 2 * s0 + 2, 2 * s0 + 2, 2 * s0 + 2, 2 * s0, 2 * s0, 2 * s0, 2 * s0);
+            /* hmask bit 2k (low half) / 2k+1 (high half) rotated to bit 2 */
+            const __m512i rot = _mm512_set_epi64((1 - 2 * k) & 63, (1 - 2 * k) & 63, (1 - 2 * k) & 63, (1 - 2 * k) & 63,
+                                                 (2 - 2 * k) & 63, (2 - 2 * k) & 63, (2 - 2 * k) & 63, (2 - 2 * k) & 63);
+            __m512i h = _mm512_and_si512(_mm512_rolv_epi64(hm, rot), b2);
+            __m512i q = OR_AND(_mm512_srlv_epi64(bcast32(w + 32 + 32 * (k >> 1)), shq), h, m3);
+            __m512i p = _mm512_maddubs_epi16(q, _mm512_loadu_si512((const void *)(x->qs + 64 * k)));
+            s2[k & 1] = _mm512_dpwssd_epi32(s2[k & 1], p, _mm512_permutexvar_epi16(sel4(4 * k), sc));
+        }
+        uint16_t hd;
+        memcpy(&hd, w + 108, 2);
+        *acc = _mm512_fmadd_ps(_mm512_set1_ps(_cvtsh_ss(hd) * x->d), _mm512_cvtepi32_ps(_mm512_add_epi32(s2[0], s2[1])), *acc);
+    }
+}
+
+
+/* The 1-row kernels over the per-block steps. (A 4-row form interleaving four rows block by
+ * block returned the same bits but streamed 10-25% slower from DRAM on this Xeon: not used.) */
+#define KQ_DRIVER(T, BYTES, FINAL)                                                                   \
+    VNNI static float vd_##T(const uint8_t *w, const void *xv, int64_t nb) {                        \
+        const mf_q8_256 *x = xv;                                                                    \
+        __m512 acc = _mm512_setzero_ps();                                                           \
+        __m256 accm = _mm256_setzero_ps();                                                          \
+        for (int64_t b = 0; b < nb; b++) T##_step(w + b * BYTES, x + b, &acc, &accm);               \
+        return FINAL(acc, accm);                                                                    \
+    }
+VNNI static inline float fin_min(__m512 acc, __m256 accm) {
+    return _mm512_reduce_add_ps(_mm512_sub_ps(acc, _mm512_zextps256_ps512(accm)));
+}
+VNNI static inline float fin_plain(__m512 acc, __m256 accm) {
+    (void)accm;
+    return _mm512_reduce_add_ps(acc);
+}
+KQ_DRIVER(q4_k, 144, fin_min)
+KQ_DRIVER(q5_k, 176, fin_min)
+KQ_DRIVER(q6_k, 210, fin_plain)
+KQ_DRIVER(q3_k, 110, fin_plain)
+
+/* ---------------- 32-element types x Q8_32 (256-bit VNNI) ----------------
+ * Per block the work is one 32-byte product and its float scale; vpdpbusd replaces the
+ * maddubs + madd pair, and the 4-row Q4_0 kernel shares X and the scale conversion. */
+
+/* 4 f16 from 4 addresses -> the low 4 halves */
+VNNI static inline __m128i ld4_f16(const uint8_t *p0, const uint8_t *p1, const uint8_t *p2, const uint8_t *p3) {
+    uint16_t h0, h1, h2, h3;
+    memcpy(&h0, p0, 2); memcpy(&h1, p1, 2); memcpy(&h2, p2, 2); memcpy(&h3, p3, 2);
+    return _mm_cvtsi64_si128((int64_t)((uint64_t)h0 | (uint64_t)h1 << 16 | (uint64_t)h2 << 32 | (uint64_t)h3 << 48));
+}
+/* the same reduction order as simd_x86.h's hsum_ps (bit-identical sums) */
+VNNI static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+VNNI static inline __m128 hsum4_ps(__m256 a, __m256 b, __m256 c, __m256 d) {
+    __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+    __m256 s = _mm256_hadd_ps(ab, cd);
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+/* Q4_0, 4 rows: w = d (q - 8); the -8 d s_x term as one 4-lane FMA per block */
+VNNI static void vd4_q4_0(const uint8_t *w, size_t rb, const void *xv, int64_t nb, float *out) {
+    const mf_q8_32 *x = xv;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m128 cacc = _mm_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0xF), sh = _mm256_set_epi64x(4, 4, 0, 0);
+    const __m128 m8 = _mm_set1_ps(-8.0f);
+    const uint8_t *w0 = w, *w1 = w + rb, *w2 = w + 2 * rb, *w3 = w + 3 * rb;
+    float sc[4];
+    for (int64_t b = 0; b < nb; b++, w0 += 18, w1 += 18, w2 += 18, w3 += 18) {
+        const __m256i y = _mm256_loadu_si256((const __m256i *)x[b].qs);
+        const __m128 d4 = _mm_cvtph_ps(ld4_f16(w0, w1, w2, w3));
+        _mm_storeu_ps(sc, _mm_mul_ps(d4, _mm_set1_ps(x[b].d)));
+        cacc = _mm_fmadd_ps(_mm_mul_ps(d4, m8), _mm_set1_ps(x[b].s), cacc);
+#define Q40_ROW(W, A, I)                                                                            \
+        {                                                                                           \
+            __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)((W) + 2)));  \
+            q = _mm256_and_si256(_mm256_srlv_epi64(q, sh), m4);                                     \
+            const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, y);                   \
+            A = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + I), _mm256_cvtepi32_ps(p), A);              \
+        }
+        Q40_ROW(w0, a0, 0) Q40_ROW(w1, a1, 1) Q40_ROW(w2, a2, 2) Q40_ROW(w3, a3, 3)
+#undef Q40_ROW
+    }
+    _mm_storeu_ps(out, _mm_add_ps(hsum4_ps(a0, a1, a2, a3), cacc));
+}
+
+/* Q8_0: w + 128 is unsigned (one xor), so vpdpbusd applies; the 128 * d * s_x it adds is
+ * taken off in float once per row */
+VNNI static float vd_q8_0(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_32 *x = xv;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float c0 = 0, c1 = 0;
+    const __m256i k80 = _mm256_set1_epi8((char)0x80);
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2, w += 68) {
+        uint16_t h0, h1;
+        memcpy(&h0, w, 2); memcpy(&h1, w + 34, 2);
+        const float d0 = _cvtsh_ss(h0), d1 = _cvtsh_ss(h1);
+        __m256i q0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + 2)), k80);
+        __m256i q1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + 36)), k80);
+        __m256i p0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q0, _mm256_loadu_si256((const __m256i *)x[b].qs));
+        __m256i p1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q1, _mm256_loadu_si256((const __m256i *)x[b + 1].qs));
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0 * x[b].d), _mm256_cvtepi32_ps(p0), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d1 * x[b + 1].d), _mm256_cvtepi32_ps(p1), acc1);
+        c0 += d0 * x[b].s;
+        c1 += d1 * x[b + 1].s;
+    }
+    for (; b < nb; b++, w += 34) {
+        uint16_t h0;
+        memcpy(&h0, w, 2);
+        const float d0 = _cvtsh_ss(h0);
+        __m256i q0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + 2)), k80);
+        __m256i p0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q0, _mm256_loadu_si256((const __m256i *)x[b].qs));
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0 * x[b].d), _mm256_cvtepi32_ps(p0), acc0);
+        c0 += d0 * x[b].s;
+    }
+    __m256 a = _mm256_add_ps(acc0, acc1);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s) - 128.0f * (c0 + c1);
+}
+
+/* 32 bits -> 32 bytes, 0xFF where the bit is set: one mask op */
+VNNI static inline __m256i bits32(const uint8_t *p) {
+    uint32_t x;
+    memcpy(&x, p, 4);
+    return _mm256_movm_epi8((__mmask32)x);
+}
+
+/* Q5_0, 4 rows: as the AVX2 vd4_q5_0 (same lanes and float order, so the same bits) with
+ * vpdpbusd and the 5th bits from one mask move */
+VNNI static void vd4_q5_0(const uint8_t *w, size_t rb, const void *xv, int64_t nb, float *out) {
+    const mf_q8_32 *x = xv;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m128 cacc = _mm_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0xF), b4 = _mm256_set1_epi8(0x10), sh = _mm256_set_epi64x(4, 4, 0, 0);
+    const __m128 m16 = _mm_set1_ps(-16.0f);
+    const uint8_t *w0 = w, *w1 = w + rb, *w2 = w + 2 * rb, *w3 = w + 3 * rb;
+    float sc[4];
+    for (int64_t b = 0; b < nb; b++, w0 += 22, w1 += 22, w2 += 22, w3 += 22) {
+        const __m256i y = _mm256_loadu_si256((const __m256i *)x[b].qs);
+        const __m128 d4 = _mm_cvtph_ps(ld4_f16(w0, w1, w2, w3));
+        _mm_storeu_ps(sc, _mm_mul_ps(d4, _mm_set1_ps(x[b].d)));
+        cacc = _mm_fmadd_ps(_mm_mul_ps(d4, m16), _mm_set1_ps(x[b].s), cacc);
+#define Q50_ROW(W, A, I)                                                                            \
+        {                                                                                           \
+            __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)((W) + 6)));  \
+            q = _mm256_ternarylogic_epi32(_mm256_srlv_epi64(q, sh), _mm256_and_si256(bits32((W) + 2), b4), m4, 0xEC); \
+            const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, y);                   \
+            A = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + I), _mm256_cvtepi32_ps(p), A);              \
+        }
+        Q50_ROW(w0, a0, 0) Q50_ROW(w1, a1, 1) Q50_ROW(w2, a2, 2) Q50_ROW(w3, a3, 3)
+#undef Q50_ROW
+    }
+    _mm_storeu_ps(out, _mm_add_ps(hsum4_ps(a0, a1, a2, a3), cacc));
+}
+
+/* Q4_1 / Q5_1, 4 rows: w = d q + m, as the AVX2 vd4_q4_1 (same bits) with vpdpbusd */
+#define VD4_Q41(NAME, BYTES, QOFF, HIBITS)                                                          \
+    VNNI static void NAME(const uint8_t *w, size_t rb, const void *xv, int64_t nb, float *out) {   \
+        const mf_q8_32 *x = xv;                                                                    \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, macc = a0;                     \
+        const __m256i m4 = _mm256_set1_epi8(0xF), b4 = _mm256_set1_epi8(0x10);                     \
+        const __m256i sh = _mm256_set_epi64x(4, 4, 0, 0);                                          \
+        const __m256i i0 = _mm256_set1_epi32(0), i1 = _mm256_set1_epi32(2);                        \
+        const __m256i i2 = _mm256_set1_epi32(4), i3 = _mm256_set1_epi32(6);                        \
+        const uint8_t *w0 = w, *w1 = w + rb, *w2 = w + 2 * rb, *w3 = w + 3 * rb;                   \
+        (void)b4;                                                                                  \
+        for (int64_t b = 0; b < nb; b++, w0 += BYTES, w1 += BYTES, w2 += BYTES, w3 += BYTES) {     \
+            const __m256i y = _mm256_loadu_si256((const __m256i *)x[b].qs);                        \
+            const __m256 xs = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)&x[b]));        \
+            int32_t h0, h1, h2, h3;                                                                \
+            memcpy(&h0, w0, 4); memcpy(&h1, w1, 4); memcpy(&h2, w2, 4); memcpy(&h3, w3, 4);        \
+            const __m256 dm = _mm256_cvtph_ps(_mm_setr_epi32(h0, h1, h2, h3));                     \
+            const __m256 sc = _mm256_mul_ps(dm, xs);                                               \
+            macc = _mm256_fmadd_ps(dm, xs, macc);                                                  \
+            Q41_ROW(w0, a0, i0, QOFF, HIBITS) Q41_ROW(w1, a1, i1, QOFF, HIBITS) \
+            Q41_ROW(w2, a2, i2, QOFF, HIBITS) Q41_ROW(w3, a3, i3, QOFF, HIBITS)        \
+        }                                                                                          \
+        const __m128 c = _mm256_castps256_ps128(_mm256_permutevar8x32_ps(macc, _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7))); \
+        _mm_storeu_ps(out, _mm_add_ps(hsum4_ps(a0, a1, a2, a3), c));                               \
+    }
+#define Q41_ROW(W, A, I, QOFF, HIBITS)                                                                          \
+    {                                                                                               \
+        __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)((W) + QOFF)));   \
+        q = _mm256_and_si256(_mm256_srlv_epi64(q, sh), m4);                                         \
+        if (HIBITS) q = _mm256_or_si256(q, _mm256_and_si256(bits32((W) + 4), b4));                  \
+        const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, y);                       \
+        A = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(sc, I), _mm256_cvtepi32_ps(p), A);             \
+    }
+VD4_Q41(vd4_q4_1, 20, 4, 0)
+VD4_Q41(vd4_q5_1, 24, 8, 1)
+#undef Q41_ROW
+
+/* Q4_0, 8 rows: per row exactly the arithmetic of vd4_q4_0 (same lanes, FMAs and reduction),
+ * so any grouping of rows into 8s and 4s gives the same bits; the 8 rows' scales convert and
+ * multiply in one 8-lane step (the per-block cost shared by twice the rows). */
+VNNI static void vd8_q4_0(const uint8_t *w, size_t rb, const void *xv, int64_t nb, float *out) {
+    const mf_q8_32 *x = xv;
+    __m256 a[8];
+    for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
+    __m256 cacc = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0xF), sh = _mm256_set_epi64x(4, 4, 0, 0);
+    const __m256 m8 = _mm256_set1_ps(-8.0f);
+    const __m256i offs = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)rb));
+    float sc[8];
+    for (int64_t b = 0; b < nb; b++, w += 18) {
+        const __m256i y = _mm256_loadu_si256((const __m256i *)x[b].qs);
+        /* the 8 rows' d: a gather of the 4 bytes at each row's block, low halves kept */
+        const __m256i g = _mm256_i32gather_epi32((const int *)w, offs, 1);
+        const __m256 d8 = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(g));
+        _mm256_storeu_ps(sc, _mm256_mul_ps(d8, _mm256_set1_ps(x[b].d)));
+        cacc = _mm256_fmadd_ps(_mm256_mul_ps(d8, m8), _mm256_set1_ps(x[b].s), cacc);
+        for (int r = 0; r < 8; r++) {
+            __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(w + r * rb + 2)));
+            q = _mm256_and_si256(_mm256_srlv_epi64(q, sh), m4);
+            const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, y);
+            a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + r), _mm256_cvtepi32_ps(p), a[r]);
+        }
+    }
+    _mm_storeu_ps(out, _mm_add_ps(hsum4_ps(a[0], a[1], a[2], a[3]), _mm256_castps256_ps128(cacc)));
+    _mm_storeu_ps(out + 4, _mm_add_ps(hsum4_ps(a[4], a[5], a[6], a[7]), _mm256_extractf128_ps(cacc, 1)));
+}
+mf_vecdot4_fn mf_vecdot8_avx512[T_MAX] = {[T_Q4_0] = vd8_q4_0};
+
+mf_vecdot4_fn mf_vecdot4_avx512[T_MAX] = {
+    [T_Q4_0] = vd4_q4_0, [T_Q5_0] = vd4_q5_0, [T_Q4_1] = vd4_q4_1, [T_Q5_1] = vd4_q5_1,
+};
+
+/* ---------------- prefill, K-quants: the AVX2 kernels (quant_avx2.c) with vpdpwssd ---------
+ * madd(maddubs(q, y), sv) + add becomes dpwssd(acc, maddubs(q, y), sv): the same exact int32
+ * sums, so the results are bit-identical to the AVX2 kernels (tests/test_native_quant.py). */
+#define KDOT(M)                                                                                        \
+    VNNI static void kdot##M(const mf_kblk *w, int64_t nb, const uint8_t *xb, size_t xs, float *out) { \
+        __m256 acc[M];                                                                                 \
+        for (int i = 0; i < M; i++) acc[i] = _mm256_setzero_ps();                                      \
+        for (int64_t b = 0; b < nb; b++) {                                                             \
+            const mf_kblk *k = w + b;                                                                  \
+            const mf_q8_256 *x[M];                                                                     \
+            __m256i s[M];                                                                              \
+            for (int i = 0; i < M; i++) {                                                              \
+                x[i] = (const mf_q8_256 *)(xb + i * xs) + b;                                           \
+                s[i] = _mm256_setzero_si256();                                                         \
+            }                                                                                          \
+            for (int c = 0; c < 8; c++) {                                                              \
+                __m256i q = _mm256_loadu_si256((const __m256i *)(k->q + 32 * c));                      \
+                __m256i sv = _mm256_loadu_si256((const __m256i *)k->sv[c]);                            \
+                for (int i = 0; i < M; i++)                                                            \
+                    s[i] = _mm256_dpwssd_epi32(s[i], _mm256_maddubs_epi16(q,                           \
+                               _mm256_loadu_si256((const __m256i *)(x[i]->qs + 32 * c))), sv);         \
+            }                                                                                          \
+            __m256i cc = _mm256_loadu_si256((const __m256i *)k->cc);                                   \
+            __m256 d = _mm256_set1_ps(k->d), dc = _mm256_set1_ps(k->dc);                               \
+            for (int i = 0; i < M; i++) {                                                              \
+                __m256i cr = _mm256_madd_epi16(cc, _mm256_loadu_si256((const __m256i *)x[i]->bsums));  \
+                __m256 t = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s[i]), _mm256_mul_ps(dc, _mm256_cvtepi32_ps(cr))); \
+                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(x[i]->d), t, acc[i]);                          \
+            }                                                                                          \
+        }                                                                                              \
+        for (int i = 0; i < M; i++) out[i] = hsum8(acc[i]);                                            \
+    }
+KDOT(4)
+KDOT(1)
+
+/* two unpacked W rows x 4 X rows, 64 weights (two chunks, their two scale vectors are adjacent
+ * in sv) per 512-bit step; the halves are added in int32 at the end of the block, so the
+ * sums, and with the same float steps the results, equal the AVX2 kernel's bit for bit */
+VNNI static void kdot2x4(const mf_kblk *w0, const mf_kblk *w1, int64_t nb, const uint8_t *xb, size_t xs,
+                         float *out0, float *out1) {
+    __m256 a0[4], a1[4];
+    for (int i = 0; i < 4; i++) a0[i] = a1[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const mf_kblk *k0 = w0 + b, *k1 = w1 + b;
+        const mf_q8_256 *x[4];
+        __m512i s0[4], s1[4];
+        for (int i = 0; i < 4; i++) {
+            x[i] = (const mf_q8_256 *)(xb + i * xs) + b;
+            s0[i] = s1[i] = _mm512_setzero_si512();
+        }
+        for (int c = 0; c < 8; c += 2) {
+            const __m512i q0 = _mm512_load_si512((const void *)(k0->q + 32 * c));
+            const __m512i q1 = _mm512_load_si512((const void *)(k1->q + 32 * c));
+            const __m512i v0 = _mm512_loadu_si512((const void *)k0->sv[c]);
+            const __m512i v1 = _mm512_loadu_si512((const void *)k1->sv[c]);
+            for (int i = 0; i < 4; i++) {
+                const __m512i y = _mm512_load_si512((const void *)(x[i]->qs + 32 * c));
+                s0[i] = _mm512_dpwssd_epi32(s0[i], _mm512_maddubs_epi16(q0, y), v0);
+                s1[i] = _mm512_dpwssd_epi32(s1[i], _mm512_maddubs_epi16(q1, y), v1);
+            }
+        }
+        const __m256i cc0 = _mm256_loadu_si256((const __m256i *)k0->cc), cc1 = _mm256_loadu_si256((const __m256i *)k1->cc);
+        const __m256 d0 = _mm256_set1_ps(k0->d), dc0 = _mm256_set1_ps(k0->dc);
+        const __m256 d1 = _mm256_set1_ps(k1->d), dc1 = _mm256_set1_ps(k1->dc);
+        for (int i = 0; i < 4; i++) {
+            const __m256i t0i = _mm256_add_epi32(_mm512_castsi512_si256(s0[i]), _mm512_extracti64x4_epi64(s0[i], 1));
+            const __m256i t1i = _mm256_add_epi32(_mm512_castsi512_si256(s1[i]), _mm512_extracti64x4_epi64(s1[i], 1));
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)x[i]->bsums);
+            const __m256 dx = _mm256_set1_ps(x[i]->d);
+            __m256 t0 = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(t0i), _mm256_mul_ps(dc0, _mm256_cvtepi32_ps(_mm256_madd_epi16(cc0, bs))));
+            __m256 t1 = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(t1i), _mm256_mul_ps(dc1, _mm256_cvtepi32_ps(_mm256_madd_epi16(cc1, bs))));
+            a0[i] = _mm256_fmadd_ps(dx, t0, a0[i]);
+            a1[i] = _mm256_fmadd_ps(dx, t1, a1[i]);
+        }
+    }
+    for (int i = 0; i < 4; i++) {
+        out0[i] = hsum8(a0[i]);
+        out1[i] = hsum8(a1[i]);
+    }
+}
+
+VNNI void mf_kdot_avx512(const mf_kblk *w, int64_t nb, const uint8_t *x, size_t xs, int64_t m, float *out, int64_t ostride) {
+    int64_t i = 0;
+    float o[4];
+    for (; i + 4 <= m; i += 4) {
+        kdot4(w, nb, x + i * xs, xs, o);
+        for (int k = 0; k < 4; k++) out[(i + k) * ostride] = o[k];
+    }
+    for (; i < m; i++) {
+        kdot1(w, nb, x + i * xs, xs, o);
+        out[i * ostride] = o[0];
+    }
+}
+
+VNNI void mf_kdot2_avx512(const mf_kblk *w0, const mf_kblk *w1, int64_t nb, const uint8_t *x, size_t xs,
+                          int64_t m, float *out0, float *out1, int64_t ostride) {
+    int64_t i = 0;
+    float o0[4], o1[4];
+    for (; i + 4 <= m; i += 4) {
+        kdot2x4(w0, w1, nb, x + i * xs, xs, o0, o1);
+        for (int k = 0; k < 4; k++) {
+            out0[(i + k) * ostride] = o0[k];
+            out1[(i + k) * ostride] = o1[k];
+        }
+    }
+    if (i < m) {
+        mf_kdot_avx512(w0, nb, x + i * xs, xs, m - i, out0 + i * ostride, ostride);
+        mf_kdot_avx512(w1, nb, x + i * xs, xs, m - i, out1 + i * ostride, ostride);
+    }
+}
+
+mf_vecdot_fn mf_vecdot_avx512[T_MAX] = {
+    [T_Q8_0] = vd_q8_0, [T_Q3_K] = vd_q3_k,
+    [T_Q4_K] = vd_q4_k, [T_Q5_K] = vd_q5_k, [T_Q6_K] = vd_q6_k,
+};
+int mf_xfmt_avx512[T_MAX] = {
+    [T_Q4_0] = XF_Q8_32, [T_Q8_0] = XF_Q8_32, [T_Q3_K] = XF_Q8_256, [T_Q5_0] = XF_Q8_32,
+    [T_Q4_1] = XF_Q8_32, [T_Q5_1] = XF_Q8_32,
+    [T_Q4_K] = XF_Q8_256, [T_Q5_K] = XF_Q8_256, [T_Q6_K] = XF_Q8_256,
+};
+
+/* ---------------- prefill, 32-element types: the AVX2 bdot kernels with vpdpbusd ----------
+ * dpbusd(0, q, y) gives the lanes of madd(maddubs(q, y), 1) exactly (no pair sum reaches
+ * the int16 limit: |q| <= 128 after the sign trick, |y| <= 127), so the same bits. */
+#define BDOT(M, SIGNED)                                                                              \
+    VNNI static void bdot##M##_##SIGNED(const mf_b32 *w, int64_t nb, const uint8_t *xb, size_t xs, float *out) { \
+        __m256 acc[M];                                                                               \
+        for (int i = 0; i < M; i++) acc[i] = _mm256_setzero_ps();                                    \
+        for (int64_t b = 0; b < nb; b++) {                                                           \
+            __m256i q = _mm256_loadu_si256((const __m256i *)w[b].q);                                 \
+            __m256i aq = SIGNED ? _mm256_sign_epi8(q, q) : q;                                        \
+            for (int i = 0; i < M; i++) {                                                            \
+                const mf_q8_32 *x = (const mf_q8_32 *)(xb + i * xs) + b;                             \
+                __m256i y = _mm256_loadu_si256((const __m256i *)x->qs);                              \
+                if (SIGNED) y = _mm256_sign_epi8(y, q);                                              \
+                __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), aq, y);                      \
+                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(w[b].d * x->d), _mm256_cvtepi32_ps(p), acc[i]); \
+            }                                                                                        \
+        }                                                                                            \
+        for (int i = 0; i < M; i++) out[i] = hsum8(acc[i]);                                          \
+    }
+BDOT(4, 0)
+BDOT(1, 0)
+BDOT(4, 1)
+BDOT(1, 1)
+
+VNNI void mf_bdot_avx512(const mf_b32 *w, int64_t nb, int sgn, const uint8_t *x, size_t xs, int64_t m,
+                         const float *corr, float *out, int64_t ostride) {
+    int64_t i = 0;
+    float o[4];
+    for (; i + 4 <= m; i += 4) {
+        if (sgn) bdot4_1(w, nb, x + i * xs, xs, o); else bdot4_0(w, nb, x + i * xs, xs, o);
+        for (int k = 0; k < 4; k++) out[(i + k) * ostride] = sgn ? o[k] : o[k] + corr[i + k];
+    }
+    for (; i < m; i++) {
+        if (sgn) bdot1_1(w, nb, x + i * xs, xs, o); else bdot1_0(w, nb, x + i * xs, xs, o);
+        out[i * ostride] = sgn ? o[0] : o[0] + corr[i];
+    }
+}
