@@ -202,26 +202,28 @@ LLAMACPP_Q4_0_PPL = {"SmolLM2-135M-Instruct.Q4_1.gguf": 19.4837,
 
 
 @pytest.mark.realmodel
-@pytest.mark.slow
-@pytest.mark.timeout(1800)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("which", ["smollm2", "gemma"])
 def test_perplexity_quantized_kv_close_to_f16(which, request, golden_dir):
-    """q8_0 within 1% of the f16 cache's perplexity (llama.cpp's f16 number from the golden;
-    memfit's own f16 equals it within 1%: test_golden_e2e); q4_0 within 5%, except where
-    llama.cpp's own q4_0 is not (SmolLM2 +5.9%, Gemma-3 +13.1%): there within 2% of it."""
+    """On the first 3 chunks of the golden text, against memfit's own f16 cache (equal to
+    llama.cpp's f16 within 1%: test_golden_e2e): q8_0 within 1%; q4_0 within 5%, except where
+    llama.cpp's own q4_0 is not (SmolLM2 +5.9%, Gemma-3 +13.1% on the whole text): there its
+    ratio to f16 within 0.03 of llama.cpp's. (The whole text, 3 types x 2 models, takes ~25
+    minutes here; BENCHMARKS.md section 5 has those numbers.)"""
     import memfit
     path = request.getfixturevalue(f"{which}_path")
-    f16, text = _golden_ppl(golden_dir, path.name)
-    with memfit.load(path, n_ctx=512, cache_type_k="q8_0", cache_type_v="q8_0") as m:
-        q8 = m.perplexity(text, ctx=512).ppl
-        m.model.cache_type_k = m.model.cache_type_v = "q4_0"  # same weights, other cache
-        q4 = m.perplexity(text, ctx=512).ppl
-    assert abs(q8 / f16 - 1) < 0.01, (q8, f16)
+    gold_f16, text = _golden_ppl(golden_dir, path.name)
+    ppl = {}
+    for ct in ("f16", "q8_0", "q4_0"):
+        with memfit.load(path, n_ctx=512, cache_type_k=ct, cache_type_v=ct) as m:
+            ppl[ct] = m.perplexity(text, ctx=512, max_chunks=3).ppl
+    q8, q4 = ppl["q8_0"] / ppl["f16"], ppl["q4_0"] / ppl["f16"]
+    assert abs(q8 - 1) < 0.01, ppl
     peer = LLAMACPP_Q4_0_PPL.get(path.name)
-    if peer is not None and peer / f16 - 1 > 0.05:
-        assert abs(q4 / peer - 1) < 0.02, (q4, peer, f16)
+    if peer is not None and peer / gold_f16 - 1 > 0.05:
+        assert abs(q4 - peer / gold_f16) < 0.03, (ppl, peer / gold_f16)
     else:
-        assert abs(q4 / f16 - 1) < 0.05, (q4, f16)
+        assert abs(q4 - 1) < 0.05, ppl
 
 
 def test_paged_window_matches_contiguous():
