@@ -102,6 +102,8 @@ def main(argv=None) -> int:
     ap.add_argument("--peer-n", type=int, default=8, help="llama.cpp tg tokens")
     ap.add_argument("--peer-p", type=int, default=None, help="llama.cpp pp tokens (default -p)")
     ap.add_argument("--peer-max-seconds", type=float, default=150.0)
+    ap.add_argument("--peer-no-warmup", action="store_true",
+                    help="llama.cpp: no warm-up (in a tight limit each pp batch re-reads the file)")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--budget-share", type=float, default=0.96, help="memfit budget / cgroup limit")
@@ -125,7 +127,8 @@ def main(argv=None) -> int:
             pp = a.n_prompt if a.peer_p is None else a.peer_p
             cmd = [PEER_PY, os.path.join(HERE, "peer_llamacpp.py"), a.model, "-p", str(pp),
                    "-n", str(a.peer_n), "-r", "1", "-t", str(a.threads), "--repack", "0",
-                   "--max-seconds", str(a.peer_max_seconds), "--json"]
+                   "--max-seconds", str(a.peer_max_seconds), "--json"] + (
+                       ["--no-warmup"] if a.peer_no_warmup else [])
         load0 = round(os.getloadavg()[0], 2)
         t0 = time.strftime("%H:%M:%S", time.gmtime())
         rec = run_limited(limit, cmd, a.timeout, env)
