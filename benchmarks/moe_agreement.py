@@ -2,7 +2,7 @@
 
 Three steps, two environments (llama-cpp-python is not a memfit dependency):
     python benchmarks/moe_agreement.py memfit MODEL DIR [-n 256] [--mem-budget SIZE]
-    /root/peer-venv/bin/python benchmarks/moe_agreement.py llama MODEL DIR
+    OMP_WAIT_POLICY=passive /root/peer-venv/bin/python benchmarks/moe_agreement.py llama MODEL DIR
     python benchmarks/moe_agreement.py compare MODEL DIR [--out benchmarks/moe_agreement.jsonl]
 
 memfit: the text ($MEMFIT_GOLDEN/GPL-3.txt) tokenized by memfit (BOS as the file says), the
@@ -49,6 +49,8 @@ def llama_step(a) -> None:
     d = Path(a.dir)
     ids = np.load(d / "ids.npy").tolist()
     for name, n_batch in (("llama-batch", 512), ("llama-seq", 1)):
+        if (d / f"{name}.npy").exists():  # a rerun finishes what a stopped one left
+            continue
         m = Llama(a.model, n_ctx=len(ids) + 8, n_batch=n_batch, n_ubatch=n_batch, logits_all=True,
                   n_threads=2, verbose=False, use_mmap=True)
         m.eval(ids)
