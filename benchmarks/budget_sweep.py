@@ -87,7 +87,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def plot(rows: list[dict], png: str) -> None:
+def plot(rows: list[dict], png: str, logy: bool = False, title: str | None = None) -> None:
     try:
         import matplotlib
     except ImportError:
@@ -113,10 +113,12 @@ def plot(rows: list[dict], png: str) -> None:
             ax.plot(xs, ys, mk, color=col, label=f"{side} (median; dots: runs)")
     size = rows[0]["model_bytes"] / GIB
     ax.axvline(size, color="grey", lw=0.8, ls=":")
-    ax.text(size, ax.get_ylim()[1] * 0.95, " model file", color="grey", fontsize=8, va="top")
+    ax.text(size, ax.get_ylim()[1] * (0.7 if logy else 0.95), " model file", color="grey", fontsize=8, va="top")
     ax.set_xlabel("memory limit (cgroup), GiB")
-    ax.set_ylabel("decode tokens/s (cold cache)")
-    ax.set_title(f"{rows[0]['model']}: decode vs memory budget, 2 threads")
+    ax.set_ylabel("decode tokens/s (cold cache)" + (", log scale" if logy else ""))
+    if logy:  # MoE: llama.cpp's in-limit decode is ~30x below memfit's
+        ax.set_yscale("log")
+    ax.set_title(title or f"{rows[0]['model']}: decode vs memory budget, 2 threads", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -129,3 +129,25 @@ def test_expert_policy_from_the_environment(model, monkeypatch):
     monkeypatch.setenv("MEMFIT_EXPERT_POLICY", "fifo")
     with pytest.raises(RequestError, match="'fifo'"):
         plan_for_path(model, budget, n_ctx=64, threads=2, baseline_bytes=0, bandwidth=BW)
+
+
+def test_hot_set_and_lookahead_switches_from_the_environment(model, monkeypatch):
+    """Ablation switches: MEMFIT_EXPERT_HOTSET=0 plans no hot set although counts are recorded;
+    MEMFIT_EXPERT_LOOKAHEAD=0 makes the store ask for no router look-ahead."""
+    from memfit.errors import RequestError
+    budget = budget_for(model, 6)
+    run(model, budget)  # records counts: layer 0's pair is hot at the next load
+    kw = dict(n_ctx=64, threads=2, baseline_bytes=0, bandwidth=BW)
+    assert plan_for_path(model, budget, **kw).hot_experts == [(0, 0), (0, 1)]
+    monkeypatch.setenv("MEMFIT_EXPERT_HOTSET", "0")
+    p = plan_for_path(model, budget, **kw)
+    assert p.hot_experts == [] and p.cache_slots == 6
+    with open_gguf(model) as f, WeightStore(f, p) as store:
+        assert store.wants_expert_prediction
+    monkeypatch.setenv("MEMFIT_EXPERT_LOOKAHEAD", "0")
+    with open_gguf(model) as f, WeightStore(f, p) as store:
+        assert not store.wants_expert_prediction
+        check(f, store.get_experts(1, [2, 3]), 1, [2, 3])
+    monkeypatch.setenv("MEMFIT_EXPERT_HOTSET", "no")
+    with pytest.raises(RequestError, match="MEMFIT_EXPERT_HOTSET='no'"):
+        plan_for_path(model, budget, **kw)

@@ -539,6 +539,17 @@ class _Experts:
 
 
 EXPERT_POLICIES = ("lru", "decay")   # policy.LRUPolicy, policy.DecayPolicy
+
+
+def expert_switch(name: str) -> bool:
+    """MEMFIT_EXPERT_HOTSET / MEMFIT_EXPERT_LOOKAHEAD: "0" turns that mechanism off (ablation
+    benchmarks); unset, "" or "1" keeps it on."""
+    import os
+    v = os.environ.get(name, "").strip()
+    if v not in ("", "0", "1"):
+        from ..errors import RequestError
+        raise RequestError(f"{name}={v!r} is not 0 or 1")
+    return v != "0"
 HOT_SHARE = 0.5   # at most this share of the expert memory above the floor goes to the hot set
 
 
@@ -718,6 +729,8 @@ def plan_for_path(path, budget: int, n_ctx: int | None = None, threads: int | No
         from ..errors import RequestError
         raise RequestError(f"expert cache policy {expert_policy!r} is not one of "
                            f"{', '.join(EXPERT_POLICIES)} (MEMFIT_EXPERT_POLICY)")
+    if desc.n_expert and expert_counts is None and not expert_switch("MEMFIT_EXPERT_HOTSET"):
+        expert_counts = {}  # no hot set: every expert goes through the cache
     if desc.n_expert and expert_counts is None:
         from .hotset import RoutingCounts
         expert_counts = RoutingCounts.load(path, desc.n_layer, desc.n_expert).by_layer()

@@ -37,7 +37,7 @@ from ..errors import WeightReadError
 from ..ops import QTensor
 from .io import DEMAND, IO_CHUNK, IO_WORKERS, PAGE, PREFETCH, IOPool, Reader, os_pread, when_all
 from .ledger import Ledger, LedgerDriftError
-from .planner import Plan, expert_tensor_names
+from .planner import Plan, expert_switch, expert_tensor_names
 from .policy import NextUnitPrefetch, make_policy
 
 __all__ = ["WeightStore", "IO_CHUNK", "IO_WORKERS", "PAGE"]
@@ -384,7 +384,8 @@ class WeightStore:
             prior = routing.as_prior() if routing is not None and expert_policy == "decay" else None
             expert_policy = make_policy(expert_policy, prior)
         self.expert_policy = expert_policy
-        self.wants_expert_prediction = self.prefetch_enabled and self._x_nslots > 0
+        self.wants_expert_prediction = (self.prefetch_enabled and self._x_nslots > 0
+                                        and expert_switch("MEMFIT_EXPERT_LOOKAHEAD"))
 
     def _x_span(self, key) -> int:
         """Bytes of the three page-aligned ranges of expert key."""

@@ -1,0 +1,155 @@
+"""MoE under a memory limit: memfit and llama.cpp alternately inside the same cgroup (never in CI).
+
+    python benchmarks/moe_bench.py /work/data/qwen3moe-30b-a3b.gguf \
+        --runs memfit:0.3,llama.cpp:0.3,memfit:0.5,llama.cpp:0.5,memfit:none,llama.cpp:none \
+        -p 512 -n 16 --peer-n 8 --out benchmarks/moe_30b.jsonl
+
+Each run: a fresh cgroup of limit L = fraction x file size (benchmarks/in_cgroup.sh; `none`: no
+limit below the machine's RAM), page cache dropped first. memfit: `bench -p P -n N -r 1 -t 2
+--mem-budget 0.96*L --json` (no --mem-budget for `none`: the detected budget), with the plan of
+the same budget and context taken just before (its bandwidths give the bound). llama.cpp:
+benchmarks/peer_llamacpp.py, mmap, --repack 0 (use_extra_bufts=False), same threads, tg capped
+by --peer-max-seconds. `memfit:0.3:lru-only` etc. add an ablation variant (see VARIANTS).
+One JSON line per run is appended to OUT with the memfit commit, the time and the load average.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PEER_PY = os.environ.get("MEMFIT_PEER_PYTHON", "/root/peer-venv/bin/python")
+# ablation variants: environment of the memfit process
+VARIANTS = {
+    "default": {},
+    "lru": {"MEMFIT_EXPERT_HOTSET": "0", "MEMFIT_EXPERT_LOOKAHEAD": "0", "MEMFIT_EXPERT_POLICY": "lru"},
+    "lru+hot": {"MEMFIT_EXPERT_HOTSET": "1", "MEMFIT_EXPERT_LOOKAHEAD": "0", "MEMFIT_EXPERT_POLICY": "lru"},
+    "lru+hot+lookahead": {"MEMFIT_EXPERT_HOTSET": "1", "MEMFIT_EXPERT_LOOKAHEAD": "1",
+                          "MEMFIT_EXPERT_POLICY": "lru"},
+    "decay+hot+lookahead": {"MEMFIT_EXPERT_HOTSET": "1", "MEMFIT_EXPERT_LOOKAHEAD": "1",
+                            "MEMFIT_EXPERT_POLICY": "decay"},
+}
+
+
+def commit() -> str:
+    p = subprocess.run(["git", "-C", HERE, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", HERE, "status", "--porcelain", "--", "../src"],
+                           capture_output=True, text=True).stdout.strip()
+    return p.stdout.strip() + ("+dirty" if dirty else "")
+
+
+def run_limited(limit: int | None, cmd: list[str], timeout: float, env: dict) -> dict:
+    """cmd in a fresh cgroup (limit None: 1 TiB, i.e. only the machine's RAM), cold cache."""
+    full = ["timeout", "-s", "KILL", str(int(timeout)), os.path.join(HERE, "in_cgroup.sh"),
+            str(limit or (1 << 40))] + cmd
+    t0 = time.time()
+    p = subprocess.run(full, capture_output=True, text=True,
+                       env=dict(os.environ, DROP_CACHES="1", **env))
+    rec = {"rc": p.returncode, "wall_s": round(time.time() - t0, 1), "tests": []}
+    for ln in p.stdout.splitlines():
+        if ln.startswith("{"):
+            rec["tests"].append(json.loads(ln))
+    for ln in p.stderr.splitlines():
+        if ln.startswith("# cgroup"):
+            kv = dict(x.split("=", 1) for x in ln.split()[3:])
+            rec["cgroup_peak_bytes"] = int(kv["peak_usage"]) if kv["peak_usage"].isdigit() else None
+            rec["oom_kill"] = int(kv["oom_kill"]) if kv["oom_kill"].isdigit() else None
+        if ln.startswith("tg progress:"):
+            rec["progress"] = ln
+    if p.returncode != 0:
+        rec["stderr_tail"] = p.stderr[-1500:]
+    return rec
+
+
+def plan_json(model: str, budget: int | None, ctx: int, env: dict) -> dict | None:
+    if budget is None:
+        return None
+    p = subprocess.run(["memfit", "plan", model, "--mem-budget", str(budget), "--ctx", str(ctx),
+                        "--json"], capture_output=True, text=True, env=dict(os.environ, **env))
+    if p.returncode != 0:
+        return {"error": p.stderr[-500:]}
+    d = json.loads(p.stdout)
+    keep = ("budget_bytes", "min_budget_bytes", "expert_slots", "expected_hit_rate", "hot_bytes",
+            "hot_coverage", "expert_policy", "mem_bytes_per_token", "disk_bytes_per_token",
+            "mem_read_bytes_per_s", "disk_read_bytes_per_s", "bandwidth_source",
+            "predicted_tg_tokens_per_s", "expert_bytes", "n_expert", "n_expert_used")
+    out = {k: d.get(k) for k in keep}
+    out["n_hot_experts"] = len(d.get("hot_experts") or ())
+    return out
+
+
+def bound_at_measured(plan: dict, tg: dict) -> float | None:
+    """The plan's bound, t = max(memory bytes / memory rate, disk bytes / disk rate), with the
+    disk bytes per token the run measured (its hit rate, its wasted prefetches) instead of the
+    plan's uniform-routing guess."""
+    if not plan or "error" in plan or not tg.get("bytes_read_per_token"):
+        return None
+    t_mem = plan["mem_bytes_per_token"] / plan["mem_read_bytes_per_s"]
+    t_disk = tg["bytes_read_per_token"] / plan["disk_read_bytes_per_s"]
+    return 1.0 / max(t_mem, t_disk)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--runs", required=True, help="side:fraction[:variant],... (fraction or none)")
+    ap.add_argument("-p", "--n-prompt", type=int, default=512)
+    ap.add_argument("-n", "--n-gen", type=int, default=16)
+    ap.add_argument("--peer-n", type=int, default=8, help="llama.cpp tg tokens")
+    ap.add_argument("--peer-p", type=int, default=None, help="llama.cpp pp tokens (default -p)")
+    ap.add_argument("--peer-max-seconds", type=float, default=150.0)
+    ap.add_argument("--peer-no-warmup", action="store_true",
+                    help="llama.cpp: no warm-up (in a tight limit each pp batch re-reads the file)")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--budget-share", type=float, default=0.96, help="memfit budget / cgroup limit")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    size = os.path.getsize(a.model)
+    for spec in a.runs.split(","):
+        side, frac, *var = spec.split(":")
+        variant = var[0] if var else "default"
+        f = None if frac == "none" else float(frac)
+        limit = None if f is None else int(f * size)
+        env = VARIANTS[variant]
+        plan = None
+        if side == "memfit":
+            budget = None if limit is None else int(limit * a.budget_share)
+            plan = plan_json(a.model, budget, a.n_prompt + a.n_gen + 8, env)
+            cmd = ["memfit", "bench", a.model, "-p", str(a.n_prompt), "-n", str(a.n_gen), "-r", "1",
+                   "-t", str(a.threads), "--json"] + ([] if budget is None else ["--mem-budget", str(budget)])
+        else:
+            pp = a.n_prompt if a.peer_p is None else a.peer_p
+            cmd = [PEER_PY, os.path.join(HERE, "peer_llamacpp.py"), a.model, "-p", str(pp),
+                   "-n", str(a.peer_n), "-r", "1", "-t", str(a.threads), "--repack", "0",
+                   "--max-seconds", str(a.peer_max_seconds), "--json"] + (
+                       ["--no-warmup"] if a.peer_no_warmup else [])
+        load0 = round(os.getloadavg()[0], 2)
+        t0 = time.strftime("%H:%M:%S", time.gmtime())
+        rec = run_limited(limit, cmd, a.timeout, env)
+        rec.update(side=side, fraction=f, variant=variant, env=env, limit_bytes=limit,
+                   model_bytes=size, model=os.path.basename(a.model), commit=commit(),
+                   start_utc=t0, load1_before=load0, load1_after=round(os.getloadavg()[0], 2),
+                   tag=a.tag, plan=plan)
+        tg = next((t for t in rec["tests"] if t["test"].startswith("tg")), None)
+        if tg and plan:
+            rec["bound_tg_tokens_per_s"] = bound_at_measured(plan, tg)
+        with open(a.out, "a") as fh:
+            fh.write(json.dumps(rec) + "\n")
+        summ = "; ".join(f"{t['test']} {t['tokens_per_s']}" + (
+            f" hit {t.get('expert_hit_rate', 0):.2f} recall {t.get('prefetch_recall', 0):.2f}"
+            if "expert_hit_rate" in t else "") for t in rec["tests"])
+        print(f"# {t0} {side} {frac} {variant}: {summ}; rc {rec['rc']} oom {rec.get('oom_kill')} "
+              f"peak {rec.get('cgroup_peak_bytes')} wall {rec['wall_s']} s load {load0}"
+              + (f" bound {rec['bound_tg_tokens_per_s']:.3f}" if rec.get("bound_tg_tokens_per_s") else ""),
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
