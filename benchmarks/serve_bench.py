@@ -61,7 +61,8 @@ async def level(url: str, clients: int, requests: int, n: int) -> dict:
             nonlocal total
             while todo:
                 i = todo.pop()
-                total += await one(h, url, PROMPTS[i % len(PROMPTS)], n, ttft, itl)
+                got = await one(h, url, PROMPTS[i % len(PROMPTS)], n, ttft, itl)
+                total += got  # not `total += await ...`: that reads total before awaiting
         t0 = time.perf_counter()
         await asyncio.gather(*[client() for _ in range(clients)])
         dt = time.perf_counter() - t0
