@@ -32,6 +32,8 @@ def main(argv=None) -> int:
     ap.add_argument("--parallel", default="1,2,4,8")
     ap.add_argument("--label", default="")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--repack", type=int, choices=(0, 1), default=1,
+                    help="llama.cpp weight repacking; 0 under a memory limit (as section 3)")
     a = ap.parse_args(argv)
     par = [int(x) for x in a.parallel.split(",")]
 
@@ -41,6 +43,7 @@ def main(argv=None) -> int:
     _keep = _quiet_logs(L)
     L.llama_backend_init()
     mp = L.llama_model_default_params()
+    mp.use_extra_bufts = bool(a.repack)
     model = L.llama_model_load_from_file(a.model.encode(), mp)
     assert model, a.model
     n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
