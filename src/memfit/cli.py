@@ -805,6 +805,9 @@ def _validate(a) -> None:
         raise RequestError("give either TEXT or -f FILE, not both")
     if a.cmd == "run" and not a.chat and (a.chat_template or a.system is not None):
         raise RequestError("--chat-template and --system apply to --chat; add --chat")
+    if getattr(a, "chat_template", None):
+        from .tokenizer.templates import check_template_name
+        check_template_name(a.chat_template)
     if a.cmd == "perplexity" and not a.kl_divergence and not a.file:
         raise RequestError("give -f FILE (the text), or --kl-divergence --kl-divergence-base FILE")
     if a.cmd == "perplexity" and a.kl_divergence and a.file:

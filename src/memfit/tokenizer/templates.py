@@ -141,6 +141,13 @@ def _check_messages(messages) -> None:
         raise RequestError('messages must be a list of objects like {"role": "user", "content": "..."}')
 
 
+def check_template_name(template: str) -> None:
+    """A --chat-template is a built-in name or an existing file (checked before any loading)."""
+    if template not in BUILTIN and not os.path.isfile(template):
+        raise RequestError(f"chat template {template!r} is neither a built-in name "
+                           f"({', '.join(BUILTIN)}) nor a file")
+
+
 def apply_template(tok, arch: str, messages: list[dict], add_generation_prompt: bool = True,
                    template: str | None = None) -> tuple[str, str]:
     """Render ``messages``; returns (text, where the template came from). ``template`` is a
@@ -153,9 +160,7 @@ def apply_template(tok, arch: str, messages: list[dict], add_generation_prompt: 
     if template is not None:
         if template in BUILTIN:
             return BUILTIN[template](messages, add_generation_prompt), f"{template} (built-in, chosen)"
-        if not os.path.isfile(template):
-            raise RequestError(f"chat template {template!r} is neither a built-in name "
-                               f"({', '.join(BUILTIN)}) nor a file")
+        check_template_name(template)
         try:
             with open(template, encoding="utf-8") as f:
                 src = f.read()
