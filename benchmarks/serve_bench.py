@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
+import subprocess
 import time
 
 import httpx
@@ -82,10 +84,13 @@ def main() -> None:
     ap.add_argument("--label", default="")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     asyncio.run(level(a.url, 1, 2, 4))  # warm-up
     for c in a.clients:
         r = asyncio.run(level(a.url, c, max(a.requests, c), a.max_tokens))
-        r["label"] = a.label
+        r.update(label=a.label, commit=commit, load1=round(os.getloadavg()[0], 2),
+                 time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         print(json.dumps(r) if a.json else
               f"{a.label} c={c}: {r['tokens_per_s']} tok/s, TTFT p50 {r['ttft_p50_ms']} ms "
               f"p99 {r['ttft_p99_ms']} ms, ITL p50 {r['itl_p50_ms']} ms p99 {r['itl_p99_ms']} ms",
