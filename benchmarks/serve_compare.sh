@@ -2,7 +2,8 @@
 # memfit serve and llama-server alternately (A B A B), one server at a time, same model file,
 # slots (-np), context per slot, threads and requests; serve_bench.py JSON lines go to OUT.
 #   ROUNDS=2 NP=16 CTX=512 N=32 R=32 LS=.../llama-server benchmarks/serve_compare.sh OUT.jsonl [MODEL]
-# llama-server runs with OMP_WAIT_POLICY=passive (the client shares the 2 cores; see README).
+# llama-server runs with OMP_WAIT_POLICY=passive (the client shares the 2 cores; see README);
+# LS_OMP=active LS_TAG=-active ONLY_LS=1 runs llama-server alone with spinning OpenMP workers.
 set -eu
 OUT=$1; M=${2:-$HOME/.cache/memfit/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 ROUNDS=${ROUNDS:-2}; NP=${NP:-16}; CTX=${CTX:-512}; N=${N:-32}; R=${R:-32}; C=${C:-"1 4 16"}
@@ -20,7 +21,7 @@ one() {  # LABEL CMD...
     kill "$pid"; wait "$pid" 2>/dev/null || true
 }
 for r in $(seq "$ROUNDS"); do
-    one memfit memfit serve "$M" --port "$PORT" -np "$NP" -c "$CTX" -t 2 ${MEMFIT_ARGS:-}
-    one llama-server env OMP_WAIT_POLICY=passive "$LS" -m "$M" --port "$PORT" -np "$NP" \
+    [ -n "${ONLY_LS:-}" ] || one memfit memfit serve "$M" --port "$PORT" -np "$NP" -c "$CTX" -t 2 ${MEMFIT_ARGS:-}
+    one "llama-server${LS_TAG:-}" env OMP_WAIT_POLICY=${LS_OMP:-passive} "$LS" -m "$M" --port "$PORT" -np "$NP" \
         -c $((CTX * NP)) -t 2 ${LS_ARGS:-}
 done
