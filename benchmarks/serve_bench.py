@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
+import subprocess
 import time
 
 import httpx
@@ -54,14 +56,21 @@ async def one(h: httpx.AsyncClient, url: str, prompt: str, n: int, ttft: list, i
 
 
 async def level(url: str, clients: int, requests: int, n: int) -> dict:
-    ttft, itl, todo = [], [], list(range(requests))
+    ttft, itl, todo, retries = [], [], list(range(requests)), [0]
     total = 0
     async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=clients)) as h:
         async def client():
             nonlocal total
             while todo:
                 i = todo.pop()
-                got = await one(h, url, PROMPTS[i % len(PROMPTS)], n, ttft, itl)
+                for attempt in range(3):  # llama-server (cpp-httplib) may close an idle
+                    try:                    # keep-alive connection as the next request goes out
+                        got = await one(h, url, PROMPTS[i % len(PROMPTS)], n, ttft, itl)
+                        break
+                    except httpx.RemoteProtocolError:
+                        retries[0] += 1
+                else:
+                    raise RuntimeError(f"request {i}: 3 disconnects in a row")
                 total += got  # not `total += await ...`: that reads total before awaiting
         t0 = time.perf_counter()
         await asyncio.gather(*[client() for _ in range(clients)])
@@ -70,7 +79,8 @@ async def level(url: str, clients: int, requests: int, n: int) -> dict:
             "tokens": total, "tokens_per_s": round(total / dt, 2),
             "ttft_p50_ms": round(pct(ttft, 50) * 1e3, 1), "ttft_p99_ms": round(pct(ttft, 99) * 1e3, 1),
             "itl_p50_ms": round(pct(itl, 50) * 1e3, 1), "itl_p99_ms": round(pct(itl, 99) * 1e3, 1),
-            "itl_mean_ms": round(statistics.fmean(itl) * 1e3, 1) if itl else None}
+            "itl_mean_ms": round(statistics.fmean(itl) * 1e3, 1) if itl else None,
+            "retries": retries[0]}
 
 
 def main() -> None:
@@ -82,10 +92,13 @@ def main() -> None:
     ap.add_argument("--label", default="")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     asyncio.run(level(a.url, 1, 2, 4))  # warm-up
     for c in a.clients:
         r = asyncio.run(level(a.url, c, max(a.requests, c), a.max_tokens))
-        r["label"] = a.label
+        r.update(label=a.label, commit=commit, load1=round(os.getloadavg()[0], 2),
+                 time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         print(json.dumps(r) if a.json else
               f"{a.label} c={c}: {r['tokens_per_s']} tok/s, TTFT p50 {r['ttft_p50_ms']} ms "
               f"p99 {r['ttft_p99_ms']} ms, ITL p50 {r['itl_p50_ms']} ms p99 {r['itl_p99_ms']} ms",
