@@ -2,7 +2,9 @@
  *   dequantize(type, src, n, out)                   out: f32[n]
  *   matmul(type, w, rows, cols, x, n, out)          x: f32[n, cols], out: f32[n, rows]
  *   get_rows(type, w, rows, cols, ids, out)         ids: int64[k], out: f32[k, cols]
- *   matmul_multi(x, n, cols, type1, w1, rows1, out1, ...)  1..4 weights sharing x */
+ *   matmul_multi(x, n, cols, type1, w1, rows1, out1, ...)  1..4 weights sharing x
+ *   matmul_rows(same as matmul_multi)              each row of out as if that x row were alone
+ *                                                  (the one-row kernels for any n) */
 #include "memfit.h"
 #include "quant_common.h"
 
@@ -11,6 +13,8 @@
 int mf_matmul(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t n, float *y);
 int mf_matmul_multi(int k, const int *types, const uint8_t *const *ws, const int64_t *rows,
                     int64_t cols, const float *x, int64_t n, float *const *ys);
+int mf_matmul_multi_ex(int k, const int *types, const uint8_t *const *ws, const int64_t *rows,
+                       int64_t cols, const float *x, int64_t n, float *const *ys, int vec_only);
 int mf_get_rows(int type, const uint8_t *w, int64_t cols, const int64_t *ids, int64_t n, float *out);
 int mf_dequantize(int type, const uint8_t *src, int64_t n, float *dst);
 
@@ -133,7 +137,7 @@ static PyObject *py_get_rows(PyObject *self, PyObject *const *a, Py_ssize_t na) 
     Py_RETURN_NONE;
 }
 
-static PyObject *py_matmul_multi(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+static PyObject *matmul_multi_args(PyObject *const *a, Py_ssize_t na, int vec_only) {
     if (na < 7 || na > 19 || (na - 3) % 4)
         return PyErr_Format(PyExc_TypeError, "matmul_multi(x, n, cols, type, w, rows, out, ...) takes 1..4 weights");
     const int k = (int)((na - 3) / 4);
@@ -170,7 +174,7 @@ static PyObject *py_matmul_multi(PyObject *self, PyObject *const *a, Py_ssize_t 
     }
     if (rc == 0) {
         Py_BEGIN_ALLOW_THREADS
-        rc = mf_matmul_multi(k, types, wp, rows, cols, x.buf, n, yp);
+        rc = mf_matmul_multi_ex(k, types, wp, rows, cols, x.buf, n, yp, vec_only);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&x);
@@ -181,10 +185,19 @@ static PyObject *py_matmul_multi(PyObject *self, PyObject *const *a, Py_ssize_t 
     Py_RETURN_NONE;
 }
 
+static PyObject *py_matmul_multi(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    return matmul_multi_args(a, na, 0);
+}
+
+static PyObject *py_matmul_rows(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    return matmul_multi_args(a, na, 1);
+}
+
 PyMethodDef mf_quant_methods[] = {
     {"dequantize", (PyCFunction)(void (*)(void))py_dequantize, METH_FASTCALL, "dequantize(type, src, n, out)"},
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "matmul(type, w, rows, cols, x, n, out): out[n, rows] = x[n, cols] @ W^T"},
     {"matmul_multi", (PyCFunction)(void (*)(void))py_matmul_multi, METH_FASTCALL, "matmul_multi(x, n, cols, type, w, rows, out, ...): out_j = x @ W_j^T for 1..4 weights"},
+    {"matmul_rows", (PyCFunction)(void (*)(void))py_matmul_rows, METH_FASTCALL, "matmul_rows(x, n, cols, type, w, rows, out, ...): matmul_multi with each out row as if its x row were alone"},
     {"get_rows", (PyCFunction)(void (*)(void))py_get_rows, METH_FASTCALL, "get_rows(type, w, rows, cols, ids int64, out)"},
     {NULL, NULL, 0, NULL},
 };

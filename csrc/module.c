@@ -3,6 +3,7 @@
 
 void mf_init_isa(void);  /* pool.c */
 void mf_init_pool(void); /* pool.c */
+extern const int mf_rows_stable; /* quant_mm.c */
 
 extern PyMethodDef mf_bench_methods[];  /* csrc/membw.c */
 extern PyMethodDef mf_decode_methods[]; /* csrc/decode.c */
@@ -29,5 +30,10 @@ PyMODINIT_FUNC PyInit__native(void) {
     all_methods[k] = (PyMethodDef){NULL, NULL, 0, NULL};
     mf_init_isa();
     mf_init_pool();
-    return PyModule_Create(&moduledef);
+    PyObject *m = PyModule_Create(&moduledef);
+    if (m && PyModule_AddIntConstant(m, "ROWS_STABLE", mf_rows_stable) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

@@ -55,6 +55,44 @@ def test_batched_greedy_equals_alone_tiny(tmp_path, arch):
         assert eng.stats()["running"] == 0
 
 
+# prompts of 16+ tokens (native ROWS_STABLE): a burst of them is prefilled in shared forwards
+LONG = [list(range(3, 3 + 16)), list(range(50, 90)), [7, 8, 9] * 7, list(range(200, 233)),
+        list(range(120, 137)), [11] * 18]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_prefill_equals_alone_tiny(tmp_path, arch):
+    from memfit.ops import native
+    model, tok = _tiny(tmp_path, arch)
+    tok.eog_ids = set()
+    alone = [_run(model, tok, [p], 1)[0][0] for p in LONG]
+    got, eng = _run(model, tok, LONG, len(LONG), n_batch=64)
+    st = eng.stats()
+    assert st["prefill_chunks"] > st["prefill_steps"]  # some steps carried several prompts
+    assert got == alone
+    assert native.ROWS_STABLE == 16
+
+
+def _first_logits(model, tok, prompts):
+    """Logits of the first engine step over prompts (one packed prefill step when several)."""
+    eng = Engine(model, tok, n_ctx=128, n_parallel=len(prompts))
+    for ids in prompts:
+        eng.add_request(ids, SamplingParams(temperature=0, max_tokens=4))
+    sched = eng.scheduler.schedule()
+    assert len(sched.seqs) == len(prompts) and not sched.decode
+    return eng.runner.run(sched)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_prefill_logits_bit_identical(tmp_path, arch):
+    # several sequences' last prompt rows go through the last layer and the output matrix
+    # together: rowwise kernels keep each row's logits those of the prompt alone
+    model, tok = _tiny(tmp_path, arch)
+    packed = _first_logits(model, tok, LONG)
+    for i, p in enumerate(LONG):
+        np.testing.assert_array_equal(packed[i], _first_logits(model, tok, [p])[0])
+
+
 def test_row_logits_do_not_depend_on_neighbours(tmp_path):
     from memfit.kv import KVPool
     from memfit.kv.view import BatchKV
@@ -135,6 +173,27 @@ def test_batched_greedy_equals_alone_real(request, which):
             assert [b.text for b in batch] == [a.text for a in alone[:n]]
         single = m.generate(prompts[0], max_tokens=8, temperature=0)
         assert not isinstance(single, list) and single.ids == alone[0].ids
+
+
+@pytest.mark.realmodel
+@pytest.mark.parametrize("which", ["smollm2_path", "gemma_path"])
+def test_packed_prefill_equals_alone_real(request, which):
+    """Prompts of 16+ tokens arriving together share prefill forwards (the server's burst)
+    and still get the tokens they get alone, whatever their neighbours."""
+    import memfit
+    path = request.getfixturevalue(which)
+    topics = ["a robot who learns to paint", "the history of the printing press",
+              "why the sky is blue at noon and red at dusk", "a recipe for bread with seeds",
+              "the rules of chess for a beginner", "a lighthouse keeper and a storm"]
+    prompts = [f"Write a short, careful paragraph for a curious reader about {t}, "
+               f"in plain words and without lists:" for t in topics]
+    with memfit.load(path, n_ctx=256, n_parallel=len(prompts)) as m:
+        ids = [m.tokenizer.encode(p) for p in prompts]
+        assert min(map(len, ids)) >= 16
+        alone = [_run(m.model, m.tokenizer, [i], 1)[0][0] for i in ids]
+        got, eng = _run(m.model, m.tokenizer, ids, len(ids))
+        assert eng.stats()["prefill_chunks"] > eng.stats()["prefill_steps"]
+        assert got == alone
 
 
 TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",

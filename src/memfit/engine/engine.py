@@ -3,7 +3,7 @@
     eng = Engine(model, tokenizer, n_ctx=4096, n_parallel=4)
     rid = eng.add_request(ids, SamplingParams(temperature=0, max_tokens=32))
     while eng.has_unfinished():
-        for out in eng.step():      # one scheduler step: a prefill chunk or a decode row each
+        for out in eng.step():      # one scheduler step: prompt chunks, or a decode row each
             print(out.request_id, out.text, out.finished)
 
 One step = schedule (scheduler.py, integers), run (runner.py -> Model.forward), postprocess
@@ -62,7 +62,11 @@ class Engine:
         self.pool = KVPool(c.n_layer, n_blocks or kv_pool_blocks(n_ctx, n_parallel), c.n_head_kv,
                            c.head_dim_k, c.head_dim_v, cache_type, ledger=ledger,
                            cache_type_v=cache_type_v)
-        self.scheduler = Scheduler(self.pool, n_parallel, n_batch, n_ctx)
+        # prompt chunks of several sequences share a forward where that changes no row's
+        # result: dense models on a backend that says from how many rows (layers with experts
+        # group rows by expert, so their rows depend on the batch)
+        pack = 0 if c.n_expert else getattr(model.ops, "ROWS_STABLE", 0)
+        self.scheduler = Scheduler(self.pool, n_parallel, n_batch, n_ctx, pack_min=pack)
         self.runner = Runner(model, self.pool, n_parallel, n_batch, n_ctx)
         self.seqs: dict[str, Sequence] = {}
         self._pending: list[StepOutput] = []  # abort notices for the next step()
@@ -126,7 +130,8 @@ class Engine:
                 "kv_cache_type": p.cache_type, "kv_cache_type_v": p.cache_type_v,
                 "kv_bytes": p.nbytes,
                 "prefix_cache_queries": s.prefix_queries, "prefix_cache_hits": s.prefix_hits,
-                "preempted": s.n_preempted, "steps": self.n_steps, "n_parallel": self.n_parallel}
+                "preempted": s.n_preempted, "prefill_steps": s.n_prefill_steps,
+                "prefill_chunks": s.n_prefill_chunks, "steps": self.n_steps, "n_parallel": self.n_parallel}
 
     # --- one step
     def step(self) -> list[StepOutput]:

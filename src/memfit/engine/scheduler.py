@@ -2,9 +2,13 @@
 
 Policy: sequences are admitted in arrival order while a slot is free (at most ``max_seqs``
 running) and the pool has blocks for the part of the prompt the prefix cache does not hold.
-A step is either one prefill chunk (at most ``n_batch`` tokens of one sequence) or one decode
-row for every sequence past its prefill; the two alternate while both kinds wait, so a long
-prompt does not stall the others. A decode row that needs a new block when none is free
+A step is either a prefill step (prompt chunks of the sequences still prefilling, in admission
+order, at most ``n_batch`` tokens in all: a burst of prompts is prefilled in one forward) or
+one decode row for every sequence past its prefill; the two alternate while both kinds
+wait, so a long prompt does not stall the others. A chunk joins another sequence's only when it and what it
+leaves of its prompt have at least ``pack_min`` rows or none (the backend's ROWS_STABLE: from
+there a row's result does not depend on the other rows), so packing never changes a token;
+``pack_min`` 0 prefills one sequence per step. A decode row that needs a new block when none is free
 preempts the most recently admitted other sequence: its blocks go back to the pool (its full
 ones stay in the prefix cache) and it waits at the front of the queue to be recomputed.
 """
@@ -26,8 +30,9 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, pool: KVPool, max_seqs: int, n_batch: int, n_ctx: int):
+    def __init__(self, pool: KVPool, max_seqs: int, n_batch: int, n_ctx: int, pack_min: int = 0):
         self.pool, self.max_seqs, self.n_batch, self.n_ctx = pool, max_seqs, n_batch, n_ctx
+        self.pack_min = pack_min
         self.bs = pool.block_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -36,6 +41,8 @@ class Scheduler:
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0     # of them found
         self.n_preempted = 0
+        self.n_prefill_steps = 0   # prefill steps run
+        self.n_prefill_chunks = 0  # prompt chunks they carried (> steps: chunks were packed)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -110,8 +117,23 @@ class Scheduler:
         decode = [s for s in self.running if s.n_pending == 1]
         if prefill and (not decode or not self._last_prefill):
             self._last_prefill = True
-            s = prefill[0]
-            return Scheduled([s], [min(self.n_batch, s.n_pending)], False)
+            first = prefill[0]
+            seqs, ks = [first], [min(self.n_batch, first.n_pending)]
+            room = self.n_batch - ks[0]
+            for s in prefill[1:] if self.pack_min else ():
+                if room < self.pack_min:
+                    break
+                k = min(room, s.n_pending)
+                if k < self.pack_min or 0 < s.n_pending - k < self.pack_min:
+                    continue
+                seqs.append(s)
+                ks.append(k)
+                room -= k
+                if room == 0:
+                    break
+            self.n_prefill_steps += 1
+            self.n_prefill_chunks += len(seqs)
+            return Scheduled(seqs, ks, False)
         self._last_prefill = False
         # a decode row writes position n_computed: its block must exist
         for s in decode:

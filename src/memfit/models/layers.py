@@ -53,6 +53,10 @@ class Model:
         if config.n_expert:
             self._fused = []  # the fused native decode layer has a dense FFN: op by op instead
         self._bufs: dict[str, np.ndarray] = {}  # prefill scratch reused across layers (_scratch)
+        # > 0 while a batch's output rows belong to different sequences: after the last layer's
+        # attention only these rows are in flight, and matmuls of exactly that many rows run
+        # rowwise, so each sequence's logits are those it gets alone
+        self._rowwise = 0
 
     # --- tensors -------------------------------------------------------------------------
     def layer_tensors(self, il: int) -> dict[str, tuple[tuple[int, ...], bool]]:
@@ -135,10 +139,19 @@ class Model:
             # after the last layer's attention only the out rows are needed (at least one row
             # goes through it so that every row's K/V is stored)
             last = None if len(out) == n else (out if len(out) else np.array([n - 1]))
-            for il in range(c.n_layer):
-                x = self.block(il, x, b.pos, b.kv, last if il == c.n_layer - 1 else None)
-            if len(out) == 0:
-                x = x[:0]
+            for il in range(c.n_layer - 1):
+                x = self.block(il, x, b.pos, b.kv, None)
+            self._rowwise = len(last) if last is not None and len(np.unique(b.seq[last])) > 1 else 0
+            try:
+                x = self.block(c.n_layer - 1, x, b.pos, b.kv, last)
+                if len(out) == 0:
+                    x = x[:0]
+                x = ops.rmsnorm(np.ascontiguousarray(x), self.vec["output_norm.weight"], c.rms_eps)
+                if b.hidden or x.shape[0] == 0:
+                    return x if b.hidden else np.zeros((0, c.n_vocab), np.float32)
+                return self.logits(x)
+            finally:
+                self._rowwise = 0
         x = ops.rmsnorm(np.ascontiguousarray(x), self.vec["output_norm.weight"], c.rms_eps)
         if b.hidden:
             return x
@@ -149,7 +162,7 @@ class Model:
     def logits(self, h: np.ndarray) -> np.ndarray:
         """Final-normed hidden states [n, n_embd] -> logits [n, n_vocab]."""
         c = self.config
-        logits = self.ops.matmul(np.ascontiguousarray(h), self.weights.get(self.output))
+        logits = self._matmul(np.ascontiguousarray(h), self.weights.get(self.output))
         if c.final_softcap > 0.0:
             logits = np.float32(c.final_softcap) * np.tanh(logits / np.float32(c.final_softcap))
         return logits
@@ -197,12 +210,17 @@ class Model:
         return self._fused or None
 
     # --- shared pieces -------------------------------------------------------------------
+    def _matmul(self, x: np.ndarray, w) -> np.ndarray:
+        if self._rowwise and x.shape[0] == self._rowwise:
+            return self.ops.matmul(x, w, rowwise=True)
+        return self.ops.matmul(x, w)
+
     def norm(self, x: np.ndarray, name: str) -> np.ndarray:
         return self.ops.rmsnorm(x, self.vec[name], self.config.rms_eps)
 
     def linear(self, x: np.ndarray, name: str) -> np.ndarray:
         # y = x @ W^T (+ bias when the file has one)
-        y = self.ops.matmul(x, self.weights.get(name + ".weight"))
+        y = self._matmul(x, self.weights.get(name + ".weight"))
         b = self.vec.get(name + ".bias")
         return y if b is None else y + b
 
@@ -212,7 +230,8 @@ class Model:
         mm = getattr(self.ops, "matmul_multi", None)
         if mm is None:
             return [self.linear(x, nm) for nm in names]
-        ys = mm(x, [self.weights.get(nm + ".weight") for nm in names], outs)
+        kw = {"rowwise": True} if self._rowwise and x.shape[0] == self._rowwise else {}
+        ys = mm(x, [self.weights.get(nm + ".weight") for nm in names], outs, **kw)
         for i, nm in enumerate(names):
             b = self.vec.get(nm + ".bias")
             if b is not None:

@@ -32,6 +32,10 @@ from ..errors import UnsupportedError
 from . import QTensor
 from . import reference as _ref
 
+# from this many rows a matmul's result for a row does not depend on the other rows
+# (csrc/quant_mm.c MF_ROWS_STABLE_N): the engine packs prompt chunks of this size or more
+ROWS_STABLE = _native.ROWS_STABLE
+
 _BLOCK = {0: 1, 1: 1, 30: 1, 2: 32, 3: 32, 6: 32, 7: 32, 8: 32, 20: 32,
           10: 256, 11: 256, 12: 256, 13: 256, 14: 256, 23: 256}
 
@@ -41,8 +45,10 @@ def _unsupported(w: QTensor):
                            f"supported: F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K..Q6_K IQ4_NL IQ4_XS")
 
 
-def matmul(x: np.ndarray, w: QTensor, out: np.ndarray | None = None) -> np.ndarray:
-    # x[n, cols] @ W(rows, cols)^T -> y[n, rows]
+def matmul(x: np.ndarray, w: QTensor, out: np.ndarray | None = None, rowwise: bool = False
+           ) -> np.ndarray:
+    # x[n, cols] @ W(rows, cols)^T -> y[n, rows]; rowwise: each y row bit-identical to its x row
+    # alone (the one-row kernels for any n: rows of different sequences)
     rows, cols = w.shape
     if x.dtype != np.float32 or not x.flags.c_contiguous:
         x = np.ascontiguousarray(x, dtype=np.float32)
@@ -52,15 +58,19 @@ def matmul(x: np.ndarray, w: QTensor, out: np.ndarray | None = None) -> np.ndarr
         out = np.empty((n, rows), dtype=np.float32)
     if w.type.id not in _BLOCK:
         _unsupported(w)
-    _native.matmul(w.type.id, w.data, rows, cols, x, n, out)
+    if rowwise:
+        _native.matmul_rows(x, n, cols, w.type.id, w.data, rows, out)
+    else:
+        _native.matmul(w.type.id, w.data, rows, cols, x, n, out)
     return out
 
 
-def matmul_multi(x: np.ndarray, ws: list[QTensor], outs: list[np.ndarray] | None = None
-                 ) -> list[np.ndarray]:
+def matmul_multi(x: np.ndarray, ws: list[QTensor], outs: list[np.ndarray] | None = None,
+                 rowwise: bool = False) -> list[np.ndarray]:
     """[x @ W^T for W in ws] (1..4 weights with equal cols) in one native call: x is quantized
     once and all row tiles run as one pool job; each result equals matmul(x, W) bit for bit.
-    outs: preallocated float32 [n, rows_j] results (the caller's reusable buffers)."""
+    outs: preallocated float32 [n, rows_j] results (the caller's reusable buffers); rowwise as
+    in matmul."""
     cols = ws[0].shape[1]
     if x.dtype != np.float32 or not x.flags.c_contiguous:
         x = np.ascontiguousarray(x, dtype=np.float32)
@@ -75,7 +85,7 @@ def matmul_multi(x: np.ndarray, ws: list[QTensor], outs: list[np.ndarray] | None
         assert y.shape == (n, w.shape[0]) and y.dtype == np.float32 and y.flags.c_contiguous
         args += (w.type.id, w.data, w.shape[0], y)
         ys.append(y)
-    _native.matmul_multi(*args)
+    (_native.matmul_rows if rowwise else _native.matmul_multi)(*args)
     return ys
 
 
