@@ -31,9 +31,14 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
+LOGPROBS = False
+
+
 async def one(h: httpx.AsyncClient, url: str, prompt: str, n: int, ttft: list, itl: list) -> int:
     body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
+    if LOGPROBS:
+        body["logprobs"] = 1
     t0 = time.perf_counter()
     last = None
     tokens = 0
@@ -45,7 +50,8 @@ async def one(h: httpx.AsyncClient, url: str, prompt: str, n: int, ttft: list, i
             d = json.loads(line[6:])
             if d.get("usage"):
                 tokens = d["usage"]["completion_tokens"]
-            if d.get("choices") and d["choices"][0].get("text"):
+            ch = d.get("choices")
+            if ch and (ch[0].get("text") or (LOGPROBS and ch[0].get("logprobs"))):
                 now = time.perf_counter()
                 if last is None:
                     ttft.append(now - t0)
@@ -91,13 +97,16 @@ def main() -> None:
     ap.add_argument("-n", "--max-tokens", type=int, default=64)
     ap.add_argument("--label", default="")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--logprobs", action="store_true", help="time chunks with logprobs too")
     a = ap.parse_args()
+    global LOGPROBS
+    LOGPROBS = a.logprobs
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     asyncio.run(level(a.url, 1, 2, 4))  # warm-up
     for c in a.clients:
         r = asyncio.run(level(a.url, c, max(a.requests, c), a.max_tokens))
-        r.update(label=a.label, commit=commit, load1=round(os.getloadavg()[0], 2),
+        r.update(label=a.label, commit=commit, logprobs=a.logprobs, load1=round(os.getloadavg()[0], 2),
                  time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         print(json.dumps(r) if a.json else
               f"{a.label} c={c}: {r['tokens_per_s']} tok/s, TTFT p50 {r['ttft_p50_ms']} ms "
