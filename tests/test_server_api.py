@@ -199,3 +199,19 @@ def test_ignore_eos(client):
     assert plain.choices[0].finish_reason == "stop" and plain.usage.completion_tokens < 40
     r = client.chat.completions.create(**kw, extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 40
+
+
+def test_keepalive_requests_are_not_held_by_nagle(server):
+    # the listening socket is TCP with TCP_NODELAY: a keep-alive response (headers and body
+    # written apart) otherwise waits ~40 ms for the client's delayed ACK, on every request of
+    # an OpenAI client; the bound leaves room for a loaded CI machine
+    import statistics
+    import time
+    with httpx.Client(base_url=server.base_url) as h:
+        h.get("/health")
+        times = []
+        for _ in range(15):
+            t0 = time.perf_counter()
+            assert h.get("/health").status_code == 200
+            times.append(time.perf_counter() - t0)
+    assert statistics.median(times) < 0.025, times

@@ -50,8 +50,12 @@ def _model_ids(arg: str | None, path: Path, alias: str | None) -> list[str]:
 
 def _bind(host: str, port: int) -> socket.socket:
     fam = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(fam, socket.SOCK_STREAM)
+    # proto given: asyncio sets TCP_NODELAY on accepted sockets only when sock.proto is TCP;
+    # with Nagle on, a keep-alive response written as headers + body waited ~40 ms for the
+    # client's delayed ACK (every request of an OpenAI client, which keeps connections alive)
+    sock = socket.socket(fam, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((host, port))
     except OSError as e:
