@@ -16,6 +16,7 @@
 #include "quant_common.h"
 
 #include <immintrin.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx512dq,avx2,fma,f16c")))
@@ -545,5 +546,147 @@ VNNI void mf_bdot_avx512(const mf_b32 *w, int64_t nb, int sgn, const uint8_t *x,
     for (; i < m; i++) {
         if (sgn) bdot1_1(w, nb, x + i * xs, xs, o); else bdot1_0(w, nb, x + i * xs, xs, o);
         out[i * ostride] = sgn ? o[0] : o[0] + corr[i];
+    }
+}
+
+/* ---------------- prefill GEMM, 32-element types: 16 X rows per vector ----------------
+ * X comes as mf_b32band (16 rows interleaved per 4 K positions, + 128 so it is the u8
+ * operand); W is unpacked to signed int8 (Q4_0/Q5_0 offsets folded in: q - 8, q - 16) and
+ * each 4-byte group is the broadcast s8 operand of vpdpbusd: 8 vpdpbusd per block give
+ * sum (x + 128) * w for 16 X rows at once; the accumulator starts at -128 * sum(w), so the
+ * int32 block sum is exact. Per (W row, block) then one cvt, one mul (dw * dx lanes) and an
+ * fma (one more for Q4_1/Q5_1's min term c * s). Every lane does the same sequence of ops
+ * for its (W row, X row) alone: results do not depend on n, the band, R or the task split. */
+typedef struct { int8_t q[32]; float d, c; int32_t bias, pad; } b32g_w; /* 48 B */
+
+const int mf_b32gemm_ok[T_MAX] = {[T_Q4_0] = 1, [T_Q4_1] = 1, [T_Q5_0] = 1, [T_Q5_1] = 1,
+                                   [T_Q8_0] = 1, [T_IQ4_NL] = 1};
+
+VNNI void mf_b32band_quant_avx512(const float *x, int64_t cols, int64_t m, mf_b32band *out) {
+    const int64_t nb = cols / 32;
+    for (int64_t b = 0; b < nb; b++) {
+        memset(out[b].x, 0x80, sizeof out[b].x);
+        memset(out[b].dx, 0, sizeof out[b].dx);
+        memset(out[b].sx, 0, sizeof out[b].sx);
+    }
+    for (int64_t j = 0; j < m; j++)
+        for (int64_t b = 0; b < nb; b++) {
+            mf_q8_32 t; /* the same bits as the Q8_32 activations of the other kernels */
+            mf_quantize_q8_32_avx2(x + j * cols + 32 * b, &t, 32);
+            for (int g = 0; g < 8; g++) {
+                uint32_t v;
+                memcpy(&v, t.qs + 4 * g, 4);
+                v ^= 0x80808080u;
+                memcpy(out[b].x[g] + 4 * j, &v, 4);
+            }
+            out[b].dx[j] = t.d;
+            out[b].sx[j] = t.s;
+        }
+}
+
+/* R W rows (w, row stride ws blocks) x one band, blocks [0, nb) -> out[16 r + j] (X row j);
+ * acc: continue the sums in out (a split block range gives the same bits) */
+#define B32G(R)                                                                                  \
+    VNNI static void b32g_##R(const b32g_w *w, int64_t ws, int64_t nb, const mf_b32band *xb,     \
+                              int hasc, int acc, float *out) {                                   \
+        __m512 f[R];                                                                             \
+        for (int r = 0; r < R; r++) f[r] = acc ? _mm512_loadu_ps(out + 16 * r) : _mm512_setzero_ps(); \
+        for (int64_t b = 0; b < nb; b++) {                                                       \
+            __m512i a[R];                                                                        \
+            for (int r = 0; r < R; r++) a[r] = _mm512_set1_epi32(w[r * ws + b].bias);            \
+            for (int g = 0; g < 8; g++) {                                                        \
+                const __m512i xv = _mm512_load_si512((const void *)xb[b].x[g]);                  \
+                for (int r = 0; r < R; r++) {                                                    \
+                    int32_t wq;                                                                  \
+                    memcpy(&wq, w[r * ws + b].q + 4 * g, 4);                                     \
+                    a[r] = _mm512_dpbusd_epi32(a[r], xv, _mm512_set1_epi32(wq));                 \
+                }                                                                                \
+            }                                                                                    \
+            const __m512 dx = _mm512_load_ps(xb[b].dx);                                          \
+            for (int r = 0; r < R; r++)                                                          \
+                f[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, _mm512_set1_ps(w[r * ws + b].d)),       \
+                                       _mm512_cvtepi32_ps(a[r]), f[r]);                          \
+            if (hasc) {                                                                          \
+                const __m512 sx = _mm512_load_ps(xb[b].sx);                                      \
+                for (int r = 0; r < R; r++)                                                      \
+                    f[r] = _mm512_fmadd_ps(sx, _mm512_set1_ps(w[r * ws + b].c), f[r]);           \
+            }                                                                                    \
+        }                                                                                        \
+        for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, f[r]);                        \
+    }
+B32G(8)
+B32G(1)
+
+/* W rows [0, nrows) x blocks [0, nb) of a packed matrix (row stride rb bytes) -> o (row
+ * stride os blocks) */
+static void b32g_unpack(int type, const uint8_t *w, size_t rb, int64_t nrows, int64_t nb, b32g_w *o, int64_t os) {
+    mf_b32unpack_fn up = mf_b32unpack_avx2[type];
+    const int bytes = mf_qtypes[type].bytes, off = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : 0;
+    const int hasc = type == T_Q4_1 || type == T_Q5_1;
+    for (int64_t r = 0; r < nrows; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            mf_b32 u;
+            b32g_w *p = o + r * os + b;
+            up(w + (size_t)r * rb + (size_t)b * bytes, &u);
+            int32_t s = 0;
+            for (int k = 0; k < 32; k++) { /* Q8_0/IQ4_NL: q holds the signed values */
+                p->q[k] = (int8_t)((int8_t)u.q[k] - off);
+                s += p->q[k];
+            }
+            p->d = u.d;
+            p->c = hasc ? u.c : 0.0f;
+            p->bias = -128 * s;
+            p->pad = 0;
+        }
+}
+
+static _Thread_local b32g_w *tl_gw;
+static _Thread_local size_t tl_gcap;
+
+/* Y rows [0, n) x W rows [0, nrows) (nb blocks of rb bytes per row) into y (row stride ys);
+ * xb: ceil(n / 16) bands of nb blocks. */
+VNNI void mf_b32gemm_avx512(int type, const uint8_t *w, size_t rb, int64_t nrows, int64_t nb, const mf_b32band *xb,
+                           int64_t n, float *y, int64_t ys) {
+    const int hasc = type == T_Q4_1 || type == T_Q5_1;
+    size_t need = (size_t)(nrows * nb);
+    if (need > tl_gcap) {
+        free(tl_gw);
+        tl_gw = aligned_alloc(64, (need * sizeof(b32g_w) + 63) & ~(size_t)63);
+        tl_gcap = tl_gw ? need : 0;
+    }
+    float out[8 * 16];
+    if (!tl_gw) { /* no scratch: 8 rows x 16 blocks at a time on the stack, re-unpacked per band */
+        b32g_w wb[8 * 16];
+        for (int64_t t = 0; t * 16 < n; t++) {
+            const int64_t m = n - t * 16 < 16 ? n - t * 16 : 16;
+            for (int64_t r = 0; r < nrows; r += 8) {
+                const int64_t R = nrows - r < 8 ? nrows - r : 8;
+                for (int64_t b = 0; b < nb; b += 16) {
+                    const int64_t kb = nb - b < 16 ? nb - b : 16;
+                    b32g_unpack(type, w + (size_t)r * rb + (size_t)b * mf_qtypes[type].bytes, rb, R, kb, wb, 16);
+                    for (int64_t k = 0; k < R; k++)
+                        b32g_1(wb + k * 16, 16, kb, xb + t * nb + b, hasc, b > 0, out + 16 * k);
+                }
+                for (int64_t j = 0; j < m; j++)
+                    for (int64_t k = 0; k < R; k++) y[(t * 16 + j) * ys + r + k] = out[16 * k + j];
+            }
+        }
+        return;
+    }
+    b32g_unpack(type, w, rb, nrows, nb, tl_gw, nb);
+    for (int64_t t = 0; t * 16 < n; t++) {
+        const int64_t m = n - t * 16 < 16 ? n - t * 16 : 16;
+        const mf_b32band *xt = xb + t * nb;
+        float *yt = y + t * 16 * ys;
+        int64_t r = 0;
+        for (; r + 8 <= nrows; r += 8) {
+            b32g_8(tl_gw + r * nb, nb, nb, xt, hasc, 0, out);
+            for (int64_t j = 0; j < m; j++)
+                for (int k = 0; k < 8; k++) yt[j * ys + r + k] = out[16 * k + j];
+        }
+        for (; r < nrows; r++) {
+            b32g_1(tl_gw + r * nb, nb, nb, xt, hasc, 0, out);
+            for (int64_t j = 0; j < m; j++) yt[j * ys + r] = out[j];
+        }
     }
 }
