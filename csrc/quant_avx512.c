@@ -619,7 +619,7 @@ B32G(1)
 
 /* W rows [0, nrows) x blocks [0, nb) of a packed matrix (row stride rb bytes) -> o (row
  * stride os blocks) */
-static void b32g_unpack(int type, const uint8_t *w, size_t rb, int64_t nrows, int64_t nb, b32g_w *o, int64_t os) {
+VNNI static void b32g_unpack(int type, const uint8_t *w, size_t rb, int64_t nrows, int64_t nb, b32g_w *o, int64_t os) {
     mf_b32unpack_fn up = mf_b32unpack_avx2[type];
     const int bytes = mf_qtypes[type].bytes, off = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : 0;
     const int hasc = type == T_Q4_1 || type == T_Q5_1;
@@ -628,11 +628,12 @@ static void b32g_unpack(int type, const uint8_t *w, size_t rb, int64_t nrows, in
             mf_b32 u;
             b32g_w *p = o + r * os + b;
             up(w + (size_t)r * rb + (size_t)b * bytes, &u);
-            int32_t s = 0;
-            for (int k = 0; k < 32; k++) { /* Q8_0/IQ4_NL: q holds the signed values */
-                p->q[k] = (int8_t)((int8_t)u.q[k] - off);
-                s += p->q[k];
-            }
+            /* Q8_0/IQ4_NL: q holds the signed values; sum via sad of q + 128 */
+            const __m256i q = _mm256_sub_epi8(_mm256_loadu_si256((const __m256i *)u.q), _mm256_set1_epi8((char)off));
+            _mm256_storeu_si256((__m256i *)p->q, q);
+            const __m256i sad = _mm256_sad_epu8(_mm256_xor_si256(q, _mm256_set1_epi8((char)0x80)), _mm256_setzero_si256());
+            const __m128i h = _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256(sad, 1));
+            const int32_t s = (int32_t)(_mm_cvtsi128_si64(h) + _mm_extract_epi64(h, 1)) - 32 * 128;
             p->d = u.d;
             p->c = hasc ? u.c : 0.0f;
             p->bias = -128 * s;
