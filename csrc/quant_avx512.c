@@ -614,7 +614,7 @@ VNNI void mf_b32band_quant_avx512(const float *x, int64_t cols, int64_t m, mf_b3
         }                                                                                        \
         for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, f[r]);                        \
     }
-B32G(8)
+B32G(10)
 B32G(1)
 
 /* W rows [0, nrows) x blocks [0, nb) of a packed matrix (row stride rb bytes) -> o (row
@@ -649,13 +649,14 @@ static _Thread_local size_t tl_gcap;
 VNNI void mf_b32gemm_avx512(int type, const uint8_t *w, size_t rb, int64_t nrows, int64_t nb, const mf_b32band *xb,
                            int64_t n, float *y, int64_t ys) {
     const int hasc = type == T_Q4_1 || type == T_Q5_1;
-    size_t need = (size_t)(nrows * nb);
+    const int64_t np = (nrows + 9) / 10 * 10; /* zero rows pad the last group of 10 */
+    size_t need = (size_t)(np * nb);
     if (need > tl_gcap) {
         free(tl_gw);
         tl_gw = aligned_alloc(64, (need * sizeof(b32g_w) + 63) & ~(size_t)63);
         tl_gcap = tl_gw ? need : 0;
     }
-    float out[8 * 16];
+    float out[10 * 16];
     if (!tl_gw) { /* no scratch: 8 rows x 16 blocks at a time on the stack, re-unpacked per band */
         b32g_w wb[8 * 16];
         for (int64_t t = 0; t * 16 < n; t++) {
@@ -675,19 +676,16 @@ VNNI void mf_b32gemm_avx512(int type, const uint8_t *w, size_t rb, int64_t nrows
         return;
     }
     b32g_unpack(type, w, rb, nrows, nb, tl_gw, nb);
+    memset(tl_gw + nrows * nb, 0, (size_t)((np - nrows) * nb) * sizeof(b32g_w));
     for (int64_t t = 0; t * 16 < n; t++) {
         const int64_t m = n - t * 16 < 16 ? n - t * 16 : 16;
         const mf_b32band *xt = xb + t * nb;
         float *yt = y + t * 16 * ys;
-        int64_t r = 0;
-        for (; r + 8 <= nrows; r += 8) {
-            b32g_8(tl_gw + r * nb, nb, nb, xt, hasc, 0, out);
+        for (int64_t r = 0; r < nrows; r += 10) {
+            const int64_t R = nrows - r < 10 ? nrows - r : 10;
+            b32g_10(tl_gw + r * nb, nb, nb, xt, hasc, 0, out);
             for (int64_t j = 0; j < m; j++)
-                for (int k = 0; k < 8; k++) yt[j * ys + r + k] = out[16 * k + j];
-        }
-        for (; r < nrows; r++) {
-            b32g_1(tl_gw + r * nb, nb, nb, xt, hasc, 0, out);
-            for (int64_t j = 0; j < m; j++) yt[j * ys + r] = out[j];
+                for (int64_t k = 0; k < R; k++) yt[j * ys + r + k] = out[16 * k + j];
         }
     }
 }

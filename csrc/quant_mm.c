@@ -302,9 +302,9 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
             } else if (mf_isa >= MF_ISA_AVX512VNNI && mf_b32gemm_ok[type] && n >= MF_B32G_MIN_N) {
                 c.xfmt = XF_B32BAND;
                 c.xs = (size_t)c.nb * sizeof(mf_b32band); /* per band of 16 rows */
-                /* W tile <= ~192 KB, a multiple of 8 rows, >= 4 tasks per thread */
-                int64_t rk = (192 * 1024) / (c.nb * 48), t = 64;
-                while (t > 8 && ((rows + t - 1) / t < 4 * nt || t > rk)) t /= 2;
+                /* W tile <= ~192 KB, a multiple of 10 rows (the kernel's group), >= 4 tasks per thread */
+                int64_t rk = (192 * 1024) / (c.nb * 48), t = 80;
+                while (t > 10 && ((rows + t - 1) / t < 4 * nt || t > rk)) t /= 2;
                 c.rt = t;
                 p->fn = mm_task_b32g;
             } else if (mf_b32unpack_avx2[type] &&
