@@ -617,28 +617,55 @@ VNNI void mf_b32band_quant_avx512(const float *x, int64_t cols, int64_t m, mf_b3
 B32G(10)
 B32G(1)
 
+VNNI static inline void b32g_put(b32g_w *p, __m256i q, float d, float c) {
+    _mm256_storeu_si256((__m256i *)p->q, q);
+    /* sum of the signed q: sad of q + 128 */
+    const __m256i sad = _mm256_sad_epu8(_mm256_xor_si256(q, _mm256_set1_epi8((char)0x80)), _mm256_setzero_si256());
+    const __m128i h = _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256(sad, 1));
+    p->bias = -128 * ((int32_t)(_mm_cvtsi128_si64(h) + _mm_extract_epi64(h, 1)) - 32 * 128);
+    p->d = d;
+    p->c = c;
+    p->pad = 0;
+}
+VNNI static inline float b32g_f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+/* 16 bytes of nibbles -> elements 0..15 (low nibbles), 16..31 (high) */
+VNNI static inline __m256i b32g_nib(const uint8_t *p) {
+    const __m128i t = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(t), _mm_srli_epi16(t, 4), 1), _mm256_set1_epi8(0xF));
+}
+
 /* W rows [0, nrows) x blocks [0, nb) of a packed matrix (row stride rb bytes) -> o (row
- * stride os blocks) */
+ * stride os blocks). Q4_0, Q4_1 and Q8_0 directly (unpacking 4096x4096 Q8_0 through
+ * mf_b32unpack_avx2 cost ~14% of a 512-row matmul), the others through mf_b32. */
 VNNI static void b32g_unpack(int type, const uint8_t *w, size_t rb, int64_t nrows, int64_t nb, b32g_w *o, int64_t os) {
-    mf_b32unpack_fn up = mf_b32unpack_avx2[type];
-    const int bytes = mf_qtypes[type].bytes, off = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : 0;
-    const int hasc = type == T_Q4_1 || type == T_Q5_1;
-    for (int64_t r = 0; r < nrows; r++)
-        for (int64_t b = 0; b < nb; b++) {
-            mf_b32 u;
-            b32g_w *p = o + r * os + b;
-            up(w + (size_t)r * rb + (size_t)b * bytes, &u);
-            /* Q8_0/IQ4_NL: q holds the signed values; sum via sad of q + 128 */
-            const __m256i q = _mm256_sub_epi8(_mm256_loadu_si256((const __m256i *)u.q), _mm256_set1_epi8((char)off));
-            _mm256_storeu_si256((__m256i *)p->q, q);
-            const __m256i sad = _mm256_sad_epu8(_mm256_xor_si256(q, _mm256_set1_epi8((char)0x80)), _mm256_setzero_si256());
-            const __m128i h = _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256(sad, 1));
-            const int32_t s = (int32_t)(_mm_cvtsi128_si64(h) + _mm_extract_epi64(h, 1)) - 32 * 128;
-            p->d = u.d;
-            p->c = hasc ? u.c : 0.0f;
-            p->bias = -128 * s;
-            p->pad = 0;
+    const int bytes = mf_qtypes[type].bytes;
+    for (int64_t r = 0; r < nrows; r++) {
+        const uint8_t *src = w + (size_t)r * rb;
+        b32g_w *p = o + r * os;
+        if (type == T_Q4_0)
+            for (int64_t b = 0; b < nb; b++, src += 18)
+                b32g_put(p + b, _mm256_sub_epi8(b32g_nib(src + 2), _mm256_set1_epi8(8)), b32g_f16(src), 0.0f);
+        else if (type == T_Q4_1)
+            for (int64_t b = 0; b < nb; b++, src += 20)
+                b32g_put(p + b, b32g_nib(src + 4), b32g_f16(src), b32g_f16(src + 2));
+        else if (type == T_Q8_0)
+            for (int64_t b = 0; b < nb; b++, src += 34)
+                b32g_put(p + b, _mm256_loadu_si256((const __m256i *)(src + 2)), b32g_f16(src), 0.0f);
+        else {
+            mf_b32unpack_fn up = mf_b32unpack_avx2[type];
+            const int off = type == T_Q5_0 ? 16 : 0, hasc = type == T_Q5_1;
+            for (int64_t b = 0; b < nb; b++, src += bytes) {
+                mf_b32 u; /* Q5_0: q - 16 (c = -16 d folded); IQ4_NL: q holds the signed values */
+                up(src, &u);
+                b32g_put(p + b, _mm256_sub_epi8(_mm256_loadu_si256((const __m256i *)u.q), _mm256_set1_epi8((char)off)),
+                         u.d, hasc ? u.c : 0.0f);
+            }
         }
+    }
 }
 
 static _Thread_local b32g_w *tl_gw;

@@ -68,7 +68,12 @@ static void mm_task_scalar(void *p, int64_t t) {
 #define MF_KBLK_MIN_N 4
 #define MF_B32_MIN_N 6
 #define MF_B32S_MIN_N 16
-#define MF_B32G_MIN_N 16 /* avx512vnni: the banded GEMM (mm_task_b32g) */
+/* avx512vnni, the banded GEMM (mm_task_b32g) from this many X rows; Q8_0/IQ4_NL from one
+ * fewer (1 thread, us per X row vs the vec path, 1536x576 Q4_1 / 4096x4096 Q4_0 / Q8_0:
+ * n=4 32/27, 609/535, 672/760; n=5 25/27, 492/532; n=6 21/45, 414/860, 446/735) */
+#ifndef MF_B32G_MIN_N
+#define MF_B32G_MIN_N 5
+#endif
 #define MF_FLOAT_MIN_N 4
 #define MF_VEC_TASK_BYTES (64 * 1024)
 #ifndef MF_PF_MAX_RB
@@ -299,7 +304,8 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
                 int64_t rk = (192 * 1024) / (c.nb * (int64_t)sizeof(mf_kblk));
                 c.rt = rk < 1 ? 1 : rk > c.rt ? c.rt : rk;
                 p->fn = mm_task_kblk;
-            } else if (mf_isa >= MF_ISA_AVX512VNNI && mf_b32gemm_ok[type] && n >= MF_B32G_MIN_N) {
+            } else if (mf_isa >= MF_ISA_AVX512VNNI && mf_b32gemm_ok[type] &&
+                       n >= MF_B32G_MIN_N - (type == T_Q8_0 || type == T_IQ4_NL)) {
                 c.xfmt = XF_B32BAND;
                 c.xs = (size_t)c.nb * sizeof(mf_b32band); /* per band of 16 rows */
                 /* W tile <= ~192 KB, a multiple of 10 rows (the kernel's group), >= 4 tasks per thread */

@@ -174,12 +174,13 @@ def test_bad_shapes_raise():
 
 # (type, row counts n): the VNNI kernels that only fuse integer steps of an AVX2 kernel
 # (vpdpwssd for madd + add, vpdpbusd for maddubs + madd) keep its lanes and float order:
-# K-quant prefill and 32-element decode (4/8 rows). The 32-element prefill (n >= 16) is the
-# banded GEMM with its own float order: checked against the bound instead (test_b32_gemm_*).
+# K-quant prefill and 32-element decode (4/8 rows). The 32-element prefill (n >= 5, Q8_0 and
+# IQ4_NL n >= 4) is the banded GEMM with its own float order: checked against the bound
+# instead (test_b32_gemm_*, test_matmul_shapes).
 VNNI_SAME_BITS = [("Q2_K", (4, 7, 33)), ("Q3_K", (4, 7, 33)), ("Q4_K", (4, 7, 33)),
                   ("Q5_K", (4, 7, 33)), ("Q6_K", (4, 7, 33)),  # prefill (decode differs: 512-bit)
-                  ("Q4_0", (1, 2, 3, 7)), ("Q4_1", (1, 2, 3, 7)), ("Q5_0", (1, 2, 3, 7)),
-                  ("Q5_1", (1, 2, 3, 7))]
+                  ("Q4_0", (1, 2, 3, 4)), ("Q4_1", (1, 2, 3, 4)), ("Q5_0", (1, 2, 3, 4)),
+                  ("Q5_1", (1, 2, 3, 4))]
 
 
 @pytest.mark.parametrize("name, ns", VNNI_SAME_BITS, ids=[n for n, _ in VNNI_SAME_BITS])
