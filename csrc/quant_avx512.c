@@ -629,6 +629,49 @@ VNNI void mf_b32band_quant_avx512(const float *x, int64_t cols, int64_t m, mf_b3
 B32G(10)
 B32G(1)
 
+/* the same per lane for two bands at once (xb, xb + nb): each W broadcast serves 32 X rows;
+ * out[16 r + j] band 0, out[16 (R + r) + j] band 1 */
+#define B32G2(R)                                                                                 \
+    VNNI static void b32g2_##R(const b32g_w *w, int64_t ws, int64_t nb, const mf_b32band *xb,    \
+                               int hasc, float *out) {                                           \
+        __m512 f0[R], f1[R];                                                                     \
+        for (int r = 0; r < R; r++) f0[r] = f1[r] = _mm512_setzero_ps();                         \
+        for (int64_t b = 0; b < nb; b++) {                                                       \
+            __m512i a0[R], a1[R];                                                                \
+            for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_set1_epi32(w[r * ws + b].bias);   \
+            for (int g = 0; g < 8; g++) {                                                        \
+                const __m512i x0 = _mm512_load_si512((const void *)xb[b].x[g]);                  \
+                const __m512i x1 = _mm512_load_si512((const void *)xb[nb + b].x[g]);             \
+                for (int r = 0; r < R; r++) {                                                    \
+                    int32_t wq;                                                                  \
+                    memcpy(&wq, w[r * ws + b].q + 4 * g, 4);                                     \
+                    const __m512i wv = _mm512_set1_epi32(wq);                                    \
+                    a0[r] = _mm512_dpbusd_epi32(a0[r], x0, wv);                                  \
+                    a1[r] = _mm512_dpbusd_epi32(a1[r], x1, wv);                                  \
+                }                                                                                \
+            }                                                                                    \
+            const __m512 dx0 = _mm512_load_ps(xb[b].dx), dx1 = _mm512_load_ps(xb[nb + b].dx);    \
+            for (int r = 0; r < R; r++) {                                                        \
+                const __m512 d = _mm512_set1_ps(w[r * ws + b].d);                                \
+                f0[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx0, d), _mm512_cvtepi32_ps(a0[r]), f0[r]); \
+                f1[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx1, d), _mm512_cvtepi32_ps(a1[r]), f1[r]); \
+            }                                                                                    \
+            if (hasc) {                                                                          \
+                const __m512 sx0 = _mm512_load_ps(xb[b].sx), sx1 = _mm512_load_ps(xb[nb + b].sx); \
+                for (int r = 0; r < R; r++) {                                                    \
+                    const __m512 c = _mm512_set1_ps(w[r * ws + b].c);                            \
+                    f0[r] = _mm512_fmadd_ps(sx0, c, f0[r]);                                      \
+                    f1[r] = _mm512_fmadd_ps(sx1, c, f1[r]);                                      \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+        for (int r = 0; r < R; r++) {                                                            \
+            _mm512_storeu_ps(out + 16 * r, f0[r]);                                               \
+            _mm512_storeu_ps(out + 16 * (R + r), f1[r]);                                         \
+        }                                                                                        \
+    }
+B32G2(5)
+
 VNNI static inline void b32g_put(b32g_w *p, __m256i q, float d, float c) {
     _mm256_storeu_si256((__m256i *)p->q, q);
     /* sum of the signed q: sad of q + 128 */
@@ -716,7 +759,18 @@ VNNI void mf_b32gemm_avx512(int type, const uint8_t *w, size_t rb, int64_t nrows
     }
     b32g_unpack(type, w, rb, nrows, nb, tl_gw, nb);
     memset(tl_gw + nrows * nb, 0, (size_t)((np - nrows) * nb) * sizeof(b32g_w));
-    for (int64_t t = 0; t * 16 < n; t++) {
+    int64_t t = 0;
+    for (; (t + 2) * 16 <= n; t += 2) { /* band pairs */
+        const mf_b32band *xt = xb + t * nb;
+        float *yt = y + t * 16 * ys;
+        for (int64_t r = 0; r < nrows; r += 5) {
+            const int64_t R = nrows - r < 5 ? nrows - r : 5;
+            b32g2_5(tl_gw + r * nb, nb, nb, xt, hasc, out);
+            for (int64_t j = 0; j < 32; j++)
+                for (int64_t k = 0; k < R; k++) yt[j * ys + r + k] = out[16 * (k + (j >> 4) * 5) + (j & 15)];
+        }
+    }
+    for (; t * 16 < n; t++) {
         const int64_t m = n - t * 16 < 16 ? n - t * 16 : 16;
         const mf_b32band *xt = xb + t * nb;
         float *yt = y + t * 16 * ys;
