@@ -308,7 +308,8 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
                        n >= MF_B32G_MIN_N - (type == T_Q8_0 || type == T_IQ4_NL)) {
                 c.xfmt = XF_B32BAND;
                 c.xs = (size_t)c.nb * sizeof(mf_b32band); /* per band of 16 rows */
-                /* W tile <= ~192 KB, a multiple of 10 rows (the kernel's group), >= 4 tasks per thread */
+                /* W tile (48 B per unpacked block) <= ~192 KB, a multiple of 10 rows (the kernel's
+                 * group), >= 4 tasks per thread */
                 int64_t rk = (192 * 1024) / (c.nb * 48), t = 80;
                 while (t > 10 && ((rows + t - 1) / t < 4 * nt || t > rk)) t /= 2;
                 c.rt = t;
