@@ -16,6 +16,7 @@
 #include "quant_common.h"
 
 #include <immintrin.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx512dq,avx2,fma,f16c")))
@@ -545,5 +546,239 @@ VNNI void mf_bdot_avx512(const mf_b32 *w, int64_t nb, int sgn, const uint8_t *x,
     for (; i < m; i++) {
         if (sgn) bdot1_1(w, nb, x + i * xs, xs, o); else bdot1_0(w, nb, x + i * xs, xs, o);
         out[i * ostride] = sgn ? o[0] : o[0] + corr[i];
+    }
+}
+
+/* ---------------- prefill GEMM, 32-element types: 16 X rows per vector ----------------
+ * X comes as mf_b32band (16 rows interleaved per 4 K positions, + 128 so it is the u8
+ * operand); W is unpacked to signed int8 (Q4_0/Q5_0 offsets folded in: q - 8, q - 16) and
+ * each 4-byte group is the broadcast s8 operand of vpdpbusd: 8 vpdpbusd per block give
+ * sum (x + 128) * w for 16 X rows at once; the accumulator starts at -128 * sum(w), so the
+ * int32 block sum is exact. Per (W row, block) then one cvt, one mul (dw * dx lanes) and an
+ * fma (one more for Q4_1/Q5_1's min term c * s). Every lane does the same sequence of ops
+ * for its (W row, X row) alone: results do not depend on n, the band, R or the task split. */
+typedef struct { int8_t q[32]; float d, c; int32_t bias, pad; } b32g_w; /* 48 B */
+
+const int mf_b32gemm_ok[T_MAX] = {[T_Q4_0] = 1, [T_Q4_1] = 1, [T_Q5_0] = 1, [T_Q5_1] = 1,
+                                   [T_Q8_0] = 1, [T_IQ4_NL] = 1};
+
+/* as mf_quantize_q8_32_avx2 (amax / 127, x * (1 / d) rounded to nearest even, d stored
+ * rounded to f16, s = d * sum): the same bits, 16 values per step; the 16 rows' blocks go
+ * through a 16 x 32-byte tile that 8 gathers transpose */
+VNNI void mf_b32band_quant_avx512(const float *x, int64_t cols, int64_t m, mf_b32band *out) {
+    const int64_t nb = cols / 32;
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(8));
+    _Alignas(64) uint8_t tile[16][32];
+    memset(tile, 0x80, sizeof tile); /* rows j >= m stay x = 0 (+ 128) */
+    for (int64_t b = 0; b < nb; b++) {
+        float dx[16] = {0}, sx[16] = {0};
+        for (int64_t j = 0; j < m; j++) {
+            const float *p = x + j * cols + 32 * b;
+            const __m512 v0 = _mm512_loadu_ps(p), v1 = _mm512_loadu_ps(p + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+            const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            const __m512 idv = _mm512_set1_ps(id);
+            const __m128i q0 = _mm512_cvtsepi32_epi8(_mm512_cvt_roundps_epi32(_mm512_mul_ps(v0, idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            const __m128i q1 = _mm512_cvtsepi32_epi8(_mm512_cvt_roundps_epi32(_mm512_mul_ps(v1, idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            const __m256i u = _mm256_xor_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(q0), q1, 1), _mm256_set1_epi8((char)0x80));
+            _mm256_store_si256((__m256i *)tile[j], u);
+            const __m256i sad = _mm256_sad_epu8(u, _mm256_setzero_si256());
+            const __m128i h = _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256(sad, 1));
+            const int sum = (int)(_mm_cvtsi128_si64(h) + _mm_extract_epi64(h, 1)) - 32 * 128;
+            dx[j] = _cvtsh_ss(_cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT));
+            sx[j] = dx[j] * (float)sum;
+        }
+        for (int g = 0; g < 8; g++)
+            _mm512_store_si512((void *)out[b].x[g], _mm512_i32gather_epi32(_mm512_add_epi32(idx, _mm512_set1_epi32(g)), tile, 4));
+        memcpy(out[b].dx, dx, sizeof dx);
+        memcpy(out[b].sx, sx, sizeof sx);
+    }
+}
+
+/* R W rows (w, row stride ws blocks) x one band, blocks [0, nb) -> out[16 r + j] (X row j);
+ * acc: continue the sums in out (a split block range gives the same bits) */
+#define B32G(R)                                                                                  \
+    VNNI static void b32g_##R(const b32g_w *w, int64_t ws, int64_t nb, const mf_b32band *xb,     \
+                              int hasc, int acc, float *out) {                                   \
+        __m512 f[R];                                                                             \
+        for (int r = 0; r < R; r++) f[r] = acc ? _mm512_loadu_ps(out + 16 * r) : _mm512_setzero_ps(); \
+        for (int64_t b = 0; b < nb; b++) {                                                       \
+            __m512i a[R];                                                                        \
+            for (int r = 0; r < R; r++) a[r] = _mm512_set1_epi32(w[r * ws + b].bias);            \
+            for (int g = 0; g < 8; g++) {                                                        \
+                const __m512i xv = _mm512_load_si512((const void *)xb[b].x[g]);                  \
+                for (int r = 0; r < R; r++) {                                                    \
+                    int32_t wq;                                                                  \
+                    memcpy(&wq, w[r * ws + b].q + 4 * g, 4);                                     \
+                    a[r] = _mm512_dpbusd_epi32(a[r], xv, _mm512_set1_epi32(wq));                 \
+                }                                                                                \
+            }                                                                                    \
+            const __m512 dx = _mm512_load_ps(xb[b].dx);                                          \
+            for (int r = 0; r < R; r++)                                                          \
+                f[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, _mm512_set1_ps(w[r * ws + b].d)),       \
+                                       _mm512_cvtepi32_ps(a[r]), f[r]);                          \
+            if (hasc) {                                                                          \
+                const __m512 sx = _mm512_load_ps(xb[b].sx);                                      \
+                for (int r = 0; r < R; r++)                                                      \
+                    f[r] = _mm512_fmadd_ps(sx, _mm512_set1_ps(w[r * ws + b].c), f[r]);           \
+            }                                                                                    \
+        }                                                                                        \
+        for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, f[r]);                        \
+    }
+B32G(10)
+B32G(1)
+
+/* the same per lane for two bands at once (xb, xb + nb): each W broadcast serves 32 X rows;
+ * out[16 r + j] band 0, out[16 (R + r) + j] band 1 */
+#define B32G2(R)                                                                                 \
+    VNNI static void b32g2_##R(const b32g_w *w, int64_t ws, int64_t nb, const mf_b32band *xb,    \
+                               int hasc, float *out) {                                           \
+        __m512 f0[R], f1[R];                                                                     \
+        for (int r = 0; r < R; r++) f0[r] = f1[r] = _mm512_setzero_ps();                         \
+        for (int64_t b = 0; b < nb; b++) {                                                       \
+            __m512i a0[R], a1[R];                                                                \
+            for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_set1_epi32(w[r * ws + b].bias);   \
+            for (int g = 0; g < 8; g++) {                                                        \
+                const __m512i x0 = _mm512_load_si512((const void *)xb[b].x[g]);                  \
+                const __m512i x1 = _mm512_load_si512((const void *)xb[nb + b].x[g]);             \
+                for (int r = 0; r < R; r++) {                                                    \
+                    int32_t wq;                                                                  \
+                    memcpy(&wq, w[r * ws + b].q + 4 * g, 4);                                     \
+                    const __m512i wv = _mm512_set1_epi32(wq);                                    \
+                    a0[r] = _mm512_dpbusd_epi32(a0[r], x0, wv);                                  \
+                    a1[r] = _mm512_dpbusd_epi32(a1[r], x1, wv);                                  \
+                }                                                                                \
+            }                                                                                    \
+            const __m512 dx0 = _mm512_load_ps(xb[b].dx), dx1 = _mm512_load_ps(xb[nb + b].dx);    \
+            for (int r = 0; r < R; r++) {                                                        \
+                const __m512 d = _mm512_set1_ps(w[r * ws + b].d);                                \
+                f0[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx0, d), _mm512_cvtepi32_ps(a0[r]), f0[r]); \
+                f1[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx1, d), _mm512_cvtepi32_ps(a1[r]), f1[r]); \
+            }                                                                                    \
+            if (hasc) {                                                                          \
+                const __m512 sx0 = _mm512_load_ps(xb[b].sx), sx1 = _mm512_load_ps(xb[nb + b].sx); \
+                for (int r = 0; r < R; r++) {                                                    \
+                    const __m512 c = _mm512_set1_ps(w[r * ws + b].c);                            \
+                    f0[r] = _mm512_fmadd_ps(sx0, c, f0[r]);                                      \
+                    f1[r] = _mm512_fmadd_ps(sx1, c, f1[r]);                                      \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+        for (int r = 0; r < R; r++) {                                                            \
+            _mm512_storeu_ps(out + 16 * r, f0[r]);                                               \
+            _mm512_storeu_ps(out + 16 * (R + r), f1[r]);                                         \
+        }                                                                                        \
+    }
+B32G2(5)
+
+VNNI static inline void b32g_put(b32g_w *p, __m256i q, float d, float c) {
+    _mm256_storeu_si256((__m256i *)p->q, q);
+    /* sum of the signed q: sad of q + 128 */
+    const __m256i sad = _mm256_sad_epu8(_mm256_xor_si256(q, _mm256_set1_epi8((char)0x80)), _mm256_setzero_si256());
+    const __m128i h = _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256(sad, 1));
+    p->bias = -128 * ((int32_t)(_mm_cvtsi128_si64(h) + _mm_extract_epi64(h, 1)) - 32 * 128);
+    p->d = d;
+    p->c = c;
+    p->pad = 0;
+}
+VNNI static inline float b32g_f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+/* 16 bytes of nibbles -> elements 0..15 (low nibbles), 16..31 (high) */
+VNNI static inline __m256i b32g_nib(const uint8_t *p) {
+    const __m128i t = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(t), _mm_srli_epi16(t, 4), 1), _mm256_set1_epi8(0xF));
+}
+
+/* W rows [0, nrows) x blocks [0, nb) of a packed matrix (row stride rb bytes) -> o (row
+ * stride os blocks). Q4_0, Q4_1 and Q8_0 directly (unpacking 4096x4096 Q8_0 through
+ * mf_b32unpack_avx2 cost ~14% of a 512-row matmul), the others through mf_b32. */
+VNNI static void b32g_unpack(int type, const uint8_t *w, size_t rb, int64_t nrows, int64_t nb, b32g_w *o, int64_t os) {
+    const int bytes = mf_qtypes[type].bytes;
+    for (int64_t r = 0; r < nrows; r++) {
+        const uint8_t *src = w + (size_t)r * rb;
+        b32g_w *p = o + r * os;
+        if (type == T_Q4_0)
+            for (int64_t b = 0; b < nb; b++, src += 18)
+                b32g_put(p + b, _mm256_sub_epi8(b32g_nib(src + 2), _mm256_set1_epi8(8)), b32g_f16(src), 0.0f);
+        else if (type == T_Q4_1)
+            for (int64_t b = 0; b < nb; b++, src += 20)
+                b32g_put(p + b, b32g_nib(src + 4), b32g_f16(src), b32g_f16(src + 2));
+        else if (type == T_Q8_0)
+            for (int64_t b = 0; b < nb; b++, src += 34)
+                b32g_put(p + b, _mm256_loadu_si256((const __m256i *)(src + 2)), b32g_f16(src), 0.0f);
+        else {
+            mf_b32unpack_fn up = mf_b32unpack_avx2[type];
+            const int off = type == T_Q5_0 ? 16 : 0, hasc = type == T_Q5_1;
+            for (int64_t b = 0; b < nb; b++, src += bytes) {
+                mf_b32 u; /* Q5_0: q - 16 (c = -16 d folded); IQ4_NL: q holds the signed values */
+                up(src, &u);
+                b32g_put(p + b, _mm256_sub_epi8(_mm256_loadu_si256((const __m256i *)u.q), _mm256_set1_epi8((char)off)),
+                         u.d, hasc ? u.c : 0.0f);
+            }
+        }
+    }
+}
+
+static _Thread_local b32g_w *tl_gw;
+static _Thread_local size_t tl_gcap;
+
+/* Y rows [0, n) x W rows [0, nrows) (nb blocks of rb bytes per row) into y (row stride ys);
+ * xb: ceil(n / 16) bands of nb blocks. */
+VNNI void mf_b32gemm_avx512(int type, const uint8_t *w, size_t rb, int64_t nrows, int64_t nb, const mf_b32band *xb,
+                           int64_t n, float *y, int64_t ys) {
+    const int hasc = type == T_Q4_1 || type == T_Q5_1;
+    const int64_t np = (nrows + 9) / 10 * 10; /* zero rows pad the last group of 10 */
+    size_t need = (size_t)(np * nb);
+    if (need > tl_gcap) {
+        free(tl_gw);
+        tl_gw = aligned_alloc(64, (need * sizeof(b32g_w) + 63) & ~(size_t)63);
+        tl_gcap = tl_gw ? need : 0;
+    }
+    float out[10 * 16];
+    if (!tl_gw) { /* no scratch: 8 rows x 16 blocks at a time on the stack, re-unpacked per band */
+        b32g_w wb[8 * 16];
+        for (int64_t t = 0; t * 16 < n; t++) {
+            const int64_t m = n - t * 16 < 16 ? n - t * 16 : 16;
+            for (int64_t r = 0; r < nrows; r += 8) {
+                const int64_t R = nrows - r < 8 ? nrows - r : 8;
+                for (int64_t b = 0; b < nb; b += 16) {
+                    const int64_t kb = nb - b < 16 ? nb - b : 16;
+                    b32g_unpack(type, w + (size_t)r * rb + (size_t)b * mf_qtypes[type].bytes, rb, R, kb, wb, 16);
+                    for (int64_t k = 0; k < R; k++)
+                        b32g_1(wb + k * 16, 16, kb, xb + t * nb + b, hasc, b > 0, out + 16 * k);
+                }
+                for (int64_t j = 0; j < m; j++)
+                    for (int64_t k = 0; k < R; k++) y[(t * 16 + j) * ys + r + k] = out[16 * k + j];
+            }
+        }
+        return;
+    }
+    b32g_unpack(type, w, rb, nrows, nb, tl_gw, nb);
+    memset(tl_gw + nrows * nb, 0, (size_t)((np - nrows) * nb) * sizeof(b32g_w));
+    int64_t t = 0;
+    for (; (t + 2) * 16 <= n; t += 2) { /* band pairs */
+        const mf_b32band *xt = xb + t * nb;
+        float *yt = y + t * 16 * ys;
+        for (int64_t r = 0; r < nrows; r += 5) {
+            const int64_t R = nrows - r < 5 ? nrows - r : 5;
+            b32g2_5(tl_gw + r * nb, nb, nb, xt, hasc, out);
+            for (int64_t j = 0; j < 32; j++)
+                for (int64_t k = 0; k < R; k++) yt[j * ys + r + k] = out[16 * (k + (j >> 4) * 5) + (j & 15)];
+        }
+    }
+    for (; t * 16 < n; t++) {
+        const int64_t m = n - t * 16 < 16 ? n - t * 16 : 16;
+        const mf_b32band *xt = xb + t * nb;
+        float *yt = y + t * 16 * ys;
+        for (int64_t r = 0; r < nrows; r += 10) {
+            const int64_t R = nrows - r < 10 ? nrows - r : 10;
+            b32g_10(tl_gw + r * nb, nb, nb, xt, hasc, 0, out);
+            for (int64_t j = 0; j < m; j++)
+                for (int64_t k = 0; k < R; k++) yt[j * ys + r + k] = out[16 * k + j];
+        }
     }
 }

@@ -12,7 +12,7 @@ enum {
 };
 
 /* Activation formats the integer vec-dots consume (memfit's own, not ggml's byte layout). */
-enum { XF_F32 = 0, XF_Q8_32 = 1, XF_Q8_256 = 2 };
+enum { XF_F32 = 0, XF_Q8_32 = 1, XF_Q8_256 = 2, XF_B32BAND = 3 };
 typedef struct { float d; float s; int8_t qs[32]; } mf_q8_32;                /* s = d * sum(qs) */
 /* qs first and the struct 64-byte aligned (320 bytes): the prefill kernels' 32-byte loads of
  * qs never split a cache line (292 packed bytes split half of them) */
@@ -79,5 +79,13 @@ void mf_kdot_avx512(const mf_kblk *w, int64_t nb, const uint8_t *x, size_t xs, i
 void mf_kdot2_avx512(const mf_kblk *w0, const mf_kblk *w1, int64_t nb, const uint8_t *x, size_t xs, int64_t m,
                      float *out0, float *out1, int64_t ostride);
 extern int mf_xfmt_avx512[T_MAX];
+/* prefill GEMM, 32-element types (quant_avx512.c): X as bands of 16 rows, per 32-value block
+ * x[g][4j..4j+3] = row j's int8 values 4g..4g+3 + 128 (u8), its dx and s = dx*sum(qs);
+ * rows past the band's end are zero (x = 128, dx = s = 0). 640 B per 512 values. */
+typedef struct { _Alignas(64) uint8_t x[8][64]; float dx[16]; float sx[16]; } mf_b32band;
+extern const int mf_b32gemm_ok[T_MAX];
+void mf_b32band_quant_avx512(const float *x, int64_t cols, int64_t m, mf_b32band *out);
+void mf_b32gemm_avx512(int type, const uint8_t *w, size_t rb, int64_t nrows, int64_t nb, const mf_b32band *xb,
+                      int64_t n, float *y, int64_t ys);
 
 #endif

@@ -68,6 +68,12 @@ static void mm_task_scalar(void *p, int64_t t) {
 #define MF_KBLK_MIN_N 4
 #define MF_B32_MIN_N 6
 #define MF_B32S_MIN_N 16
+/* avx512vnni, the banded GEMM (mm_task_b32g) from this many X rows; Q8_0/IQ4_NL from one
+ * fewer (1 thread, us per X row vs the vec path, 1536x576 Q4_1 / 4096x4096 Q4_0 / Q8_0:
+ * n=4 32/27, 609/535, 672/760; n=5 25/27, 492/532; n=6 21/45, 414/860, 446/735) */
+#ifndef MF_B32G_MIN_N
+#define MF_B32G_MIN_N 5
+#endif
 #define MF_FLOAT_MIN_N 4
 /* From this many X rows every type runs its batched kernel, whose result for a row does not
  * depend on the other rows: the engine packs several sequences' prompt chunks into one
@@ -218,6 +224,15 @@ static void mm_task_b32(void *p, int64_t t) {
     }
 }
 
+/* prefill, 32-element types on avx512vnni: X as 16-row bands (mf_b32band, built once per
+ * call), W rows of the task unpacked once (quant_avx512.c) */
+static void mm_task_b32g(void *p, int64_t t) {
+    mm_ctx *c = p;
+    int64_t r0 = t * c->rt, r1 = r0 + c->rt < c->rows ? r0 + c->rt : c->rows;
+    mf_b32gemm_avx512(c->type, c->w + r0 * c->rb, (size_t)c->rb, r1 - r0, c->nb, (const mf_b32band *)c->xq, c->n,
+                      c->y + r0, c->rows);
+}
+
 /* prefill, float weights: convert the task's W rows to f32 once, 2x4 FMA kernel over X tiles */
 static void mm_task_float(void *p, int64_t t) {
     mm_ctx *c = p;
@@ -233,6 +248,11 @@ static void mm_task_float(void *p, int64_t t) {
 
 static void quant_x_task(void *p, int64_t i) {
     mm_ctx *c = p;
+    if (c->xfmt == XF_B32BAND) { /* i: a band of 16 rows */
+        const int64_t m = c->n - i * 16 < 16 ? c->n - i * 16 : 16;
+        mf_b32band_quant_avx512(c->x + i * 16 * c->cols, c->cols, m, (mf_b32band *)(void *)c->xq + i * c->nb);
+        return;
+    }
     const float *x = c->x + i * c->cols;
     void *dst = (void *)(c->xq + (size_t)i * c->xs);
     if (c->xfmt == XF_Q8_32) mf_quantize_q8_32_avx2(x, dst, c->cols);
@@ -292,6 +312,16 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
                 int64_t rk = (192 * 1024) / (c.nb * (int64_t)sizeof(mf_kblk));
                 c.rt = rk < 1 ? 1 : rk > c.rt ? c.rt : rk;
                 p->fn = mm_task_kblk;
+            } else if (mf_isa >= MF_ISA_AVX512VNNI && mf_b32gemm_ok[type] &&
+                       n >= MF_B32G_MIN_N - (type == T_Q8_0 || type == T_IQ4_NL)) {
+                c.xfmt = XF_B32BAND;
+                c.xs = (size_t)c.nb * sizeof(mf_b32band); /* per band of 16 rows */
+                /* W tile (48 B per unpacked block) <= ~192 KB, a multiple of 10 rows (the kernel's
+                 * group), >= 4 tasks per thread */
+                int64_t rk = (192 * 1024) / (c.nb * 48), t = 80;
+                while (t > 10 && ((rows + t - 1) / t < 4 * nt || t > rk)) t /= 2;
+                c.rt = t;
+                p->fn = mm_task_b32g;
             } else if (mf_b32unpack_avx2[type] &&
                        n >= (type == T_Q8_0 || type == T_IQ4_NL ? MF_B32S_MIN_N : MF_B32_MIN_N)) {
                 int64_t rk = (192 * 1024) / (c.nb * (int64_t)sizeof(mf_b32));
@@ -342,7 +372,7 @@ static int matmul_multi(int k, const int *types, const uint8_t *const *ws, const
     assert(k >= 1 && k <= MF_MM_MAX);
     mm_plan p[MF_MM_MAX];
     multi_ctx m = {p, k, {0}};
-    int need_fmt[3] = {0, 0, 0};
+    int need_fmt[4] = {0, 0, 0, 0};
     for (int j = 0; j < k; j++) {
         int rc = mm_plan_init(&p[j], types[j], ws[j], rows[j], cols, x, n, ys[j], vec_only);
         if (rc) return rc;
@@ -354,11 +384,14 @@ static int matmul_multi(int k, const int *types, const uint8_t *const *ws, const
     int vec = 1;
     for (int j = 0; j < k; j++) vec &= p[j].fn == mm_task_vec;
     void (*pfor)(int64_t, mf_task_fn, void *) = vec ? mf_parallel_for_ranged : mf_parallel_for;
-    size_t sz[3] = {0, 0, 0}, at[3] = {0, 0, 0}, total = 0;
+    size_t sz[4] = {0, 0, 0, 0}, at[4] = {0, 0, 0, 0}, total = 0;
     if (need_fmt[XF_Q8_32]) sz[XF_Q8_32] = (size_t)(cols / 32) * sizeof(mf_q8_32) * (size_t)n;
     if (need_fmt[XF_Q8_256]) sz[XF_Q8_256] = (size_t)(cols / 256) * sizeof(mf_q8_256) * (size_t)n;
+    for (int j = 0; j < k; j++) /* the b32 GEMM's bands (all its weights share cols) */
+        if (p[j].c.xfmt == XF_B32BAND) sz[XF_B32BAND] = p[j].c.xs * (size_t)((n + 15) / 16);
     at[XF_Q8_256] = (sz[XF_Q8_32] + 63) & ~(size_t)63;
-    total = at[XF_Q8_256] + sz[XF_Q8_256];
+    at[XF_B32BAND] = (at[XF_Q8_256] + sz[XF_Q8_256] + 63) & ~(size_t)63;
+    total = at[XF_B32BAND] + sz[XF_B32BAND];
     if (total == 0) {
         pfor(m.off[k], multi_task, &m);
         return 0;
@@ -370,12 +403,12 @@ static int matmul_multi(int k, const int *types, const uint8_t *const *ws, const
         xq_cap = xq_buf ? total : 0;
         if (!xq_buf) { pthread_mutex_unlock(&xq_lock); return -3; }
     }
-    for (int f = XF_Q8_32; f <= XF_Q8_256; f++) {
+    for (int f = XF_Q8_32; f <= XF_B32BAND; f++) {
         if (!need_fmt[f]) continue;
         int j = 0;
         while (p[j].c.xfmt != f) j++;
         p[j].c.xq = xq_buf + at[f];
-        mf_parallel_for(n, quant_x_task, &p[j].c);
+        mf_parallel_for(f == XF_B32BAND ? (n + 15) / 16 : n, quant_x_task, &p[j].c);
         for (int i = 0; i < k; i++)
             if (p[i].c.xfmt == f) p[i].c.xq = xq_buf + at[f];
     }

@@ -174,11 +174,13 @@ def test_bad_shapes_raise():
 
 # (type, row counts n): the VNNI kernels that only fuse integer steps of an AVX2 kernel
 # (vpdpwssd for madd + add, vpdpbusd for maddubs + madd) keep its lanes and float order:
-# K-quant prefill, 32-element decode (4/8 rows) and prefill
+# K-quant prefill and 32-element decode (4/8 rows). The 32-element prefill (n >= 5, Q8_0 and
+# IQ4_NL n >= 4) is the banded GEMM with its own float order: checked against the bound
+# instead (test_b32_gemm_*, test_matmul_shapes).
 VNNI_SAME_BITS = [("Q2_K", (4, 7, 33)), ("Q3_K", (4, 7, 33)), ("Q4_K", (4, 7, 33)),
                   ("Q5_K", (4, 7, 33)), ("Q6_K", (4, 7, 33)),  # prefill (decode differs: 512-bit)
-                  ("Q4_0", (1, 2, 3, 7, 33)), ("Q4_1", (1, 2, 3, 7, 33)), ("Q5_0", (1, 2, 3, 7, 33)),
-                  ("Q5_1", (1, 2, 3, 7, 33)), ("Q8_0", (16, 33)), ("IQ4_NL", (16, 33))]  # n >= 6/16: prefill
+                  ("Q4_0", (1, 2, 3, 4)), ("Q4_1", (1, 2, 3, 4)), ("Q5_0", (1, 2, 3, 4)),
+                  ("Q5_1", (1, 2, 3, 4))]
 
 
 @pytest.mark.parametrize("name, ns", VNNI_SAME_BITS, ids=[n for n, _ in VNNI_SAME_BITS])
@@ -201,3 +203,61 @@ def test_vnni_kernels_bit_identical_to_avx2(name, ns):
     finally:
         _native.set_isa(before)
 
+
+
+B32 = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"]
+
+
+def _need_vnni():
+    if ISAS.index(_native.isa_hw()) < ISAS.index("avx512vnni"):
+        pytest.skip("CPU lacks avx512vnni")
+
+
+@pytest.mark.parametrize("name", B32)
+def test_b32_gemm_bound_wide(name):
+    # the avx512vnni banded GEMM (n >= 16) at a 7B-like width, rows not a multiple of 8
+    # (8-row groups + 1-row remainder) and n not a multiple of 16 (a zero-padded band)
+    _need_vnni()
+    t = BY_NAME[name]
+    rng = np.random.default_rng(600 + t.id)
+    rows, cols = 45, 4096
+    W = random_blocks(t, rows * cols, rng)
+    Wf = _gguf_deq(t, W).reshape(rows, cols).astype(np.float64)
+    X = rng.standard_normal((35, cols)).astype(np.float32)
+    before = _native.isa()
+    try:
+        _native.set_isa("avx512vnni")
+        y = nat.matmul(X, QTensor("w", t, (rows, cols), W))
+    finally:
+        _native.set_isa(before)
+    err = _relerr(y, _xref("avx512vnni", t, X) @ Wf.T)
+    assert err < BOUND, f"{name}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("name", B32)
+def test_b32_gemm_row_independent_of_n_and_threads(name):
+    # one X row's outputs are the same bits inside batches of 17, 33 and 512 rows (other
+    # band position, other neighbours, padded or full bands) and with 1 or 2 threads (205
+    # rows: 64-row tasks on 1 thread, 16-row tasks on 2; a 5-row remainder)
+    _need_vnni()
+    t = BY_NAME[name]
+    rng = np.random.default_rng(700 + t.id)
+    rows, cols = 205, 576
+    w = QTensor("w", t, (rows, cols), random_blocks(t, rows * cols, rng))
+    X = rng.standard_normal((512, cols)).astype(np.float32)
+    x0 = X[300]
+    before, threads = _native.isa(), _native.get_threads()
+    outs = []
+    try:
+        _native.set_isa("avx512vnni")
+        for nt in (1, 2):
+            _native.set_threads(nt)
+            for n, at in ((17, 16), (33, 5), (512, 300)):
+                Xb = X[:n].copy()
+                Xb[at] = x0
+                outs.append(nat.matmul(Xb, w)[at])
+    finally:
+        _native.set_isa(before)
+        _native.set_threads(threads)
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o.view(np.uint32), outs[0].view(np.uint32), err_msg=name)
