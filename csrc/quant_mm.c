@@ -80,7 +80,8 @@ static void mm_task_scalar(void *p, int64_t t) {
  * forward only when each chunk has at least this many rows (_native.ROWS_STABLE). */
 #define MF_ROWS_STABLE_N 16
 _Static_assert(MF_KBLK_MIN_N <= MF_ROWS_STABLE_N && MF_B32_MIN_N <= MF_ROWS_STABLE_N &&
-               MF_B32S_MIN_N <= MF_ROWS_STABLE_N && MF_FLOAT_MIN_N <= MF_ROWS_STABLE_N,
+               MF_B32S_MIN_N <= MF_ROWS_STABLE_N && MF_FLOAT_MIN_N <= MF_ROWS_STABLE_N &&
+               MF_B32G_MIN_N <= MF_ROWS_STABLE_N,
                "a batched-kernel threshold above MF_ROWS_STABLE_N");
 const int mf_rows_stable = MF_ROWS_STABLE_N;
 #define MF_VEC_TASK_BYTES (64 * 1024)

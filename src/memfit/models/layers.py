@@ -125,39 +125,43 @@ class Model:
             x = x * np.float32(c.embd_scale)
         # the fused layer reads K and V of one cache type (BatchKV.fusable)
         fused = self._decode_layers() if b.decode and getattr(b.kv, "fusable", True) else None
-        if fused:
-            # one native call per layer for all rows (csrc/decode.c): the same kernels in the
-            # same order as block(); each weight matrix is read once for the whole batch
-            get, kv = self.weights.get, b.kv
-            x = np.ascontiguousarray(x)
-            for il, (layer, names) in enumerate(fused):
-                ops.decode_batch(layer, x, *kv.fused(il), *[get(nm).data for nm in names])
-            if len(b.out_rows) < n:
-                x = x[b.out_rows]
-        else:
-            out = b.out_rows
-            # after the last layer's attention only the out rows are needed (at least one row
-            # goes through it so that every row's K/V is stored)
-            last = None if len(out) == n else (out if len(out) else np.array([n - 1]))
-            for il in range(c.n_layer - 1):
-                x = self.block(il, x, b.pos, b.kv, None)
-            self._rowwise = len(last) if last is not None and len(np.unique(b.seq[last])) > 1 else 0
-            try:
+        # rows of different sequences must not change each other's results: a decode batch
+        # runs rowwise throughout, a prefill batch from where only output rows of several
+        # sequences remain (after the last layer's attention); see _matmul
+        rowwise = n if b.decode and n > 1 else 0
+        try:
+            if fused:
+                # one native call per layer for all rows (csrc/decode.c): the same kernels in
+                # the same order as block(); each weight matrix is read once for the batch
+                get, kv = self.weights.get, b.kv
+                x = np.ascontiguousarray(x)
+                for il, (layer, names) in enumerate(fused):
+                    ops.decode_batch(layer, x, *kv.fused(il), *[get(nm).data for nm in names])
+                if len(b.out_rows) < n:
+                    x = x[b.out_rows]
+            else:
+                out = b.out_rows
+                # after the last layer's attention only the out rows are needed (at least one
+                # row goes through it so that every row's K/V is stored)
+                last = None if len(out) == n else (out if len(out) else np.array([n - 1]))
+                self._rowwise = rowwise
+                for il in range(c.n_layer - 1):
+                    x = self.block(il, x, b.pos, b.kv, None)
+                if not rowwise and last is not None and len(np.unique(b.seq[last])) > 1:
+                    self._rowwise = len(last)
                 x = self.block(c.n_layer - 1, x, b.pos, b.kv, last)
                 if len(out) == 0:
                     x = x[:0]
-                x = ops.rmsnorm(np.ascontiguousarray(x), self.vec["output_norm.weight"], c.rms_eps)
-                if b.hidden or x.shape[0] == 0:
-                    return x if b.hidden else np.zeros((0, c.n_vocab), np.float32)
-                return self.logits(x)
-            finally:
-                self._rowwise = 0
-        x = ops.rmsnorm(np.ascontiguousarray(x), self.vec["output_norm.weight"], c.rms_eps)
-        if b.hidden:
-            return x
-        if x.shape[0] == 0:
-            return np.zeros((0, c.n_vocab), np.float32)
-        return self.logits(x)
+            x = ops.rmsnorm(np.ascontiguousarray(x), self.vec["output_norm.weight"], c.rms_eps)
+            if b.hidden:
+                return x
+            if x.shape[0] == 0:
+                return np.zeros((0, c.n_vocab), np.float32)
+            if rowwise:
+                self._rowwise = x.shape[0]
+            return self.logits(x)
+        finally:
+            self._rowwise = 0
 
     def logits(self, h: np.ndarray) -> np.ndarray:
         """Final-normed hidden states [n, n_embd] -> logits [n, n_vocab]."""
