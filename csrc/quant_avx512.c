@@ -547,3 +547,91 @@ VNNI void mf_bdot_avx512(const mf_b32 *w, int64_t nb, int sgn, const uint8_t *x,
         out[i * ostride] = sgn ? o[0] : o[0] + corr[i];
     }
 }
+
+/* ---------------- K-quant prefill GEMM: 16 X rows (lanes) x R W rows ----------------
+ * Per 4 K positions one zmm of X (4 int8 of each of 16 rows) and per W row a broadcast of its
+ * 4 u8 codes into vpdpbusd; int32 sums per sub-block, then one cvt + FMA with the float
+ * sub-block scale; the correction (mins / offsets) as vpdpwssd of bsum pairs x cc pairs; one
+ * FMA with dx per block. Lanes never mix, so a row's result does not depend on the others. */
+
+void mf_kw_from_kblk(const mf_kblk *k, int g32, mf_kw *o) {
+    memcpy(o->q, k->q, 256);
+    for (int g = 0; g < 16; g++)
+        o->s[g] = g32 ? (g < 8 ? k->d * (float)k->sv[g][0] : 0.0f) : k->d * (float)k->sv[g / 2][(g % 2) * 8];
+    for (int p = 0; p < 8; p++)
+        o->cc2[p] = (int32_t)((uint32_t)(uint16_t)k->cc[2 * p] | ((uint32_t)(uint16_t)k->cc[2 * p + 1] << 16));
+    o->dc = k->dc;
+}
+
+void mf_xband_build(const mf_q8_256 *rows, int64_t m, int64_t nb, mf_xband *o) {
+    memset(o, 0, (size_t)nb * sizeof(mf_xband));
+    for (int64_t b = 0; b < nb; b++)
+        for (int64_t j = 0; j < m; j++) {
+            const mf_q8_256 *r = rows + j * nb + b;
+            for (int g = 0; g < 64; g++) memcpy(&o[b].qs[g][4 * j], r->qs + 4 * g, 4);
+            for (int p = 0; p < 8; p++)
+                o[b].bs[p][j] = (int32_t)((uint32_t)(uint16_t)r->bsums[2 * p] | ((uint32_t)(uint16_t)r->bsums[2 * p + 1] << 16));
+            o[b].dx[j] = r->d;
+        }
+}
+
+#define KG_MAXR MF_KG_R
+VNNI static inline __attribute__((always_inline)) void kgemm_core(const mf_kw *const *w, const int R, const int G,
+                                                                   int64_t nb, const mf_xband *x, float *out) {
+    __m512 tot[KG_MAXR];
+    for (int r = 0; r < R; r++) tot[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const mf_xband *xb = x + b;
+        const mf_kw *k[KG_MAXR];
+        __m512 f[KG_MAXR];
+        for (int r = 0; r < R; r++) {
+            k[r] = w[r] + b;
+            f[r] = _mm512_setzero_ps();
+        }
+        for (int g = 0; g < 256 / G; g++) {
+            __m512i a[KG_MAXR];
+            for (int r = 0; r < R; r++) a[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (int s = 0; s < G / 4; s++) {
+                const int kk = g * (G / 4) + s;
+                const __m512i xv = _mm512_load_si512((const void *)xb->qs[kk]);
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++) {
+                    int32_t wv;
+                    memcpy(&wv, k[r]->q + 4 * kk, 4);
+                    a[r] = _mm512_dpbusd_epi32(a[r], _mm512_set1_epi32(wv), xv);
+                }
+            }
+            for (int r = 0; r < R; r++)
+                f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r]), _mm512_set1_ps(k[r]->s[g]), f[r]);
+        }
+        __m512i c[KG_MAXR];
+        for (int r = 0; r < R; r++) c[r] = _mm512_setzero_si512();
+        for (int p = 0; p < 8; p++) {
+            const __m512i bv = _mm512_load_si512((const void *)xb->bs[p]);
+            for (int r = 0; r < R; r++) c[r] = _mm512_dpwssd_epi32(c[r], bv, _mm512_set1_epi32(k[r]->cc2[p]));
+        }
+        const __m512 dx = _mm512_load_ps(xb->dx);
+        for (int r = 0; r < R; r++) {
+            f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c[r]), _mm512_set1_ps(k[r]->dc), f[r]);
+            tot[r] = _mm512_fmadd_ps(f[r], dx, tot[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, tot[r]);
+}
+
+#define KG_FN(R, G) \
+    VNNI static void kgemm_##R##_##G(const mf_kw *const *w, int64_t nb, const mf_xband *x, float *out) { \
+        kgemm_core(w, R, G, nb, x, out); \
+    }
+#define KG_FNS(R) KG_FN(R, 16) KG_FN(R, 32)
+KG_FNS(1) KG_FNS(2) KG_FNS(3) KG_FNS(4) KG_FNS(5) KG_FNS(6) KG_FNS(7) KG_FNS(8)
+typedef void (*kg_fn)(const mf_kw *const *, int64_t, const mf_xband *, float *);
+static const kg_fn kg_tab[2][KG_MAXR + 1] = {
+    {NULL, kgemm_1_16, kgemm_2_16, kgemm_3_16, kgemm_4_16, kgemm_5_16, kgemm_6_16, kgemm_7_16, kgemm_8_16},
+    {NULL, kgemm_1_32, kgemm_2_32, kgemm_3_32, kgemm_4_32, kgemm_5_32, kgemm_6_32, kgemm_7_32, kgemm_8_32},
+};
+
+VNNI void mf_kgemm_avx512(const mf_kw *const *w, int R, int g32, int64_t nb, const mf_xband *x, float *out) {
+    kg_tab[g32 != 0][R](w, nb, x, out);
+}
