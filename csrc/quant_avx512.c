@@ -576,62 +576,73 @@ void mf_xband_build(const mf_q8_256 *rows, int64_t m, int64_t nb, mf_xband *o) {
 }
 
 #define KG_MAXR MF_KG_R
+/* B bands (1 or 2) x R W rows: B*R int32 chains per step (enough to hide vpdpbusd's latency
+ * at B = 2), B + R loads per B*R vpdpbusd; the totals live in out[] (one update per block) */
 VNNI static inline __attribute__((always_inline)) void kgemm_core(const mf_kw *const *w, const int R, const int G,
-                                                                   int64_t nb, const mf_xband *x, float *out) {
-    __m512 tot[KG_MAXR];
-    for (int r = 0; r < R; r++) tot[r] = _mm512_setzero_ps();
+                                                                   const int B, int64_t nb, const mf_xband *x0,
+                                                                   const mf_xband *x1, float *out) {
+    for (int i = 0; i < B * R; i++) _mm512_storeu_ps(out + 16 * i, _mm512_setzero_ps());
     for (int64_t b = 0; b < nb; b++) {
-        const mf_xband *xb = x + b;
+        const mf_xband *xb[2] = {x0 + b, B > 1 ? x1 + b : x0 + b};
         const mf_kw *k[KG_MAXR];
-        __m512 f[KG_MAXR];
+        __m512 f[2][KG_MAXR];
         for (int r = 0; r < R; r++) {
             k[r] = w[r] + b;
-            f[r] = _mm512_setzero_ps();
+            for (int h = 0; h < B; h++) f[h][r] = _mm512_setzero_ps();
         }
         for (int g = 0; g < 256 / G; g++) {
-            __m512i a[KG_MAXR];
-            for (int r = 0; r < R; r++) a[r] = _mm512_setzero_si512();
+            __m512i a[2][KG_MAXR];
+            for (int r = 0; r < R; r++)
+                for (int h = 0; h < B; h++) a[h][r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
             for (int s = 0; s < G / 4; s++) {
                 const int kk = g * (G / 4) + s;
-                const __m512i xv = _mm512_load_si512((const void *)xb->qs[kk]);
+                __m512i xv[2];
+                for (int h = 0; h < B; h++) xv[h] = _mm512_load_si512((const void *)xb[h]->qs[kk]);
 #pragma GCC unroll 8
                 for (int r = 0; r < R; r++) {
                     int32_t wv;
                     memcpy(&wv, k[r]->q + 4 * kk, 4);
-                    a[r] = _mm512_dpbusd_epi32(a[r], _mm512_set1_epi32(wv), xv);
+                    const __m512i wb = _mm512_set1_epi32(wv);
+                    for (int h = 0; h < B; h++) a[h][r] = _mm512_dpbusd_epi32(a[h][r], wb, xv[h]);
                 }
             }
-            for (int r = 0; r < R; r++)
-                f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r]), _mm512_set1_ps(k[r]->s[g]), f[r]);
+            for (int r = 0; r < R; r++) {
+                const __m512 sc = _mm512_set1_ps(k[r]->s[g]);
+                for (int h = 0; h < B; h++) f[h][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[h][r]), sc, f[h][r]);
+            }
         }
-        __m512i c[KG_MAXR];
-        for (int r = 0; r < R; r++) c[r] = _mm512_setzero_si512();
-        for (int p = 0; p < 8; p++) {
-            const __m512i bv = _mm512_load_si512((const void *)xb->bs[p]);
-            for (int r = 0; r < R; r++) c[r] = _mm512_dpwssd_epi32(c[r], bv, _mm512_set1_epi32(k[r]->cc2[p]));
-        }
-        const __m512 dx = _mm512_load_ps(xb->dx);
-        for (int r = 0; r < R; r++) {
-            f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c[r]), _mm512_set1_ps(k[r]->dc), f[r]);
-            tot[r] = _mm512_fmadd_ps(f[r], dx, tot[r]);
+        for (int h = 0; h < B; h++) {
+            __m512i c[KG_MAXR];
+            for (int r = 0; r < R; r++) c[r] = _mm512_setzero_si512();
+            for (int p = 0; p < 8; p++) {
+                const __m512i bv = _mm512_load_si512((const void *)xb[h]->bs[p]);
+                for (int r = 0; r < R; r++) c[r] = _mm512_dpwssd_epi32(c[r], bv, _mm512_set1_epi32(k[r]->cc2[p]));
+            }
+            const __m512 dx = _mm512_load_ps(xb[h]->dx);
+            for (int r = 0; r < R; r++) {
+                float *o = out + 16 * (h * R + r);
+                f[h][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c[r]), _mm512_set1_ps(k[r]->dc), f[h][r]);
+                _mm512_storeu_ps(o, _mm512_fmadd_ps(f[h][r], dx, _mm512_loadu_ps(o)));
+            }
         }
     }
-    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, tot[r]);
 }
 
-#define KG_FN(R, G) \
-    VNNI static void kgemm_##R##_##G(const mf_kw *const *w, int64_t nb, const mf_xband *x, float *out) { \
-        kgemm_core(w, R, G, nb, x, out); \
+#define KG_FN(R, G, B) \
+    VNNI static void kgemm_##R##_##G##_##B(const mf_kw *const *w, int64_t nb, const mf_xband *x0, const mf_xband *x1, float *out) { \
+        kgemm_core(w, R, G, B, nb, x0, x1, out); \
     }
-#define KG_FNS(R) KG_FN(R, 16) KG_FN(R, 32)
-KG_FNS(1) KG_FNS(2) KG_FNS(3) KG_FNS(4) KG_FNS(5) KG_FNS(6) KG_FNS(7) KG_FNS(8)
-typedef void (*kg_fn)(const mf_kw *const *, int64_t, const mf_xband *, float *);
-static const kg_fn kg_tab[2][KG_MAXR + 1] = {
-    {NULL, kgemm_1_16, kgemm_2_16, kgemm_3_16, kgemm_4_16, kgemm_5_16, kgemm_6_16, kgemm_7_16, kgemm_8_16},
-    {NULL, kgemm_1_32, kgemm_2_32, kgemm_3_32, kgemm_4_32, kgemm_5_32, kgemm_6_32, kgemm_7_32, kgemm_8_32},
-};
+#define KG_FNS(R) KG_FN(R, 16, 1) KG_FN(R, 32, 1) KG_FN(R, 16, 2) KG_FN(R, 32, 2)
+KG_FNS(1) KG_FNS(2) KG_FNS(3) KG_FNS(4) KG_FNS(5) KG_FNS(6)
+_Static_assert(MF_KG_R >= 1 && MF_KG_R <= 6, "kg_tab holds 1..6 rows");
+typedef void (*kg_fn)(const mf_kw *const *, int64_t, const mf_xband *, const mf_xband *, float *);
+#define KG_ROW(G, B) {NULL, kgemm_1_##G##_##B, kgemm_2_##G##_##B, kgemm_3_##G##_##B, kgemm_4_##G##_##B, \
+                      kgemm_5_##G##_##B, kgemm_6_##G##_##B}
+static const kg_fn kg_tab[2][2][7] = {{KG_ROW(16, 1), KG_ROW(16, 2)}, {KG_ROW(32, 1), KG_ROW(32, 2)}};
 
-VNNI void mf_kgemm_avx512(const mf_kw *const *w, int R, int g32, int64_t nb, const mf_xband *x, float *out) {
-    kg_tab[g32 != 0][R](w, nb, x, out);
+/* x1 NULL: one band */
+VNNI void mf_kgemm_avx512(const mf_kw *const *w, int R, int g32, int64_t nb, const mf_xband *x0,
+                          const mf_xband *x1, float *out) {
+    kg_tab[g32 != 0][x1 != NULL][R](w, nb, x0, x1, out);
 }

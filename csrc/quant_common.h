@@ -91,8 +91,12 @@ typedef struct { _Alignas(64) int8_t qs[64][64]; int32_t bs[8][16]; float dx[16]
 typedef struct { _Alignas(64) uint8_t q[256]; float s[16]; int32_t cc2[8]; float dc; } mf_kw; /* 384 B */
 void mf_kw_from_kblk(const mf_kblk *k, int g32, mf_kw *o);
 void mf_xband_build(const mf_q8_256 *rows, int64_t m, int64_t nb, mf_xband *o); /* rows[j*nb+b] */
-#define MF_KG_R 8 /* W rows per mf_kgemm_avx512 call, at most */
-/* W rows w[0..R) (each nb blocks) x one X band (nb blocks) -> out[r*16 + j] */
-void mf_kgemm_avx512(const mf_kw *const *w, int R, int g32, int64_t nb, const mf_xband *x, float *out);
+#ifndef MF_KG_R
+#define MF_KG_R 6 /* W rows per mf_kgemm_avx512 call, at most */
+#endif
+/* W rows w[0..R) (each nb blocks) x one or two X bands (nb blocks each; x1 NULL: one) ->
+ * out[(h*R + r)*16 + j] for band h, W row r, lane j */
+void mf_kgemm_avx512(const mf_kw *const *w, int R, int g32, int64_t nb, const mf_xband *x0,
+                     const mf_xband *x1, float *out);
 
 #endif

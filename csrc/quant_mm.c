@@ -69,7 +69,13 @@ static void mm_task_scalar(void *p, int64_t t) {
  * 2048-4096 square): K-quants 4, unsigned 32-blocks 6, signed 32-blocks (Q8_0, IQ4_NL) 16. */
 #define MF_KBLK_MIN_N 4
 #ifndef MF_KGEMM_MIN_N
-#define MF_KGEMM_MIN_N 16 /* avx512vnni: the 16-lane GEMM from this many X rows */
+#define MF_KGEMM_MIN_N 10 /* avx512vnni: the 16-lane GEMM from this many X rows (measured) */
+#endif
+#ifndef MF_KG_TILE
+#define MF_KG_TILE (1024 * 1024) /* bytes of unpacked W per GEMM task (L2: 2 MiB per core) */
+#endif
+#ifndef MF_KG_RT_MAX
+#define MF_KG_RT_MAX (64 / MF_KG_R * MF_KG_R)
 #endif
 #define MF_B32_MIN_N 6
 #define MF_B32S_MIN_N 16
@@ -206,17 +212,19 @@ static void mm_task_kgemm(void *p, int64_t t) {
             up(c->w + r * c->rb + b * bytes, &kb);
             mf_kw_from_kblk(&kb, c->g32, tl_kw + (r - r0) * c->nb + b);
         }
-    float out[MF_KG_R * MF_XB_ROWS];
+    _Alignas(64) float out[2 * MF_KG_R * MF_XB_ROWS];
     const mf_kw *wr[MF_KG_R];
-    for (int64_t i0 = 0; i0 < c->n; i0 += MF_XB_ROWS) {
-        const mf_xband *xb = c->xb + (i0 / MF_XB_ROWS) * c->nb;
-        int64_t m = c->n - i0 < MF_XB_ROWS ? c->n - i0 : MF_XB_ROWS;
+    for (int64_t i0 = 0; i0 < c->n; i0 += 2 * MF_XB_ROWS) { /* two bands per kernel call */
+        const mf_xband *x0 = c->xb + (i0 / MF_XB_ROWS) * c->nb;
+        const mf_xband *x1 = c->n - i0 > MF_XB_ROWS ? x0 + c->nb : NULL;
+        int64_t m = c->n - i0 < 2 * MF_XB_ROWS ? c->n - i0 : 2 * MF_XB_ROWS;
         for (int64_t r = r0; r < r1; r += MF_KG_R) {
             int R = r1 - r < MF_KG_R ? (int)(r1 - r) : MF_KG_R;
             for (int k = 0; k < R; k++) wr[k] = tl_kw + (r + k - r0) * c->nb;
-            mf_kgemm_avx512(wr, R, c->g32, c->nb, xb, out);
+            mf_kgemm_avx512(wr, R, c->g32, c->nb, x0, x1, out);
             for (int k = 0; k < R; k++)
-                for (int64_t j = 0; j < m; j++) c->y[(i0 + j) * c->rows + r + k] = out[k * MF_XB_ROWS + j];
+                for (int64_t j = 0; j < m; j++)
+                    c->y[(i0 + j) * c->rows + r + k] = out[((j / MF_XB_ROWS) * R + k) * MF_XB_ROWS + j % MF_XB_ROWS];
         }
     }
 }
@@ -344,8 +352,8 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
             if (vec_only) {
                 /* row-independent: every X row is dotted as if alone */
             } else if (n >= MF_KGEMM_MIN_N && mf_kunpack_avx2[type] && mf_isa >= MF_ISA_AVX512VNNI) {
-                int64_t rk = (256 * 1024) / (c.nb * (int64_t)sizeof(mf_kw)) / MF_KG_R * MF_KG_R;
-                c.rt = rk < MF_KG_R ? MF_KG_R : rk > 64 ? 64 : rk;
+                int64_t rk = MF_KG_TILE / (c.nb * (int64_t)sizeof(mf_kw)) / MF_KG_R * MF_KG_R;
+                c.rt = rk < MF_KG_R ? MF_KG_R : rk > MF_KG_RT_MAX ? MF_KG_RT_MAX : rk;
                 while (c.rt > MF_KG_R && (rows + c.rt - 1) / c.rt < 4 * nt) c.rt -= MF_KG_R;
                 c.kg = 1;
                 c.g32 = type == T_Q4_K || type == T_Q5_K;

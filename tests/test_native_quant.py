@@ -174,11 +174,11 @@ def test_bad_shapes_raise():
 
 # (type, row counts n): the VNNI kernels that only fuse integer steps of an AVX2 kernel
 # (vpdpwssd for madd + add, vpdpbusd for maddubs + madd) keep its lanes and float order:
-# K-quant prefill below 16 rows, 32-element decode (4/8 rows) and prefill. From 16 rows the
+# K-quant prefill below 10 rows, 32-element decode (4/8 rows) and prefill. From 10 rows the
 # K-quants run the 16-lane GEMM (float scale per sub-block, other rounding): checked against
 # the reference bound in test_matmul_shapes and for row independence in test_kgemm_rows_*.
-VNNI_SAME_BITS = [("Q2_K", (4, 7, 15)), ("Q3_K", (4, 7, 15)), ("Q4_K", (4, 7, 15)),
-                  ("Q5_K", (4, 7, 15)), ("Q6_K", (4, 7, 15)),  # prefill (decode differs: 512-bit)
+VNNI_SAME_BITS = [("Q2_K", (4, 7, 9)), ("Q3_K", (4, 7, 9)), ("Q4_K", (4, 7, 9)),
+                  ("Q5_K", (4, 7, 9)), ("Q6_K", (4, 7, 9)),  # prefill (decode differs: 512-bit)
                   ("Q4_0", (1, 2, 3, 7, 33)), ("Q4_1", (1, 2, 3, 7, 33)), ("Q5_0", (1, 2, 3, 7, 33)),
                   ("Q5_1", (1, 2, 3, 7, 33)), ("Q8_0", (16, 33)), ("IQ4_NL", (16, 33))]  # n >= 6/16: prefill
 
@@ -210,7 +210,7 @@ KQUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 
 @pytest.mark.parametrize("name", KQUANTS)
 def test_kgemm_rows_independent_of_batch_and_threads(name):
-    # avx512vnni K-quant GEMM (n >= 16): an X row's outputs are the same bits whichever rows
+    # avx512vnni K-quant GEMM (n >= 10): an X row's outputs are the same bits whichever rows
     # share its 16-row band (n = 17, 33, 512: bands padded with zero rows), at any position,
     # and for 1 or 2 threads; rows = 45: 8-row groups and a 5-row remainder, task splits
     if ISAS.index(_native.isa_hw()) < ISAS.index("avx512vnni"):
