@@ -635,11 +635,12 @@ VNNI static inline __attribute__((always_inline)) void kgemm_core(const mf_kw *c
     }
 #define KG_FNS(R) KG_FN(R, 16, 1) KG_FN(R, 32, 1) KG_FN(R, 16, 2) KG_FN(R, 32, 2)
 KG_FNS(1) KG_FNS(2) KG_FNS(3) KG_FNS(4) KG_FNS(5) KG_FNS(6)
-_Static_assert(MF_KG_R >= 1 && MF_KG_R <= 6, "kg_tab holds 1..6 rows");
+KG_FNS(7) KG_FNS(8)
+_Static_assert(MF_KG_R >= 1 && MF_KG_R <= 8, "kg_tab holds 1..8 rows");
 typedef void (*kg_fn)(const mf_kw *const *, int64_t, const mf_xband *, const mf_xband *, float *);
 #define KG_ROW(G, B) {NULL, kgemm_1_##G##_##B, kgemm_2_##G##_##B, kgemm_3_##G##_##B, kgemm_4_##G##_##B, \
-                      kgemm_5_##G##_##B, kgemm_6_##G##_##B}
-static const kg_fn kg_tab[2][2][7] = {{KG_ROW(16, 1), KG_ROW(16, 2)}, {KG_ROW(32, 1), KG_ROW(32, 2)}};
+                      kgemm_5_##G##_##B, kgemm_6_##G##_##B, kgemm_7_##G##_##B, kgemm_8_##G##_##B}
+static const kg_fn kg_tab[2][2][9] = {{KG_ROW(16, 1), KG_ROW(16, 2)}, {KG_ROW(32, 1), KG_ROW(32, 2)}};
 
 /* x1 NULL: one band */
 VNNI void mf_kgemm_avx512(const mf_kw *const *w, int R, int g32, int64_t nb, const mf_xband *x0,

@@ -92,7 +92,7 @@ typedef struct { _Alignas(64) uint8_t q[256]; float s[16]; int32_t cc2[8]; float
 void mf_kw_from_kblk(const mf_kblk *k, int g32, mf_kw *o);
 void mf_xband_build(const mf_q8_256 *rows, int64_t m, int64_t nb, mf_xband *o); /* rows[j*nb+b] */
 #ifndef MF_KG_R
-#define MF_KG_R 6 /* W rows per mf_kgemm_avx512 call, at most */
+#define MF_KG_R 8 /* W rows per mf_kgemm_avx512 call, at most */
 #endif
 /* W rows w[0..R) (each nb blocks) x one or two X bands (nb blocks each; x1 NULL: one) ->
  * out[(h*R + r)*16 + j] for band h, W row r, lane j */
