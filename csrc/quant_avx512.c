@@ -554,12 +554,14 @@ VNNI void mf_bdot_avx512(const mf_b32 *w, int64_t nb, int sgn, const uint8_t *x,
  * sub-block scale; the correction (mins / offsets) as vpdpwssd of bsum pairs x cc pairs; one
  * FMA with dx per block. Lanes never mix, so a row's result does not depend on the others. */
 
+static inline int32_t pack16(int a, int b) { return (int32_t)((uint32_t)(uint16_t)a | ((uint32_t)(uint16_t)b << 16)); }
+
 void mf_kw_from_kblk(const mf_kblk *k, int g32, mf_kw *o) {
     memcpy(o->q, k->q, 256);
     for (int g = 0; g < 16; g++)
         o->s[g] = g32 ? (g < 8 ? k->d * (float)k->sv[g][0] : 0.0f) : k->d * (float)k->sv[g / 2][(g % 2) * 8];
-    for (int p = 0; p < 8; p++)
-        o->cc2[p] = (int32_t)((uint32_t)(uint16_t)k->cc[2 * p] | ((uint32_t)(uint16_t)k->cc[2 * p + 1] << 16));
+    for (int p = 0; p < 8; p++) /* groups of 32 (Q4_K/Q5_K: cc[2i] == cc[2i+1]): one cc per 32 */
+        o->cc2[p] = g32 ? (p < 4 ? pack16(k->cc[4 * p], k->cc[4 * p + 2]) : 0) : pack16(k->cc[2 * p], k->cc[2 * p + 1]);
     o->dc = k->dc;
 }
 
@@ -569,8 +571,9 @@ void mf_xband_build(const mf_q8_256 *rows, int64_t m, int64_t nb, mf_xband *o) {
         for (int64_t j = 0; j < m; j++) {
             const mf_q8_256 *r = rows + j * nb + b;
             for (int g = 0; g < 64; g++) memcpy(&o[b].qs[g][4 * j], r->qs + 4 * g, 4);
-            for (int p = 0; p < 8; p++)
-                o[b].bs[p][j] = (int32_t)((uint32_t)(uint16_t)r->bsums[2 * p] | ((uint32_t)(uint16_t)r->bsums[2 * p + 1] << 16));
+            const int16_t *bs = r->bsums;
+            for (int p = 0; p < 8; p++) o[b].bs[p][j] = pack16(bs[2 * p], bs[2 * p + 1]);
+            for (int p = 0; p < 4; p++) o[b].bs32[p][j] = pack16(bs[4 * p] + bs[4 * p + 1], bs[4 * p + 2] + bs[4 * p + 3]);
             o[b].dx[j] = r->d;
         }
 }
@@ -615,8 +618,8 @@ VNNI static inline __attribute__((always_inline)) void kgemm_core(const mf_kw *c
         for (int h = 0; h < B; h++) {
             __m512i c[KG_MAXR];
             for (int r = 0; r < R; r++) c[r] = _mm512_setzero_si512();
-            for (int p = 0; p < 8; p++) {
-                const __m512i bv = _mm512_load_si512((const void *)xb[h]->bs[p]);
+            for (int p = 0; p < (G == 32 ? 4 : 8); p++) {
+                const __m512i bv = _mm512_load_si512((const void *)(G == 32 ? xb[h]->bs32[p] : xb[h]->bs[p]));
                 for (int r = 0; r < R; r++) c[r] = _mm512_dpwssd_epi32(c[r], bv, _mm512_set1_epi32(k[r]->cc2[p]));
             }
             const __m512 dx = _mm512_load_ps(xb[h]->dx);

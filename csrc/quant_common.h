@@ -83,11 +83,13 @@ extern int mf_xfmt_avx512[T_MAX];
 /* K-quant prefill GEMM (quant_avx512.c, avx512vnni): 16 X rows x R W rows per microkernel.
  * X band: per 16 rows and 256-block, qs[g][j*4..j*4+3] = X row j's int8 values 4g..4g+3 (one
  * zmm per 4 K positions, lane j = X row j), bs[p][j] = row j's bsums[2p] | bsums[2p+1] << 16,
- * dx[j] = row j's scale (0 for pad rows). */
+ * bs32[p][j] the same of the sums per 32 (S[2p] | S[2p+1] << 16, for the types whose corrections
+ * are per 32), dx[j] = row j's scale (0 for pad rows). */
 #define MF_XB_ROWS 16
-typedef struct { _Alignas(64) int8_t qs[64][64]; int32_t bs[8][16]; float dx[16]; } mf_xband; /* 4672 B */
+typedef struct { _Alignas(64) int8_t qs[64][64]; int32_t bs[8][16]; int32_t bs32[4][16]; float dx[16]; } mf_xband; /* 4928 B */
 /* W block: u8 codes in K order, float scale d*sc per sub-block (16 groups of 16, or the first
- * 8 for groups of 32), correction cc pairs as int16x2 and its float factor dc */
+ * 8 for groups of 32), correction cc pairs as int16x2 (groups of 32: the first 4, one cc per 32)
+ * and its float factor dc */
 typedef struct { _Alignas(64) uint8_t q[256]; float s[16]; int32_t cc2[8]; float dc; } mf_kw; /* 384 B */
 void mf_kw_from_kblk(const mf_kblk *k, int g32, mf_kw *o);
 void mf_xband_build(const mf_q8_256 *rows, int64_t m, int64_t nb, mf_xband *o); /* rows[j*nb+b] */
