@@ -782,3 +782,106 @@ VNNI void mf_b32gemm_avx512(int type, const uint8_t *w, size_t rb, int64_t nrows
         }
     }
 }
+
+/* ---------------- K-quant prefill GEMM: 16 X rows (lanes) x R W rows ----------------
+ * Per 4 K positions one zmm of X (4 int8 of each of 16 rows) and per W row a broadcast of its
+ * 4 u8 codes into vpdpbusd; int32 sums per sub-block, then one cvt + FMA with the float
+ * sub-block scale; the correction (mins / offsets) as vpdpwssd of bsum pairs x cc pairs; one
+ * FMA with dx per block. Lanes never mix, so a row's result does not depend on the others. */
+
+static inline int32_t pack16(int a, int b) { return (int32_t)((uint32_t)(uint16_t)a | ((uint32_t)(uint16_t)b << 16)); }
+
+void mf_kw_from_kblk(const mf_kblk *k, int g32, mf_kw *o) {
+    memcpy(o->q, k->q, 256);
+    for (int g = 0; g < 16; g++)
+        o->s[g] = g32 ? (g < 8 ? k->d * (float)k->sv[g][0] : 0.0f) : k->d * (float)k->sv[g / 2][(g % 2) * 8];
+    for (int p = 0; p < 8; p++) /* groups of 32 (Q4_K/Q5_K: cc[2i] == cc[2i+1]): one cc per 32 */
+        o->cc2[p] = g32 ? (p < 4 ? pack16(k->cc[4 * p], k->cc[4 * p + 2]) : 0) : pack16(k->cc[2 * p], k->cc[2 * p + 1]);
+    o->dc = k->dc;
+}
+
+void mf_xband_build(const mf_q8_256 *rows, int64_t m, int64_t nb, mf_xband *o) {
+    memset(o, 0, (size_t)nb * sizeof(mf_xband));
+    for (int64_t b = 0; b < nb; b++)
+        for (int64_t j = 0; j < m; j++) {
+            const mf_q8_256 *r = rows + j * nb + b;
+            for (int g = 0; g < 64; g++) memcpy(&o[b].qs[g][4 * j], r->qs + 4 * g, 4);
+            const int16_t *bs = r->bsums;
+            for (int p = 0; p < 8; p++) o[b].bs[p][j] = pack16(bs[2 * p], bs[2 * p + 1]);
+            for (int p = 0; p < 4; p++) o[b].bs32[p][j] = pack16(bs[4 * p] + bs[4 * p + 1], bs[4 * p + 2] + bs[4 * p + 3]);
+            o[b].dx[j] = r->d;
+        }
+}
+
+#define KG_MAXR MF_KG_R
+/* B bands (1 or 2) x R W rows: B*R int32 chains per step (enough to hide vpdpbusd's latency
+ * at B = 2), B + R loads per B*R vpdpbusd; the totals live in out[] (one update per block) */
+VNNI static inline __attribute__((always_inline)) void kgemm_core(const mf_kw *const *w, const int R, const int G,
+                                                                   const int B, int64_t nb, const mf_xband *x0,
+                                                                   const mf_xband *x1, float *out) {
+    for (int i = 0; i < B * R; i++) _mm512_storeu_ps(out + 16 * i, _mm512_setzero_ps());
+    for (int64_t b = 0; b < nb; b++) {
+        const mf_xband *xb[2] = {x0 + b, B > 1 ? x1 + b : x0 + b};
+        const mf_kw *k[KG_MAXR];
+        __m512 f[2][KG_MAXR];
+        for (int r = 0; r < R; r++) {
+            k[r] = w[r] + b;
+            for (int h = 0; h < B; h++) f[h][r] = _mm512_setzero_ps();
+        }
+        for (int g = 0; g < 256 / G; g++) {
+            __m512i a[2][KG_MAXR];
+            for (int r = 0; r < R; r++)
+                for (int h = 0; h < B; h++) a[h][r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (int s = 0; s < G / 4; s++) {
+                const int kk = g * (G / 4) + s;
+                __m512i xv[2];
+                for (int h = 0; h < B; h++) xv[h] = _mm512_load_si512((const void *)xb[h]->qs[kk]);
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++) {
+                    int32_t wv;
+                    memcpy(&wv, k[r]->q + 4 * kk, 4);
+                    const __m512i wb = _mm512_set1_epi32(wv);
+                    for (int h = 0; h < B; h++) a[h][r] = _mm512_dpbusd_epi32(a[h][r], wb, xv[h]);
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                const __m512 sc = _mm512_set1_ps(k[r]->s[g]);
+                for (int h = 0; h < B; h++) f[h][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[h][r]), sc, f[h][r]);
+            }
+        }
+        for (int h = 0; h < B; h++) {
+            __m512i c[KG_MAXR];
+            for (int r = 0; r < R; r++) c[r] = _mm512_setzero_si512();
+            for (int p = 0; p < (G == 32 ? 4 : 8); p++) {
+                const __m512i bv = _mm512_load_si512((const void *)(G == 32 ? xb[h]->bs32[p] : xb[h]->bs[p]));
+                for (int r = 0; r < R; r++) c[r] = _mm512_dpwssd_epi32(c[r], bv, _mm512_set1_epi32(k[r]->cc2[p]));
+            }
+            const __m512 dx = _mm512_load_ps(xb[h]->dx);
+            for (int r = 0; r < R; r++) {
+                float *o = out + 16 * (h * R + r);
+                f[h][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c[r]), _mm512_set1_ps(k[r]->dc), f[h][r]);
+                _mm512_storeu_ps(o, _mm512_fmadd_ps(f[h][r], dx, _mm512_loadu_ps(o)));
+            }
+        }
+    }
+}
+
+#define KG_FN(R, G, B) \
+    VNNI static void kgemm_##R##_##G##_##B(const mf_kw *const *w, int64_t nb, const mf_xband *x0, const mf_xband *x1, float *out) { \
+        kgemm_core(w, R, G, B, nb, x0, x1, out); \
+    }
+#define KG_FNS(R) KG_FN(R, 16, 1) KG_FN(R, 32, 1) KG_FN(R, 16, 2) KG_FN(R, 32, 2)
+KG_FNS(1) KG_FNS(2) KG_FNS(3) KG_FNS(4) KG_FNS(5) KG_FNS(6)
+KG_FNS(7) KG_FNS(8)
+_Static_assert(MF_KG_R >= 1 && MF_KG_R <= 8, "kg_tab holds 1..8 rows");
+typedef void (*kg_fn)(const mf_kw *const *, int64_t, const mf_xband *, const mf_xband *, float *);
+#define KG_ROW(G, B) {NULL, kgemm_1_##G##_##B, kgemm_2_##G##_##B, kgemm_3_##G##_##B, kgemm_4_##G##_##B, \
+                      kgemm_5_##G##_##B, kgemm_6_##G##_##B, kgemm_7_##G##_##B, kgemm_8_##G##_##B}
+static const kg_fn kg_tab[2][2][9] = {{KG_ROW(16, 1), KG_ROW(16, 2)}, {KG_ROW(32, 1), KG_ROW(32, 2)}};
+
+/* x1 NULL: one band */
+VNNI void mf_kgemm_avx512(const mf_kw *const *w, int R, int g32, int64_t nb, const mf_xband *x0,
+                          const mf_xband *x1, float *out) {
+    kg_tab[g32 != 0][x1 != NULL][R](w, nb, x0, x1, out);
+}

@@ -88,4 +88,25 @@ void mf_b32band_quant_avx512(const float *x, int64_t cols, int64_t m, mf_b32band
 void mf_b32gemm_avx512(int type, const uint8_t *w, size_t rb, int64_t nrows, int64_t nb, const mf_b32band *xb,
                       int64_t n, float *y, int64_t ys);
 
+/* K-quant prefill GEMM (quant_avx512.c, avx512vnni): 16 X rows x R W rows per microkernel.
+ * X band: per 16 rows and 256-block, qs[g][j*4..j*4+3] = X row j's int8 values 4g..4g+3 (one
+ * zmm per 4 K positions, lane j = X row j), bs[p][j] = row j's bsums[2p] | bsums[2p+1] << 16,
+ * bs32[p][j] the same of the sums per 32 (S[2p] | S[2p+1] << 16, for the types whose corrections
+ * are per 32), dx[j] = row j's scale (0 for pad rows). */
+#define MF_XB_ROWS 16
+typedef struct { _Alignas(64) int8_t qs[64][64]; int32_t bs[8][16]; int32_t bs32[4][16]; float dx[16]; } mf_xband; /* 4928 B */
+/* W block: u8 codes in K order, float scale d*sc per sub-block (16 groups of 16, or the first
+ * 8 for groups of 32), correction cc pairs as int16x2 (groups of 32: the first 4, one cc per 32)
+ * and its float factor dc */
+typedef struct { _Alignas(64) uint8_t q[256]; float s[16]; int32_t cc2[8]; float dc; } mf_kw; /* 384 B */
+void mf_kw_from_kblk(const mf_kblk *k, int g32, mf_kw *o);
+void mf_xband_build(const mf_q8_256 *rows, int64_t m, int64_t nb, mf_xband *o); /* rows[j*nb+b] */
+#ifndef MF_KG_R
+#define MF_KG_R 8 /* W rows per mf_kgemm_avx512 call, at most */
+#endif
+/* W rows w[0..R) (each nb blocks) x one or two X bands (nb blocks each; x1 NULL: one) ->
+ * out[(h*R + r)*16 + j] for band h, W row r, lane j */
+void mf_kgemm_avx512(const mf_kw *const *w, int R, int g32, int64_t nb, const mf_xband *x0,
+                     const mf_xband *x1, float *out);
+
 #endif

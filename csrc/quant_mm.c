@@ -27,6 +27,8 @@ typedef struct {
     mf_vecdot4_fn vd8; /* optional 8-row variant (each row's bits equal vd4's) */
     int streams;       /* decode, 1-row kernels: rows of a task read as this many streams */
     int64_t rt; /* W rows per task */
+    int kg, g32;             /* K-quant GEMM path (avx512vnni); sub-blocks of 32 (Q4_K/Q5_K) */
+    const mf_xband *xb;      /* its X bands: [ceil(n/16)][nb] */
 } mm_ctx;
 
 static _Thread_local float *tl_buf;
@@ -66,6 +68,15 @@ static void mm_task_scalar(void *p, int64_t t) {
 /* From this many X rows, W rows are unpacked once per task (measured crossovers, 1 thread,
  * 2048-4096 square): K-quants 4, unsigned 32-blocks 6, signed 32-blocks (Q8_0, IQ4_NL) 16. */
 #define MF_KBLK_MIN_N 4
+#ifndef MF_KGEMM_MIN_N
+#define MF_KGEMM_MIN_N 10 /* avx512vnni: the 16-lane GEMM from this many X rows (measured) */
+#endif
+#ifndef MF_KG_TILE
+#define MF_KG_TILE (1024 * 1024) /* bytes of unpacked W per GEMM task (L2: 2 MiB per core) */
+#endif
+#ifndef MF_KG_RT_MAX
+#define MF_KG_RT_MAX (64 / MF_KG_R * MF_KG_R)
+#endif
 #define MF_B32_MIN_N 6
 #define MF_B32S_MIN_N 16
 /* avx512vnni, the banded GEMM (mm_task_b32g) from this many X rows; Q8_0/IQ4_NL from one
@@ -81,7 +92,7 @@ static void mm_task_scalar(void *p, int64_t t) {
 #define MF_ROWS_STABLE_N 16
 _Static_assert(MF_KBLK_MIN_N <= MF_ROWS_STABLE_N && MF_B32_MIN_N <= MF_ROWS_STABLE_N &&
                MF_B32S_MIN_N <= MF_ROWS_STABLE_N && MF_FLOAT_MIN_N <= MF_ROWS_STABLE_N &&
-               MF_B32G_MIN_N <= MF_ROWS_STABLE_N,
+               MF_B32G_MIN_N <= MF_ROWS_STABLE_N && MF_KGEMM_MIN_N <= MF_ROWS_STABLE_N,
                "a batched-kernel threshold above MF_ROWS_STABLE_N");
 const int mf_rows_stable = MF_ROWS_STABLE_N;
 #define MF_VEC_TASK_BYTES (64 * 1024)
@@ -190,6 +201,66 @@ static void mm_task_kblk(void *p, int64_t t) {
             (vnni ? mf_kdot_avx512 : mf_kdot_avx2)(tl_kb + (r - r0) * c->nb, c->nb, c->xq + (size_t)i0 * c->xs, c->xs, m,
                          c->y + i0 * c->rows + r, c->rows);
     }
+}
+
+static _Thread_local mf_kw *tl_kw;
+static _Thread_local size_t tl_kwcap;
+
+/* prefill, K-quants, avx512vnni: the task's W rows unpacked once (mf_kw), then per X band of
+ * 16 rows MF_KG_R W rows per kernel call over all of K (the tile stays in L2, the band streams
+ * from L2). Any row split gives the same bits: rows never mix in the kernel. */
+static void mm_task_kgemm(void *p, int64_t t) {
+    mm_ctx *c = p;
+    int64_t r0 = t * c->rt, r1 = r0 + c->rt < c->rows ? r0 + c->rt : c->rows;
+    size_t need = (size_t)((r1 - r0) * c->nb);
+    if (need > tl_kwcap) {
+        free(tl_kw);
+        tl_kw = aligned_alloc(64, need * sizeof(mf_kw)); /* sizeof is a multiple of 64 */
+        tl_kwcap = tl_kw ? need : 0;
+        if (!tl_kw) { __atomic_store_n(&c->kg, -1, __ATOMIC_RELAXED); return; } /* -3 from the caller */
+    }
+    mf_kunpack_fn up = mf_kunpack_avx2[c->type];
+    int bytes = mf_qtypes[c->type].bytes;
+    mf_kblk kb;
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t b = 0; b < c->nb; b++) {
+            up(c->w + r * c->rb + b * bytes, &kb);
+            mf_kw_from_kblk(&kb, c->g32, tl_kw + (r - r0) * c->nb + b);
+        }
+    _Alignas(64) float out[2 * MF_KG_R * MF_XB_ROWS];
+    const mf_kw *wr[MF_KG_R];
+    for (int64_t i0 = 0; i0 < c->n; i0 += 2 * MF_XB_ROWS) { /* two bands per kernel call */
+        const mf_xband *x0 = c->xb + (i0 / MF_XB_ROWS) * c->nb;
+        const mf_xband *x1 = c->n - i0 > MF_XB_ROWS ? x0 + c->nb : NULL;
+        int64_t m = c->n - i0 < 2 * MF_XB_ROWS ? c->n - i0 : 2 * MF_XB_ROWS;
+        for (int64_t r = r0; r < r1; r += MF_KG_R) {
+            int R = r1 - r < MF_KG_R ? (int)(r1 - r) : MF_KG_R;
+            for (int k = 0; k < R; k++) wr[k] = tl_kw + (r + k - r0) * c->nb;
+            mf_kgemm_avx512(wr, R, c->g32, c->nb, x0, x1, out);
+            for (int k = 0; k < R; k++)
+                for (int64_t j = 0; j < m; j++)
+                    c->y[(i0 + j) * c->rows + r + k] = out[((j / MF_XB_ROWS) * R + k) * MF_XB_ROWS + j % MF_XB_ROWS];
+        }
+    }
+}
+
+static _Thread_local mf_q8_256 *tl_q8;
+static _Thread_local size_t tl_q8cap;
+
+/* X band t of a K-quant GEMM plan: its 16 rows quantized (Q8_256, as the row kernels do) into
+ * per-thread scratch, then interleaved */
+static void xband_task(void *p, int64_t t) {
+    mm_ctx *c = p;
+    int64_t i0 = t * MF_XB_ROWS, m = c->n - i0 < MF_XB_ROWS ? c->n - i0 : MF_XB_ROWS;
+    size_t need = (size_t)(MF_XB_ROWS * c->nb);
+    if (need > tl_q8cap) {
+        free(tl_q8);
+        tl_q8 = aligned_alloc(64, need * sizeof(mf_q8_256));
+        tl_q8cap = tl_q8 ? need : 0;
+        if (!tl_q8) { __atomic_store_n(&c->kg, -1, __ATOMIC_RELAXED); return; }
+    }
+    for (int64_t j = 0; j < m; j++) mf_quantize_q8_256_avx2(c->x + (i0 + j) * c->cols, tl_q8 + j * c->nb, c->cols);
+    mf_xband_build(tl_q8, m, c->nb, (mf_xband *)c->xb + t * c->nb);
 }
 
 static _Thread_local mf_b32 *tl_bb;
@@ -309,6 +380,13 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
                                        : (size_t)(cols / 256) * sizeof(mf_q8_256);
             if (vec_only) {
                 /* row-independent: every X row is dotted as if alone */
+            } else if (n >= MF_KGEMM_MIN_N && mf_kunpack_avx2[type] && mf_isa >= MF_ISA_AVX512VNNI) {
+                int64_t rk = MF_KG_TILE / (c.nb * (int64_t)sizeof(mf_kw)) / MF_KG_R * MF_KG_R;
+                c.rt = rk < MF_KG_R ? MF_KG_R : rk > MF_KG_RT_MAX ? MF_KG_RT_MAX : rk;
+                while (c.rt > MF_KG_R && (rows + c.rt - 1) / c.rt < 4 * nt) c.rt -= MF_KG_R;
+                c.kg = 1;
+                c.g32 = type == T_Q4_K || type == T_Q5_K;
+                p->fn = mm_task_kgemm;
             } else if (n >= MF_KBLK_MIN_N && mf_kunpack_avx2[type]) {
                 int64_t rk = (192 * 1024) / (c.nb * (int64_t)sizeof(mf_kblk));
                 c.rt = rk < 1 ? 1 : rk > c.rt ? c.rt : rk;
@@ -373,12 +451,13 @@ static int matmul_multi(int k, const int *types, const uint8_t *const *ws, const
     assert(k >= 1 && k <= MF_MM_MAX);
     mm_plan p[MF_MM_MAX];
     multi_ctx m = {p, k, {0}};
-    int need_fmt[4] = {0, 0, 0, 0};
+    int need_fmt[4] = {0, 0, 0, 0}, need_xb = 0;
     for (int j = 0; j < k; j++) {
         int rc = mm_plan_init(&p[j], types[j], ws[j], rows[j], cols, x, n, ys[j], vec_only);
         if (rc) return rc;
         m.off[j + 1] = m.off[j] + p[j].ntasks;
-        if (p[j].c.xfmt != XF_F32) need_fmt[p[j].c.xfmt] = 1;
+        if (p[j].c.kg) need_xb = 1;
+        else if (p[j].c.xfmt != XF_F32) need_fmt[p[j].c.xfmt] = 1;
     }
     if (n == 0 || m.off[k] == 0) return 0;
     /* decode: every thread sweeps one ascending stretch of the weights (see pool.c) */
@@ -392,7 +471,9 @@ static int matmul_multi(int k, const int *types, const uint8_t *const *ws, const
         if (p[j].c.xfmt == XF_B32BAND) sz[XF_B32BAND] = p[j].c.xs * (size_t)((n + 15) / 16);
     at[XF_Q8_256] = (sz[XF_Q8_32] + 63) & ~(size_t)63;
     at[XF_B32BAND] = (at[XF_Q8_256] + sz[XF_Q8_256] + 63) & ~(size_t)63;
-    total = at[XF_B32BAND] + sz[XF_B32BAND];
+    const int64_t nbands = (n + MF_XB_ROWS - 1) / MF_XB_ROWS;
+    size_t at_xb = (at[XF_B32BAND] + sz[XF_B32BAND] + 63) & ~(size_t)63;
+    total = at_xb + (need_xb ? (size_t)nbands * (size_t)(cols / 256) * sizeof(mf_xband) : 0);
     if (total == 0) {
         pfor(m.off[k], multi_task, &m);
         return 0;
@@ -413,9 +494,22 @@ static int matmul_multi(int k, const int *types, const uint8_t *const *ws, const
         for (int i = 0; i < k; i++)
             if (p[i].c.xfmt == f) p[i].c.xq = xq_buf + at[f];
     }
-    pfor(m.off[k], multi_task, &m);
+    int rc = 0;
+    if (need_xb) {
+        int j = 0;
+        while (!p[j].c.kg) j++;
+        p[j].c.xb = (const mf_xband *)(xq_buf + at_xb);
+        mf_parallel_for(nbands, xband_task, &p[j].c);
+        for (int i = 0; i < k; i++) {
+            if (p[i].c.kg) p[i].c.xb = p[j].c.xb;
+            if (p[i].c.kg < 0) rc = -3;
+        }
+    }
+    if (!rc) pfor(m.off[k], multi_task, &m);
+    for (int i = 0; i < k; i++)
+        if (p[i].c.kg < 0) rc = -3;
     pthread_mutex_unlock(&xq_lock);
-    return 0;
+    return rc;
 }
 
 /* ---- profile (memfit bench --profile): calls, time and weight bytes per weight set ---- */

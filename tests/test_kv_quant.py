@@ -207,8 +207,8 @@ LLAMACPP_Q4_0_PPL = {"SmolLM2-135M-Instruct.Q4_1.gguf": 19.4837,
 def test_perplexity_quantized_kv_close_to_f16(which, request, golden_dir):
     """On the first 3 chunks of the golden text, against memfit's own f16 cache (equal to
     llama.cpp's f16 within 1%: test_golden_e2e): q8_0 within 1%; q4_0 within 5%, except where
-    llama.cpp's own q4_0 is not (SmolLM2 +5.9%, Gemma-3 +13.1% on the whole text): there its
-    ratio to f16 within 0.03 of llama.cpp's. (The whole text, 3 types x 2 models, takes ~25
+    llama.cpp's own q4_0 is not (SmolLM2 +5.9%, Gemma-3 +13.1% on the whole text): there
+    within 5% or within 0.03 of llama.cpp's ratio. (The whole text, 3 types x 2 models, takes ~25
     minutes here; BENCHMARKS.md section 5 has those numbers.)"""
     import memfit
     path = request.getfixturevalue(f"{which}_path")
@@ -221,7 +221,8 @@ def test_perplexity_quantized_kv_close_to_f16(which, request, golden_dir):
     assert abs(q8 - 1) < 0.01, ppl
     peer = LLAMACPP_Q4_0_PPL.get(path.name)
     if peer is not None and peer / gold_f16 - 1 > 0.05:
-        assert abs(q4 - peer / gold_f16) < 0.03, (ppl, peer / gold_f16)
+        # the target, or llama.cpp's own miss of it (3 chunks here vs its whole text)
+        assert abs(q4 - 1) < 0.05 or abs(q4 - peer / gold_f16) < 0.03, (ppl, peer / gold_f16)
     else:
         assert abs(q4 - 1) < 0.05, ppl
 

@@ -174,11 +174,12 @@ def test_bad_shapes_raise():
 
 # (type, row counts n): the VNNI kernels that only fuse integer steps of an AVX2 kernel
 # (vpdpwssd for madd + add, vpdpbusd for maddubs + madd) keep its lanes and float order:
-# K-quant prefill and 32-element decode (4/8 rows). The 32-element prefill (n >= 5, Q8_0 and
-# IQ4_NL n >= 4) is the banded GEMM with its own float order: checked against the bound
-# instead (test_b32_gemm_*, test_matmul_shapes).
-VNNI_SAME_BITS = [("Q2_K", (4, 7, 33)), ("Q3_K", (4, 7, 33)), ("Q4_K", (4, 7, 33)),
-                  ("Q5_K", (4, 7, 33)), ("Q6_K", (4, 7, 33)),  # prefill (decode differs: 512-bit)
+# K-quant prefill below 10 rows (from 10 the 16-lane GEMM: float scale per sub-block, other
+# rounding) and 32-element decode (1-4 rows; from 5 rows, Q8_0 and IQ4_NL from 4, the banded
+# GEMM with its own float order). The GEMMs are checked against the reference bound instead
+# (test_matmul_shapes, test_b32_gemm_*, test_kgemm_rows_*).
+VNNI_SAME_BITS = [("Q2_K", (4, 7, 9)), ("Q3_K", (4, 7, 9)), ("Q4_K", (4, 7, 9)),
+                  ("Q5_K", (4, 7, 9)), ("Q6_K", (4, 7, 9)),  # prefill (decode differs: 512-bit)
                   ("Q4_0", (1, 2, 3, 4)), ("Q4_1", (1, 2, 3, 4)), ("Q5_0", (1, 2, 3, 4)),
                   ("Q5_1", (1, 2, 3, 4))]
 
@@ -261,3 +262,37 @@ def test_b32_gemm_row_independent_of_n_and_threads(name):
         _native.set_threads(threads)
     for o in outs[1:]:
         np.testing.assert_array_equal(o.view(np.uint32), outs[0].view(np.uint32), err_msg=name)
+
+
+KQUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+
+
+@pytest.mark.parametrize("name", KQUANTS)
+def test_kgemm_rows_independent_of_batch_and_threads(name):
+    # avx512vnni K-quant GEMM (n >= 10): an X row's outputs are the same bits whichever rows
+    # share its 16-row band (n = 17, 33, 512: bands padded with zero rows), at any position,
+    # and for 1 or 2 threads; rows = 45: 8-row groups and a 5-row remainder, task splits
+    if ISAS.index(_native.isa_hw()) < ISAS.index("avx512vnni"):
+        pytest.skip("CPU lacks avx512vnni")
+    t = BY_NAME[name]
+    rng = np.random.default_rng(700 + t.id)
+    rows, cols = 45, 768
+    W = random_blocks(t, rows * cols, rng)
+    w = QTensor("w", t, (rows, cols), W)
+    X = rng.standard_normal((512, cols)).astype(np.float32)
+    before, threads = _native.isa(), _native.get_threads()
+    try:
+        _native.set_isa("avx512vnni")
+        full = nat.matmul(X, w)
+        ref = _xref("avx512vnni", t, X) @ _gguf_deq(t, W).reshape(rows, cols).astype(np.float64).T
+        assert _relerr(full, ref) < BOUND
+        for n in (17, 33):
+            for start in (0, 5, 512 - n):
+                np.testing.assert_array_equal(nat.matmul(X[start:start + n], w), full[start:start + n],
+                                              err_msg=f"{name} n={n} start={start}")
+        for nt in (1, 2):
+            _native.set_threads(nt)
+            np.testing.assert_array_equal(nat.matmul(X, w), full, err_msg=f"{name} threads={nt}")
+    finally:
+        _native.set_isa(before)
+        _native.set_threads(threads)
