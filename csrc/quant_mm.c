@@ -31,6 +31,17 @@ typedef struct {
     const mf_xband *xb;      /* its X bands: [ceil(n/16)][nb] */
 } mm_ctx;
 
+/* per-thread scratch that grows: 64-byte aligned, at least `bytes`; NULL when out of memory */
+typedef struct { void *p; size_t cap; } tl_scratch;
+static void *tl_reserve(tl_scratch *s, size_t bytes) {
+    if (bytes > s->cap) {
+        free(s->p);
+        s->p = aligned_alloc(64, (bytes + 63) & ~(size_t)63); /* C11: size % align == 0 */
+        s->cap = s->p ? bytes : 0;
+    }
+    return s->p;
+}
+
 static _Thread_local float *tl_buf;
 static _Thread_local size_t tl_cap;
 
@@ -169,8 +180,7 @@ static void mm_task_vec(void *p, int64_t t) {
     }
 }
 
-static _Thread_local mf_kblk *tl_kb;
-static _Thread_local size_t tl_kcap;
+static _Thread_local tl_scratch tl_kbs;
 
 /* prefill, K-quants: unpack the task's W rows once, then 4 X rows per kernel call over X tiles
  * of XT2 rows (the unpacked tile + X tile stay in L2). */
@@ -178,33 +188,27 @@ static _Thread_local size_t tl_kcap;
 static void mm_task_kblk(void *p, int64_t t) {
     mm_ctx *c = p;
     int64_t r0 = t * c->rt, r1 = r0 + c->rt < c->rows ? r0 + c->rt : c->rows;
-    size_t need = (size_t)((r1 - r0) * c->nb);
-    if (need > tl_kcap) {
-        free(tl_kb);
-        tl_kb = aligned_alloc(64, (need * sizeof(mf_kblk) + 63) & ~(size_t)63); /* C11: size % align == 0 */
-        tl_kcap = tl_kb ? need : 0;
-        if (!tl_kb) { mm_task_vec(p, t); return; }
-    }
+    mf_kblk *wb = tl_reserve(&tl_kbs, (size_t)((r1 - r0) * c->nb) * sizeof(mf_kblk));
+    if (!wb) { mm_task_vec(p, t); return; }
     mf_kunpack_fn up = mf_kunpack_avx2[c->type];
     int bytes = mf_qtypes[c->type].bytes;
     for (int64_t r = r0; r < r1; r++)
-        for (int64_t b = 0; b < c->nb; b++) up(c->w + r * c->rb + b * bytes, tl_kb + (r - r0) * c->nb + b);
+        for (int64_t b = 0; b < c->nb; b++) up(c->w + r * c->rb + b * bytes, wb + (r - r0) * c->nb + b);
     const int vnni = mf_isa >= MF_ISA_AVX512VNNI; /* same bits, fewer instructions */
     for (int64_t i0 = 0; i0 < c->n; i0 += XT2) {
         int64_t m = c->n - i0 < XT2 ? c->n - i0 : XT2;
         int64_t r = r0;
         for (; r + 2 <= r1; r += 2) /* W row pairs: each X load serves two rows */
-            (vnni ? mf_kdot2_avx512 : mf_kdot2_avx2)(tl_kb + (r - r0) * c->nb, tl_kb + (r + 1 - r0) * c->nb, c->nb,
+            (vnni ? mf_kdot2_avx512 : mf_kdot2_avx2)(wb + (r - r0) * c->nb, wb + (r + 1 - r0) * c->nb, c->nb,
                           c->xq + (size_t)i0 * c->xs, c->xs, m, c->y + i0 * c->rows + r,
                           c->y + i0 * c->rows + r + 1, c->rows);
         for (; r < r1; r++)
-            (vnni ? mf_kdot_avx512 : mf_kdot_avx2)(tl_kb + (r - r0) * c->nb, c->nb, c->xq + (size_t)i0 * c->xs, c->xs, m,
+            (vnni ? mf_kdot_avx512 : mf_kdot_avx2)(wb + (r - r0) * c->nb, c->nb, c->xq + (size_t)i0 * c->xs, c->xs, m,
                          c->y + i0 * c->rows + r, c->rows);
     }
 }
 
-static _Thread_local mf_kw *tl_kw;
-static _Thread_local size_t tl_kwcap;
+static _Thread_local tl_scratch tl_kws;
 
 /* prefill, K-quants, avx512vnni: the task's W rows unpacked once (mf_kw), then per X band of
  * 16 rows MF_KG_R W rows per kernel call over all of K (the tile stays in L2, the band streams
@@ -212,20 +216,15 @@ static _Thread_local size_t tl_kwcap;
 static void mm_task_kgemm(void *p, int64_t t) {
     mm_ctx *c = p;
     int64_t r0 = t * c->rt, r1 = r0 + c->rt < c->rows ? r0 + c->rt : c->rows;
-    size_t need = (size_t)((r1 - r0) * c->nb);
-    if (need > tl_kwcap) {
-        free(tl_kw);
-        tl_kw = aligned_alloc(64, need * sizeof(mf_kw)); /* sizeof is a multiple of 64 */
-        tl_kwcap = tl_kw ? need : 0;
-        if (!tl_kw) { __atomic_store_n(&c->kg, -1, __ATOMIC_RELAXED); return; } /* -3 from the caller */
-    }
+    mf_kw *wk = tl_reserve(&tl_kws, (size_t)((r1 - r0) * c->nb) * sizeof(mf_kw));
+    if (!wk) { __atomic_store_n(&c->kg, -1, __ATOMIC_RELAXED); return; } /* -3 from the caller */
     mf_kunpack_fn up = mf_kunpack_avx2[c->type];
     int bytes = mf_qtypes[c->type].bytes;
     mf_kblk kb;
     for (int64_t r = r0; r < r1; r++)
         for (int64_t b = 0; b < c->nb; b++) {
             up(c->w + r * c->rb + b * bytes, &kb);
-            mf_kw_from_kblk(&kb, c->g32, tl_kw + (r - r0) * c->nb + b);
+            mf_kw_from_kblk(&kb, c->g32, wk + (r - r0) * c->nb + b);
         }
     _Alignas(64) float out[2 * MF_KG_R * MF_XB_ROWS];
     const mf_kw *wr[MF_KG_R];
@@ -235,7 +234,7 @@ static void mm_task_kgemm(void *p, int64_t t) {
         int64_t m = c->n - i0 < 2 * MF_XB_ROWS ? c->n - i0 : 2 * MF_XB_ROWS;
         for (int64_t r = r0; r < r1; r += MF_KG_R) {
             int R = r1 - r < MF_KG_R ? (int)(r1 - r) : MF_KG_R;
-            for (int k = 0; k < R; k++) wr[k] = tl_kw + (r + k - r0) * c->nb;
+            for (int k = 0; k < R; k++) wr[k] = wk + (r + k - r0) * c->nb;
             mf_kgemm_avx512(wr, R, c->g32, c->nb, x0, x1, out);
             for (int k = 0; k < R; k++)
                 for (int64_t j = 0; j < m; j++)
@@ -244,42 +243,30 @@ static void mm_task_kgemm(void *p, int64_t t) {
     }
 }
 
-static _Thread_local mf_q8_256 *tl_q8;
-static _Thread_local size_t tl_q8cap;
+static _Thread_local tl_scratch tl_q8s;
 
 /* X band t of a K-quant GEMM plan: its 16 rows quantized (Q8_256, as the row kernels do) into
  * per-thread scratch, then interleaved */
 static void xband_task(void *p, int64_t t) {
     mm_ctx *c = p;
     int64_t i0 = t * MF_XB_ROWS, m = c->n - i0 < MF_XB_ROWS ? c->n - i0 : MF_XB_ROWS;
-    size_t need = (size_t)(MF_XB_ROWS * c->nb);
-    if (need > tl_q8cap) {
-        free(tl_q8);
-        tl_q8 = aligned_alloc(64, need * sizeof(mf_q8_256));
-        tl_q8cap = tl_q8 ? need : 0;
-        if (!tl_q8) { __atomic_store_n(&c->kg, -1, __ATOMIC_RELAXED); return; }
-    }
-    for (int64_t j = 0; j < m; j++) mf_quantize_q8_256_avx2(c->x + (i0 + j) * c->cols, tl_q8 + j * c->nb, c->cols);
-    mf_xband_build(tl_q8, m, c->nb, (mf_xband *)c->xb + t * c->nb);
+    mf_q8_256 *xq8 = tl_reserve(&tl_q8s, (size_t)(MF_XB_ROWS * c->nb) * sizeof(mf_q8_256));
+    if (!xq8) { __atomic_store_n(&c->kg, -1, __ATOMIC_RELAXED); return; }
+    for (int64_t j = 0; j < m; j++) mf_quantize_q8_256_avx2(c->x + (i0 + j) * c->cols, xq8 + j * c->nb, c->cols);
+    mf_xband_build(xq8, m, c->nb, (mf_xband *)c->xb + t * c->nb);
 }
 
-static _Thread_local mf_b32 *tl_bb;
-static _Thread_local size_t tl_bcap;
+static _Thread_local tl_scratch tl_bbs;
 
 static void mm_task_b32(void *p, int64_t t) {
     mm_ctx *c = p;
     int64_t r0 = t * c->rt, r1 = r0 + c->rt < c->rows ? r0 + c->rt : c->rows;
-    size_t need = (size_t)((r1 - r0) * c->nb);
-    if (need > tl_bcap) {
-        free(tl_bb);
-        tl_bb = aligned_alloc(64, (need * sizeof(mf_b32) + 63) & ~(size_t)63);
-        tl_bcap = tl_bb ? need : 0;
-        if (!tl_bb) { mm_task_vec(p, t); return; }
-    }
+    mf_b32 *wb = tl_reserve(&tl_bbs, (size_t)((r1 - r0) * c->nb) * sizeof(mf_b32));
+    if (!wb) { mm_task_vec(p, t); return; }
     mf_b32unpack_fn up = mf_b32unpack_avx2[c->type];
     int bytes = mf_qtypes[c->type].bytes, sgn = c->type == T_Q8_0 || c->type == T_IQ4_NL;
     for (int64_t r = r0; r < r1; r++)
-        for (int64_t b = 0; b < c->nb; b++) up(c->w + r * c->rb + b * bytes, tl_bb + (r - r0) * c->nb + b);
+        for (int64_t b = 0; b < c->nb; b++) up(c->w + r * c->rb + b * bytes, wb + (r - r0) * c->nb + b);
     float *st = sgn ? NULL : scratch_f32((size_t)(c->nb * MF_BST)), corr[MF_BST];
     if (!sgn && !st) { mm_task_vec(p, t); return; }
     for (int64_t i0 = 0; i0 < c->n; i0 += XT2) {
@@ -289,8 +276,8 @@ static void mm_task_b32(void *p, int64_t t) {
                 for (int64_t i = 0; i < MF_BST; i++)
                     st[b * MF_BST + i] = i < m ? ((const mf_q8_32 *)(c->xq + (size_t)(i0 + i) * c->xs))[b].s : 0.0f;
         for (int64_t r = r0; r < r1; r++) {
-            if (!sgn) mf_b32_corr_avx2(tl_bb + (r - r0) * c->nb, c->nb, st, m, corr);
-            (mf_isa >= MF_ISA_AVX512VNNI ? mf_bdot_avx512 : mf_bdot_avx2)(tl_bb + (r - r0) * c->nb, c->nb, sgn, c->xq + (size_t)i0 * c->xs, c->xs, m,
+            if (!sgn) mf_b32_corr_avx2(wb + (r - r0) * c->nb, c->nb, st, m, corr);
+            (mf_isa >= MF_ISA_AVX512VNNI ? mf_bdot_avx512 : mf_bdot_avx2)(wb + (r - r0) * c->nb, c->nb, sgn, c->xq + (size_t)i0 * c->xs, c->xs, m,
                          corr, c->y + i0 * c->rows + r, c->rows);
         }
     }
