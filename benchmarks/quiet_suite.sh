@@ -18,6 +18,7 @@ tag() {  # STAGE: add commit, time and stage to every JSON line of stdin
     sed "s/}\$/, \"memfit_commit\": \"$COMMIT\", \"stage\": \"$1\", \"time\": \"$(date -u +%FT%TZ)\"}/"
 }
 json() { grep '^{' || true; }
+show() { while IFS= read -r l; do printf '%s\n' "$l"; printf '%s\n' "$l" >&2; done; }  # tee to stderr
 for s in $STAGES; do
     echo "== $s  $(date -u +%T)  load $(cut -d' ' -f1-3 /proc/loadavg)" >&2
     case $s in
@@ -25,23 +26,24 @@ for s in $STAGES; do
         LS_OMP=active ROUNDS=$ROUNDS "$HERE/serve_compare.sh" "$HERE/serve_smollm2.jsonl" "$SMOL" ;;
     pp7b)  # llama.cpp's faster prefill on this CPU: no repack
         python "$HERE/compare.py" "$F7B" -p 512 -n 0 -r 1 --rounds "$ROUNDS" --peer-repack 0 --json \
-            | tee /dev/stderr | json | tag pp7b >>"$HERE/compare_7b_issue12.jsonl" ;;
+            | show | json | tag pp7b >>"$HERE/compare_7b_issue12.jsonl" ;;
     tg7b)  # llama.cpp's faster decode on this CPU: repacked weights
         python "$HERE/compare.py" "$F7B" -p 0 -n 32 -r 1 --rounds "$ROUNDS" --peer-repack 1 --json \
-            | tee /dev/stderr | json | tag tg7b >>"$HERE/compare_7b_issue12.jsonl" ;;
+            | show | json | tag tg7b >>"$HERE/compare_7b_issue12.jsonl" ;;
     kernels)
-        memfit bench --kernels --shapes 7b --trials 3 --json \
-            | tee /dev/stderr | json | tag kernels >>"$HERE/kernels_7b_issue12.jsonl" ;;
+        memfit bench --kernels --shapes 7b --types Q4_0,Q4_K,Q5_K,Q6_K,Q8_0 --trials 3 --json \
+            | show | json | tag kernels >>"$HERE/kernels_7b_issue12.jsonl" ;;
     small)
         python "$HERE/compare.py" "$SMOL" "$GEMMA" -p 512 -n 128 -r 3 --rounds "$ROUNDS" --peer-repack 1 --json \
-            | tee /dev/stderr | json | tag small >>"$HERE/compare_small_issue12.jsonl" ;;
+            | show | json | tag small >>"$HERE/compare_small_issue12.jsonl" ;;
     profile)
         memfit bench "$F7B" --profile -t 2 ;;
     budget)  # the pinned part of a streamed 7B must not regress
         memfit bench "$F7B" --mem-budget 2.5GiB -p 0 -n 8 -r 2 -t 2 --json \
-            | tee /dev/stderr | json | tag budget >>"$HERE/budget_7b_issue12.jsonl" ;;
-    serve7b)  # both servers in a 2.5 GiB cgroup; memfit at a 2.4 GiB budget, llama.cpp mmapped
-        CGROUP=2684354560 NP=16 CTX=256 N=8 R=4 ROUNDS=1 BENCH_ARGS=--logprobs \
+            | show | json | tag budget >>"$HERE/budget_7b_issue12.jsonl" ;;
+    serve7b)  # both servers in a 2.5 GiB cgroup, page cache dropped before each (pages cached
+        # outside the cgroup are not charged to it); memfit at a 2.4 GiB budget, llama.cpp mmapped
+        DROP_CACHES=1 CGROUP=2684354560 NP=16 CTX=256 N=8 R=4 ROUNDS=1 BENCH_ARGS=--logprobs \
             MEMFIT_ARGS="--mem-budget 2.4GiB" LS_ARGS="--no-repack -cram 0" \
             "$HERE/serve_compare.sh" "$HERE/serve_7b.jsonl" "$F7B" ;;
     *) echo "unknown stage $s" >&2; exit 2 ;;
