@@ -209,57 +209,52 @@ def test_vnni_kernels_bit_identical_to_avx2(name, ns):
 B32 = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"]
 
 
-def _need_vnni():
+@pytest.fixture
+def vnni():
+    """The avx512vnni kernels for one test (skipped on CPUs without them); ISA and thread count
+    restored after."""
     if ISAS.index(_native.isa_hw()) < ISAS.index("avx512vnni"):
         pytest.skip("CPU lacks avx512vnni")
+    before, threads = _native.isa(), _native.get_threads()
+    _native.set_isa("avx512vnni")
+    yield
+    _native.set_isa(before)
+    _native.set_threads(threads)
 
 
 @pytest.mark.parametrize("name", B32)
-def test_b32_gemm_bound_wide(name):
+def test_b32_gemm_bound_wide(name, vnni):
     # the avx512vnni banded GEMM (n >= 16) at a 7B-like width, rows not a multiple of 8
     # (8-row groups + 1-row remainder) and n not a multiple of 16 (a zero-padded band)
-    _need_vnni()
     t = BY_NAME[name]
     rng = np.random.default_rng(600 + t.id)
     rows, cols = 45, 4096
     W = random_blocks(t, rows * cols, rng)
     Wf = _gguf_deq(t, W).reshape(rows, cols).astype(np.float64)
     X = rng.standard_normal((35, cols)).astype(np.float32)
-    before = _native.isa()
-    try:
-        _native.set_isa("avx512vnni")
-        y = nat.matmul(X, QTensor("w", t, (rows, cols), W))
-    finally:
-        _native.set_isa(before)
+    y = nat.matmul(X, QTensor("w", t, (rows, cols), W))
     err = _relerr(y, _xref("avx512vnni", t, X) @ Wf.T)
     assert err < BOUND, f"{name}: rel err {err:.2e}"
 
 
 @pytest.mark.parametrize("name", B32)
-def test_b32_gemm_row_independent_of_n_and_threads(name):
+def test_b32_gemm_row_independent_of_n_and_threads(name, vnni):
     # one X row's outputs are the same bits inside batches of 17, 33 and 512 rows (other
     # band position, other neighbours, padded or full bands) and with 1 or 2 threads (205
     # rows: 64-row tasks on 1 thread, 16-row tasks on 2; a 5-row remainder)
-    _need_vnni()
     t = BY_NAME[name]
     rng = np.random.default_rng(700 + t.id)
     rows, cols = 205, 576
     w = QTensor("w", t, (rows, cols), random_blocks(t, rows * cols, rng))
     X = rng.standard_normal((512, cols)).astype(np.float32)
     x0 = X[300]
-    before, threads = _native.isa(), _native.get_threads()
     outs = []
-    try:
-        _native.set_isa("avx512vnni")
-        for nt in (1, 2):
-            _native.set_threads(nt)
-            for n, at in ((17, 16), (33, 5), (512, 300)):
-                Xb = X[:n].copy()
-                Xb[at] = x0
-                outs.append(nat.matmul(Xb, w)[at])
-    finally:
-        _native.set_isa(before)
-        _native.set_threads(threads)
+    for nt in (1, 2):
+        _native.set_threads(nt)
+        for n, at in ((17, 16), (33, 5), (512, 300)):
+            Xb = X[:n].copy()
+            Xb[at] = x0
+            outs.append(nat.matmul(Xb, w)[at])
     for o in outs[1:]:
         np.testing.assert_array_equal(o.view(np.uint32), outs[0].view(np.uint32), err_msg=name)
 
@@ -268,31 +263,23 @@ KQUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 
 
 @pytest.mark.parametrize("name", KQUANTS)
-def test_kgemm_rows_independent_of_batch_and_threads(name):
+def test_kgemm_rows_independent_of_batch_and_threads(name, vnni):
     # avx512vnni K-quant GEMM (n >= 10): an X row's outputs are the same bits whichever rows
     # share its 16-row band (n = 17, 33, 512: bands padded with zero rows), at any position,
     # and for 1 or 2 threads; rows = 45: 8-row groups and a 5-row remainder, task splits
-    if ISAS.index(_native.isa_hw()) < ISAS.index("avx512vnni"):
-        pytest.skip("CPU lacks avx512vnni")
     t = BY_NAME[name]
     rng = np.random.default_rng(700 + t.id)
     rows, cols = 45, 768
     W = random_blocks(t, rows * cols, rng)
     w = QTensor("w", t, (rows, cols), W)
     X = rng.standard_normal((512, cols)).astype(np.float32)
-    before, threads = _native.isa(), _native.get_threads()
-    try:
-        _native.set_isa("avx512vnni")
-        full = nat.matmul(X, w)
-        ref = _xref("avx512vnni", t, X) @ _gguf_deq(t, W).reshape(rows, cols).astype(np.float64).T
-        assert _relerr(full, ref) < BOUND
-        for n in (17, 33):
-            for start in (0, 5, 512 - n):
-                np.testing.assert_array_equal(nat.matmul(X[start:start + n], w), full[start:start + n],
-                                              err_msg=f"{name} n={n} start={start}")
-        for nt in (1, 2):
-            _native.set_threads(nt)
-            np.testing.assert_array_equal(nat.matmul(X, w), full, err_msg=f"{name} threads={nt}")
-    finally:
-        _native.set_isa(before)
-        _native.set_threads(threads)
+    full = nat.matmul(X, w)
+    ref = _xref("avx512vnni", t, X) @ _gguf_deq(t, W).reshape(rows, cols).astype(np.float64).T
+    assert _relerr(full, ref) < BOUND
+    for n in (17, 33):
+        for start in (0, 5, 512 - n):
+            np.testing.assert_array_equal(nat.matmul(X[start:start + n], w), full[start:start + n],
+                                          err_msg=f"{name} n={n} start={start}")
+    for nt in (1, 2):
+        _native.set_threads(nt)
+        np.testing.assert_array_equal(nat.matmul(X, w), full, err_msg=f"{name} threads={nt}")
