@@ -282,6 +282,34 @@ VNNI static float vd_q8_0(const uint8_t *w, const void *xv, int64_t nb) {
     return _mm_cvtss_f32(s) - 128.0f * (c0 + c1);
 }
 
+/* Q8_0, 4 rows (short rows, see quant_mm.c): one X load and one scale conversion per block
+ * serve 4 rows; per row the arithmetic of vd_q8_0 in one accumulator, the 128 d s_x
+ * correction in 4 lanes */
+VNNI static void vd4_q8_0(const uint8_t *w, size_t rb, const void *xv, int64_t nb, float *out) {
+    const mf_q8_32 *x = xv;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m128 cacc = _mm_setzero_ps();
+    const __m256i k80 = _mm256_set1_epi8((char)0x80);
+    const __m128 m128 = _mm_set1_ps(-128.0f);
+    const uint8_t *w0 = w, *w1 = w + rb, *w2 = w + 2 * rb, *w3 = w + 3 * rb;
+    float sc[4];
+    for (int64_t b = 0; b < nb; b++, w0 += 34, w1 += 34, w2 += 34, w3 += 34) {
+        const __m256i y = _mm256_loadu_si256((const __m256i *)x[b].qs);
+        const __m128 d4 = _mm_cvtph_ps(ld4_f16(w0, w1, w2, w3));
+        _mm_storeu_ps(sc, _mm_mul_ps(d4, _mm_set1_ps(x[b].d)));
+        cacc = _mm_fmadd_ps(_mm_mul_ps(d4, m128), _mm_set1_ps(x[b].s), cacc);
+#define Q80_ROW(W, A, I)                                                                            \
+        {                                                                                           \
+            const __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)((W) + 2)), k80); \
+            const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, y);                   \
+            A = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + I), _mm256_cvtepi32_ps(p), A);              \
+        }
+        Q80_ROW(w0, a0, 0) Q80_ROW(w1, a1, 1) Q80_ROW(w2, a2, 2) Q80_ROW(w3, a3, 3)
+#undef Q80_ROW
+    }
+    _mm_storeu_ps(out, _mm_add_ps(hsum4_ps(a0, a1, a2, a3), cacc));
+}
+
 /* 32 bits -> 32 bytes, 0xFF where the bit is set: one mask op */
 VNNI static inline __m256i bits32(const uint8_t *p) {
     uint32_t x;
@@ -387,6 +415,7 @@ mf_vecdot4_fn mf_vecdot8_avx512[T_MAX] = {[T_Q4_0] = vd8_q4_0};
 
 mf_vecdot4_fn mf_vecdot4_avx512[T_MAX] = {
     [T_Q4_0] = vd4_q4_0, [T_Q5_0] = vd4_q5_0, [T_Q4_1] = vd4_q4_1, [T_Q5_1] = vd4_q5_1,
+    [T_Q8_0] = vd4_q8_0,
 };
 
 /* ---------------- prefill, K-quants: the AVX2 kernels (quant_avx2.c) with vpdpwssd ---------

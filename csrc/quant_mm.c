@@ -107,6 +107,10 @@ _Static_assert(MF_KBLK_MIN_N <= MF_ROWS_STABLE_N && MF_B32_MIN_N <= MF_ROWS_STAB
                "a batched-kernel threshold above MF_ROWS_STABLE_N");
 const int mf_rows_stable = MF_ROWS_STABLE_N;
 #define MF_VEC_TASK_BYTES (64 * 1024)
+/* Q8_0 decode on avx512vnni: the 4-row kernel for rows of at least this many bytes. From DRAM,
+ * in-process A/B (docs/NOTES.md): 4 rows +45-70% at 3584-14336 columns, +5% at 2048, -13% at
+ * 1024, mixed at 640; shorter rows keep the 1-row kernel with software prefetch. */
+#define MF_Q8_VD4_MIN_RB 2048
 #ifndef MF_PF_MAX_RB
 #define MF_PF_MAX_RB 1024
 #endif
@@ -400,6 +404,7 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
         if (mf_vecdot_avx512[type]) c.vd = mf_vecdot_avx512[type];
         c.vd4 = mf_vecdot4_avx512[type];
         c.vd8 = mf_vecdot8_avx512[type];
+        if (type == T_Q8_0 && c.rb < MF_Q8_VD4_MIN_RB) c.vd4 = NULL;
         c.xfmt = mf_xfmt_avx512[type];
         c.xs = c.xfmt == XF_Q8_256 ? (size_t)(cols / 256) * sizeof(mf_q8_256) : (size_t)(cols / 32) * sizeof(mf_q8_32);
     }

@@ -283,3 +283,22 @@ def test_kgemm_rows_independent_of_batch_and_threads(name, vnni):
     for nt in (1, 2):
         _native.set_threads(nt)
         np.testing.assert_array_equal(nat.matmul(X, w), full, err_msg=f"{name} threads={nt}")
+
+
+def test_q8_0_decode_long_rows_4row_kernel(vnni):
+    # Q8_0 decode with rows of >= 2 KiB runs the 4-row avx512vnni kernel (csrc/quant_mm.c
+    # MF_Q8_VD4_MIN_RB): 45 rows = 11 groups of 4 and one row alone; within the bound, and a
+    # row's bits do not depend on the other X rows (n = 1..3) or the thread count
+    t = BY_NAME["Q8_0"]
+    rng = np.random.default_rng(812)
+    rows, cols = 45, 4096
+    W = random_blocks(t, rows * cols, rng)
+    w = QTensor("w", t, (rows, cols), W)
+    X = rng.standard_normal((3, cols)).astype(np.float32)
+    ref = _xref("avx512vnni", t, X) @ _gguf_deq(t, W).reshape(rows, cols).astype(np.float64).T
+    full = nat.matmul(X, w)
+    assert _relerr(full, ref) < BOUND
+    for i in range(3):
+        np.testing.assert_array_equal(nat.matmul(X[i:i + 1], w)[0], full[i])
+    _native.set_threads(1)
+    np.testing.assert_array_equal(nat.matmul(X, w), full)
