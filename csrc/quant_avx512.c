@@ -173,8 +173,7 @@ VNNI static inline void q3_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *
 }
 
 
-/* The 1-row kernels over the per-block steps. (A 4-row form interleaving four rows block by
- * block returned the same bits but streamed 10-25% slower from DRAM on this Xeon: not used.) */
+/* The 1-row kernels over the per-block steps. */
 #define KQ_DRIVER(T, BYTES, FINAL)                                                                   \
     VNNI static float vd_##T(const uint8_t *w, const void *xv, int64_t nb) {                        \
         const mf_q8_256 *x = xv;                                                                    \
@@ -194,6 +193,21 @@ KQ_DRIVER(q4_k, 144, fin_min)
 KQ_DRIVER(q5_k, 176, fin_min)
 KQ_DRIVER(q6_k, 210, fin_plain)
 KQ_DRIVER(q3_k, 110, fin_plain)
+
+/* 4 rows block by block: per row exactly vd_T's arithmetic (the same bits); X loads shared */
+#define KQ_DRIVER4(T, BYTES, FINAL)                                                                  \
+    VNNI static void vd4_##T(const uint8_t *w, size_t rb, const void *xv, int64_t nb, float *out) {  \
+        const mf_q8_256 *x = xv;                                                                    \
+        __m512 acc[4];                                                                              \
+        __m256 accm[4];                                                                             \
+        for (int r = 0; r < 4; r++) { acc[r] = _mm512_setzero_ps(); accm[r] = _mm256_setzero_ps(); } \
+        for (int64_t b = 0; b < nb; b++)                                                            \
+            for (int r = 0; r < 4; r++) T##_step(w + r * rb + b * BYTES, x + b, &acc[r], &accm[r]);  \
+        for (int r = 0; r < 4; r++) out[r] = FINAL(acc[r], accm[r]);                                \
+    }
+KQ_DRIVER4(q4_k, 144, fin_min)
+KQ_DRIVER4(q5_k, 176, fin_min)
+KQ_DRIVER4(q6_k, 210, fin_plain)
 
 /* ---------------- 32-element types x Q8_32 (256-bit VNNI) ----------------
  * Per block the work is one 32-byte product and its float scale; vpdpbusd replaces the
@@ -416,6 +430,7 @@ mf_vecdot4_fn mf_vecdot8_avx512[T_MAX] = {[T_Q4_0] = vd8_q4_0};
 mf_vecdot4_fn mf_vecdot4_avx512[T_MAX] = {
     [T_Q4_0] = vd4_q4_0, [T_Q5_0] = vd4_q5_0, [T_Q4_1] = vd4_q4_1, [T_Q5_1] = vd4_q5_1,
     [T_Q8_0] = vd4_q8_0,
+    [T_Q4_K] = vd4_q4_k, [T_Q5_K] = vd4_q5_k, [T_Q6_K] = vd4_q6_k,
 };
 
 /* ---------------- prefill, K-quants: the AVX2 kernels (quant_avx2.c) with vpdpwssd ---------

@@ -111,6 +111,10 @@ const int mf_rows_stable = MF_ROWS_STABLE_N;
  * in-process A/B (docs/NOTES.md): 4 rows +45-70% at 3584-14336 columns, +5% at 2048, -13% at
  * 1024, mixed at 640; shorter rows keep the 1-row kernel with software prefetch. */
 #define MF_Q8_VD4_MIN_RB 2048
+/* Q4_K/Q5_K/Q6_K decode on avx512vnni: 4 rows block by block (each row's bits as the 1-row
+ * kernel's) from rows of this many bytes: from DRAM +35-40% at 14336-18944 columns, 2-12%
+ * slower at 3584-4096 (in-process A/B, docs/NOTES.md) */
+#define MF_K_VD4_MIN_RB 6144
 #ifndef MF_PF_MAX_RB
 #define MF_PF_MAX_RB 1024
 #endif
@@ -405,6 +409,7 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
         c.vd4 = mf_vecdot4_avx512[type];
         c.vd8 = mf_vecdot8_avx512[type];
         if (type == T_Q8_0 && c.rb < MF_Q8_VD4_MIN_RB) c.vd4 = NULL;
+        if ((type == T_Q4_K || type == T_Q5_K || type == T_Q6_K) && c.rb < MF_K_VD4_MIN_RB) c.vd4 = NULL;
         c.xfmt = mf_xfmt_avx512[type];
         c.xs = c.xfmt == XF_Q8_256 ? (size_t)(cols / 256) * sizeof(mf_q8_256) : (size_t)(cols / 32) * sizeof(mf_q8_32);
     }

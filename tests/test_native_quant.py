@@ -302,3 +302,23 @@ def test_q8_0_decode_long_rows_4row_kernel(vnni):
         np.testing.assert_array_equal(nat.matmul(X[i:i + 1], w)[0], full[i])
     _native.set_threads(1)
     np.testing.assert_array_equal(nat.matmul(X, w), full)
+
+
+@pytest.mark.parametrize("name, cols", [("Q4_K", 11008), ("Q5_K", 9216), ("Q6_K", 7680), ("Q8_0", 2048)])
+def test_4row_decode_same_bits_as_1row(name, cols, vnni):
+    # rows of >= 6 KiB (K-quants) / 2 KiB (Q8_0) decode 4 rows at a time on avx512vnni; the
+    # K-quant rows keep the 1-row kernel's bits exactly (a row alone in a 1-row matrix takes
+    # the 1-row kernel): rows 0-7 in two 4-row groups, row 8 alone
+    t = BY_NAME[name]
+    rng = np.random.default_rng(900 + t.id)
+    rows = 9
+    W = random_blocks(t, rows * cols, rng)
+    x = rng.standard_normal((1, cols)).astype(np.float32)
+    full = nat.matmul(x, QTensor("w", t, (rows, cols), W))[0]
+    rb = len(W) // rows
+    alone = np.array([nat.matmul(x, QTensor("w", t, (1, cols), W[r * rb:(r + 1) * rb]))[0, 0] for r in range(rows)])
+    if name == "Q8_0":  # its 4-row kernel sums in another order: within the bound
+        ref = _xref("avx512vnni", t, x) @ _gguf_deq(t, W).reshape(rows, cols).astype(np.float64).T
+        assert _relerr(full[None], ref) < BOUND and _relerr(alone[None], ref) < BOUND
+    else:
+        np.testing.assert_array_equal(full.view(np.uint32), alone.view(np.uint32))
