@@ -232,32 +232,40 @@ VNNI static inline __m128 hsum4_ps(__m256 a, __m256 b, __m256 c, __m256 d) {
     return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
-/* Q4_0, 4 rows: w = d (q - 8); the -8 d s_x term as one 4-lane FMA per block */
-VNNI static void vd4_q4_0(const uint8_t *w, size_t rb, const void *xv, int64_t nb, float *out) {
-    const mf_q8_32 *x = xv;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    __m128 cacc = _mm_setzero_ps();
-    const __m256i m4 = _mm256_set1_epi8(0xF), sh = _mm256_set_epi64x(4, 4, 0, 0);
-    const __m128 m8 = _mm_set1_ps(-8.0f);
-    const uint8_t *w0 = w, *w1 = w + rb, *w2 = w + 2 * rb, *w3 = w + 3 * rb;
-    float sc[4];
-    for (int64_t b = 0; b < nb; b++, w0 += 18, w1 += 18, w2 += 18, w3 += 18) {
-        const __m256i y = _mm256_loadu_si256((const __m256i *)x[b].qs);
-        const __m128 d4 = _mm_cvtph_ps(ld4_f16(w0, w1, w2, w3));
-        _mm_storeu_ps(sc, _mm_mul_ps(d4, _mm_set1_ps(x[b].d)));
-        cacc = _mm_fmadd_ps(_mm_mul_ps(d4, m8), _mm_set1_ps(x[b].s), cacc);
-#define Q40_ROW(W, A, I)                                                                            \
-        {                                                                                           \
-            __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)((W) + 2)));  \
-            q = _mm256_and_si256(_mm256_srlv_epi64(q, sh), m4);                                     \
-            const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, y);                   \
-            A = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + I), _mm256_cvtepi32_ps(p), A);              \
-        }
-        Q40_ROW(w0, a0, 0) Q40_ROW(w1, a1, 1) Q40_ROW(w2, a2, 2) Q40_ROW(w3, a3, 3)
-#undef Q40_ROW
+/* 4 rows of a 32-element type with one offset (Q4_0: w = d (q - 8); Q8_0: w + 128 is unsigned
+ * for vpdpbusd, so w = d (u - 128)): one X load and one scale conversion per block serve the 4
+ * rows; the OFF d s_x term as one 4-lane FMA per block. QLOAD(W) gives the block's 32 u8. */
+#define VD4_B32(NAME, BYTES, OFF, QLOAD)                                                             \
+    VNNI static void NAME(const uint8_t *w, size_t rb, const void *xv, int64_t nb, float *out) {   \
+        const mf_q8_32 *x = xv;                                                                     \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                 \
+        __m128 cacc = _mm_setzero_ps();                                                             \
+        const __m256i m4 = _mm256_set1_epi8(0xF), sh = _mm256_set_epi64x(4, 4, 0, 0);              \
+        const __m256i k80 = _mm256_set1_epi8((char)0x80);                                           \
+        (void)m4; (void)sh; (void)k80;                                                              \
+        const __m128 off = _mm_set1_ps(OFF);                                                        \
+        const uint8_t *w0 = w, *w1 = w + rb, *w2 = w + 2 * rb, *w3 = w + 3 * rb;                    \
+        float sc[4];                                                                                \
+        for (int64_t b = 0; b < nb; b++, w0 += BYTES, w1 += BYTES, w2 += BYTES, w3 += BYTES) {      \
+            const __m256i y = _mm256_loadu_si256((const __m256i *)x[b].qs);                         \
+            const __m128 d4 = _mm_cvtph_ps(ld4_f16(w0, w1, w2, w3));                                \
+            _mm_storeu_ps(sc, _mm_mul_ps(d4, _mm_set1_ps(x[b].d)));                                 \
+            cacc = _mm_fmadd_ps(_mm_mul_ps(d4, off), _mm_set1_ps(x[b].s), cacc);                    \
+            B32_ROW(w0, a0, 0, QLOAD) B32_ROW(w1, a1, 1, QLOAD)                                     \
+            B32_ROW(w2, a2, 2, QLOAD) B32_ROW(w3, a3, 3, QLOAD)                                     \
+        }                                                                                           \
+        _mm_storeu_ps(out, _mm_add_ps(hsum4_ps(a0, a1, a2, a3), cacc));                             \
     }
-    _mm_storeu_ps(out, _mm_add_ps(hsum4_ps(a0, a1, a2, a3), cacc));
-}
+#define B32_ROW(W, A, I, QLOAD)                                                                     \
+    {                                                                                               \
+        const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), QLOAD(W), y);                 \
+        A = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + I), _mm256_cvtepi32_ps(p), A);                 \
+    }
+#define QLOAD_Q4_0(W) _mm256_and_si256(_mm256_srlv_epi64(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)((W) + 2))), sh), m4)
+#define QLOAD_Q8_0(W) _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)((W) + 2)), k80)
+VD4_B32(vd4_q4_0, 18, -8.0f, QLOAD_Q4_0)
+VD4_B32(vd4_q8_0, 34, -128.0f, QLOAD_Q8_0) /* long rows only, see quant_mm.c */
+#undef B32_ROW
 
 /* Q8_0: w + 128 is unsigned (one xor), so vpdpbusd applies; the 128 * d * s_x it adds is
  * taken off in float once per row */
@@ -294,34 +302,6 @@ VNNI static float vd_q8_0(const uint8_t *w, const void *xv, int64_t nb) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s) - 128.0f * (c0 + c1);
-}
-
-/* Q8_0, 4 rows (short rows, see quant_mm.c): one X load and one scale conversion per block
- * serve 4 rows; per row the arithmetic of vd_q8_0 in one accumulator, the 128 d s_x
- * correction in 4 lanes */
-VNNI static void vd4_q8_0(const uint8_t *w, size_t rb, const void *xv, int64_t nb, float *out) {
-    const mf_q8_32 *x = xv;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    __m128 cacc = _mm_setzero_ps();
-    const __m256i k80 = _mm256_set1_epi8((char)0x80);
-    const __m128 m128 = _mm_set1_ps(-128.0f);
-    const uint8_t *w0 = w, *w1 = w + rb, *w2 = w + 2 * rb, *w3 = w + 3 * rb;
-    float sc[4];
-    for (int64_t b = 0; b < nb; b++, w0 += 34, w1 += 34, w2 += 34, w3 += 34) {
-        const __m256i y = _mm256_loadu_si256((const __m256i *)x[b].qs);
-        const __m128 d4 = _mm_cvtph_ps(ld4_f16(w0, w1, w2, w3));
-        _mm_storeu_ps(sc, _mm_mul_ps(d4, _mm_set1_ps(x[b].d)));
-        cacc = _mm_fmadd_ps(_mm_mul_ps(d4, m128), _mm_set1_ps(x[b].s), cacc);
-#define Q80_ROW(W, A, I)                                                                            \
-        {                                                                                           \
-            const __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)((W) + 2)), k80); \
-            const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, y);                   \
-            A = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + I), _mm256_cvtepi32_ps(p), A);              \
-        }
-        Q80_ROW(w0, a0, 0) Q80_ROW(w1, a1, 1) Q80_ROW(w2, a2, 2) Q80_ROW(w3, a3, 3)
-#undef Q80_ROW
-    }
-    _mm_storeu_ps(out, _mm_add_ps(hsum4_ps(a0, a1, a2, a3), cacc));
 }
 
 /* 32 bits -> 32 bytes, 0xFF where the bit is set: one mask op */
