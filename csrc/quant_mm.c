@@ -171,7 +171,8 @@ static void mm_task_vec(void *p, int64_t t) {
     /* 1-row kernels read the task as c->streams parts in row-by-row alternation: from DRAM,
      * two long ascending streams per core measured ~8-10% faster than one (1 thread, Q4_K/Q6_K
      * 14336x4096: 8.3 -> 9.1, 8.9 -> 9.9 GB/s per CPU-second); alternating 8-row or 16-row
-     * stretches gained nothing, nor did 4 adjacent rows block by block (-10%). */
+     * stretches gained nothing, nor did 4 or 2 adjacent rows block by block on rows under
+     * 6 KiB (longer rows take the 4-row kernel: MF_K_VD4_MIN_RB, MF_Q8_VD4_MIN_RB). */
     const int64_t S = c->streams > 1 ? c->streams : 1, part = (r1 - r0 + S - 1) / S;
     for (int64_t i0 = 0; i0 < c->n; i0 += XT) {
         int64_t i1 = i0 + XT < c->n ? i0 + XT : c->n;
