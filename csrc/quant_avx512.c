@@ -747,8 +747,7 @@ VNNI static void b32g_unpack(int type, const uint8_t *w, size_t rb, int64_t nrow
     }
 }
 
-static _Thread_local b32g_w *tl_gw;
-static _Thread_local size_t tl_gcap;
+static _Thread_local tl_scratch tl_gws;
 
 /* Y rows [0, n) x W rows [0, nrows) (nb blocks of rb bytes per row) into y (row stride ys);
  * xb: ceil(n / 16) bands of nb blocks. */
@@ -756,14 +755,9 @@ VNNI void mf_b32gemm_avx512(int type, const uint8_t *w, size_t rb, int64_t nrows
                            int64_t n, float *y, int64_t ys) {
     const int hasc = type == T_Q4_1 || type == T_Q5_1;
     const int64_t np = (nrows + 9) / 10 * 10; /* zero rows pad the last group of 10 */
-    size_t need = (size_t)(np * nb);
-    if (need > tl_gcap) {
-        free(tl_gw);
-        tl_gw = aligned_alloc(64, (need * sizeof(b32g_w) + 63) & ~(size_t)63);
-        tl_gcap = tl_gw ? need : 0;
-    }
+    b32g_w *gw = tl_reserve(&tl_gws, (size_t)(np * nb) * sizeof(b32g_w));
     float out[10 * 16];
-    if (!tl_gw) { /* no scratch: 8 rows x 16 blocks at a time on the stack, re-unpacked per band */
+    if (!gw) { /* no scratch: 8 rows x 16 blocks at a time on the stack, re-unpacked per band */
         b32g_w wb[8 * 16];
         for (int64_t t = 0; t * 16 < n; t++) {
             const int64_t m = n - t * 16 < 16 ? n - t * 16 : 16;
@@ -781,15 +775,15 @@ VNNI void mf_b32gemm_avx512(int type, const uint8_t *w, size_t rb, int64_t nrows
         }
         return;
     }
-    b32g_unpack(type, w, rb, nrows, nb, tl_gw, nb);
-    memset(tl_gw + nrows * nb, 0, (size_t)((np - nrows) * nb) * sizeof(b32g_w));
+    b32g_unpack(type, w, rb, nrows, nb, gw, nb);
+    memset(gw + nrows * nb, 0, (size_t)((np - nrows) * nb) * sizeof(b32g_w));
     int64_t t = 0;
     for (; (t + 2) * 16 <= n; t += 2) { /* band pairs */
         const mf_b32band *xt = xb + t * nb;
         float *yt = y + t * 16 * ys;
         for (int64_t r = 0; r < nrows; r += 5) {
             const int64_t R = nrows - r < 5 ? nrows - r : 5;
-            b32g2_5(tl_gw + r * nb, nb, nb, xt, hasc, out);
+            b32g2_5(gw + r * nb, nb, nb, xt, hasc, out);
             for (int64_t j = 0; j < 32; j++)
                 for (int64_t k = 0; k < R; k++) yt[j * ys + r + k] = out[16 * (k + (j >> 4) * 5) + (j & 15)];
         }
@@ -800,7 +794,7 @@ VNNI void mf_b32gemm_avx512(int type, const uint8_t *w, size_t rb, int64_t nrows
         float *yt = y + t * 16 * ys;
         for (int64_t r = 0; r < nrows; r += 10) {
             const int64_t R = nrows - r < 10 ? nrows - r : 10;
-            b32g_10(tl_gw + r * nb, nb, nb, xt, hasc, 0, out);
+            b32g_10(gw + r * nb, nb, nb, xt, hasc, 0, out);
             for (int64_t j = 0; j < m; j++)
                 for (int64_t k = 0; k < R; k++) yt[j * ys + r + k] = out[16 * k + j];
         }

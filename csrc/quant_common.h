@@ -4,6 +4,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 enum {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
@@ -108,5 +109,16 @@ void mf_xband_build(const mf_q8_256 *rows, int64_t m, int64_t nb, mf_xband *o); 
  * out[(h*R + r)*16 + j] for band h, W row r, lane j */
 void mf_kgemm_avx512(const mf_kw *const *w, int R, int g32, int64_t nb, const mf_xband *x0,
                      const mf_xband *x1, float *out);
+
+/* per-thread scratch that grows: 64-byte aligned, at least `bytes`; NULL when out of memory */
+typedef struct { void *p; size_t cap; } tl_scratch;
+static inline void *tl_reserve(tl_scratch *s, size_t bytes) {
+    if (bytes > s->cap) {
+        free(s->p);
+        s->p = aligned_alloc(64, (bytes + 63) & ~(size_t)63); /* C11: size % align == 0 */
+        s->cap = s->p ? bytes : 0;
+    }
+    return s->p;
+}
 
 #endif

@@ -31,17 +31,6 @@ typedef struct {
     const mf_xband *xb;      /* its X bands: [ceil(n/16)][nb] */
 } mm_ctx;
 
-/* per-thread scratch that grows: 64-byte aligned, at least `bytes`; NULL when out of memory */
-typedef struct { void *p; size_t cap; } tl_scratch;
-static void *tl_reserve(tl_scratch *s, size_t bytes) {
-    if (bytes > s->cap) {
-        free(s->p);
-        s->p = aligned_alloc(64, (bytes + 63) & ~(size_t)63); /* C11: size % align == 0 */
-        s->cap = s->p ? bytes : 0;
-    }
-    return s->p;
-}
-
 static _Thread_local float *tl_buf;
 static _Thread_local size_t tl_cap;
 
@@ -107,14 +96,15 @@ _Static_assert(MF_KBLK_MIN_N <= MF_ROWS_STABLE_N && MF_B32_MIN_N <= MF_ROWS_STAB
                "a batched-kernel threshold above MF_ROWS_STABLE_N");
 const int mf_rows_stable = MF_ROWS_STABLE_N;
 #define MF_VEC_TASK_BYTES (64 * 1024)
-/* Q8_0 decode on avx512vnni: the 4-row kernel for rows of at least this many bytes. From DRAM,
- * in-process A/B (docs/NOTES.md): 4 rows +45-70% at 3584-14336 columns, +5% at 2048, -13% at
- * 1024, mixed at 640; shorter rows keep the 1-row kernel with software prefetch. */
+/* Decode on avx512vnni: the 4-row kernel only for rows of at least this many bytes (0: any).
+ * From DRAM, in-process A/B (docs/NOTES.md): Q8_0 4 rows +45-70% at 3584-14336 columns, +5% at
+ * 2048, -13% at 1024, mixed at 640; Q4_K/Q5_K/Q6_K (4 rows block by block, each row's bits as
+ * the 1-row kernel's) +35-40% at 14336-18944 columns, 2-12% slower at 3584-4096. Shorter rows
+ * keep the 1-row kernel (two streams per core, software prefetch for short rows). */
 #define MF_Q8_VD4_MIN_RB 2048
-/* Q4_K/Q5_K/Q6_K decode on avx512vnni: 4 rows block by block (each row's bits as the 1-row
- * kernel's) from rows of this many bytes: from DRAM +35-40% at 14336-18944 columns, 2-12%
- * slower at 3584-4096 (in-process A/B, docs/NOTES.md) */
 #define MF_K_VD4_MIN_RB 6144
+static const int vd4_min_rb[T_MAX] = {[T_Q8_0] = MF_Q8_VD4_MIN_RB, [T_Q4_K] = MF_K_VD4_MIN_RB,
+                                      [T_Q5_K] = MF_K_VD4_MIN_RB, [T_Q6_K] = MF_K_VD4_MIN_RB};
 #ifndef MF_PF_MAX_RB
 #define MF_PF_MAX_RB 1024
 #endif
@@ -409,8 +399,7 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
         if (mf_vecdot_avx512[type]) c.vd = mf_vecdot_avx512[type];
         c.vd4 = mf_vecdot4_avx512[type];
         c.vd8 = mf_vecdot8_avx512[type];
-        if (type == T_Q8_0 && c.rb < MF_Q8_VD4_MIN_RB) c.vd4 = NULL;
-        if ((type == T_Q4_K || type == T_Q5_K || type == T_Q6_K) && c.rb < MF_K_VD4_MIN_RB) c.vd4 = NULL;
+        if (c.rb < vd4_min_rb[type]) c.vd4 = NULL;
         c.xfmt = mf_xfmt_avx512[type];
         c.xs = c.xfmt == XF_Q8_256 ? (size_t)(cols / 256) * sizeof(mf_q8_256) : (size_t)(cols / 32) * sizeof(mf_q8_32);
     }

@@ -214,10 +214,12 @@ class Model:
         return self._fused or None
 
     # --- shared pieces -------------------------------------------------------------------
+    def _rows_kw(self, x: np.ndarray) -> dict:
+        # rowwise for a matmul over exactly the rows that must not affect each other (_rowwise)
+        return {"rowwise": True} if self._rowwise and x.shape[0] == self._rowwise else {}
+
     def _matmul(self, x: np.ndarray, w) -> np.ndarray:
-        if self._rowwise and x.shape[0] == self._rowwise:
-            return self.ops.matmul(x, w, rowwise=True)
-        return self.ops.matmul(x, w)
+        return self.ops.matmul(x, w, **self._rows_kw(x))
 
     def norm(self, x: np.ndarray, name: str) -> np.ndarray:
         return self.ops.rmsnorm(x, self.vec[name], self.config.rms_eps)
@@ -234,8 +236,7 @@ class Model:
         mm = getattr(self.ops, "matmul_multi", None)
         if mm is None:
             return [self.linear(x, nm) for nm in names]
-        kw = {"rowwise": True} if self._rowwise and x.shape[0] == self._rowwise else {}
-        ys = mm(x, [self.weights.get(nm + ".weight") for nm in names], outs, **kw)
+        ys = mm(x, [self.weights.get(nm + ".weight") for nm in names], outs, **self._rows_kw(x))
         for i, nm in enumerate(names):
             b = self.vec.get(nm + ".bias")
             if b is not None:
