@@ -100,27 +100,26 @@ const int mf_rows_stable = MF_ROWS_STABLE_N;
  * From DRAM, in-process A/B (docs/NOTES.md): Q8_0 4 rows +45-70% at 3584-14336 columns, +5% at
  * 2048, -13% at 1024, mixed at 640; Q4_K/Q5_K/Q6_K (4 rows block by block, each row's bits as
  * the 1-row kernel's) +35-40% at 14336-18944 columns, 2-12% slower at 3584-4096. Shorter rows
- * keep the 1-row kernel (two streams per core, software prefetch for short rows). */
+ * keep the 1-row kernel (two streams per core). */
 #define MF_Q8_VD4_MIN_RB 2048
 #define MF_K_VD4_MIN_RB 6144
 static const int vd4_min_rb[T_MAX] = {[T_Q8_0] = MF_Q8_VD4_MIN_RB, [T_Q4_K] = MF_K_VD4_MIN_RB,
                                       [T_Q5_K] = MF_K_VD4_MIN_RB, [T_Q6_K] = MF_K_VD4_MIN_RB};
-#ifndef MF_PF_MAX_RB
-#define MF_PF_MAX_RB 1024
-#endif
 #ifndef MF_PF_ROWS
 #define MF_PF_ROWS 8
 #endif
-/* Software prefetch of W rows [a, b) clipped to the task's end: decode reads each weight
- * byte once, and the hardware prefetchers alone left the 2-core matvec of small matrices at
- * ~11 GB/s; 8 rows ahead measured 15-19 GB/s (SmolLM2 decode layers 6.3 -> 4.0 ms). Long
- * rows stream well without it, and worse with it (Q6_K 14336x4096: 18 -> 15 GB/s): only rows
- * up to MF_PF_MAX_RB bytes are prefetched. */
+/* Software prefetch of W rows [a, b) clipped to the task's end, into all cache levels
+ * (prefetcht0). Decode reads each weight byte once; on the Xeon of BENCHMARKS.md the
+ * hardware prefetchers alone left the 2-core matvec of small matrices at ~11 GB/s. The hint
+ * matters more than the distance: with prefetchnta (8 rows ahead, rows <= 1 KiB only), Q8_0
+ * 262144x640 streamed 9.8-13 GB/s, with prefetcht0 20-23 GB/s (in-process A/B, docs/NOTES.md);
+ * 2-32 KiB ahead measured the same, and long rows, which lost with prefetchnta, gain or stay
+ * level with prefetcht0. */
 static inline void prefetch_rows(const mm_ctx *c, int64_t a, int64_t b, int64_t end) {
     if (b > end) b = end;
     if (a >= b) return;
     const char *p = (const char *)(c->w + a * c->rb), *e = (const char *)(c->w + b * c->rb);
-    for (; p < e; p += 64) __builtin_prefetch(p, 0, 0);
+    for (; p < e; p += 64) __builtin_prefetch(p, 0, 3);
 }
 
 /* rows [a, b) of W against X rows [i0, i1): 8-row, then 4-row groups from a (a multiple of
@@ -157,7 +156,6 @@ static void vec_rows(const mm_ctx *c, int64_t a, int64_t b, int64_t i0, int64_t 
 static void mm_task_vec(void *p, int64_t t) {
     mm_ctx *c = p;
     int64_t r0 = t * c->rt, r1 = r0 + c->rt < c->rows ? r0 + c->rt : c->rows;
-    const int pf_ok = c->rb <= MF_PF_MAX_RB;
     /* 1-row kernels read the task as c->streams parts in row-by-row alternation: from DRAM,
      * two long ascending streams per core measured ~8-10% faster than one (1 thread, Q4_K/Q6_K
      * 14336x4096: 8.3 -> 9.1, 8.9 -> 9.9 GB/s per CPU-second); alternating 8-row or 16-row
@@ -166,7 +164,7 @@ static void mm_task_vec(void *p, int64_t t) {
     const int64_t S = c->streams > 1 ? c->streams : 1, part = (r1 - r0 + S - 1) / S;
     for (int64_t i0 = 0; i0 < c->n; i0 += XT) {
         int64_t i1 = i0 + XT < c->n ? i0 + XT : c->n;
-        const int pf = pf_ok && i0 == 0; /* the first X tile streams W; later ones hit cache */
+        const int pf = i0 == 0; /* the first X tile streams W; later ones hit cache */
         if (S == 1) {
             vec_rows(c, r0, r1, i0, i1, pf, r1);
             continue;
