@@ -232,40 +232,29 @@ VNNI static inline __m128 hsum4_ps(__m256 a, __m256 b, __m256 c, __m256 d) {
     return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
-/* 4 rows of a 32-element type with one offset (Q4_0: w = d (q - 8); Q8_0: w + 128 is unsigned
- * for vpdpbusd, so w = d (u - 128)): one X load and one scale conversion per block serve the 4
- * rows; the OFF d s_x term as one 4-lane FMA per block. QLOAD(W) gives the block's 32 u8. */
-#define VD4_B32(NAME, BYTES, OFF, QLOAD)                                                             \
-    VNNI static void NAME(const uint8_t *w, size_t rb, const void *xv, int64_t nb, float *out) {   \
-        const mf_q8_32 *x = xv;                                                                     \
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                 \
-        __m128 cacc = _mm_setzero_ps();                                                             \
-        const __m256i m4 = _mm256_set1_epi8(0xF), sh = _mm256_set_epi64x(4, 4, 0, 0);              \
-        const __m256i k80 = _mm256_set1_epi8((char)0x80);                                           \
-        (void)m4; (void)sh; (void)k80;                                                              \
-        const __m128 off = _mm_set1_ps(OFF);                                                        \
-        const uint8_t *w0 = w, *w1 = w + rb, *w2 = w + 2 * rb, *w3 = w + 3 * rb;                    \
-        float sc[4];                                                                                \
-        for (int64_t b = 0; b < nb; b++, w0 += BYTES, w1 += BYTES, w2 += BYTES, w3 += BYTES) {      \
-            const __m256i y = _mm256_loadu_si256((const __m256i *)x[b].qs);                         \
-            const __m128 d4 = _mm_cvtph_ps(ld4_f16(w0, w1, w2, w3));                                \
-            _mm_storeu_ps(sc, _mm_mul_ps(d4, _mm_set1_ps(x[b].d)));                                 \
-            cacc = _mm_fmadd_ps(_mm_mul_ps(d4, off), _mm_set1_ps(x[b].s), cacc);                    \
-            B32_ROW(w0, a0, 0, QLOAD) B32_ROW(w1, a1, 1, QLOAD)                                     \
-            B32_ROW(w2, a2, 2, QLOAD) B32_ROW(w3, a3, 3, QLOAD)                                     \
-        }                                                                                           \
-        _mm_storeu_ps(out, _mm_add_ps(hsum4_ps(a0, a1, a2, a3), cacc));                             \
+/* Q8_0, 4 rows (long rows only, see quant_mm.c): w + 128 is unsigned for vpdpbusd, so
+ * w = d (u - 128); one X load and one scale conversion per block serve the 4 rows, the
+ * -128 d s_x term is one 4-lane FMA per block. */
+VNNI static void vd4_q8_0(const uint8_t *w, size_t rb, const void *xv, int64_t nb, float *out) {
+    const mf_q8_32 *x = xv;
+    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m128 cacc = _mm_setzero_ps();
+    const __m256i k80 = _mm256_set1_epi8((char)0x80);
+    const __m128 off = _mm_set1_ps(-128.0f);
+    float sc[4];
+    for (int64_t b = 0; b < nb; b++, w += 34) {
+        const __m256i y = _mm256_loadu_si256((const __m256i *)x[b].qs);
+        const __m128 d4 = _mm_cvtph_ps(ld4_f16(w, w + rb, w + 2 * rb, w + 3 * rb));
+        _mm_storeu_ps(sc, _mm_mul_ps(d4, _mm_set1_ps(x[b].d)));
+        cacc = _mm_fmadd_ps(_mm_mul_ps(d4, off), _mm_set1_ps(x[b].s), cacc);
+        for (int r = 0; r < 4; r++) {
+            const __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + r * rb + 2)), k80);
+            const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, y);
+            a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + r), _mm256_cvtepi32_ps(p), a[r]);
+        }
     }
-#define B32_ROW(W, A, I, QLOAD)                                                                     \
-    {                                                                                               \
-        const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), QLOAD(W), y);                 \
-        A = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + I), _mm256_cvtepi32_ps(p), A);                 \
-    }
-#define QLOAD_Q4_0(W) _mm256_and_si256(_mm256_srlv_epi64(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)((W) + 2))), sh), m4)
-#define QLOAD_Q8_0(W) _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)((W) + 2)), k80)
-VD4_B32(vd4_q4_0, 18, -8.0f, QLOAD_Q4_0)
-VD4_B32(vd4_q8_0, 34, -128.0f, QLOAD_Q8_0) /* long rows only, see quant_mm.c */
-#undef B32_ROW
+    _mm_storeu_ps(out, _mm_add_ps(hsum4_ps(a[0], a[1], a[2], a[3]), cacc));
+}
 
 /* Q8_0: w + 128 is unsigned (one xor), so vpdpbusd applies; the 128 * d * s_x it adds is
  * taken off in float once per row */
@@ -376,39 +365,66 @@ VD4_Q41(vd4_q4_1, 20, 4, 0)
 VD4_Q41(vd4_q5_1, 24, 8, 1)
 #undef Q41_ROW
 
-/* Q4_0, 8 rows: per row exactly the arithmetic of vd4_q4_0 (same lanes, FMAs and reduction),
- * so any grouping of rows into 8s and 4s gives the same bits; the 8 rows' scales convert and
- * multiply in one 8-lane step (the per-block cost shared by twice the rows). */
-VNNI static void vd8_q4_0(const uint8_t *w, size_t rb, const void *xv, int64_t nb, float *out) {
-    const mf_q8_32 *x = xv;
-    __m256 a[8];
-    for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
-    __m256 cacc = _mm256_setzero_ps();
-    const __m256i m4 = _mm256_set1_epi8(0xF), sh = _mm256_set_epi64x(4, 4, 0, 0);
-    const __m256 m8 = _mm256_set1_ps(-8.0f);
-    const __m256i offs = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)rb));
-    float sc[8];
-    for (int64_t b = 0; b < nb; b++, w += 18) {
-        const __m256i y = _mm256_loadu_si256((const __m256i *)x[b].qs);
-        /* the 8 rows' d: a gather of the 4 bytes at each row's block, low halves kept */
-        const __m256i g = _mm256_i32gather_epi32((const int *)w, offs, 1);
-        const __m256 d8 = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(g));
-        _mm256_storeu_ps(sc, _mm256_mul_ps(d8, _mm256_set1_ps(x[b].d)));
-        cacc = _mm256_fmadd_ps(_mm256_mul_ps(d8, m8), _mm256_set1_ps(x[b].s), cacc);
-        for (int r = 0; r < 8; r++) {
-            __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(w + r * rb + 2)));
-            q = _mm256_and_si256(_mm256_srlv_epi64(q, sh), m4);
-            const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, y);
-            a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + r), _mm256_cvtepi32_ps(p), a[r]);
-        }
+/* Q4_0, R = 4 or 8 rows, two blocks per 512-bit step: lanes 0-7 carry the even blocks, 8-15
+ * the odd ones (each row's accumulator adds the two halves at the end, then the -8 d s_x
+ * term). Half the vector instructions per weight of the 256-bit form; the 4- and 8-row
+ * kernels do the same per-row arithmetic, so a row's bits do not depend on its group. */
+#define VDZ_Q4_0(NAME, R)                                                                           \
+    VNNI static void NAME(const uint8_t *w, size_t rb, const void *xv, int64_t nb, float *out) {   \
+        const mf_q8_32 *x = xv;                                                                     \
+        __m512 a[R];                                                                                \
+        for (int r = 0; r < R; r++) a[r] = _mm512_setzero_ps();                                     \
+        __m512 cacc = _mm512_setzero_ps();                                                          \
+        const __m512i m4 = _mm512_set1_epi8(0xF), sh = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);    \
+        const __m512 m8 = _mm512_set1_ps(-8.0f);                                                    \
+        /* gather offsets: lane l < 8 row l of the even block, lane 8 + l row l of the odd block */ \
+        __m512i offs = _mm512_setzero_si512();                                                      \
+        {                                                                                           \
+            int32_t o[16];                                                                          \
+            for (int l = 0; l < 16; l++) o[l] = (int32_t)((l & 7) % R * (int64_t)rb + (l >> 3) * 18); \
+            offs = _mm512_loadu_si512(o);                                                           \
+        }                                                                                           \
+        const __mmask16 gm = nb >= 2 ? (R == 8 ? 0xFFFF : 0x0F0F) : (R == 8 ? 0x00FF : 0x000F);    \
+        for (int64_t b = 0; b < nb; b += 2, w += 36) {                                              \
+            const int two = b + 1 < nb;                                                             \
+            const __mmask16 m = two ? gm : (__mmask16)(gm & 0x00FF);                                \
+            const __m256i y0 = _mm256_loadu_si256((const __m256i *)x[b].qs);                        \
+            const __m512i y = two ? _mm512_inserti64x4(_mm512_castsi256_si512(y0),                  \
+                                        _mm256_loadu_si256((const __m256i *)x[b + 1].qs), 1)        \
+                                  : _mm512_zextsi256_si512(y0);                                     \
+            const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, offs, (const int *)w, 1); \
+            const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));                             \
+            const __m512 xd = _mm512_insertf32x8(_mm512_set1_ps(x[b].d), _mm256_set1_ps(two ? x[b + 1].d : 0.0f), 1); \
+            const __m512 xs = _mm512_insertf32x8(_mm512_set1_ps(x[b].s), _mm256_set1_ps(two ? x[b + 1].s : 0.0f), 1); \
+            const __m512 sc = _mm512_mul_ps(d, xd);                                                 \
+            cacc = _mm512_fmadd_ps(_mm512_mul_ps(d, m8), xs, cacc);                                 \
+            for (int r = 0; r < R; r++) {                                                           \
+                const uint8_t *wr = w + r * rb + 2;                                                 \
+                const __m256i q0 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)wr)); \
+                const __m256i q1 = two ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(wr + 18))) \
+                                       : _mm256_setzero_si256();                                    \
+                __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1);                   \
+                q = _mm512_and_si512(_mm512_srlv_epi64(q, sh), m4);                                 \
+                const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, y);                \
+                const __m512 s = _mm512_permutexvar_ps(                                             \
+                    _mm512_set_epi32(8 + r, 8 + r, 8 + r, 8 + r, 8 + r, 8 + r, 8 + r, 8 + r,        \
+                                     r, r, r, r, r, r, r, r), sc);                                  \
+                a[r] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(p), a[r]);                             \
+            }                                                                                       \
+        }                                                                                           \
+        float c[16];                                                                                \
+        _mm512_storeu_ps(c, cacc);                                                                  \
+        for (int r = 0; r < R; r++) {                                                               \
+            const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a[r]), _mm512_extractf32x8_ps(a[r], 1)); \
+            out[r] = hsum8(h) + (c[r] + c[8 + r]);                                                  \
+        }                                                                                           \
     }
-    _mm_storeu_ps(out, _mm_add_ps(hsum4_ps(a[0], a[1], a[2], a[3]), _mm256_castps256_ps128(cacc)));
-    _mm_storeu_ps(out + 4, _mm_add_ps(hsum4_ps(a[4], a[5], a[6], a[7]), _mm256_extractf128_ps(cacc, 1)));
-}
-mf_vecdot4_fn mf_vecdot8_avx512[T_MAX] = {[T_Q4_0] = vd8_q4_0};
+VDZ_Q4_0(vdz4_q4_0, 4)
+VDZ_Q4_0(vdz8_q4_0, 8)
+mf_vecdot4_fn mf_vecdot8_avx512[T_MAX] = {[T_Q4_0] = vdz8_q4_0};
 
 mf_vecdot4_fn mf_vecdot4_avx512[T_MAX] = {
-    [T_Q4_0] = vd4_q4_0, [T_Q5_0] = vd4_q5_0, [T_Q4_1] = vd4_q4_1, [T_Q5_1] = vd4_q5_1,
+    [T_Q4_0] = vdz4_q4_0, [T_Q5_0] = vd4_q5_0, [T_Q4_1] = vd4_q4_1, [T_Q5_1] = vd4_q5_1,
     [T_Q8_0] = vd4_q8_0,
     [T_Q4_K] = vd4_q4_k, [T_Q5_K] = vd4_q5_k, [T_Q6_K] = vd4_q6_k,
 };

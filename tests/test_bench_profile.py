@@ -71,3 +71,11 @@ def test_read_probe_streams_argument():
         _native.read_buffer(buf, k)
     with pytest.raises(ValueError, match="streams 0"):
         _native.read_buffer(buf, 0)
+
+
+def test_kernel_shapes_7b_no_repeats():
+    # --shapes 7b adds a 7B's matrices to --rows x --cols; a shape named twice runs once
+    from memfit.bench.kernels import SHAPES_7B, parse_shapes
+    assert parse_shapes("7b", 14336, 4096) == [(14336, 4096), (4096, 4096), (4096, 14336), (152064, 3584)]
+    assert parse_shapes("7b", 100, 512) == [(100, 512)] + SHAPES_7B
+    assert parse_shapes("64x512,7b,64x512", 1, 32) == [(64, 512)] + SHAPES_7B

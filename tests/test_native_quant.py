@@ -176,11 +176,12 @@ def test_bad_shapes_raise():
 # (vpdpwssd for madd + add, vpdpbusd for maddubs + madd) keep its lanes and float order:
 # K-quant prefill below 10 rows (from 10 the 16-lane GEMM: float scale per sub-block, other
 # rounding) and 32-element decode (1-4 rows; from 5 rows, Q8_0 and IQ4_NL from 4, the banded
-# GEMM with its own float order). The GEMMs are checked against the reference bound instead
+# GEMM with its own float order). Not Q4_0: its 4- and 8-row decode kernels take two blocks
+# per 512-bit step (test_q4_0_decode_groups_same_bits). The GEMMs are checked against the reference bound instead
 # (test_matmul_shapes, test_b32_gemm_*, test_kgemm_rows_*).
 VNNI_SAME_BITS = [("Q2_K", (4, 7, 9)), ("Q3_K", (4, 7, 9)), ("Q4_K", (4, 7, 9)),
                   ("Q5_K", (4, 7, 9)), ("Q6_K", (4, 7, 9)),  # prefill (decode differs: 512-bit)
-                  ("Q4_0", (1, 2, 3, 4)), ("Q4_1", (1, 2, 3, 4)), ("Q5_0", (1, 2, 3, 4)),
+                  ("Q4_1", (1, 2, 3, 4)), ("Q5_0", (1, 2, 3, 4)),
                   ("Q5_1", (1, 2, 3, 4))]
 
 
@@ -302,6 +303,30 @@ def test_q8_0_decode_long_rows_4row_kernel(vnni):
         np.testing.assert_array_equal(nat.matmul(X[i:i + 1], w)[0], full[i])
     _native.set_threads(1)
     np.testing.assert_array_equal(nat.matmul(X, w), full)
+
+
+@pytest.mark.parametrize("cols", [96, 160, 4096])
+def test_q4_0_decode_groups_same_bits(cols, vnni):
+    # Q4_0 decode on avx512vnni: 8-row groups, then 4-row groups from a multiple of 4 rows,
+    # two blocks per 512-bit step (odd block counts: a half step). A row's bits must not
+    # depend on its group (8 or 4 rows: the split into tasks follows the thread count) and
+    # stay within the bound. 13 rows: 0-7 in an 8-row group, 8-11 in a 4-row one, 12 alone;
+    # rows 4-11 as their own matrix: 8 rows split into 4-row tasks by 2 threads.
+    t = BY_NAME["Q4_0"]
+    rng = np.random.default_rng(950 + cols)
+    rows = 13
+    W = random_blocks(t, rows * cols, rng)
+    rb = len(W) // rows
+    X = rng.standard_normal((2, cols)).astype(np.float32)
+    ref = _xref("avx512vnni", t, X) @ _gguf_deq(t, W).reshape(rows, cols).astype(np.float64).T
+    full = nat.matmul(X, QTensor("w", t, (rows, cols), W))
+    assert _relerr(full, ref) < BOUND
+    for nt in (1, 2):
+        _native.set_threads(nt)
+        mid = nat.matmul(X, QTensor("w", t, (8, cols), W[4 * rb:12 * rb]))
+        np.testing.assert_array_equal(mid.view(np.uint32), full[:, 4:12].view(np.uint32), err_msg=f"threads={nt}")
+        four = nat.matmul(X, QTensor("w", t, (4, cols), W[8 * rb:12 * rb]))
+        np.testing.assert_array_equal(four.view(np.uint32), full[:, 8:12].view(np.uint32))
 
 
 @pytest.mark.parametrize("name, cols", [("Q4_K", 11008), ("Q5_K", 9216), ("Q6_K", 7680), ("Q8_0", 2048)])

@@ -50,7 +50,9 @@ def parse_shapes(spec: str | None, rows: int, cols: int) -> list[tuple[int, int]
             if not (x and r.isdigit() and c.isdigit() and int(r) > 0 and int(c) > 0):
                 raise RequestError(f"--shapes: {part!r} is not ROWSxCOLS (e.g. 4096x4096) or 7b")
             cand = [(int(r), int(c))]
-        out += [s for s in cand if s not in out]
+        for s in cand:
+            if s not in out:
+                out.append(s)
     return out
 
 
