@@ -78,4 +78,4 @@ def test_kernel_shapes_7b_no_repeats():
     from memfit.bench.kernels import SHAPES_7B, parse_shapes
     assert parse_shapes("7b", 14336, 4096) == [(14336, 4096), (4096, 4096), (4096, 14336), (152064, 3584)]
     assert parse_shapes("7b", 100, 512) == [(100, 512)] + SHAPES_7B
-    assert parse_shapes("64x512,7b,64x512", 1, 32) == [(64, 512)] + SHAPES_7B
+    assert parse_shapes("64x512,7b,64x512", 1, 32) == [(64, 512), (1, 32)] + SHAPES_7B
