@@ -2,7 +2,7 @@
 # The issue 11/12 paired benchmarks in one go, for a quiet machine (never in CI). Each stage
 # alternates memfit and its peer (A B A B ...) and appends JSON lines, tagged with the memfit
 # commit, the time and the stage, to benchmarks/*.jsonl; the tables go to stdout.
-#   benchmarks/quiet_suite.sh [STAGES]     stages: serve pp7b tg7b kernels small profile budget serve7b
+#   benchmarks/quiet_suite.sh [STAGES]     stages: serve pp7b tg7b kernels small interleaved profile budget serve7b
 # Needs: the peer venv (/root/peer-venv, llama-cpp-python), llama-server (build_llama_server.sh),
 # the built-in models (memfit pull) and the 7B file (memfit synth F7B --arch qwen2 --size 7b).
 set -eu
@@ -36,6 +36,11 @@ for s in $STAGES; do
     small)
         python "$HERE/compare.py" "$SMOL" "$GEMMA" -p 512 -n 128 -r 3 --rounds "$ROUNDS" --peer-repack 1 --json \
             | show | json | tag small >>"$HERE/compare_small_issue12.jsonl" ;;
+    interleaved)  # both runtimes in one process, 32-token blocks A B B A (see interleaved.py)
+        for m in "$SMOL" "$GEMMA"; do
+            PYTHONPATH="$HERE/../src" /root/peer-venv/bin/python "$HERE/interleaved.py" "$m" -n 32 \
+                --rounds $((ROUNDS * 4)) --split --json | show | json | tag interleaved >>"$HERE/interleaved_small.jsonl"
+        done ;;
     profile)
         memfit bench "$F7B" --profile -t 2 ;;
     budget)  # the pinned part of a streamed 7B must not regress
