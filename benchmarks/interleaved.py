@@ -13,7 +13,8 @@ and at the output node (the callback splits llama.cpp's graph there: one extra p
 token, so --split rounds are not used for the ratio).
 
 Run with the peer venv's interpreter and memfit's sources on the path:
-    PYTHONPATH=src /root/peer-venv/bin/python benchmarks/interleaved.py MODEL -n 16 --rounds 20
+    PYTHONPATH=src:$VIRTUAL_ENV/lib/python3.11/site-packages /root/peer-venv/bin/python \
+        benchmarks/interleaved.py MODEL -n 32 --rounds 12
 """
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ for s in $STAGES; do
             | show | json | tag small >>"$HERE/compare_small_issue12.jsonl" ;;
     interleaved)  # both runtimes in one process, 32-token blocks A B B A (see interleaved.py)
         for m in "$SMOL" "$GEMMA"; do
-            PYTHONPATH="$HERE/../src" /root/peer-venv/bin/python "$HERE/interleaved.py" "$m" -n 32 \
+            PYTHONPATH="$HERE/../src:$(python -c 'import site; print(site.getsitepackages()[0])')" /root/peer-venv/bin/python "$HERE/interleaved.py" "$m" -n 32 \
                 --rounds $((ROUNDS * 4)) --split --json | show | json | tag interleaved >>"$HERE/interleaved_small.jsonl"
         done ;;
     profile)
