@@ -36,10 +36,14 @@ for s in $STAGES; do
     small)
         python "$HERE/compare.py" "$SMOL" "$GEMMA" -p 512 -n 128 -r 3 --rounds "$ROUNDS" --peer-repack 1 --json \
             | show | json | tag small >>"$HERE/compare_small_issue12.jsonl" ;;
-    interleaved)  # both runtimes in one process, 32-token blocks A B B A (see interleaved.py)
+    interleaved)  # both runtimes in one process, 32-token blocks A B B A (see interleaved.py):
+        # the ratio, then (--split) the output matrix's share of a token on each side
+        PP="$HERE/../src:$(python -c 'import site; print(site.getsitepackages()[0])')"
         for m in "$SMOL" "$GEMMA"; do
-            PYTHONPATH="$HERE/../src:$(python -c 'import site; print(site.getsitepackages()[0])')" /root/peer-venv/bin/python "$HERE/interleaved.py" "$m" -n 32 \
-                --rounds $((ROUNDS * 4)) --split --json | show | json | tag interleaved >>"$HERE/interleaved_small.jsonl"
+            for split in "" --split; do
+                PYTHONPATH="$PP" /root/peer-venv/bin/python "$HERE/interleaved.py" "$m" -n 32 \
+                    --rounds $((ROUNDS * 4)) $split --json | show | json | tag interleaved >>"$HERE/interleaved_small.jsonl"
+            done
         done ;;
     profile)
         memfit bench "$F7B" --profile -t 2 ;;
