@@ -26,6 +26,7 @@ typedef struct {
     mf_vecdot4_fn vd4; /* optional 4-row variant */
     mf_vecdot4_fn vd8; /* optional 8-row variant (each row's bits equal vd4's) */
     int streams;       /* decode, 1-row kernels: rows of a task read as this many streams */
+    int strided;       /* decode, 4/8-row kernels on short rows: a group's rows are a task part apart */
     int64_t rt; /* W rows per task */
     int kg, g32;             /* K-quant GEMM path (avx512vnni); sub-blocks of 32 (Q4_K/Q5_K) */
     const mf_xband *xb;      /* its X bands: [ceil(n/16)][nb] */
@@ -108,6 +109,14 @@ static const int vd4_min_rb[T_MAX] = {[T_Q8_0] = MF_Q8_VD4_MIN_RB, [T_Q4_K] = MF
 #ifndef MF_PF_ROWS
 #define MF_PF_ROWS 8
 #endif
+#ifndef MF_PF_STRIDED
+#define MF_PF_STRIDED 2 /* rows ahead in each part of a strided task */
+#endif
+/* Decode on avx512vnni, 4/8-row kernels: rows of at most this many bytes are grouped a task
+ * part apart (vec_rows_strided), longer ones adjacent. In-process A/B (docs/NOTES.md): Q4_0
+ * at 3584-5120 columns +14-22%, Q4_1/Q5_1 at 1024-1536 +14%, Q4_0/Q5_0 at 640 +5-7%; Q4_0 at
+ * 7168 columns -8% and 14336 -31% (their adjacent rows are already far apart). */
+#define MF_STRIDE_MAX_RB 3072
 /* Software prefetch of W rows [a, b) clipped to the task's end, into all cache levels
  * (prefetcht0). Decode reads each weight byte once; on the Xeon of BENCHMARKS.md the
  * hardware prefetchers alone left the 2-core matvec of small matrices at ~11 GB/s. The hint
@@ -153,6 +162,27 @@ static void vec_rows(const mm_ctx *c, int64_t a, int64_t b, int64_t i0, int64_t 
     }
 }
 
+/* Rows [r0, r1) as G = 8 (4) parts of P rows: the group kernel takes row j of every part at
+ * once (stride P rows), so each core reads G streams a part apart instead of one. A row's
+ * bits are the group kernel's either way (the 8- and 4-row kernels do the same per-row
+ * arithmetic); the rows left over ((r1 - r0) % G, a multiple of 4 but at the matrix end)
+ * go through vec_rows. */
+static void vec_rows_strided(const mm_ctx *c, int64_t r0, int64_t r1, int64_t i0, int64_t i1, int pf) {
+    const int G = c->vd8 ? 8 : 4;
+    mf_vecdot4_fn k = c->vd8 ? c->vd8 : c->vd4;
+    const int64_t P = (r1 - r0) / G;
+    for (int64_t j = 0; j < P; j++) {
+        if (pf)
+            for (int g = 0; g < G; g++) prefetch_rows(c, r0 + g * P + j + MF_PF_STRIDED, r0 + g * P + j + MF_PF_STRIDED + 1, r1);
+        for (int64_t i = i0; i < i1; i++) {
+            float o[8];
+            k(c->w + (r0 + j) * c->rb, (size_t)(P * c->rb), c->xq + (size_t)i * c->xs, c->nb, o);
+            for (int g = 0; g < G; g++) c->y[i * c->rows + r0 + g * P + j] = o[g];
+        }
+    }
+    if (r0 + G * P < r1) vec_rows(c, r0 + G * P, r1, i0, i1, pf, r1);
+}
+
 static void mm_task_vec(void *p, int64_t t) {
     mm_ctx *c = p;
     int64_t r0 = t * c->rt, r1 = r0 + c->rt < c->rows ? r0 + c->rt : c->rows;
@@ -165,6 +195,10 @@ static void mm_task_vec(void *p, int64_t t) {
     for (int64_t i0 = 0; i0 < c->n; i0 += XT) {
         int64_t i1 = i0 + XT < c->n ? i0 + XT : c->n;
         const int pf = i0 == 0; /* the first X tile streams W; later ones hit cache */
+        if (c->strided) {
+            vec_rows_strided(c, r0, r1, i0, i1, pf);
+            continue;
+        }
         if (S == 1) {
             vec_rows(c, r0, r1, i0, i1, pf, r1);
             continue;
@@ -398,6 +432,7 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
         c.vd4 = mf_vecdot4_avx512[type];
         c.vd8 = mf_vecdot8_avx512[type];
         if (c.rb < vd4_min_rb[type]) c.vd4 = NULL;
+        c.strided = (c.vd4 || c.vd8) && c.rb <= MF_STRIDE_MAX_RB;
         c.xfmt = mf_xfmt_avx512[type];
         c.xs = c.xfmt == XF_Q8_256 ? (size_t)(cols / 256) * sizeof(mf_q8_256) : (size_t)(cols / 32) * sizeof(mf_q8_32);
     }

@@ -305,6 +305,31 @@ def test_q8_0_decode_long_rows_4row_kernel(vnni):
     np.testing.assert_array_equal(nat.matmul(X, w), full)
 
 
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_strided_decode_rows_independent_of_split(name, vnni):
+    # decode of rows <= 3 KiB with the 4/8-row kernels groups a task's rows a part apart
+    # (csrc/quant_mm.c vec_rows_strided): the parts follow the task size, which follows the
+    # thread count; a row's bits must not. 203 rows: tasks of 116 or 104 rows, a 3-row
+    # remainder at the matrix end; rows 40-139 as their own matrix (other parts, other groups)
+    t = BY_NAME[name]
+    rng = np.random.default_rng(960 + t.id)
+    rows, cols = 203, 1024
+    W = random_blocks(t, rows * cols, rng)
+    rb = len(W) // rows
+    X = rng.standard_normal((3, cols)).astype(np.float32)
+    ref = _xref("avx512vnni", t, X) @ _gguf_deq(t, W).reshape(rows, cols).astype(np.float64).T
+    full = nat.matmul(X, QTensor("w", t, (rows, cols), W))
+    assert _relerr(full, ref) < BOUND
+    for nt in (1, 2):
+        _native.set_threads(nt)
+        np.testing.assert_array_equal(nat.matmul(X, QTensor("w", t, (rows, cols), W)).view(np.uint32),
+                                      full.view(np.uint32), err_msg=f"{name} threads={nt}")
+        sub = nat.matmul(X, QTensor("w", t, (100, cols), W[40 * rb:140 * rb]))
+        np.testing.assert_array_equal(sub.view(np.uint32), full[:, 40:140].view(np.uint32), err_msg=f"{name} threads={nt}")
+        for i in range(3):
+            np.testing.assert_array_equal(nat.matmul(X[i:i + 1], QTensor("w", t, (rows, cols), W))[0], full[i])
+
+
 @pytest.mark.parametrize("cols", [96, 160, 4096])
 def test_q4_0_decode_groups_same_bits(cols, vnni):
     # Q4_0 decode on avx512vnni: 8-row groups, then 4-row groups from a multiple of 4 rows,
