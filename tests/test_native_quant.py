@@ -305,6 +305,23 @@ def test_q8_0_decode_long_rows_4row_kernel(vnni):
     np.testing.assert_array_equal(nat.matmul(X, w), full)
 
 
+def _decode_within_bound(t, rows, cols, n, seed):
+    """A random (rows, cols) matrix of type t and n X rows, their product checked against the
+    reference bound: (rows_of(a, b) -> QTensor of rows [a, b), X, product)."""
+    rng = np.random.default_rng(seed)
+    W = random_blocks(t, rows * cols, rng)
+    rb = len(W) // rows
+    X = rng.standard_normal((n, cols)).astype(np.float32)
+    ref = _xref("avx512vnni", t, X) @ _gguf_deq(t, W).reshape(rows, cols).astype(np.float64).T
+    full = nat.matmul(X, QTensor("w", t, (rows, cols), W))
+    assert _relerr(full, ref) < BOUND
+    return (lambda a, b: QTensor("w", t, (b - a, cols), W[a * rb:b * rb])), X, full
+
+
+def _same_bits(a, b, msg):
+    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32), err_msg=msg)
+
+
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_strided_decode_rows_independent_of_split(name, vnni):
     # decode of rows <= 3 KiB with the 4/8-row kernels groups a task's rows a part apart
@@ -312,22 +329,14 @@ def test_strided_decode_rows_independent_of_split(name, vnni):
     # thread count; a row's bits must not. 203 rows: tasks of 116 or 104 rows, a 3-row
     # remainder at the matrix end; rows 40-139 as their own matrix (other parts, other groups)
     t = BY_NAME[name]
-    rng = np.random.default_rng(960 + t.id)
     rows, cols = 203, 1024
-    W = random_blocks(t, rows * cols, rng)
-    rb = len(W) // rows
-    X = rng.standard_normal((3, cols)).astype(np.float32)
-    ref = _xref("avx512vnni", t, X) @ _gguf_deq(t, W).reshape(rows, cols).astype(np.float64).T
-    full = nat.matmul(X, QTensor("w", t, (rows, cols), W))
-    assert _relerr(full, ref) < BOUND
+    rows_of, X, full = _decode_within_bound(t, rows, cols, 3, 960 + t.id)
     for nt in (1, 2):
         _native.set_threads(nt)
-        np.testing.assert_array_equal(nat.matmul(X, QTensor("w", t, (rows, cols), W)).view(np.uint32),
-                                      full.view(np.uint32), err_msg=f"{name} threads={nt}")
-        sub = nat.matmul(X, QTensor("w", t, (100, cols), W[40 * rb:140 * rb]))
-        np.testing.assert_array_equal(sub.view(np.uint32), full[:, 40:140].view(np.uint32), err_msg=f"{name} threads={nt}")
+        _same_bits(nat.matmul(X, rows_of(0, rows)), full, f"{name} threads={nt}")
+        _same_bits(nat.matmul(X, rows_of(40, 140)), full[:, 40:140], f"{name} threads={nt}")
         for i in range(3):
-            np.testing.assert_array_equal(nat.matmul(X[i:i + 1], QTensor("w", t, (rows, cols), W))[0], full[i])
+            _same_bits(nat.matmul(X[i:i + 1], rows_of(0, rows)), full[i:i + 1], f"{name} x row {i}")
 
 
 @pytest.mark.parametrize("cols", [96, 160, 4096])
@@ -337,21 +346,11 @@ def test_q4_0_decode_groups_same_bits(cols, vnni):
     # depend on its group (8 or 4 rows: the split into tasks follows the thread count) and
     # stay within the bound. 13 rows: 0-7 in an 8-row group, 8-11 in a 4-row one, 12 alone;
     # rows 4-11 as their own matrix: 8 rows split into 4-row tasks by 2 threads.
-    t = BY_NAME["Q4_0"]
-    rng = np.random.default_rng(950 + cols)
-    rows = 13
-    W = random_blocks(t, rows * cols, rng)
-    rb = len(W) // rows
-    X = rng.standard_normal((2, cols)).astype(np.float32)
-    ref = _xref("avx512vnni", t, X) @ _gguf_deq(t, W).reshape(rows, cols).astype(np.float64).T
-    full = nat.matmul(X, QTensor("w", t, (rows, cols), W))
-    assert _relerr(full, ref) < BOUND
+    rows_of, X, full = _decode_within_bound(BY_NAME["Q4_0"], 13, cols, 2, 950 + cols)
     for nt in (1, 2):
         _native.set_threads(nt)
-        mid = nat.matmul(X, QTensor("w", t, (8, cols), W[4 * rb:12 * rb]))
-        np.testing.assert_array_equal(mid.view(np.uint32), full[:, 4:12].view(np.uint32), err_msg=f"threads={nt}")
-        four = nat.matmul(X, QTensor("w", t, (4, cols), W[8 * rb:12 * rb]))
-        np.testing.assert_array_equal(four.view(np.uint32), full[:, 8:12].view(np.uint32))
+        _same_bits(nat.matmul(X, rows_of(4, 12)), full[:, 4:12], f"threads={nt}")
+        _same_bits(nat.matmul(X, rows_of(8, 12)), full[:, 8:12], f"threads={nt}")
 
 
 @pytest.mark.parametrize("name, cols", [("Q4_K", 11008), ("Q5_K", 9216), ("Q6_K", 7680), ("Q8_0", 2048)])
