@@ -18,6 +18,9 @@ openai = pytest.importorskip("openai")
 pytestmark = [pytest.mark.realmodel, pytest.mark.slow, pytest.mark.timeout(300)]
 
 KEY = "s3cret-key-for-tests"
+# A generation that holds the only slot while a test sends its next request: all of a 256-token
+# context (SmolLM2 decodes up to ~300 tok/s here, so this lasts >= 0.8 s).
+LONG = 240
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +168,7 @@ def test_full_queue_is_429(keyed):
 
     def long_request():
         results["long"] = post(keyed, "/v1/completions", {
-            "prompt": "1, 2, 3, 4,", "max_tokens": 60, "temperature": 0, "ignore_eos": True})
+            "prompt": "1, 2, 3, 4,", "max_tokens": LONG, "temperature": 0, "ignore_eos": True})
     t = threading.Thread(target=long_request)
     t.start()
     deadline = time.monotonic() + 30
@@ -207,13 +210,13 @@ def test_health_is_503_while_loading():
 
 def test_queue_timeout_is_429(smollm2_path):
     s = ServerProcess([str(smollm2_path), "-c", "256", "-np", "1", "--max-queue", "4",
-                       "--queue-timeout", "0.3"])
+                       "--queue-timeout", "0.1"])
     try:
         results = {}
 
         def long_request():
             results["long"] = httpx.post(s.base_url + "/completions", timeout=60, json={
-                "prompt": "1, 2, 3, 4,", "max_tokens": 60, "temperature": 0,
+                "prompt": "1, 2, 3, 4,", "max_tokens": LONG, "temperature": 0,
                 "ignore_eos": True})
         t = threading.Thread(target=long_request)
         t.start()
@@ -237,7 +240,7 @@ def test_connection_limit_is_429(smollm2_path):
     try:
         t = threading.Thread(target=lambda: httpx.post(s.base_url + "/completions", timeout=60,
                                                        json={"prompt": "1, 2, 3, 4,",
-                                                             "max_tokens": 60, "ignore_eos": True}))
+                                                             "max_tokens": LONG, "ignore_eos": True}))
         t.start()
         deadline = time.monotonic() + 30
         while s.metrics()["memfit_requests_running"] < 1 and time.monotonic() < deadline:
