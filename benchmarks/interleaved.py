@@ -27,15 +27,14 @@ import statistics
 import sys
 import time
 
+import numpy as np
+
 
 def _llama(path: str, threads: int, repack: bool, n_ctx: int, split: bool):
     import llama_cpp
+    from peer_llamacpp import _quiet_logs  # this script's folder is on sys.path
 
-    @llama_cpp.llama_log_callback
-    def log_cb(level, text, user_data):
-        if level == 4:
-            sys.stderr.write(text.decode(errors="replace"))
-    llama_cpp.llama_log_set(log_cb, ctypes.c_void_p(0))
+    log_cb = _quiet_logs(llama_cpp)
     llama_cpp.llama_backend_init()
     mp = llama_cpp.llama_model_default_params()
     mp.use_extra_bufts = repack
@@ -86,12 +85,15 @@ def _llama(path: str, threads: int, repack: bool, n_ctx: int, split: bool):
 def _memfit(path: str, threads: int, n_ctx: int):
     from memfit import _native
     from memfit.api import Model
-    m = Model(path, threads=threads, n_ctx=n_ctx, quiet=True)
+    from memfit.errors import MemfitError
+    try:
+        m = Model(path, threads=threads, n_ctx=n_ctx, quiet=True)
+    except MemfitError as e:
+        sys.exit(f"error: {e}")
     model = m.model
     vocab = model.config.n_vocab
 
     def block(ids: list[int], split: bool = False) -> dict:
-        import numpy as np
         a = np.asarray(ids, dtype=np.int32)
         cache = model.new_cache(len(ids) + 1)
         if split:

@@ -211,7 +211,7 @@ KQ_DRIVER4(q6_k, 210, fin_plain)
 
 /* ---------------- 32-element types x Q8_32 (256-bit VNNI) ----------------
  * Per block the work is one 32-byte product and its float scale; vpdpbusd replaces the
- * maddubs + madd pair, and the 4-row Q4_0 kernel shares X and the scale conversion. */
+ * maddubs + madd pair, and the 4-row kernels share X and the scale conversion. */
 
 /* 4 f16 from 4 addresses -> the low 4 halves */
 VNNI static inline __m128i ld4_f16(const uint8_t *p0, const uint8_t *p1, const uint8_t *p2, const uint8_t *p3) {
@@ -378,13 +378,10 @@ VD4_Q41(vd4_q5_1, 24, 8, 1)
         const __m512i m4 = _mm512_set1_epi8(0xF), sh = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);    \
         const __m512 m8 = _mm512_set1_ps(-8.0f);                                                    \
         /* gather offsets: lane l < 8 row l of the even block, lane 8 + l row l of the odd block */ \
-        __m512i offs = _mm512_setzero_si512();                                                      \
-        {                                                                                           \
-            int32_t o[16];                                                                          \
-            for (int l = 0; l < 16; l++) o[l] = (int32_t)((l & 7) % R * (int64_t)rb + (l >> 3) * 18); \
-            offs = _mm512_loadu_si512(o);                                                           \
-        }                                                                                           \
-        const __mmask16 gm = nb >= 2 ? (R == 8 ? 0xFFFF : 0x0F0F) : (R == 8 ? 0x00FF : 0x000F);    \
+        int32_t o[16];                                                                              \
+        for (int l = 0; l < 16; l++) o[l] = (int32_t)((l & 7) % R * (int64_t)rb + (l >> 3) * 18);  \
+        const __m512i offs = _mm512_loadu_si512(o);                                                 \
+        const __mmask16 gm = R == 8 ? 0xFFFF : 0x0F0F; /* the group's rows, both blocks */          \
         for (int64_t b = 0; b < nb; b += 2, w += 36) {                                              \
             const int two = b + 1 < nb;                                                             \
             const __mmask16 m = two ? gm : (__mmask16)(gm & 0x00FF);                                \
