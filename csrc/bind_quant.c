@@ -1,10 +1,11 @@
 /* Python bindings for the quant kernels: raw buffers in, caller-allocated f32 out, GIL released.
  *   dequantize(type, src, n, out)                   out: f32[n]
- *   matmul(type, w, rows, cols, x, n, out)          x: f32[n, cols], out: f32[n, rows]
+ *   matmul(type, w, rows, cols, x, n, out)          x: f32[n, cols], out: f32[n, rows]; the
+ *                                                  prefill kernels (quant_mm.c) for any n
  *   get_rows(type, w, rows, cols, ids, out)         ids: int64[k], out: f32[k, cols]
- *   matmul_multi(x, n, cols, type1, w1, rows1, out1, ...)  1..4 weights sharing x
- *   matmul_rows(same as matmul_multi)              each row of out as if that x row were alone
- *                                                  (the one-row kernels for any n) */
+ *   matmul_multi(x, n, cols, type1, w1, rows1, out1, ...)  1..4 weights sharing x (prefill)
+ *   matmul_rows(same as matmul_multi)              the decode kernels (one-row vec-dots) for any n
+ * In both modes a row of out depends only on its x row (batch invariance). */
 #include "memfit.h"
 #include "quant_common.h"
 
@@ -195,9 +196,9 @@ static PyObject *py_matmul_rows(PyObject *self, PyObject *const *a, Py_ssize_t n
 
 PyMethodDef mf_quant_methods[] = {
     {"dequantize", (PyCFunction)(void (*)(void))py_dequantize, METH_FASTCALL, "dequantize(type, src, n, out)"},
-    {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "matmul(type, w, rows, cols, x, n, out): out[n, rows] = x[n, cols] @ W^T"},
-    {"matmul_multi", (PyCFunction)(void (*)(void))py_matmul_multi, METH_FASTCALL, "matmul_multi(x, n, cols, type, w, rows, out, ...): out_j = x @ W_j^T for 1..4 weights"},
-    {"matmul_rows", (PyCFunction)(void (*)(void))py_matmul_rows, METH_FASTCALL, "matmul_rows(x, n, cols, type, w, rows, out, ...): matmul_multi with each out row as if its x row were alone"},
+    {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "matmul(type, w, rows, cols, x, n, out): out[n, rows] = x[n, cols] @ W^T (prefill kernels)"},
+    {"matmul_multi", (PyCFunction)(void (*)(void))py_matmul_multi, METH_FASTCALL, "matmul_multi(x, n, cols, type, w, rows, out, ...): out_j = x @ W_j^T for 1..4 weights (prefill kernels)"},
+    {"matmul_rows", (PyCFunction)(void (*)(void))py_matmul_rows, METH_FASTCALL, "matmul_rows(x, n, cols, type, w, rows, out, ...): matmul_multi with the decode kernels"},
     {"get_rows", (PyCFunction)(void (*)(void))py_get_rows, METH_FASTCALL, "get_rows(type, w, rows, cols, ids int64, out)"},
     {NULL, NULL, 0, NULL},
 };

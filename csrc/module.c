@@ -3,7 +3,6 @@
 
 void mf_init_isa(void);  /* pool.c */
 void mf_init_pool(void); /* pool.c */
-extern const int mf_rows_stable; /* quant_mm.c */
 
 extern PyMethodDef mf_bench_methods[];  /* csrc/membw.c */
 extern PyMethodDef mf_decode_methods[]; /* csrc/decode.c */
@@ -30,10 +29,5 @@ PyMODINIT_FUNC PyInit__native(void) {
     all_methods[k] = (PyMethodDef){NULL, NULL, 0, NULL};
     mf_init_isa();
     mf_init_pool();
-    PyObject *m = PyModule_Create(&moduledef);
-    if (m && PyModule_AddIntConstant(m, "ROWS_STABLE", mf_rows_stable) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
+    return PyModule_Create(&moduledef);
 }

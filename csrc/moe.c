@@ -12,17 +12,17 @@
 #include <string.h>
 
 /* csrc/quant_mm.c */
-int mf_matmul(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t n, float *y);
-int mf_matmul_multi(int k, const int *types, const uint8_t *const *ws, const int64_t *rows,
-                    int64_t cols, const float *x, int64_t n, float *const *ys);
+int mf_matmul_multi_ex(int k, const int *types, const uint8_t *const *ws, const int64_t *rows,
+                       int64_t cols, const float *x, int64_t n, float *const *ys, int vec_only);
 
 /* x[n, n_embd]; w[3 * g + {0, 1, 2}]: expert g's gate (n_ff, n_embd), up (n_ff, n_embd), down
  * (n_embd, n_ff) bytes of types[0..2]; group g is rows[off[g] .. off[g + 1]) with weights
- * wts[same]; out[n, n_embd] accumulates. Returns 0, or the matmul's error (-1 type, -2 cols,
- * -3 out of memory). Call without the GIL. */
+ * wts[same]; out[n, n_embd] accumulates. decode: the decode kernels, else the prefill ones
+ * (quant_mm.c: either way a row's result does not depend on how many rows share its group).
+ * Returns 0, or the matmul's error (-1 type, -2 cols, -3 out of memory). Call without the GIL. */
 int mf_moe_ffn(const float *x, int64_t n_embd, int64_t n_ff, const int *types, int64_t n_groups,
                const uint8_t *const *w, const int64_t *off, const int64_t *rows, const float *wts,
-               int gelu, float *out) {
+               int gelu, float *out, int decode) {
     int64_t maxg = 0;
     for (int64_t g = 0; g < n_groups; g++)
         if (off[g + 1] - off[g] > maxg) maxg = off[g + 1] - off[g];
@@ -40,13 +40,13 @@ int mf_moe_ffn(const float *x, int64_t n_embd, int64_t n_ff, const int *types, i
         const uint8_t *gu[2] = {w[3 * g], w[3 * g + 1]};
         const int64_t nr[2] = {n_ff, n_ff};
         float *ys[2] = {ga, up};
-        rc = mf_matmul_multi(2, types, gu, nr, n_embd, xg, m, ys);
+        rc = mf_matmul_multi_ex(2, types, gu, nr, n_embd, xg, m, ys, decode);
         if (rc) break;
         if (gelu)
             mf_gelu_mul_f32(ga, up, ga, m * n_ff);
         else
             mf_silu_mul_f32(ga, up, ga, m * n_ff);
-        rc = mf_matmul(types[2], w[3 * g + 2], n_embd, n_ff, ga, m, y);
+        rc = mf_matmul_multi_ex(1, &types[2], &w[3 * g + 2], &n_embd, n_ff, ga, m, &y, decode);
         for (int64_t i = 0; i < m && rc == 0; i++) {
             const float s = wts[off[g] + i], *yi = y + i * n_embd;
             float *o = out + r[i] * n_embd;
@@ -80,13 +80,13 @@ static int buf_of(PyObject *o, Py_buffer *v, int writable, const char *fmt, cons
 }
 
 static PyObject *py_moe_ffn(PyObject *self, PyObject *const *a, Py_ssize_t na) {
-    if (na != 13)
-        return PyErr_Format(PyExc_TypeError, "moe_ffn(x, n, n_embd, n_ff, tg, tu, td, ws, off, rows, wts, gelu, out)");
+    if (na != 13 && na != 14)
+        return PyErr_Format(PyExc_TypeError, "moe_ffn(x, n, n_embd, n_ff, tg, tu, td, ws, off, rows, wts, gelu, out[, decode])");
     long long n = PyLong_AsLongLong(a[1]), E = PyLong_AsLongLong(a[2]), F = PyLong_AsLongLong(a[3]);
     int types[3];
     for (int j = 0; j < 3; j++) types[j] = (int)PyLong_AsLong(a[4 + j]);
-    int gelu = PyObject_IsTrue(a[11]);
-    if (PyErr_Occurred() || gelu < 0) return NULL;
+    int gelu = PyObject_IsTrue(a[11]), decode = na == 14 ? PyObject_IsTrue(a[13]) : 0;
+    if (PyErr_Occurred() || gelu < 0 || decode < 0) return NULL;
     for (int j = 0; j < 3; j++)
         if (types[j] < 0 || types[j] >= T_MAX || mf_qtypes[types[j]].block == 0)
             return PyErr_Format(PyExc_ValueError, "ggml type %d is not supported by the native kernels", types[j]);
@@ -140,7 +140,7 @@ static PyObject *py_moe_ffn(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     }
     if (!bad) {
         Py_BEGIN_ALLOW_THREADS
-        rc = mf_moe_ffn(x.buf, E, F, types, G, wp, offb.buf, rowsb.buf, wtsb.buf, gelu, outb.buf);
+        rc = mf_moe_ffn(x.buf, E, F, types, G, wp, offb.buf, rowsb.buf, wtsb.buf, gelu, outb.buf, decode);
         Py_END_ALLOW_THREADS
         if (rc == -3) PyErr_NoMemory();
         else if (rc) PyErr_Format(PyExc_ValueError, "moe_ffn: native kernel failed (%d)", rc);
@@ -160,7 +160,7 @@ static PyObject *py_moe_ffn(PyObject *self, PyObject *const *a, Py_ssize_t na) {
 
 PyMethodDef mf_moe_methods[] = {
     {"moe_ffn", (PyCFunction)(void (*)(void))py_moe_ffn, METH_FASTCALL,
-     "moe_ffn(x, n, n_embd, n_ff, tg, tu, td, ws, off int64, rows int64, wts f32, gelu, out): "
-     "out[rows] += wts * down(act(gate x) * up x) per expert group"},
+     "moe_ffn(x, n, n_embd, n_ff, tg, tu, td, ws, off int64, rows int64, wts f32, gelu, out[, decode]): "
+     "out[rows] += wts * down(act(gate x) * up x) per expert group (decode: the decode kernels)"},
     {NULL, NULL, 0, NULL},
 };

@@ -906,7 +906,19 @@ AVX2 static void fdot_2x4(const float *w0, const float *w1, const float *x, int6
         }
 }
 
-/* rows r0..r1 of converted W (wf, row stride cols) against X rows [0, m) -> y[i*ys + r] */
+/* one (W row, X row) pair with fdot_2x4's arithmetic for each of its pairs (one 8-lane FMA
+ * chain, hsum4_ps's tree, then the tail in order): the GEMM's leftover rows get those bits */
+AVX2 static float fdot_1x1(const float *w, const float *x, int64_t n) {
+    __m256 a = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a);
+    float o = _mm_cvtss_f32(hsum4_ps(a, a, a, a));
+    for (; k < n; k++) o += w[k] * x[k];
+    return o;
+}
+
+/* rows r0..r1 of converted W (wf, row stride cols) against X rows [0, m) -> y[i*ys + r]; every
+ * pair with the same arithmetic, so a row's result does not depend on m or the row split */
 AVX2 void mf_fgemm_avx2(const float *wf, int64_t nr, const float *x, int64_t m, int64_t cols, float *y, int64_t ys) {
     int64_t i = 0;
     for (; i + 4 <= m; i += 4) {
@@ -917,8 +929,8 @@ AVX2 void mf_fgemm_avx2(const float *wf, int64_t nr, const float *x, int64_t m, 
             for (int k = 0; k < 4; k++) { y[(i + k) * ys + r] = o0[k]; y[(i + k) * ys + r + 1] = o1[k]; }
         }
         for (; r < nr; r++)
-            for (int k = 0; k < 4; k++) y[(i + k) * ys + r] = vd_f32((const uint8_t *)(wf + r * cols), x + (i + k) * cols, cols);
+            for (int k = 0; k < 4; k++) y[(i + k) * ys + r] = fdot_1x1(wf + r * cols, x + (i + k) * cols, cols);
     }
     for (; i < m; i++)
-        for (int64_t r = 0; r < nr; r++) y[i * ys + r] = vd_f32((const uint8_t *)(wf + r * cols), x + i * cols, cols);
+        for (int64_t r = 0; r < nr; r++) y[i * ys + r] = fdot_1x1(wf + r * cols, x + i * cols, cols);
 }

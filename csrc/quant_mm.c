@@ -29,6 +29,7 @@ typedef struct {
     int strided;       /* decode, 4/8-row kernels on short rows: a group's rows are a task part apart */
     int64_t rt; /* W rows per task */
     int kg, g32;             /* K-quant GEMM path (avx512vnni); sub-blocks of 32 (Q4_K/Q5_K) */
+    int err;                 /* set by a task that could not get its scratch: the call returns -3 */
     const mf_xband *xb;      /* its X bands: [ceil(n/16)][nb] */
 } mm_ctx;
 
@@ -66,36 +67,20 @@ static void mm_task_scalar(void *p, int64_t t) {
 }
 
 #define XT 8 /* X rows per inner tile */
-/* From this many X rows, W rows are unpacked once per task (measured crossovers, 1 thread,
- * 2048-4096 square): K-quants 4, unsigned 32-blocks 6, signed 32-blocks (Q8_0, IQ4_NL) 16. */
-#define MF_KBLK_MIN_N 4
-#ifndef MF_KGEMM_MIN_N
-#define MF_KGEMM_MIN_N 10 /* avx512vnni: the 16-lane GEMM from this many X rows (measured) */
-#endif
+/* Two kernel families per (type, ISA), chosen by the caller's mode and never by the row
+ * count (batch invariance): decode (vec_only) runs the one-row integer vec-dots (and their
+ * 4/8-row forms, which keep each row's bits) for any n; prefill runs the type's batched
+ * kernel for any n (K-quants: kgemm on avx512vnni, kblk on avx2; 32-element types: b32g
+ * where it exists, else b32; float types: the 2x4 FMA GEMM), whose result for a row does
+ * not depend on the other rows, the row count or the task split. A type without a batched
+ * kernel runs its vec-dots in both modes. So a prompt row gets the same bits whether its
+ * prompt was chunked, packed with others or found partly in the prefix cache. */
 #ifndef MF_KG_TILE
 #define MF_KG_TILE (1024 * 1024) /* bytes of unpacked W per GEMM task (L2: 2 MiB per core) */
 #endif
 #ifndef MF_KG_RT_MAX
 #define MF_KG_RT_MAX (64 / MF_KG_R * MF_KG_R)
 #endif
-#define MF_B32_MIN_N 6
-#define MF_B32S_MIN_N 16
-/* avx512vnni, the banded GEMM (mm_task_b32g) from this many X rows; Q8_0/IQ4_NL from one
- * fewer (1 thread, us per X row vs the vec path, 1536x576 Q4_1 / 4096x4096 Q4_0 / Q8_0:
- * n=4 32/27, 609/535, 672/760; n=5 25/27, 492/532; n=6 21/45, 414/860, 446/735) */
-#ifndef MF_B32G_MIN_N
-#define MF_B32G_MIN_N 5
-#endif
-#define MF_FLOAT_MIN_N 4
-/* From this many X rows every type runs its batched kernel, whose result for a row does not
- * depend on the other rows: the engine packs several sequences' prompt chunks into one
- * forward only when each chunk has at least this many rows (_native.ROWS_STABLE). */
-#define MF_ROWS_STABLE_N 16
-_Static_assert(MF_KBLK_MIN_N <= MF_ROWS_STABLE_N && MF_B32_MIN_N <= MF_ROWS_STABLE_N &&
-               MF_B32S_MIN_N <= MF_ROWS_STABLE_N && MF_FLOAT_MIN_N <= MF_ROWS_STABLE_N &&
-               MF_B32G_MIN_N <= MF_ROWS_STABLE_N && MF_KGEMM_MIN_N <= MF_ROWS_STABLE_N,
-               "a batched-kernel threshold above MF_ROWS_STABLE_N");
-const int mf_rows_stable = MF_ROWS_STABLE_N;
 #define MF_VEC_TASK_BYTES (64 * 1024)
 /* Decode on avx512vnni: the 4-row kernel only for rows of at least this many bytes (0: any).
  * From DRAM, in-process A/B (docs/NOTES.md): Q8_0 4 rows +45-70% at 3584-14336 columns, +5% at
@@ -220,7 +205,7 @@ static void mm_task_kblk(void *p, int64_t t) {
     mm_ctx *c = p;
     int64_t r0 = t * c->rt, r1 = r0 + c->rt < c->rows ? r0 + c->rt : c->rows;
     mf_kblk *wb = tl_reserve(&tl_kbs, (size_t)((r1 - r0) * c->nb) * sizeof(mf_kblk));
-    if (!wb) { mm_task_vec(p, t); return; }
+    if (!wb) { __atomic_store_n(&c->err, 1, __ATOMIC_RELAXED); return; }
     mf_kunpack_fn up = mf_kunpack_avx2[c->type];
     int bytes = mf_qtypes[c->type].bytes;
     for (int64_t r = r0; r < r1; r++)
@@ -248,7 +233,7 @@ static void mm_task_kgemm(void *p, int64_t t) {
     mm_ctx *c = p;
     int64_t r0 = t * c->rt, r1 = r0 + c->rt < c->rows ? r0 + c->rt : c->rows;
     mf_kw *wk = tl_reserve(&tl_kws, (size_t)((r1 - r0) * c->nb) * sizeof(mf_kw));
-    if (!wk) { __atomic_store_n(&c->kg, -1, __ATOMIC_RELAXED); return; } /* -3 from the caller */
+    if (!wk) { __atomic_store_n(&c->err, 1, __ATOMIC_RELAXED); return; } /* -3 from the caller */
     mf_kunpack_fn up = mf_kunpack_avx2[c->type];
     int bytes = mf_qtypes[c->type].bytes;
     mf_kblk kb;
@@ -282,7 +267,7 @@ static void xband_task(void *p, int64_t t) {
     mm_ctx *c = p;
     int64_t i0 = t * MF_XB_ROWS, m = c->n - i0 < MF_XB_ROWS ? c->n - i0 : MF_XB_ROWS;
     mf_q8_256 *xq8 = tl_reserve(&tl_q8s, (size_t)(MF_XB_ROWS * c->nb) * sizeof(mf_q8_256));
-    if (!xq8) { __atomic_store_n(&c->kg, -1, __ATOMIC_RELAXED); return; }
+    if (!xq8) { __atomic_store_n(&c->err, 1, __ATOMIC_RELAXED); return; }
     for (int64_t j = 0; j < m; j++) mf_quantize_q8_256_avx2(c->x + (i0 + j) * c->cols, xq8 + j * c->nb, c->cols);
     mf_xband_build(xq8, m, c->nb, (mf_xband *)c->xb + t * c->nb);
 }
@@ -293,13 +278,13 @@ static void mm_task_b32(void *p, int64_t t) {
     mm_ctx *c = p;
     int64_t r0 = t * c->rt, r1 = r0 + c->rt < c->rows ? r0 + c->rt : c->rows;
     mf_b32 *wb = tl_reserve(&tl_bbs, (size_t)((r1 - r0) * c->nb) * sizeof(mf_b32));
-    if (!wb) { mm_task_vec(p, t); return; }
+    if (!wb) { __atomic_store_n(&c->err, 1, __ATOMIC_RELAXED); return; }
     mf_b32unpack_fn up = mf_b32unpack_avx2[c->type];
     int bytes = mf_qtypes[c->type].bytes, sgn = c->type == T_Q8_0 || c->type == T_IQ4_NL;
     for (int64_t r = r0; r < r1; r++)
         for (int64_t b = 0; b < c->nb; b++) up(c->w + r * c->rb + b * bytes, wb + (r - r0) * c->nb + b);
     float *st = sgn ? NULL : scratch_f32((size_t)(c->nb * MF_BST)), corr[MF_BST];
-    if (!sgn && !st) { mm_task_vec(p, t); return; }
+    if (!sgn && !st) { __atomic_store_n(&c->err, 1, __ATOMIC_RELAXED); return; }
     for (int64_t i0 = 0; i0 < c->n; i0 += XT2) {
         int64_t m = c->n - i0 < XT2 ? c->n - i0 : XT2;
         if (!sgn) /* s of the tile's X rows, transposed to [block][row] (zero-padded) */
@@ -328,7 +313,7 @@ static void mm_task_float(void *p, int64_t t) {
     mm_ctx *c = p;
     int64_t r0 = t * c->rt, r1 = r0 + c->rt < c->rows ? r0 + c->rt : c->rows;
     float *wf = scratch_f32((size_t)((r1 - r0) * c->cols));
-    if (!wf) { mm_task_vec(p, t); return; }
+    if (!wf) { __atomic_store_n(&c->err, 1, __ATOMIC_RELAXED); return; }
     for (int64_t r = r0; r < r1; r++) mf_row_f32_avx2(c->type, c->w + r * c->rb, wf + (r - r0) * c->cols, c->cols);
     for (int64_t i0 = 0; i0 < c->n; i0 += XT2) {
         int64_t m = c->n - i0 < XT2 ? c->n - i0 : XT2;
@@ -386,7 +371,7 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
         if (q->xfmt == XF_F32) {
             c.xq = (const uint8_t *)x;
             c.xs = (size_t)cols * 4;
-            if (n >= MF_FLOAT_MIN_N && !vec_only) {
+            if (!vec_only) {
                 int64_t rk = (128 * 1024) / (cols * 4);
                 c.rt = rk < 2 ? 2 : rk > c.rt ? c.rt : rk;
                 c.rt += c.rt & 1; /* even: the 2-row kernel pairs the same rows for any split */
@@ -398,19 +383,18 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
                                        : (size_t)(cols / 256) * sizeof(mf_q8_256);
             if (vec_only) {
                 /* row-independent: every X row is dotted as if alone */
-            } else if (n >= MF_KGEMM_MIN_N && mf_kunpack_avx2[type] && mf_isa >= MF_ISA_AVX512VNNI) {
+            } else if (mf_kunpack_avx2[type] && mf_isa >= MF_ISA_AVX512VNNI) {
                 int64_t rk = MF_KG_TILE / (c.nb * (int64_t)sizeof(mf_kw)) / MF_KG_R * MF_KG_R;
                 c.rt = rk < MF_KG_R ? MF_KG_R : rk > MF_KG_RT_MAX ? MF_KG_RT_MAX : rk;
                 while (c.rt > MF_KG_R && (rows + c.rt - 1) / c.rt < 4 * nt) c.rt -= MF_KG_R;
                 c.kg = 1;
                 c.g32 = type == T_Q4_K || type == T_Q5_K;
                 p->fn = mm_task_kgemm;
-            } else if (n >= MF_KBLK_MIN_N && mf_kunpack_avx2[type]) {
+            } else if (mf_kunpack_avx2[type]) {
                 int64_t rk = (192 * 1024) / (c.nb * (int64_t)sizeof(mf_kblk));
                 c.rt = rk < 1 ? 1 : rk > c.rt ? c.rt : rk;
                 p->fn = mm_task_kblk;
-            } else if (mf_isa >= MF_ISA_AVX512VNNI && mf_b32gemm_ok[type] &&
-                       n >= MF_B32G_MIN_N - (type == T_Q8_0 || type == T_IQ4_NL)) {
+            } else if (mf_isa >= MF_ISA_AVX512VNNI && mf_b32gemm_ok[type]) {
                 c.xfmt = XF_B32BAND;
                 c.xs = (size_t)c.nb * sizeof(mf_b32band); /* per band of 16 rows */
                 /* W tile (48 B per unpacked block) <= ~192 KB, a multiple of 10 rows (the kernel's
@@ -419,8 +403,7 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
                 while (t > 10 && ((rows + t - 1) / t < 4 * nt || t > rk)) t /= 2;
                 c.rt = t;
                 p->fn = mm_task_b32g;
-            } else if (mf_b32unpack_avx2[type] &&
-                       n >= (type == T_Q8_0 || type == T_IQ4_NL ? MF_B32S_MIN_N : MF_B32_MIN_N)) {
+            } else if (mf_b32unpack_avx2[type]) {
                 int64_t rk = (192 * 1024) / (c.nb * (int64_t)sizeof(mf_b32));
                 c.rt = rk < 1 ? 1 : rk > c.rt ? c.rt : rk;
                 p->fn = mm_task_b32;
@@ -522,12 +505,12 @@ static int matmul_multi(int k, const int *types, const uint8_t *const *ws, const
         mf_parallel_for(nbands, xband_task, &p[j].c);
         for (int i = 0; i < k; i++) {
             if (p[i].c.kg) p[i].c.xb = p[j].c.xb;
-            if (p[i].c.kg < 0) rc = -3;
+            if (p[i].c.err) rc = -3;
         }
     }
     if (!rc) pfor(m.off[k], multi_task, &m);
     for (int i = 0; i < k; i++)
-        if (p[i].c.kg < 0) rc = -3;
+        if (p[i].c.err) rc = -3;
     pthread_mutex_unlock(&xq_lock);
     return rc;
 }

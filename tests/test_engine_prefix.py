@@ -1,6 +1,8 @@
-"""Prefix reuse: a second chat turn (or a request sharing a prefix) prefills only its new
-tokens, reports the reused count (timings.cache_n, StepOutput.cache_n, stats) and produces the
-tokens of a cold run; cached blocks survive their sequence and are reused."""
+"""Prefix reuse: a second chat turn (or a request sharing a prefix) reuses the full blocks of
+the earlier prompt, reports the reused count (timings.cache_n, StepOutput.cache_n, stats) and
+produces the tokens of a cold run; cached blocks survive their sequence and are reused. Blocks
+holding generated tokens (decode rows) are not reused by a new prompt, which computes those
+tokens as prompt rows (engine/scheduler.py: batch invariance)."""
 
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ def _gen(eng, ids, n):
     return toks, last
 
 
-def test_second_turn_prefills_only_new_tokens(tmp_path):
+def test_second_turn_reuses_the_first_prompt(tmp_path):
     model, tok = _tiny(tmp_path)
     eng = Engine(model, tok, n_ctx=256, n_parallel=2)
     turn1 = [3 + (i * 7) % 250 for i in range(45)]
@@ -45,14 +47,21 @@ def test_second_turn_prefills_only_new_tokens(tmp_path):
     assert eng.stats()["kv_blocks_cached"] == (45 + 30 - 1) // BLOCK_SIZE
     turn2 = turn1 + out1 + [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12]
     out2, last2 = _gen(eng, turn2, 12)
-    assert last2.cache_n == (len(turn1) + len(out1) - 1) // BLOCK_SIZE * BLOCK_SIZE == 64
+    # block 0 is all prompt rows; block 1 (positions 32-63) also holds turn 1's generated
+    # tokens, computed as decode rows: turn 2 computes it again as prompt rows
+    assert last2.cache_n == len(turn1) // BLOCK_SIZE * BLOCK_SIZE == 32
     t = last2.timings
-    assert t.cache_n == 64 and t.prompt_n == len(turn2) - 64
+    assert t.cache_n == 32 and t.prompt_n == len(turn2) - 32
     cold, lastc = _gen(Engine(model, tok, n_ctx=256, n_parallel=2), turn2, 12)
     assert lastc.cache_n == 0
     assert out2 == cold
     st = eng.stats()
-    assert st["prefix_cache_hits"] == 64 and st["prefix_cache_queries"] == len(turn1) + len(turn2)
+    assert st["prefix_cache_hits"] == 32 and st["prefix_cache_queries"] == len(turn1) + len(turn2)
+    # a third turn on turn 2's prompt reuses all of turn 2's full prompt blocks
+    turn3 = turn2 + out2 + [40, 41]
+    out3, last3 = _gen(eng, turn3, 4)
+    assert last3.cache_n == len(turn2) // BLOCK_SIZE * BLOCK_SIZE
+    assert out3 == _gen(Engine(model, tok, n_ctx=256, n_parallel=2), turn3, 4)[0]
 
 
 def test_shared_system_prompt_is_stored_once(tmp_path):

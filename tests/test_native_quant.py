@@ -172,17 +172,14 @@ def test_bad_shapes_raise():
         _native.matmul(t.id, W, 2, 256, np.zeros((1, 256), np.float32), 1, np.empty((1, 2), np.float64))
 
 
-# (type, row counts n): the VNNI kernels that only fuse integer steps of an AVX2 kernel
-# (vpdpwssd for madd + add, vpdpbusd for maddubs + madd) keep its lanes and float order:
-# K-quant prefill below 10 rows (from 10 the 16-lane GEMM: float scale per sub-block, other
-# rounding) and 32-element decode (1-4 rows; from 5 rows, Q8_0 and IQ4_NL from 4, the banded
-# GEMM with its own float order). Not Q4_0: its 4- and 8-row decode kernels take two blocks
-# per 512-bit step (test_q4_0_decode_groups_same_bits). The GEMMs are checked against the reference bound instead
-# (test_matmul_shapes, test_b32_gemm_*, test_kgemm_rows_*).
-VNNI_SAME_BITS = [("Q2_K", (4, 7, 9)), ("Q3_K", (4, 7, 9)), ("Q4_K", (4, 7, 9)),
-                  ("Q5_K", (4, 7, 9)), ("Q6_K", (4, 7, 9)),  # prefill (decode differs: 512-bit)
-                  ("Q4_1", (1, 2, 3, 4)), ("Q5_0", (1, 2, 3, 4)),
-                  ("Q5_1", (1, 2, 3, 4))]
+# (type, row counts n): the VNNI decode kernels that only fuse integer steps of an AVX2 kernel
+# (vpdpbusd for maddubs + madd) keep its lanes and float order (32-element types). Not Q4_0:
+# its 4- and 8-row decode kernels take two blocks per 512-bit step
+# (test_q4_0_decode_groups_same_bits); not the K-quants (512-bit decode) nor any prefill kernel
+# (the VNNI GEMMs have their own float order). Those are checked against the reference bound
+# (test_matmul_shapes, test_b32_gemm_*, test_kgemm_rows_*) and for batch invariance
+# (tests/test_batch_invariance_kernels.py).
+VNNI_SAME_BITS = [("Q4_1", (1, 2, 3, 4, 7)), ("Q5_0", (1, 2, 3, 4, 7)), ("Q5_1", (1, 2, 3, 4, 7))]
 
 
 @pytest.mark.parametrize("name, ns", VNNI_SAME_BITS, ids=[n for n, _ in VNNI_SAME_BITS])
@@ -200,7 +197,7 @@ def test_vnni_kernels_bit_identical_to_avx2(name, ns):
             got = {}
             for isa in ("avx2", "avx512vnni"):
                 _native.set_isa(isa)
-                got[isa] = nat.matmul(x, w)
+                got[isa] = nat.matmul(x, w, rowwise=True)
             np.testing.assert_array_equal(got["avx2"], got["avx512vnni"], err_msg=f"{name} n={n}")
     finally:
         _native.set_isa(before)
@@ -297,12 +294,12 @@ def test_q8_0_decode_long_rows_4row_kernel(vnni):
     w = QTensor("w", t, (rows, cols), W)
     X = rng.standard_normal((3, cols)).astype(np.float32)
     ref = _xref("avx512vnni", t, X) @ _gguf_deq(t, W).reshape(rows, cols).astype(np.float64).T
-    full = nat.matmul(X, w)
+    full = nat.matmul(X, w, rowwise=True)
     assert _relerr(full, ref) < BOUND
     for i in range(3):
-        np.testing.assert_array_equal(nat.matmul(X[i:i + 1], w)[0], full[i])
+        np.testing.assert_array_equal(nat.matmul(X[i:i + 1], w, rowwise=True)[0], full[i])
     _native.set_threads(1)
-    np.testing.assert_array_equal(nat.matmul(X, w), full)
+    np.testing.assert_array_equal(nat.matmul(X, w, rowwise=True), full)
 
 
 def _decode_within_bound(t, rows, cols, n, seed):
@@ -313,7 +310,7 @@ def _decode_within_bound(t, rows, cols, n, seed):
     rb = len(W) // rows
     X = rng.standard_normal((n, cols)).astype(np.float32)
     ref = _xref("avx512vnni", t, X) @ _gguf_deq(t, W).reshape(rows, cols).astype(np.float64).T
-    full = nat.matmul(X, QTensor("w", t, (rows, cols), W))
+    full = nat.matmul(X, QTensor("w", t, (rows, cols), W), rowwise=True)
     assert _relerr(full, ref) < BOUND
     return (lambda a, b: QTensor("w", t, (b - a, cols), W[a * rb:b * rb])), X, full
 
@@ -333,10 +330,10 @@ def test_strided_decode_rows_independent_of_split(name, vnni):
     rows_of, X, full = _decode_within_bound(t, rows, cols, 3, 960 + t.id)
     for nt in (1, 2):
         _native.set_threads(nt)
-        _same_bits(nat.matmul(X, rows_of(0, rows)), full, f"{name} threads={nt}")
-        _same_bits(nat.matmul(X, rows_of(40, 140)), full[:, 40:140], f"{name} threads={nt}")
+        _same_bits(nat.matmul(X, rows_of(0, rows), rowwise=True), full, f"{name} threads={nt}")
+        _same_bits(nat.matmul(X, rows_of(40, 140), rowwise=True), full[:, 40:140], f"{name} threads={nt}")
         for i in range(3):
-            _same_bits(nat.matmul(X[i:i + 1], rows_of(0, rows)), full[i:i + 1], f"{name} x row {i}")
+            _same_bits(nat.matmul(X[i:i + 1], rows_of(0, rows), rowwise=True), full[i:i + 1], f"{name} x row {i}")
 
 
 @pytest.mark.parametrize("cols", [96, 160, 4096])
@@ -349,8 +346,8 @@ def test_q4_0_decode_groups_same_bits(cols, vnni):
     rows_of, X, full = _decode_within_bound(BY_NAME["Q4_0"], 13, cols, 2, 950 + cols)
     for nt in (1, 2):
         _native.set_threads(nt)
-        _same_bits(nat.matmul(X, rows_of(4, 12)), full[:, 4:12], f"threads={nt}")
-        _same_bits(nat.matmul(X, rows_of(8, 12)), full[:, 8:12], f"threads={nt}")
+        _same_bits(nat.matmul(X, rows_of(4, 12), rowwise=True), full[:, 4:12], f"threads={nt}")
+        _same_bits(nat.matmul(X, rows_of(8, 12), rowwise=True), full[:, 8:12], f"threads={nt}")
 
 
 @pytest.mark.parametrize("name, cols", [("Q4_K", 11008), ("Q5_K", 9216), ("Q6_K", 7680), ("Q8_0", 2048)])
@@ -363,9 +360,9 @@ def test_4row_decode_same_bits_as_1row(name, cols, vnni):
     rows = 9
     W = random_blocks(t, rows * cols, rng)
     x = rng.standard_normal((1, cols)).astype(np.float32)
-    full = nat.matmul(x, QTensor("w", t, (rows, cols), W))[0]
+    full = nat.matmul(x, QTensor("w", t, (rows, cols), W), rowwise=True)[0]
     rb = len(W) // rows
-    alone = np.array([nat.matmul(x, QTensor("w", t, (1, cols), W[r * rb:(r + 1) * rb]))[0, 0] for r in range(rows)])
+    alone = np.array([nat.matmul(x, QTensor("w", t, (1, cols), W[r * rb:(r + 1) * rb]), rowwise=True)[0, 0] for r in range(rows)])
     if name == "Q8_0":  # its 4-row kernel sums in another order: within the bound
         ref = _xref("avx512vnni", t, x) @ _gguf_deq(t, W).reshape(rows, cols).astype(np.float64).T
         assert _relerr(full[None], ref) < BOUND and _relerr(alone[None], ref) < BOUND

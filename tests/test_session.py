@@ -35,7 +35,9 @@ def test_restore_then_continue_equals_uninterrupted(smollm2_path, tmp_path, ctyp
     with memfit.load(smollm2_path, **kw) as m:  # uninterrupted: two turns in one process
         a1 = m.generate(PROMPT, max_tokens=12, **GREEDY)
         a2 = m.generate(a1.prompt_ids + a1.ids, max_tokens=12, **GREEDY)
-        assert a2.timings.cache_n >= 32  # the second turn reused the first's KV blocks
+        # the second turn reused the first prompt's full blocks (not those holding generated
+        # tokens, computed as decode rows: engine/scheduler.py)
+        assert a2.timings.cache_n == len(a1.prompt_ids) // 32 * 32
     with memfit.load(smollm2_path, **kw) as m:
         b1 = m.generate(PROMPT, max_tokens=12, **GREEDY)
         assert b1.ids == a1.ids
@@ -45,7 +47,7 @@ def test_restore_then_continue_equals_uninterrupted(smollm2_path, tmp_path, ctyp
         ids, extra = m.load_state(tmp_path / "s.mfs")
         assert extra == {"note": "x"} and ids == a1.prompt_ids + a1.ids
         c2 = m.generate(ids, max_tokens=12, **GREEDY)
-        assert c2.timings.cache_n == a2.timings.cache_n  # the restored blocks, nothing else
+        assert c2.timings.cache_n == (len(ids) - 1) // 32 * 32 >= 32  # every restored block
     assert c2.ids == a2.ids
 
 

@@ -330,10 +330,10 @@ class Model:
     def save_state(self, path: str | os.PathLike, ids: Sequence[int],
                    extra: dict | None = None) -> int:
         """Save a sequence: its token ids (e.g. ``r.prompt_ids + r.ids`` of a Completion, or a
-        running request's tokens) with the K/V rows the engine's prefix cache holds for them
-        (whole blocks, in the cache types), this model's identity and ``extra`` (JSON-able).
-        Crash-safe (memfit/session.py). If none of ids is cached, they are computed first.
-        Returns the file size."""
+        running request's tokens) with the K/V rows of their whole blocks as a prompt of ids
+        computes them (in the cache types), this model's identity and ``extra`` (JSON-able).
+        Crash-safe (memfit/session.py). Blocks the prefix cache does not hold are computed
+        first. Returns the file size."""
         from . import session as ss
         ids = self._prompt_ids(list(ids))
         if not ids:
@@ -343,7 +343,10 @@ class Model:
                                f"{self.n_ctx}; save a shorter one or raise --ctx-size")
         pool = self.engine.pool
         k, v = ss.export_prefix(pool, ids)
-        if k[0].shape[0] == 0 and len(ids) > pool.block_size:  # evicted or never computed
+        # the cache holds ids' blocks as prompt rows only up to where generated tokens began
+        # (engine/scheduler.py): compute the whole sequence as a prompt, so that the file holds
+        # every full block and a restored session continues as a cold run of ids would
+        if k[0].shape[0] < len(ids) // pool.block_size * pool.block_size:
             self.generate(ids, max_tokens=0)
             k, v = ss.export_prefix(pool, ids)
         st = ss.SessionState(list(ids), k, v, self.cache_type_k, self.cache_type_v, extra or {})

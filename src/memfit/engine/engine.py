@@ -62,11 +62,10 @@ class Engine:
         self.pool = KVPool(c.n_layer, n_blocks or kv_pool_blocks(n_ctx, n_parallel), c.n_head_kv,
                            c.head_dim_k, c.head_dim_v, cache_type, ledger=ledger,
                            cache_type_v=cache_type_v)
-        # prompt chunks of several sequences share a forward where that changes no row's
-        # result: dense models on a backend that says from how many rows (layers with experts
-        # group rows by expert, so their rows depend on the batch)
-        pack = 0 if c.n_expert else getattr(model.ops, "ROWS_STABLE", 0)
-        self.scheduler = Scheduler(self.pool, n_parallel, n_batch, n_ctx, pack_min=pack)
+        # prompt chunks of several sequences share a forward: on the native backend no row's
+        # result depends on the others (ops/native.py); numpy's matmul gives no such promise
+        pack = getattr(model.ops, "BATCH_INVARIANT", False)
+        self.scheduler = Scheduler(self.pool, n_parallel, n_batch, n_ctx, pack=pack)
         self.runner = Runner(model, self.pool, n_parallel, n_batch, n_ctx)
         self.seqs: dict[str, Sequence] = {}
         self._pending: list[StepOutput] = []  # abort notices for the next step()

@@ -5,12 +5,19 @@ running) and the pool has blocks for the part of the prompt the prefix cache doe
 A step is either a prefill step (prompt chunks of the sequences still prefilling, in admission
 order, at most ``n_batch`` tokens in all: a burst of prompts is prefilled in one forward) or
 one decode row for every sequence past its prefill; the two alternate while both kinds
-wait, so a long prompt does not stall the others. A chunk joins another sequence's only when it and what it
-leaves of its prompt have at least ``pack_min`` rows or none (the backend's ROWS_STABLE: from
-there a row's result does not depend on the other rows), so packing never changes a token;
-``pack_min`` 0 prefills one sequence per step. A decode row that needs a new block when none is free
-preempts the most recently admitted other sequence: its blocks go back to the pool (its full
-ones stay in the prefix cache) and it waits at the front of the queue to be recomputed.
+wait, so a long prompt does not stall the others. A decode row that needs a new block when
+none is free preempts the most recently admitted other sequence: its blocks go back to the
+pool (its full ones stay in the prefix cache) and it waits at the front of the queue to be
+recomputed.
+
+Batch invariance: every position of a sequence has one kind for its whole life. Prompt
+positions are prompt rows (the prefill kernels), generated ones decode rows (the decode
+kernels), whatever the step: a recomputed sequence feeds its generated tokens as decode rows
+(a chunk of them in one decode-kind step), a step never mixes the kinds, and a block holding
+decode rows is keyed with where they start (kv/pool.py block_key), so a new prompt never
+reuses K/V that a cold run would compute otherwise. The kernels make a row independent of the
+others in its forward, so chunks of any size are packed, and a sequence's tokens do not
+depend on what else runs, how its prompt was chunked or what the prefix cache held.
 """
 
 from __future__ import annotations
@@ -26,13 +33,13 @@ from .sequence import Sequence, Status
 class Scheduled:
     seqs: list[Sequence]
     n_tokens: list[int]    # tokens fed for each sequence this step
-    decode: bool           # every sequence feeds its one sampled token
+    decode: bool           # decode rows: generated tokens (one per sequence, or a recomputed run)
 
 
 class Scheduler:
-    def __init__(self, pool: KVPool, max_seqs: int, n_batch: int, n_ctx: int, pack_min: int = 0):
+    def __init__(self, pool: KVPool, max_seqs: int, n_batch: int, n_ctx: int, pack: bool = True):
         self.pool, self.max_seqs, self.n_batch, self.n_ctx = pool, max_seqs, n_batch, n_ctx
-        self.pack_min = pack_min
+        self.pack = pack  # prefill chunks of several sequences share a forward
         self.bs = pool.block_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -54,6 +61,11 @@ class Scheduler:
     def _blocks_for(self, n_tokens: int) -> int:
         return (n_tokens + self.bs - 1) // self.bs
 
+    def _key(self, seq: Sequence, i: int, parent):
+        """Prefix key of seq's block i (see block_key: rows past the prompt are decode rows)."""
+        toks, lo = seq.tokens[i * self.bs:(i + 1) * self.bs], i * self.bs
+        return block_key(parent, toks, None if lo + self.bs <= seq.n_prompt else max(0, seq.n_prompt - lo))
+
     def _admit(self, seq: Sequence) -> bool:
         """Give seq its cached prefix blocks and blocks for the rest of its tokens; False (and
         no change) when the pool cannot hold them now."""
@@ -61,7 +73,7 @@ class Scheduler:
         # reuse whole cached blocks, but leave at least one token to compute (its logits)
         hit, key = [], None
         for i in range((len(toks) - 1) // self.bs):
-            k = block_key(key, toks[i * self.bs:(i + 1) * self.bs])
+            k = self._key(seq, i, key)
             if self.pool.peek(k) is None:
                 break
             hit.append(k)
@@ -113,19 +125,22 @@ class Scheduler:
             self.running.append(self.waiting.popleft())
         if not self.running:
             return None
-        prefill = [s for s in self.running if s.n_pending > 1]
-        decode = [s for s in self.running if s.n_pending == 1]
+        # prompt rows still to compute (a one-token prompt too), or a recomputed run of
+        # generated tokens; else the one sampled token: a decode row
+        prefill = [s for s in self.running if s.n_pending > 1 or s.n_computed < s.n_prompt]
+        decode = [s for s in self.running if s.n_pending == 1 and s.n_computed >= s.n_prompt]
         if prefill and (not decode or not self._last_prefill):
             self._last_prefill = True
-            first = prefill[0]
-            seqs, ks = [first], [min(self.n_batch, first.n_pending)]
-            room = self.n_batch - ks[0]
-            for s in prefill[1:] if self.pack_min else ():
-                if room < self.pack_min:
-                    break
-                k = min(room, s.n_pending)
-                if k < self.pack_min or 0 < s.n_pending - k < self.pack_min:
+            # the first waiting chunk sets the step's kind: prompt rows, or the generated
+            # tokens of a recomputed sequence (decode rows); chunks of the other kind wait
+            kind = prefill[0].n_computed >= prefill[0].n_prompt
+            seqs, ks, room = [], [], self.n_batch
+            for s in prefill if self.pack else prefill[:1]:
+                if (s.n_computed >= s.n_prompt) != kind:
                     continue
+                # a chunk of prompt rows ends at the prompt's end (then decode rows follow)
+                end = len(s.tokens) if kind else s.n_prompt
+                k = min(room, end - s.n_computed)
                 seqs.append(s)
                 ks.append(k)
                 room -= k
@@ -133,7 +148,7 @@ class Scheduler:
                     break
             self.n_prefill_steps += 1
             self.n_prefill_chunks += len(seqs)
-            return Scheduled(seqs, ks, False)
+            return Scheduled(seqs, ks, kind)
         self._last_prefill = False
         # a decode row writes position n_computed: its block must exist
         for s in decode:
@@ -151,6 +166,6 @@ class Scheduler:
             s.n_computed += k
             while (s.n_hashed + 1) * self.bs <= s.n_computed:
                 i = s.n_hashed
-                s.last_key = block_key(s.last_key, s.tokens[i * self.bs:(i + 1) * self.bs])
+                s.last_key = self._key(s, i, s.last_key)
                 self.pool.register(s.block_table[i], s.last_key)
                 s.n_hashed += 1

@@ -23,9 +23,14 @@ from .view import KV_TYPES
 BLOCK_SIZE = 32
 
 
-def block_key(parent, tokens) -> tuple:
-    """The prefix-cache key of a full block: (parent key's hash, its tokens)."""
-    return (hash(parent), tuple(tokens))
+def block_key(parent, tokens, decode_from: int | None = None) -> tuple:
+    """The prefix-cache key of a full block: (parent key's hash, its tokens), and for a block
+    whose K/V rows from offset ``decode_from`` on were computed as decode rows (generated
+    tokens) that offset too: decode and prefill kernels round differently, so such a block
+    only serves a sequence that computes those rows the same way (engine/scheduler.py)."""
+    if decode_from is None:
+        return (hash(parent), tuple(tokens))
+    return (hash(parent), tuple(tokens), int(decode_from))
 
 
 class KVPool:

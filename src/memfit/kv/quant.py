@@ -97,11 +97,24 @@ def rot_size(t: int, head_dim: int, is_k: bool) -> int:
 
 
 def rotate(x: np.ndarray, n: int) -> np.ndarray:
-    """x [..., D] with each chunk of n values of the last axis multiplied by hadamard(n)."""
+    """x [..., D] with each chunk of n values of the last axis multiplied by hadamard(n), as a
+    fast Walsh-Hadamard transform: log2(n) butterfly passes of elementwise adds, so a row's
+    result never depends on how many rows are rotated with it (a BLAS product by the matrix
+    may take other kernels for other row counts; llama.cpp's matrix product rounds in another
+    order, within float error of this)."""
     if n == 0:
         return x
     shape = x.shape
-    return (np.ascontiguousarray(x, dtype=np.float32).reshape(-1, n) @ hadamard(n)).reshape(shape)
+    y = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, n) * np.float32(1.0 / np.sqrt(np.float32(n)))
+    h = 1
+    while h < n:
+        v = y.reshape(-1, n // (2 * h), 2, h)
+        a = v[:, :, 0, :].copy()
+        b = v[:, :, 1, :]
+        v[:, :, 0, :] += b
+        v[:, :, 1, :] = a - b
+        h *= 2
+    return y.reshape(shape)
 
 
 def store_rows(t: int, pool: np.ndarray, rows: np.ndarray, x: np.ndarray) -> None:

@@ -53,10 +53,10 @@ class Model:
         if config.n_expert:
             self._fused = []  # the fused native decode layer has a dense FFN: op by op instead
         self._bufs: dict[str, np.ndarray] = {}  # prefill scratch reused across layers (_scratch)
-        # > 0 while a batch's output rows belong to different sequences: after the last layer's
-        # attention only these rows are in flight, and matmuls of exactly that many rows run
-        # rowwise, so each sequence's logits are those it gets alone
-        self._rowwise = 0
+        # the kernel family of the forward in flight: decode rows (Batch.decode) take the decode
+        # kernels, prompt rows the prefill ones, whatever the row count (ops/native.py), so a
+        # row's logits depend only on its own sequence (batch invariance)
+        self._decode = False
 
     # --- tensors -------------------------------------------------------------------------
     def layer_tensors(self, il: int) -> dict[str, tuple[tuple[int, ...], bool]]:
@@ -125,10 +125,7 @@ class Model:
             x = x * np.float32(c.embd_scale)
         # the fused layer reads K and V of one cache type (BatchKV.fusable)
         fused = self._decode_layers() if b.decode and getattr(b.kv, "fusable", True) else None
-        # rows of different sequences must not change each other's results: a decode batch
-        # runs rowwise throughout, a prefill batch from where only output rows of several
-        # sequences remain (after the last layer's attention); see _matmul
-        rowwise = n if b.decode and n > 1 else 0
+        self._decode = b.decode
         try:
             if fused:
                 # one native call per layer for all rows (csrc/decode.c): the same kernels in
@@ -144,11 +141,8 @@ class Model:
                 # after the last layer's attention only the out rows are needed (at least one
                 # row goes through it so that every row's K/V is stored)
                 last = None if len(out) == n else (out if len(out) else np.array([n - 1]))
-                self._rowwise = rowwise
                 for il in range(c.n_layer - 1):
                     x = self.block(il, x, b.pos, b.kv, None)
-                if not rowwise and last is not None and len(np.unique(b.seq[last])) > 1:
-                    self._rowwise = len(last)
                 x = self.block(c.n_layer - 1, x, b.pos, b.kv, last)
                 if len(out) == 0:
                     x = x[:0]
@@ -157,11 +151,9 @@ class Model:
                 return x
             if x.shape[0] == 0:
                 return np.zeros((0, c.n_vocab), np.float32)
-            if rowwise:
-                self._rowwise = x.shape[0]
             return self.logits(x)
         finally:
-            self._rowwise = 0
+            self._decode = False
 
     def logits(self, h: np.ndarray) -> np.ndarray:
         """Final-normed hidden states [n, n_embd] -> logits [n, n_vocab]."""
@@ -215,8 +207,8 @@ class Model:
 
     # --- shared pieces -------------------------------------------------------------------
     def _rows_kw(self, x: np.ndarray) -> dict:
-        # rowwise for a matmul over exactly the rows that must not affect each other (_rowwise)
-        return {"rowwise": True} if self._rowwise and x.shape[0] == self._rowwise else {}
+        # the forward's kernel family (see __init__): never chosen by the row count
+        return {"rowwise": self._decode}
 
     def _matmul(self, x: np.ndarray, w) -> np.ndarray:
         return self.ops.matmul(x, w, **self._rows_kw(x))
@@ -284,10 +276,10 @@ class Model:
 
     def _glu(self, x: np.ndarray, gate, up, down) -> np.ndarray:
         # down(act(gate x) * up x) for QTensors (one expert, or the shared expert)
-        mm = getattr(self.ops, "matmul_multi", None)
-        g, u = mm(x, [gate, up]) if mm is not None else (self.ops.matmul(x, gate), self.ops.matmul(x, up))
+        mm, kw = getattr(self.ops, "matmul_multi", None), self._rows_kw(x)
+        g, u = mm(x, [gate, up], **kw) if mm is not None else (self._matmul(x, gate), self._matmul(x, up))
         h = self.ops.silu_mul(g, u) if self.act == "silu" else self.ops.gelu_mul(g, u)
-        return self.ops.matmul(h, down)
+        return self._matmul(h, down)
 
     def route(self, il: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Router of layer il on x [n, n_embd] -> (experts int64 [n, k], weights f32 [n, k]) as
@@ -295,7 +287,7 @@ class Model:
         the lower expert index), the selected probabilities renormalized to sum 1 where the
         architecture does (expert_weights_norm), then times expert_weights_scale."""
         c = self.config
-        logits = self.ops.matmul(x, self.weights.get(f"blk.{il}.ffn_gate_inp.weight"))
+        logits = self._matmul(x, self.weights.get(f"blk.{il}.ffn_gate_inp.weight"))
         if c.expert_gating_func == "softmax":
             probs = self.ops.softmax(logits)
         else:
@@ -340,14 +332,16 @@ class Model:
             if fused is not None:
                 a, b = starts[i], starts[i + len(group)]
                 fused(x, mats, starts[i:i + len(group) + 1] - a, rows_all[a:b], wts_all[a:b],
-                      self.act == "gelu", out)
+                      self.act == "gelu", out, **self._rows_kw(x))
                 continue
             for e, (gate, up, down) in zip(group, mats):
                 rows, slot = np.nonzero(sel == e)   # a token picks an expert at most once
                 y = self._glu(np.ascontiguousarray(x[rows]), gate, up, down)
                 out[rows] += y * wts[rows, slot][:, None]
         if self.spec.shared_expert:
-            gate = x @ self.vec[p + "ffn_gate_inp_shexp.weight"]   # [n]: one logit per token
+            # [n]: one logit per token; a per-row sum (BLAS's x @ v may group rows differently
+            # for different n)
+            gate = (x * self.vec[p + "ffn_gate_inp_shexp.weight"]).sum(axis=1, dtype=np.float32)
             s = self._glu(x, *(w.get(p + f"ffn_{m}_shexp.weight") for m in ("gate", "up", "down")))
             with np.errstate(over="ignore"):
                 out += s * (1.0 / (1.0 + np.exp(-gate)))[:, None].astype(np.float32)

@@ -14,9 +14,11 @@ product ~3e-3..1.1e-2 (the 8-bit activations). F32/F16/BF16 weights use f32 FMA 
 scalar ISA path dequantizes each W row to f32 and dots in f32 (no activation quantization,
 ~3e-7).
 
-Paths: n < 4..16 rows (decode) run integer vec-dots per W row (4 W rows per call for the
-unsigned 32-blocks); larger n (prefill) unpack each W row once per task and run a 4-X-row
-kernel. avx512vnni has its own decode vec-dots for Q3_K..Q6_K (512-bit), Q4_0/Q4_1/Q5_0/Q5_1
+Paths, chosen by the caller's mode and never by the row count (batch invariance,
+csrc/quant_mm.c): decode (rowwise=True) runs integer vec-dots per W row (4/8 W rows per call
+where that keeps each row's bits); prefill (rowwise=False) unpacks each W row once per task
+and runs the type's batched kernel. Either way a row of y depends only on its x row, never on
+how many rows share the call. avx512vnni has its own decode vec-dots for Q3_K..Q6_K (512-bit), Q4_0/Q4_1/Q5_0/Q5_1
 and Q8_0 (VNNI), and a VNNI form of the K-quant prefill kernel (the same bits as AVX2);
 other types run the AVX2 kernels. MEMFIT_ISA=scalar|avx2|avx512vnni or
 memfit._native.set_isa() selects the ISA (tests); memfit._native.isas() lists those with
@@ -32,9 +34,8 @@ from ..errors import UnsupportedError
 from . import QTensor
 from . import reference as _ref
 
-# from this many rows a matmul's result for a row does not depend on the other rows
-# (csrc/quant_mm.c MF_ROWS_STABLE_N): the engine packs prompt chunks of this size or more
-ROWS_STABLE = _native.ROWS_STABLE
+# a row's results never depend on the other rows of its call (see Paths above)
+BATCH_INVARIANT = True
 
 _BLOCK = {0: 1, 1: 1, 30: 1, 2: 32, 3: 32, 6: 32, 7: 32, 8: 32, 20: 32,
           10: 256, 11: 256, 12: 256, 13: 256, 14: 256, 23: 256}
@@ -45,10 +46,11 @@ def _unsupported(w: QTensor):
                            f"supported: F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K..Q6_K IQ4_NL IQ4_XS")
 
 
-def matmul(x: np.ndarray, w: QTensor, out: np.ndarray | None = None, rowwise: bool = False
-           ) -> np.ndarray:
-    # x[n, cols] @ W(rows, cols)^T -> y[n, rows]; rowwise: each y row bit-identical to its x row
-    # alone (the one-row kernels for any n: rows of different sequences)
+def matmul(x: np.ndarray, w: QTensor, out: np.ndarray | None = None,
+           rowwise: bool | None = None) -> np.ndarray:
+    # x[n, cols] @ W(rows, cols)^T -> y[n, rows]; rowwise: the decode kernels (True) or the
+    # prefill ones (False) for any n; None (callers outside the model: benches, tests) picks
+    # decode for one row, prefill for more
     rows, cols = w.shape
     if x.dtype != np.float32 or not x.flags.c_contiguous:
         x = np.ascontiguousarray(x, dtype=np.float32)
@@ -58,6 +60,8 @@ def matmul(x: np.ndarray, w: QTensor, out: np.ndarray | None = None, rowwise: bo
         out = np.empty((n, rows), dtype=np.float32)
     if w.type.id not in _BLOCK:
         _unsupported(w)
+    if rowwise is None:
+        rowwise = n <= 1
     if rowwise:
         _native.matmul_rows(x, n, cols, w.type.id, w.data, rows, out)
     else:
@@ -66,7 +70,7 @@ def matmul(x: np.ndarray, w: QTensor, out: np.ndarray | None = None, rowwise: bo
 
 
 def matmul_multi(x: np.ndarray, ws: list[QTensor], outs: list[np.ndarray] | None = None,
-                 rowwise: bool = False) -> list[np.ndarray]:
+                 rowwise: bool | None = None) -> list[np.ndarray]:
     """[x @ W^T for W in ws] (1..4 weights with equal cols) in one native call: x is quantized
     once and all row tiles run as one pool job; each result equals matmul(x, W) bit for bit.
     outs: preallocated float32 [n, rows_j] results (the caller's reusable buffers); rowwise as
@@ -85,7 +89,7 @@ def matmul_multi(x: np.ndarray, ws: list[QTensor], outs: list[np.ndarray] | None
         assert y.shape == (n, w.shape[0]) and y.dtype == np.float32 and y.flags.c_contiguous
         args += (w.type.id, w.data, w.shape[0], y)
         ys.append(y)
-    (_native.matmul_rows if rowwise else _native.matmul_multi)(*args)
+    (_native.matmul_rows if (n <= 1 if rowwise is None else rowwise) else _native.matmul_multi)(*args)
     return ys
 
 
@@ -137,15 +141,16 @@ attention = _pick("attention")
 
 if hasattr(_native, "moe_ffn"):
     def moe_ffn(x: np.ndarray, mats, off: np.ndarray, rows: np.ndarray, wts: np.ndarray,
-                gelu: bool, out: np.ndarray) -> np.ndarray:
+                gelu: bool, out: np.ndarray, rowwise: bool = False) -> np.ndarray:
         """The routed experts of one layer in one native call (csrc/moe.c): for expert group g
         (mats[g] = its gate, up, down QTensors), rows[off[g]:off[g+1]] of x[n, n_embd] get
-        out[row] += wts[i] * down(act(gate x) * up x); groups in the order given."""
+        out[row] += wts[i] * down(act(gate x) * up x); groups in the order given; rowwise: the
+        decode kernels (as matmul)."""
         g0, u0, d0 = mats[0]
         n_ff, n_embd = g0.shape
         assert x.dtype == np.float32 and x.flags.c_contiguous and out.shape == x.shape
         _native.moe_ffn(x, x.shape[0], n_embd, n_ff, g0.type.id, u0.type.id, d0.type.id,
-                        [q.data for m in mats for q in m], off, rows, wts, gelu, out)
+                        [q.data for m in mats for q in m], off, rows, wts, gelu, out, bool(rowwise))
         return out
 
 
