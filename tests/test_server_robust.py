@@ -198,6 +198,31 @@ def test_client_leaving_mid_body_logs_at_most_one_line(srv):
     assert len(lines) <= 1 and not any("Traceback" in ln for ln in lines), lines
 
 
+def test_bodies_being_read_are_bounded_in_bytes(tiny):
+    """Bodies are read before the request limit applies, so their bytes are bounded instead:
+    at most --max-connections x --max-body held at once (here 1 x 64 KiB)."""
+    s = ServerProcess([str(tiny), "-c", "256", "-np", "1", "--max-connections", "1",
+                       "--max-body", "64KiB", "--timeout", str(TIMEOUT)])
+    try:
+        s.addr = ("127.0.0.1", int(s.url.rsplit(":", 1)[1]))
+        mid = {"prompt": "Hi", "max_tokens": 1, "pad": "a" * 20000}
+        with socket.create_connection(s.addr, timeout=SLACK) as sk:
+            sk.settimeout(SLACK)
+            sk.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                       b"Content-Length: 60000\r\n\r\n" + b" " * 50000)  # 50 KB, then stalls
+            time.sleep(0.5)
+            r = httpx.post(s.url + "/v1/completions", json=mid, timeout=30)
+            assert r.status_code == 429, r.text
+            check_error_object(r.content, 429)
+            r = httpx.post(s.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
+                           timeout=30)
+            assert r.status_code == 200, r.text  # a small body still fits
+            assert read_response(sk)[0] == 408
+        assert httpx.post(s.url + "/v1/completions", json=mid, timeout=30).status_code == 200
+    finally:
+        s.stop()
+
+
 # ------------------------------------------------------------------ error bodies
 
 def test_error_codes_are_strings_or_null(srv):

@@ -51,7 +51,9 @@ class Guard:
         self.max_header = max_header          # uvicorn's h11 limit only sees a head split over reads
         self.read_timeout = read_timeout      # seconds for the whole body, from the parsed head
         self.on_reject = on_reject            # (path, status) for metrics
-        self.active = 0
+        self.active = 0                       # requests in the app (their body read)
+        self.held = 0                         # body bytes held, in the app or being read:
+        #                                       at most max_connections x max_body in all
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -96,43 +98,52 @@ class Guard:
                                          f"{self.max_body} (--max-body)")
 
         chunks, seen = [], 0
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.read_timeout
-        while True:
-            try:
-                msg = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0))
-            except asyncio.TimeoutError:
-                # close: the client is stalled mid-body, the connection cannot be reused
-                return await reject(408, f"the request body did not arrive within "
-                                         f"{self.read_timeout:g} s (--timeout)",
-                                    {"Connection": "close"})
-            if msg["type"] == "http.disconnect":  # the client left (or h11 answered a bad body)
-                if self.on_reject is not None:
-                    self.on_reject(path, 499)
-                return
-            chunks.append(msg.get("body", b""))
-            seen += len(chunks[-1])
-            if seen > self.max_body:
-                return await reject(413, f"the request body is over the limit of "
-                                         f"{self.max_body} bytes (--max-body)")
-            if not msg.get("more_body", False):
-                break
-        if self.active >= self.max_connections and path not in UNLIMITED_PATHS:
-            return await reject(429, f"too many concurrent requests (limit "
-                                     f"{self.max_connections}); retry later", {"Retry-After": 1})
-
-        replayed = False
-
-        async def replay():
-            """The body once, then uvicorn's own receive (which reports a disconnect)."""
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-
-        self.active += 1
         try:
-            await self.app(scope, replay, send)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.read_timeout
+            while True:
+                try:
+                    msg = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0))
+                except asyncio.TimeoutError:
+                    # close: the client is stalled mid-body, the connection cannot be reused
+                    return await reject(408, f"the request body did not arrive within "
+                                             f"{self.read_timeout:g} s (--timeout)",
+                                        {"Connection": "close"})
+                if msg["type"] == "http.disconnect":  # the client left (or h11 sent a 400)
+                    if self.on_reject is not None:
+                        self.on_reject(path, 499)
+                    return
+                chunk = msg.get("body", b"")
+                if seen + len(chunk) > self.max_body:
+                    return await reject(413, f"the request body is over the limit of "
+                                             f"{self.max_body} bytes (--max-body)")
+                if self.held + len(chunk) > self.max_body * self.max_connections:
+                    return await reject(429, "the server is busy receiving other request "
+                                             "bodies; retry later", {"Retry-After": 1})
+                chunks.append(chunk)
+                seen += len(chunk)
+                self.held += len(chunk)
+                if not msg.get("more_body", False):
+                    break
+            if self.active >= self.max_connections and path not in UNLIMITED_PATHS:
+                return await reject(429, f"too many concurrent requests (limit "
+                                         f"{self.max_connections}); retry later",
+                                    {"Retry-After": 1})
+
+            replayed = False
+
+            async def replay():
+                """The body once, then uvicorn's own receive (which reports a disconnect)."""
+                nonlocal replayed
+                if replayed:
+                    return await receive()
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+            self.active += 1
+            try:
+                await self.app(scope, replay, send)
+            finally:
+                self.active -= 1
         finally:
-            self.active -= 1
+            self.held -= seen
