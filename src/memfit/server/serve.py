@@ -99,11 +99,16 @@ def serve(a) -> int:
         raise RequestError(f"refusing to listen on {a.host} without an API key: give "
                            f"--api-key-file FILE (or MEMFIT_API_KEY), or bind 127.0.0.1")
     path = Path(resolve_model(a.model, quiet=False))
-    from ..gguf import open_gguf
-    from ..memory.ctxfit import check_ctx
-    with open_gguf(path) as f:
-        check_ctx(f, a.ctx_size)  # the load would refuse it after the port opened
     kw = _load_kwargs(a)
+    from ..gguf import open_gguf
+    from ..kv.quant import cache_type, check_head_dims
+    from ..memory.ctxfit import check_ctx
+    from ..models.spec import config_from_gguf
+    with open_gguf(path) as f:  # what the load would refuse only after the port opened
+        check_ctx(f, a.ctx_size)
+        c = config_from_gguf(f)
+        check_head_dims(cache_type(a.cache_type_k), c.head_dim_k)
+        check_head_dims(cache_type(a.cache_type_v), c.head_dim_v)
     # plan before binding: a budget below the floor (given or detected, as the load will use)
     # is refused here, before the port opens
     try:
