@@ -180,7 +180,8 @@ def test_deep_json_is_400_without_a_traceback(srv):
         r = post(srv, path, content=deep)
         assert r.status_code == 400, r.text
         assert "nested" in check_error_object(r.content, 400)["message"]
-    r = post(srv, "/v1/chat/completions", content=b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}")
+    deeper = b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    r = post(srv, "/v1/chat/completions", content=deeper)
     assert r.status_code == 400, r.text
     healthy(srv)
     assert not any("Traceback" in ln or "Error" in ln for ln in new_lines(srv, n0)), srv.lines[n0:]
