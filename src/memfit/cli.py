@@ -66,6 +66,16 @@ def _threads(text: str) -> int:
     return _int_at_least(1, " for threads")(text)
 
 
+def _port(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"{v} is not a TCP port (0-65535; 0 = a free port)")
+    return v
+
+
 def _check_env() -> None:
     """MEMFIT_THREADS / MEMFIT_ISA with a value the kernels would ignore are errors."""
     v = os.environ.get("MEMFIT_THREADS")
@@ -746,31 +756,35 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arg(sv, optional=True)
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other "
                     "address needs an API key)")
-    sv.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 = a free port, printed)")
-    sv.add_argument("-c", "--ctx-size", type=int, default=None, help="context size per request "
-                    "(default: min(training context, 4096))")
-    sv.add_argument("-np", "--parallel", type=int, default=4, help="requests decoded together (default 4)")
+    sv.add_argument("--port", type=_port, default=8080, help="port (default 8080; 0 = a free port, printed)")
+    sv.add_argument("-c", "--ctx-size", type=_int_at_least(8, " for a context size"), default=None,
+                    help="context size per request (default: min(training context, 4096))")
+    sv.add_argument("-np", "--parallel", type=_int_at_least(1), default=4,
+                    help="requests decoded together (default 4)")
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (prefer "
                     "--api-key-file or MEMFIT_API_KEY: a command line is visible to other users)")
     sv.add_argument("--api-key-file", default=None, metavar="F", help="read the API key from a file")
     sv.add_argument("--alias", default=None, help="model name in /v1/models (default: the MODEL argument)")
-    sv.add_argument("-ctk", "--cache-type-k", default="f16", help="KV cache type for K: f16|q8_0|q4_0")
-    sv.add_argument("-ctv", "--cache-type-v", default="f16", help="KV cache type for V: f16|q8_0|q4_0")
+    _add_cache_type_args(sv)
     sv.add_argument("--allowed-host", action="append", default=[], metavar="HOST",
                     help="Host header to accept besides localhost/127.0.0.1/::1 (repeatable)")
     sv.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                     help="allow browser requests from this origin (repeatable; default: CORS off)")
-    sv.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a slot "
-                    "(default 64); beyond it: 429")
-    sv.add_argument("--queue-timeout", type=float, default=300.0, metavar="S",
+    sv.add_argument("--max-queue", type=_int_at_least(0), default=64, help="requests that may wait "
+                    "for a slot (default 64); beyond it: 429")
+    sv.add_argument("--queue-timeout", type=_float_in(0.0), default=300.0, metavar="S",
                     help="seconds a request may wait for a slot before a 429 (default 300)")
-    sv.add_argument("--max-body", default="1MiB", metavar="SIZE", help="largest request body (default 1MiB)")
-    sv.add_argument("--max-header", type=int, default=16384, metavar="BYTES",
+    sv.add_argument("-to", "--timeout", type=_float_in(0.0, 3600.0, lo_open=True), default=30.0,
+                    metavar="S", help="read timeout: seconds a client has to send a request's head, "
+                    "and again its body (default 30); a late body gets a 408")
+    sv.add_argument("--max-body", type=_size, default="1MiB", metavar="SIZE",
+                    help="largest request body (default 1MiB)")
+    sv.add_argument("--max-header", type=_int_at_least(256), default=16384, metavar="BYTES",
                     help="largest request head (default 16384)")
-    sv.add_argument("--max-prompt-tokens", type=int, default=None, metavar="N",
+    sv.add_argument("--max-prompt-tokens", type=_int_at_least(1), default=None, metavar="N",
                     help="longest prompt in tokens (default: the context size)")
-    sv.add_argument("--max-connections", type=int, default=64, metavar="N",
-                    help="concurrent HTTP requests (default 64); beyond it: 429")
+    sv.add_argument("--max-connections", type=_int_at_least(1), default=64, metavar="N",
+                    help="concurrent HTTP requests with their body read (default 64); beyond it: 429")
     _add_runtime_args(sv)
     sv.set_defaults(func=cmd_serve)
 

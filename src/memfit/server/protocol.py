@@ -15,7 +15,8 @@ from typing import Any
 
 # llama-server / OpenAI error types by status
 _TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-          429: "rate_limit_error", 500: "server_error", 503: "unavailable_error"}  # else invalid_request_error
+          408: "timeout_error", 429: "rate_limit_error", 500: "server_error",
+          503: "unavailable_error"}  # else invalid_request_error
 
 MAX_STOP = 16          # stop strings per request
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs
@@ -33,10 +34,17 @@ class APIError(Exception):
     def body(self) -> dict:
         return error_body(self.status, self.message, self.param, self.code)
 
+    def response(self):
+        """The one writer of error responses (the app, the guard and the h11 protocol's 400)."""
+        from starlette.responses import JSONResponse
+        return JSONResponse(self.body(), status_code=self.status,
+                            headers={k: str(v) for k, v in self.headers.items()})
+
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object; its code is a string or null, never the HTTP status."""
     return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code if code is not None else status}}
+                      "param": param, "code": code}}
 
 
 def bad(param: str, message: str) -> APIError:

@@ -1,18 +1,21 @@
-"""Pure-ASGI guard in front of the app: connection limit, Host allowlist, API key, body size.
+"""Pure-ASGI guard in front of the app: Host allowlist, API key, body size and deadline,
+request limit.
 
-Runs before any route reads the body, so an oversized request is refused from its
-Content-Length alone (413) and a chunked one as soon as it passes the limit. The key is
-compared in constant time (hmac.compare_digest). /health answers without a key, as in
-llama-server, so load balancers can probe it.
+It reads the whole body before the app sees the request: an oversized one is refused from its
+Content-Length alone (413) or as soon as it passes the limit, one that does not arrive within
+the read timeout gets a 408, and a client that leaves mid-body is dropped without a word. Only
+a request whose body is in counts against --max-connections, so stalled uploads cannot lock
+out the rest. The key is compared in constant time (hmac.compare_digest). /health answers
+without a key, as in llama-server, so load balancers can probe it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
-import json
 
-from .protocol import error_body
+from .protocol import APIError
 
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
 UNLIMITED_PATHS = PUBLIC_PATHS | {"/metrics"}  # probes and scrapes answer under any load
@@ -36,30 +39,21 @@ def host_name(header: str) -> str:
     return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
 
 
-class BodyTooLarge(Exception):
-    pass
-
-
-async def send_error(send, status: int, message: str, headers: dict | None = None,
-                     param: str | None = None) -> None:
-    body = json.dumps(error_body(status, message, param)).encode()
-    hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    hdrs += [(k.lower().encode(), str(v).encode()) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": status, "headers": hdrs})
-    await send({"type": "http.response.body", "body": body})
-
-
 class Guard:
     def __init__(self, app, *, api_key: str | None, allowed_hosts: set[str] | None,
-                 max_body: int, max_connections: int, max_header: int = 16384, on_reject=None):
+                 max_body: int, max_connections: int, max_header: int = 16384,
+                 read_timeout: float = 30.0, on_reject=None):
         self.app = app
         self.key = api_key.encode() if api_key else None
         self.allowed_hosts = allowed_hosts    # None: any Host
         self.max_body = max_body
         self.max_connections = max_connections
         self.max_header = max_header          # uvicorn's h11 limit only sees a head split over reads
+        self.read_timeout = read_timeout      # seconds for the whole body, from the parsed head
         self.on_reject = on_reject            # (path, status) for metrics
-        self.active = 0
+        self.active = 0                       # requests in the app (their body read)
+        self.held = 0                         # body bytes held, in the app or being read:
+        #                                       at most max_connections x max_body in all
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -74,7 +68,7 @@ class Guard:
         async def reject(status, msg, hdrs=None, param=None):
             if self.on_reject is not None:
                 self.on_reject(path, status)
-            await send_error(send, status, msg, hdrs, param)
+            await APIError(status, msg, param, headers=hdrs).response()(scope, receive, send)
 
         if head_bytes > self.max_header:
             return await reject(431, f"the request head has {head_bytes} bytes; the limit is "
@@ -102,34 +96,54 @@ class Guard:
             if int(cl) > self.max_body:
                 return await reject(413, f"the request body has {int(cl)} bytes; the limit is "
                                          f"{self.max_body} (--max-body)")
-        if self.active >= self.max_connections and path not in UNLIMITED_PATHS:
-            return await reject(429, f"too many concurrent requests (limit "
-                                     f"{self.max_connections}); retry later", {"Retry-After": 1})
 
-        seen = 0
-        started = False
-
-        async def limited_receive():
-            nonlocal seen
-            msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > self.max_body:
-                    raise BodyTooLarge()
-            return msg
-
-        async def tracked_send(msg):
-            nonlocal started
-            if msg["type"] == "http.response.start":
-                started = True
-            await send(msg)
-
-        self.active += 1
+        chunks, seen = [], 0
         try:
-            await self.app(scope, limited_receive, tracked_send)
-        except BodyTooLarge:
-            if not started:
-                await reject(413, f"the request body is over the limit of {self.max_body} bytes "
-                                  f"(--max-body)")
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.read_timeout
+            while True:
+                try:
+                    msg = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0))
+                except asyncio.TimeoutError:
+                    # close: the client is stalled mid-body, the connection cannot be reused
+                    return await reject(408, f"the request body did not arrive within "
+                                             f"{self.read_timeout:g} s (--timeout)",
+                                        {"Connection": "close"})
+                if msg["type"] == "http.disconnect":  # the client left (or h11 sent a 400)
+                    if self.on_reject is not None:
+                        self.on_reject(path, 499)
+                    return
+                chunk = msg.get("body", b"")
+                if seen + len(chunk) > self.max_body:
+                    return await reject(413, f"the request body is over the limit of "
+                                             f"{self.max_body} bytes (--max-body)")
+                if self.held + len(chunk) > self.max_body * self.max_connections:
+                    return await reject(429, "the server is busy receiving other request "
+                                             "bodies; retry later", {"Retry-After": 1})
+                chunks.append(chunk)
+                seen += len(chunk)
+                self.held += len(chunk)
+                if not msg.get("more_body", False):
+                    break
+            if self.active >= self.max_connections and path not in UNLIMITED_PATHS:
+                return await reject(429, f"too many concurrent requests (limit "
+                                         f"{self.max_connections}); retry later",
+                                    {"Retry-After": 1})
+
+            replayed = False
+
+            async def replay():
+                """The body once, then uvicorn's own receive (which reports a disconnect)."""
+                nonlocal replayed
+                if replayed:
+                    return await receive()
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+            self.active += 1
+            try:
+                await self.app(scope, replay, send)
+            finally:
+                self.active -= 1
         finally:
-            self.active -= 1
+            self.held -= seen

@@ -1,9 +1,9 @@
 """`memfit serve`: plan, bind, load, serve.
 
-Order matters: the memory plan is made first (a budget below the floor is refused before any
-port opens), then the socket is bound (a port in use or a non-loopback address without an API
-key is refused with one line), then the model loads in a thread while /health answers 503,
-then the engine worker starts.
+Order matters: every argument is checked and the memory plan is made first (a context above
+the model's or a budget below the floor is refused before any port opens), then the socket is
+bound (a port in use or a non-loopback address without an API key is refused with one line),
+then the model loads in a thread while /health answers 503, then the engine worker starts.
 
 Dependencies: starlette (the ASGI app), uvicorn (the HTTP server; h11 so that the header size
 limit applies) and prometheus-client (/metrics).
@@ -99,6 +99,16 @@ def serve(a) -> int:
         raise RequestError(f"refusing to listen on {a.host} without an API key: give "
                            f"--api-key-file FILE (or MEMFIT_API_KEY), or bind 127.0.0.1")
     path = Path(resolve_model(a.model, quiet=False))
+    kw = _load_kwargs(a)
+    from ..gguf import open_gguf
+    from ..kv.quant import cache_type, check_head_dims
+    from ..memory.ctxfit import check_ctx
+    from ..models.spec import config_from_gguf
+    with open_gguf(path) as f:  # what the load would refuse only after the port opened
+        check_ctx(f, a.ctx_size)
+        c = config_from_gguf(f)
+        check_head_dims(cache_type(a.cache_type_k), c.head_dim_k)
+        check_head_dims(cache_type(a.cache_type_v), c.head_dim_v)
     # plan before binding: a budget below the floor (given or detected, as the load will use)
     # is refused here, before the port opens
     try:
@@ -107,18 +117,19 @@ def serve(a) -> int:
         budget = None
     if budget is not None:
         plan = plan_for_path(path, budget, n_ctx=a.ctx_size, threads=a.threads,
-                             n_parallel=a.parallel)
+                             n_parallel=a.parallel,
+                             **{k: kw[k] for k in ("cache_type_k", "cache_type_v") if k in kw})
         tb = plan.tier_bytes
         print(f"memfit: plan: budget {_mib(budget)} ({why}), floor {_mib(plan.min_budget_bytes)}, "
               f"KV {_mib(plan.kv_bytes)}, weights resident {_mib(tb.get('pinned', 0))}, "
               f"streamed {plan.disk_bytes_per_token / 2**20:.0f} MiB/token",
               file=sys.stderr, flush=True)
-    kw = _load_kwargs(a)
 
     import uvicorn
     from starlette.middleware.cors import CORSMiddleware
 
     from .app import ServerState, build_app
+    from .http11 import protocol_class
     from .security import Guard
     from .worker import EngineWorker
 
@@ -134,6 +145,7 @@ def serve(a) -> int:
     metrics = state.metrics
     asgi = Guard(app, api_key=key, allowed_hosts=allowed, max_body=a.max_body,
                  max_connections=a.max_connections, max_header=a.max_header,
+                 read_timeout=a.timeout,
                  on_reject=lambda p, s: metrics.requests.labels("guard", str(s)).inc())
     if a.cors_origin:
         asgi = CORSMiddleware(asgi, allow_origins=a.cors_origin, allow_methods=["GET", "POST"],
@@ -145,8 +157,10 @@ def serve(a) -> int:
           f"{a.parallel} slots{', API key required' if key else ''}); loading ...",
           file=sys.stderr, flush=True)
 
-    config = uvicorn.Config(asgi, http="h11", lifespan="off", log_level="warning",
-                            access_log=False, timeout_keep_alive=5, timeout_graceful_shutdown=5,
+    # h11 with a deadline for request heads and JSON 400s; the Guard times the body
+    config = uvicorn.Config(asgi, http=protocol_class(a.timeout), lifespan="off",
+                            log_level="warning", access_log=False, timeout_keep_alive=5,
+                            timeout_graceful_shutdown=5,
                             limit_concurrency=a.max_connections + 64,
                             h11_max_incomplete_event_size=a.max_header)
     server = uvicorn.Server(config)
