@@ -127,6 +127,21 @@ def test_cold_cached_chunked_batched_preempted(tmp_path, arch, kv):
         _same(r.result(rid), c, f"{arch} {kv} preempted, prompt of {len(p)}")
 
 
+@pytest.mark.parametrize("isa", ["scalar", "avx2"])
+@pytest.mark.parametrize("arch, kv", [("llama", "q8_0"), ("qwen3moe", "f16"), ("gemma3", "q4_0")])
+def test_exact_on_other_isas(tmp_path, arch, kv, isa):
+    # the same cases on the other kernel paths this CPU runs (the default one is above)
+    from memfit import _native
+    if isa not in _native.isas():
+        pytest.skip(f"no {isa} kernels")
+    before = _native.isa()
+    _native.set_isa(isa)
+    try:
+        test_cold_cached_chunked_batched_preempted(tmp_path, arch, kv)
+    finally:
+        _native.set_isa(before)
+
+
 def _alone_n(model, tok, kv, ids, n):
     r = Recorder(_engine(model, tok, kv))
     rid = r.add(ids, n=n)
