@@ -447,6 +447,10 @@ def cmd_perplexity(a) -> int:
     if a.kl_divergence:  # compare with the base file; its tokens replace the text
         from .eval.kld import compare, read_base
         base = read_base(a.kl_divergence_base)
+        if a.ctx_size is not None and a.ctx_size != base.n_ctx:  # the chunks are the base's
+            raise RequestError(f"{a.kl_divergence_base} was written with chunks of {base.n_ctx} "
+                               f"tokens, so --kl-divergence compares {base.n_ctx}-token chunks; "
+                               f"drop -c {a.ctx_size} or write a base with -c {a.ctx_size}")
         with _load(a, n_ctx=base.n_ctx) as m:
             r = compare(m, base, max_chunks=a.chunks,
                         progress=lambda i, n, v: progress(i, n, v, "mean KLD"))
@@ -455,6 +459,8 @@ def cmd_perplexity(a) -> int:
     text = _read_text(a)
     if text.endswith("\n"):  # as llama-perplexity: one trailing newline is stripped
         text = text[:-1]
+    if a.ctx_size is None:
+        a.ctx_size = 512
     with _load(a, n_ctx=a.ctx_size) as m:
         if a.kl_divergence_base:
             from .eval.kld import write_base
@@ -544,11 +550,12 @@ def cmd_bench(a) -> int:
     from .bench.llama_bench import markdown_table, run_bench
     if a.kernels:
         from .bench.kernels import run_kernel_bench
-        from .memory.budget import parse_size
+        from .memory.budget import parse_size, resolve_budget
         return run_kernel_bench(types=a.types, rows=a.rows, cols=a.cols, threads=a.threads,
                                 as_json=a.json, trials=a.trials,
                                 stream_bytes=parse_size(a.stream_bytes), shapes=a.shapes,
-                                isas=a.isa, cpu_time=a.cpu_time)
+                                isas=a.isa, cpu_time=a.cpu_time,
+                                mem_limit=resolve_budget(a.mem_budget))
     if a.profile:
         from .bench.profile import run_profile
         with _load(a, n_ctx=a.n_prompt + a.n_gen + 8) as m:
@@ -672,8 +679,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arg(pp)
     pp.add_argument("-f", "--file", default=None, help="text file (- = standard input); not with --kl-divergence, "
                     "which reads the base file's tokens")
-    pp.add_argument("-c", "--ctx-size", type=_int_at_least(16, " for a chunk size"), default=512,
-                    help="chunk size in tokens (default 512)")
+    pp.add_argument("-c", "--ctx-size", type=_int_at_least(16, " for a chunk size"), default=None,
+                    help="chunk size in tokens (default 512; with --kl-divergence the base file's)")
     pp.add_argument("--chunks", type=_int_at_least(1), default=None, help="score at most this many chunks")
     pp.add_argument("--kl-divergence-base", default=None, metavar="FILE",
                     help="write the log-probabilities of this run to FILE (llama-perplexity's format)")
