@@ -8,7 +8,6 @@ beat that baseline."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
