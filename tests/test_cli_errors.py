@@ -32,6 +32,7 @@ CASES = [
     (["run", M, "-p", "hi", "--chat-template", "chatml"], "--chat"),
     (["run", M, "-p", "hi", "--system", "be brief"], "--chat"),
     (["run", M, "-p", "hi", "--chat", "--chat-template", "nosuch"], "nosuch"),
+    (["run", M, "-p", "hi", "--chat", "--chat-template", "empty.jinja"], "empty.jinja is empty"),
     (["run", M, "-p", "hi", "-ctk", "q5_1"], "--cache-type-k"),
     (["bench", M, "-p", "8", "-n", "4", "--parallel", "0"], "--parallel"),
     (["serve", M, "--port", "abc"], "--port"),
@@ -65,6 +66,8 @@ CASES = [
     (["bench", "--kernels", "--cols", "100", "--types", "Q4_K"], "--cols"),
     (["bench", "--kernels", "--trials", "0"], "--trials"),
     (["bench", "--kernels", "--stream-bytes", "12XB"], "--stream-bytes"),
+    (["bench", "--kernels", "--stream-bytes", "1024TiB"], "lower --stream-bytes"),
+    (["bench", "--kernels", "--stream-bytes", "200MiB", "--mem-budget", "300MiB"], "the limit is --mem-budget"),
     # plan
     (["plan", M, "-c", "0"], "--ctx"),
     (["plan", M, "--mem-budget", "-1GiB"], "--mem-budget"),
@@ -95,6 +98,7 @@ def _run(args, cwd, env=None):
 @pytest.mark.parametrize("args, needle", CASES, ids=[" ".join(c[0]) for c in CASES])
 def test_bad_argument_is_one_line_error(tmp_path, args, needle):
     (tmp_path / "t.txt").write_text("some text\n")
+    (tmp_path / "empty.jinja").write_text("")
     before = sorted(os.listdir(tmp_path))
     t0 = time.perf_counter()
     p = _run(args, tmp_path)
@@ -147,3 +151,20 @@ def test_synth_never_replaces_a_fifo(tmp_path):
     assert p.returncode == 1 and "not a regular file" in p.stderr
     import stat
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+@pytest.mark.parametrize("cmd", [["info"], ["run", "-p", "hi"], ["plan"], ["bench", "-r", "1"],
+                                 ["perplexity", "-f", "t.txt"], ["chat"]])
+def test_fifo_or_directory_as_model_is_refused_not_waited_on(tmp_path, cmd):
+    # opening a FIFO for reading waits for a writer: the file type is checked before any open
+    (tmp_path / "t.txt").write_text("some text\n")
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    for model, kind in ((fifo, "FIFO"), (tmp_path, "directory")):
+        t0 = time.perf_counter()
+        p = _run([cmd[0], str(model), *cmd[1:]], tmp_path)
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+        assert lines[-1].startswith("memfit: error:") and kind in lines[-1], p.stderr
+        assert "not a regular file" in lines[-1]
+        assert time.perf_counter() - t0 < 30

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import struct
 import subprocess
@@ -83,6 +84,19 @@ def test_base_then_compare_through_the_cli(tmp_path, golden_dir, smollm2_path, g
                        "-t", 2).stdout
     for label in ("Mean    KLD:", "99.0%   KLD:", "Median  KLD:", "Same top p:", "Mean PPL(base)"):
         assert label in text_out
+    # KL >= 0: rounding below zero is clamped, and nothing prints as a negative zero
+    assert r["mean_kld"] >= 0.0 and r["percentiles"]["Minimum"] >= 0.0
+    assert not re.search(r"-0\.0+\b", text_out), text_out
+    assert re.search(r"Minimum KLD:\s+0\.000000$", text_out, re.M), text_out
+    # -c: the chunks are the base file's; another size is refused in one line, the same honoured
+    c = _memfit("perplexity", smollm2_path, "--kl-divergence", "--kl-divergence-base", base,
+                "-c", 256)
+    lines = c.stderr.strip().splitlines()
+    assert c.returncode == 1 and len(lines) == 1 and "chunks of 512 tokens" in lines[0], c.stderr
+    assert "drop -c 256" in lines[0] and c.stdout == ""
+    same = json.loads(_memfit("perplexity", smollm2_path, "--kl-divergence", "--kl-divergence-base",
+                              base, "-c", 512, "--json", "-t", 2).stdout)
+    assert same["n_ctx"] == 512 and same["mean_kld"] == r["mean_kld"]
     # another vocabulary is refused, naming both sizes
     q = _memfit("perplexity", gemma_path, "--kl-divergence", "--kl-divergence-base", base)
     assert q.returncode == 1 and "49152" in q.stderr and "262144" in q.stderr

@@ -163,3 +163,118 @@ def test_kill_during_save_leaves_old_file_or_none(smollm2_path, smol, tmp_path):
     assert hashlib.sha256(target.read_bytes()).hexdigest() == before
     ids, _ = smol.load_state(target)
     assert smol.detokenize(ids).lstrip().startswith("Hello " * 12)
+
+
+def _rebuild(data: bytes, header_text: str, body: bytes | None = None) -> bytes:
+    """A session file with another header (and body), its checksum recomputed: what a
+    hand-edited file looks like to load()."""
+    import struct
+    hlen = int.from_bytes(data[12:16], "little")
+    hj = header_text.encode()
+    rest = data[16 + hlen:-32] if body is None else body
+    out = data[:8] + struct.pack("<II", 1, len(hj)) + hj + rest
+    return out + hashlib.sha256(out).digest()
+
+
+def _header(data: bytes) -> dict:
+    import json
+    hlen = int.from_bytes(data[12:16], "little")
+    return json.loads(data[16:16 + hlen])
+
+
+def _with(h: dict, path: str, value):
+    import copy
+    h = copy.deepcopy(h)
+    *parents, last = path.split(".")
+    d = h
+    for p in parents:
+        d = d[p]
+    if value is _DELETE:
+        del d[last]
+    else:
+        d[last] = value
+    return h
+
+
+_DELETE = object()
+HAND_BUILT = [  # (field, value): each was an OverflowError/KeyError/AttributeError/TypeError or accepted
+    ("n_tokens", 1e400), ("n_rows", float("nan")), ("n_layer", "30"), ("n_kv_head", True),
+    ("row_bytes_k", 0), ("n_tokens", 2 ** 70), ("n_rows", -1), ("version", 2),
+    ("cache_type_k", _DELETE), ("cache_type_v", "q5_0"), ("cache_type_k", ["f16"]),
+    ("model", []), ("model", _DELETE), ("model.file_size", "98362432"),
+    ("model.header_sha256", None), ("model.arch", 7), ("created", "yesterday"),
+    ("extra", [1, 2]), ("extra", "x"), ("extra", _DELETE),
+]
+
+
+@pytest.mark.parametrize("field, value", HAND_BUILT, ids=[f"{f}=" + ("deleted" if v is _DELETE else repr(v))[:30] for f, v in HAND_BUILT])
+def test_hand_built_header_is_the_session_error(smol, saved, tmp_path, field, value):
+    import json
+    data = saved.read_bytes()
+    h = _with(_header(data), field, value)
+    p = tmp_path / "hand.mfs"
+    p.write_bytes(_rebuild(data, json.dumps(h)))  # 1e400 is written as Infinity, nan as NaN
+    with pytest.raises(SessionError, match=f"{p} is corrupt: its header"):
+        smol.load_state(p)
+
+
+def test_hand_built_not_an_object_or_foreign_token_refused(smol, saved, tmp_path):
+    import json
+    import numpy as np
+    data = saved.read_bytes()
+    p = tmp_path / "hand.mfs"
+    for text in ("[1, 2, 3]", "null", "17", '"header"', "[" * 5000 + "]" * 5000):
+        p.write_bytes(_rebuild(data, text))
+        with pytest.raises(SessionError, match="corrupt: its header"):
+            smol.load_state(p)
+    # a token id outside the vocabulary, checksum recomputed
+    h = _header(data)
+    hlen = int.from_bytes(data[12:16], "little")
+    body = bytearray(data[16 + hlen:-32])
+    body[0:4] = np.int32(10 ** 9).tobytes()
+    p.write_bytes(_rebuild(data, json.dumps(h), bytes(body)))
+    with pytest.raises(SessionError, match="token id 1000000000 is outside the vocabulary"):
+        smol.load_state(p)
+    # the unchanged header still loads (the rebuild itself is sound)
+    p.write_bytes(_rebuild(data, json.dumps(h)))
+    ids, extra = smol.load_state(p)
+    assert len(ids) == h["n_tokens"] and extra == {}
+
+
+def test_extra_must_be_a_json_object(smol, tmp_path):
+    ids = smol.tokenize(PROMPT)
+    for extra, why in (([1, 2], "extra must be a dict"), ({"f": object()}, "not JSON-able"),
+                       ({"x": float("nan")}, "not JSON-able")):
+        with pytest.raises(SessionError, match=why):
+            smol.save_state(tmp_path / "e.mfs", ids, extra=extra)
+    assert list(tmp_path.iterdir()) == []  # nothing written, no temporary left
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+@pytest.mark.timeout(300)
+def test_next_save_removes_stale_temporaries_of_dead_savers_only(smollm2_path, smol, tmp_path):
+    target = tmp_path / "chat.mfs"
+    stale = _kill_mid_save(smollm2_path, target, PROMPT, tmp_path)  # a real kill -9 mid-save
+    assert stale.exists() and stale.read_bytes()[:8] == b"MFSESSN\0"
+    dead = _dead_pid()
+    other_dead = tmp_path / f".notes.txt.tmp-{dead}"      # same name shape, not a session file
+    other_dead.write_bytes(b"someone else's data")
+    empty_dead = tmp_path / f".other.mfs.tmp-{dead}"     # killed before its first write
+    empty_dead.write_bytes(b"")
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        live = tmp_path / f".busy.mfs.tmp-{sleeper.pid}"  # a save still in progress elsewhere
+        live.write_bytes(b"MFSESSN\0partial")
+        smol.save_state(target, smol.tokenize(PROMPT))
+        left = sorted(f.name for f in tmp_path.iterdir())
+        assert left == sorted(["chat.mfs", other_dead.name, live.name]), left
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    ids, _ = smol.load_state(target)
+    assert ids == smol.tokenize(PROMPT)

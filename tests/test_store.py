@@ -72,7 +72,10 @@ def test_store_matches_file_weights(model_path, reference, where, prefetch):
             assert p.units and st["bytes_read"] > desc.weight_bytes  # streamed every token
             assert led.total("weight_cache") == st["slot_bytes"] > 0
         assert led.total("resident_weights") >= p.tier_bytes["pinned"]
-        assert 0.0 <= st["hit_rate"] <= 1.0 and st["io_stall_s"] >= 0.0
+        if where == "all":  # everything pinned: every get is a hit, nothing waits for I/O
+            assert st["hit_rate"] == 1.0 and st["io_stall_s"] == 0.0
+        else:  # the streamed units are read every token: some gets wait for their read
+            assert 0.0 < st["hit_rate"] < 1.0 and st["io_stall_s"] > 0.0
         assert "hit rate" in store.format_stats()
     finally:
         store.close()

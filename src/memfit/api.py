@@ -360,6 +360,11 @@ class Model:
         from . import session as ss
         st = ss.load(path, ss.model_identity(self.file), self.cache_type_k, self.cache_type_v,
                      self._kv_geometry())
+        bad = [i for i in st.ids if not 0 <= i < self.tokenizer.n_vocab]
+        if bad:  # same model file, so only a hand-edited file (checksum recomputed) gets here
+            raise ss.SessionError(f"{path} is corrupt: token id {bad[0]} is outside the "
+                                  f"vocabulary (0..{self.tokenizer.n_vocab - 1}); save the "
+                                  f"session again")
         if len(st.ids) >= self.n_ctx:
             raise RequestError(f"the session holds {len(st.ids)} tokens but the context is "
                                f"{self.n_ctx}; load it with --ctx-size {len(st.ids) + 1} or more")

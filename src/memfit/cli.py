@@ -235,6 +235,8 @@ def cmd_run(a) -> int:
             prompt = m.apply_chat_template(msgs, template=a.chat_template)
             if not a.json:
                 print(f"memfit: chat template: {m.chat_template_used}", file=sys.stderr, flush=True)
+                if a.chat_template is None and _base_model_note(m):
+                    print(f"memfit: {_base_model_note(m)}", file=sys.stderr, flush=True)
         ids = m.tokenize(prompt)
         if not ids:
             raise RequestError("the prompt is empty (no tokens); give some text")
@@ -278,25 +280,58 @@ def cmd_run(a) -> int:
     return 0
 
 
+def _base_model_note(m) -> str | None:
+    """A warning for a chat on a GGUF without its own chat template: such a file is most
+    likely a base model (not instruction-tuned), whose replies to a chat prompt are noise."""
+    if m.tokenizer.chat_template:
+        return None
+    return (f"note: {m.path.name} has no chat template of its own, so it is most likely a base "
+            f"model (not instruction-tuned): chat replies may be noise; `memfit run -p TEXT` "
+            f"continues a text")
+
+
+CHAT_HELP = ("commands: /help this list | /exit or /quit (or Ctrl-D) end the chat | /reset "
+             "start over | /save FILE save the conversation | /load FILE restore one | Ctrl-C "
+             "stops a reply (the conversation keeps what it said so far); Ctrl-C at the prompt "
+             "(or twice in a row) ends the chat")
+
+
+def _valid_messages(msgs) -> bool:
+    return isinstance(msgs, list) and all(
+        isinstance(x, dict) and isinstance(x.get("role"), str) and isinstance(x.get("content"), str)
+        for x in msgs)
+
+
 def cmd_chat(a) -> int:
     """Interactive multi-turn chat: the model's chat template, streamed replies; the engine's
-    prefix cache keeps the conversation's KV between turns (only the new turn is computed)."""
+    prefix cache keeps the conversation's KV between turns (only the new turn is computed).
+    Ctrl-C during a reply stops it (what was generated stays in the conversation, as in
+    llama-cli); Ctrl-C at the prompt, or a second one during the reply, ends the chat."""
+    import signal
+
     from .api import peak_rss_bytes
     from .engine.generate import GenerationState
     from .errors import MemfitError
     with _load(a, n_ctx=a.ctx_size) as m:
-        if not m.tokenizer.chat_template:
-            m.apply_chat_template([])  # raises the "has no chat template" error
+        m.apply_chat_template([])  # the GGUF's template, else the family's built-in
         conv: list[int] = []  # the conversation's token ids so far (prompt + reply of the last turn)
         system = [{"role": "system", "content": a.system}] if a.system else []
         messages = list(system)
         kw = _sampling_kwargs(a)
+        stop = [False]  # set by the first Ctrl-C during a reply
 
         def note(msg: str) -> None:
             print(f"memfit: {msg}", file=sys.stderr, flush=True)
 
-        note(f"chat with {m.path.name}; /exit to quit, /reset to start over, /save FILE, "
-             f"/load FILE")
+        def on_sigint(signum, frame) -> None:
+            if stop[0]:
+                raise KeyboardInterrupt  # the second Ctrl-C: end the chat
+            stop[0] = True
+
+        note(f"chat with {m.path.name} (template: {m.chat_template_used}); /exit to quit, "
+             f"/reset to start over, /save FILE, /load FILE, /help")
+        if _base_model_note(m):
+            note(_base_model_note(m))
         while True:
             try:
                 line = input("> ")
@@ -312,7 +347,9 @@ def cmd_chat(a) -> int:
                     arg = arg.strip()
                     if cmd in ("/exit", "/quit"):
                         break
-                    if cmd == "/reset":
+                    if cmd == "/help":
+                        note(CHAT_HELP)
+                    elif cmd == "/reset":
                         conv, messages = [], list(system)
                         note("conversation reset")
                     elif cmd in ("/save", "/load") and not arg:
@@ -322,23 +359,49 @@ def cmd_chat(a) -> int:
                         note(f"saved {len(conv)} tokens to {arg} ({_mib(size)})")
                     elif cmd == "/load":
                         ids, extra = m.load_state(arg)
-                        conv, messages = ids, list(extra.get("messages") or [])
+                        msgs = extra.get("messages", [])
+                        if not _valid_messages(msgs):
+                            note(f"error: {arg} holds no chat messages (its 'messages' is not a "
+                                 f"list of {{role, content}}); the conversation is unchanged")
+                            continue
+                        conv, messages = ids, list(msgs)
                         note(f"loaded {len(conv)} tokens, {len(messages)} messages from {arg}")
                     else:
-                        note(f"error: unknown command {cmd}; use /exit, /reset, /save FILE, "
-                             f"/load FILE")
+                        note(f"error: unknown command {cmd}; /help lists the commands")
                     continue
                 messages.append({"role": "user", "content": text})
                 prompt = m.apply_chat_template(messages)
                 st = GenerationState([])
-                _, steps = m._steps(prompt, 0, st, max_tokens=a.n_predict, **kw)
-                for step in steps:
-                    if step.text:
-                        sys.stdout.write(step.text)
-                        sys.stdout.flush()
+                stop[0] = False
+                before = signal.signal(signal.SIGINT, on_sigint)
+                try:
+                    _, steps = m._steps(prompt, 0, st, max_tokens=a.n_predict, **kw)
+                    try:
+                        for step in steps:
+                            if step.text:
+                                sys.stdout.write(step.text)
+                                sys.stdout.flush()
+                            if stop[0]:
+                                break
+                    finally:
+                        steps.close()  # an unfinished request is aborted, its KV blocks freed
+                finally:
+                    signal.signal(signal.SIGINT, before)
                 sys.stdout.write("\n")
+                if stop[0] and not st.ids:  # stopped before the first token: drop the turn
+                    messages.pop()
+                    note("reply stopped before it began; the turn is dropped (Ctrl-C at the "
+                         "prompt ends the chat)")
+                    continue
                 messages.append({"role": "assistant", "content": st.text})
                 conv = st.prompt_ids + st.ids
+                if stop[0]:
+                    note(f"reply stopped after {len(st.ids)} tokens; the conversation keeps "
+                         f"them (Ctrl-C at the prompt ends the chat)")
+                    continue
+            except KeyboardInterrupt:  # a second Ctrl-C during a reply
+                sys.stdout.write("\n")
+                break
             except MemfitError as e:
                 if messages and messages[-1]["role"] == "user":
                     messages.pop()
@@ -457,6 +520,10 @@ def cmd_perplexity(a) -> int:
     if a.kl_divergence:  # compare with the base file; its tokens replace the text
         from .eval.kld import compare, read_base
         base = read_base(a.kl_divergence_base)
+        if a.ctx_size is not None and a.ctx_size != base.n_ctx:  # the chunks are the base's
+            raise RequestError(f"{a.kl_divergence_base} was written with chunks of {base.n_ctx} "
+                               f"tokens, so --kl-divergence compares {base.n_ctx}-token chunks; "
+                               f"drop -c {a.ctx_size} or write a base with -c {a.ctx_size}")
         with _load(a, n_ctx=base.n_ctx) as m:
             r = compare(m, base, max_chunks=a.chunks,
                         progress=lambda i, n, v: progress(i, n, v, "mean KLD"))
@@ -465,6 +532,8 @@ def cmd_perplexity(a) -> int:
     text = _read_text(a)
     if text.endswith("\n"):  # as llama-perplexity: one trailing newline is stripped
         text = text[:-1]
+    if a.ctx_size is None:
+        a.ctx_size = 512
     with _load(a, n_ctx=a.ctx_size) as m:
         if a.kl_divergence_base:
             from .eval.kld import write_base
@@ -554,11 +623,12 @@ def cmd_bench(a) -> int:
     from .bench.llama_bench import markdown_table, run_bench
     if a.kernels:
         from .bench.kernels import run_kernel_bench
-        from .memory.budget import parse_size
+        from .memory.budget import parse_size, resolve_budget
         return run_kernel_bench(types=a.types, rows=a.rows, cols=a.cols, threads=a.threads,
                                 as_json=a.json, trials=a.trials,
                                 stream_bytes=parse_size(a.stream_bytes), shapes=a.shapes,
-                                isas=a.isa, cpu_time=a.cpu_time)
+                                isas=a.isa, cpu_time=a.cpu_time,
+                                mem_limit=resolve_budget(a.mem_budget))
     if a.profile:
         from .bench.profile import run_profile
         with _load(a, n_ctx=a.n_prompt + a.n_gen + 8) as m:
@@ -641,9 +711,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_runtime_args(r)
     r.set_defaults(func=cmd_run, text=None)
 
-    ch = sub.add_parser("chat", help="interactive multi-turn chat in the terminal (/exit, /reset, /save FILE, /load FILE)",
+    ch = sub.add_parser("chat", help="interactive multi-turn chat in the terminal (/help, /exit, /reset, /save FILE, /load FILE)",
                         description="Chat with the model using its chat template. Replies stream; the conversation's KV "
-                                    "cache is kept between turns. Commands: /exit, /reset, /save FILE, /load FILE.")
+                                    "cache is kept between turns. Commands: /help, /exit, /reset, /save FILE, /load FILE. "
+                                    "Ctrl-C stops a reply (kept in the conversation); at the prompt it ends the chat.")
     _add_model_arg(ch, optional=True)
     ch.add_argument("-c", "--ctx-size", type=int, default=None, help="context size (default: min(training context, 4096))")
     ch.add_argument("--system", default=None, help="system message")
@@ -682,8 +753,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arg(pp)
     pp.add_argument("-f", "--file", default=None, help="text file (- = standard input); not with --kl-divergence, "
                     "which reads the base file's tokens")
-    pp.add_argument("-c", "--ctx-size", type=_int_at_least(16, " for a chunk size"), default=512,
-                    help="chunk size in tokens (default 512)")
+    pp.add_argument("-c", "--ctx-size", type=_int_at_least(16, " for a chunk size"), default=None,
+                    help="chunk size in tokens (default 512; with --kl-divergence the base file's)")
     pp.add_argument("--chunks", type=_int_at_least(1), default=None, help="score at most this many chunks")
     pp.add_argument("--kl-divergence-base", default=None, metavar="FILE",
                     help="write the log-probabilities of this run to FILE (llama-perplexity's format)")

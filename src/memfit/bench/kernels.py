@@ -96,10 +96,31 @@ def matvec_bandwidth(type_name: str, rows: int, cols: int, reps: int = 10, seed:
             "copies": len(ws), "seconds": med, "gb_per_s": nbytes / med / 1e9}
 
 
+def _check_memory(names: list[str], shapes: list, stream_bytes: int,
+                  mem_limit: tuple[int, str]) -> None:
+    """Refuse a run whose buffers do not fit mem_limit (bytes, where it comes from): the read
+    probe holds 2 x stream_bytes, each (type, shape) its matrix copies (_matrices)."""
+    from ..errors import RequestError
+    from ..memory.budget import current_rss, format_size
+    from ..quant.types import BY_NAME
+    limit, why = mem_limit
+    probe = max(64 << 20, 2 * stream_bytes)
+    mats = max(max(2 * w, -(-stream_bytes // w) * w) for w in
+               (BY_NAME[n].row_bytes(c) * r for n in names for (r, c) in shapes))
+    need = current_rss() + max(probe, mats)
+    if need > limit:
+        raise RequestError(f"--stream-bytes {format_size(stream_bytes)} needs about "
+                           f"{format_size(need)} of memory (the read probe holds 2 x "
+                           f"--stream-bytes, the matrices --stream-bytes); the limit is "
+                           f"{why}: lower --stream-bytes"
+                           + ("" if why.startswith("detected") else " or raise the budget"))
+
+
 def run_kernel_bench(types: str = "Q4_0,Q8_0,Q4_K,Q6_K", rows: int = 14336, cols: int = 4096,
                      threads: int | None = None, as_json: bool = False, trials: int = 3,
                      stream_bytes: int = 1 << 30, shapes: str | None = None,
-                     isas: str | None = None, cpu_time: bool = False) -> int:
+                     isas: str | None = None, cpu_time: bool = False,
+                     mem_limit: tuple[int, str] | None = None) -> int:
     """Each trial measures the read bandwidth, then every (type, shape) matvec streamed from
     DRAM, once per ISA in `isas` (alternating on the same matrices: an A/B within the trial).
     Every matvec is reported as a fraction of the probe *of its own trial* (median over the
@@ -125,6 +146,8 @@ def run_kernel_bench(types: str = "Q4_0,Q8_0,Q4_K,Q6_K", rows: int = 14336, cols
         except ValueError as e:
             raise RequestError(f"--isa: {e}") from None
     _native.set_isa(isa_before)
+    if mem_limit is not None:
+        _check_memory(names, shape_list, stream_bytes, mem_limit)
     keys = [(n, s, i) for n in names for s in shape_list for i in isa_list]
     bws: list[float] = []
     bwm: list[float] = []  # the best of the 2-, 4- and 8-stream probes, same trials

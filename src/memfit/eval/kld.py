@@ -133,19 +133,24 @@ class KLDResult:
 
     def format(self) -> str:
         pc = self.percentiles
+
+        def f(x: float, spec: str) -> str:  # never "-0.000000": a value that rounds to 0 is 0
+            t = format(x, spec)
+            return format(0.0, spec) if float(t) == 0 else t
+
         lines = [
             f"chunks {self.chunks} x {self.n_ctx} tokens, {self.count} positions scored, {self.seconds:.1f} s",
             "====== Perplexity statistics ======",
-            f"Mean PPL(Q)                   : {self.ppl:10.6f} ± {self.ppl_err:10.6f}",
-            f"Mean PPL(base)                : {self.ppl_base:10.6f} ± {self.ppl_base_err:10.6f}",
-            f"Cor(ln(PPL(Q)), ln(PPL(base))): {100 * self.cor_ln_ppl:6.2f}%",
+            f"Mean PPL(Q)                   : {f(self.ppl, '10.6f')} ± {f(self.ppl_err, '10.6f')}",
+            f"Mean PPL(base)                : {f(self.ppl_base, '10.6f')} ± {f(self.ppl_base_err, '10.6f')}",
+            f"Cor(ln(PPL(Q)), ln(PPL(base))): {f(100 * self.cor_ln_ppl, '6.2f')}%",
             "====== KL divergence statistics ======",
-            f"Mean    KLD: {self.mean_kld:10.6f} ± {self.mean_kld_err:10.6f}",
-        ] + [f"{k if k[0].isalpha() else k.strip() + '%':<8}KLD: {v:10.6f}" for k, v in pc.items()] + [
+            f"Mean    KLD: {f(self.mean_kld, '10.6f')} ± {f(self.mean_kld_err, '10.6f')}",
+        ] + [f"{k if k[0].isalpha() else k.strip() + '%':<8}KLD: {f(v, '10.6f')}" for k, v in pc.items()] + [
             "====== Token probability statistics ======",
-            f"Mean    Δp: {100 * self.mean_dp:8.3f} %",
-            f"RMS Δp    : {100 * self.rms_dp:8.3f} %",
-            f"Same top p: {100 * self.same_top:6.3f} ± {100 * self.same_top_err:5.3f} %",
+            f"Mean    Δp: {f(100 * self.mean_dp, '8.3f')} %",
+            f"RMS Δp    : {f(100 * self.rms_dp, '8.3f')} %",
+            f"Same top p: {f(100 * self.same_top, '6.3f')} ± {f(100 * self.same_top_err, '5.3f')} %",
         ]
         return "\n".join(lines)
 
@@ -262,7 +267,8 @@ def compare_rows(base: BaseFile, rows_of, bos: int | None, max_chunks: int | Non
             idx = np.arange(k)
             nll, nllb = -lp[idx, tgt], -blp[idx, tgt]
             pb = np.where(blp > -16, np.exp(blp), 0.0)
-            klds.append((pb * (blp - lp)).sum(axis=1))
+            # KL >= 0: a negative sum is rounding (pb is 16-bit quantized), so clamp it to +0.0
+            klds.append(np.maximum((pb * (blp - lp)).sum(axis=1), 0.0) + 0.0)
             dps.append(np.exp(-nll) - np.exp(-nllb))
             s["same"] += int((lg[:k].argmax(axis=1) == blp.argmax(axis=1)).sum())
             s["nll"] += nll.sum()

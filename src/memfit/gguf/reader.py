@@ -195,19 +195,31 @@ class _Parser:
         return out
 
 
+def file_kind(mode: int) -> str:
+    """What a non-regular file is, for error messages ("a FIFO", "a directory", ...)."""
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return f"it is {name}, which"
+    return "it"
+
+
 class _Part:
     """One parsed GGUF file (a whole model, or one part of a split model)."""
 
     def __init__(self, path: Path, file_index: int = 0):
         self.path = path
         try:
-            fd = os.open(path, os.O_RDONLY)
+            # O_NONBLOCK: opening a FIFO would otherwise wait for a writer; fstat refuses it
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         except OSError as e:
             raise GGUFError(f"{path}: cannot open GGUF file: {e.strerror}") from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise GGUFError(f"{path}: cannot open GGUF file: not a regular file")
+                raise GGUFError(f"{path}: cannot open GGUF file: {file_kind(st.st_mode)} is "
+                                f"not a regular file")
             self.size = st.st_size
             if self.size < _HEADER:
                 raise GGUFError(f"{path}: byte 0: header: file is {self.size} bytes, a GGUF "

@@ -1,8 +1,8 @@
 """Measured memory and disk read bandwidth, for the Plan's tokens/s bound.
 
-Results are cached in ~/.cache/memfit/bandwidth.json (memory keyed by CPU model + MemTotal,
-disk keyed by the device number of the file), several probes each with the time and the load
-average seen while it ran (see choose_probe / probe_is_stale), so a budgeted run never
+Results are cached in bandwidth.json under memfit's directory (memfit/paths.py: $MEMFIT_CACHE,
+default ~/.cache/memfit; memory keyed by CPU model + MemTotal, disk keyed by the device number
+of the file), several probes each with the time and the load average seen while it ran (see choose_probe / probe_is_stale), so a budgeted run never
 allocates the probe buffer: ``get_bandwidth(path, measure=False)`` only reads the cache or
 the defaults, while a plan that may measure re-probes values that are old or were loaded.
 
@@ -112,8 +112,8 @@ def _add_probe(cache: dict, kind: str, key: str, bps: float, load: float) -> dic
 
 
 def cache_path() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "memfit" / "bandwidth.json"
+    from ..paths import data_dir
+    return data_dir() / "bandwidth.json"
 
 
 def _load_cache() -> dict:

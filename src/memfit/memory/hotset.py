@@ -1,8 +1,9 @@
 """Learned hot set: routing counts per model file, kept in the user cache.
 
-A record lives in ~/.cache/memfit/routing/<sha256 of the file's absolute path>.json and names
-the file it counts for by size, mtime and the SHA-256 of its first HEADER_BYTES (the GGUF
-header: metadata and tensor infos). The weight store adds every get_experts call's experts
+A record lives in routing/<sha256 of the file's absolute path>.json under memfit's directory
+(memfit/paths.py: $MEMFIT_CACHE, default ~/.cache/memfit) and names the file it counts for by
+size, mtime and the SHA-256 of its first HEADER_BYTES (the GGUF header: metadata and tensor
+infos). The weight store adds every get_experts call's experts
 and the record is rewritten when the store closes; at the next load the planner pins the
 hottest experts that fit (planner._place_experts). A record that is corrupt, or counts for
 another file (the model was replaced), is ignored with a HotSetWarning, never an error.
@@ -27,8 +28,8 @@ class HotSetWarning(UserWarning):
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "memfit" / "routing"
+    from ..paths import data_dir
+    return data_dir() / "routing"
 
 
 def model_identity(path: str | os.PathLike) -> dict:

@@ -146,6 +146,9 @@ def check_template_name(template: str) -> None:
     if template not in BUILTIN and not os.path.isfile(template):
         raise RequestError(f"chat template {template!r} is neither a built-in name "
                            f"({', '.join(BUILTIN)}) nor a file")
+    if template not in BUILTIN and os.path.getsize(template) == 0:
+        raise RequestError(f"chat template file {template} is empty; give a jinja template "
+                           f"or a built-in name ({', '.join(BUILTIN)})")
 
 
 def apply_template(tok, arch: str, messages: list[dict], add_generation_prompt: bool = True,
@@ -166,6 +169,10 @@ def apply_template(tok, arch: str, messages: list[dict], add_generation_prompt: 
                 src = f.read()
         except (OSError, UnicodeDecodeError) as e:
             raise RequestError(f"cannot read chat template {template}: {e}") from None
+        if not src.strip():
+            raise RequestError(f"chat template file {template} is empty (or only white "
+                               f"space); give a jinja template or a built-in name "
+                               f"({', '.join(BUILTIN)})")
         return (render_chat(src, messages, add_generation_prompt, bos_token=bos, eos_token=eos),
                 f"{template} (jinja file)")
     if tok.chat_template:
