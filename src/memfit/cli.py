@@ -552,7 +552,8 @@ def cmd_bench(a) -> int:
     if a.profile:
         from .bench.profile import run_profile
         with _load(a, n_ctx=a.n_prompt + a.n_gen + 8) as m:
-            return run_profile(m.model, n_gen=max(1, a.n_gen), n_prompt=a.n_prompt, as_json=a.json)
+            return run_profile(m.model, n_gen=max(1, a.n_gen), n_prompt=a.n_prompt, as_json=a.json,
+                               pool=m.engine.pool)
     parallel = _parallel_list(a.parallel)
     n_par = max(parallel) if parallel else 1
     n_ctx = a.n_prompt + a.n_gen + 8 + (n_par if parallel else 0)
@@ -587,7 +588,8 @@ def cmd_bench(a) -> int:
                                      on_result=emit)
         else:
             res = run_bench(m.model, name, m.tokenizer.n_vocab, a.n_prompt, a.n_gen,
-                            a.repetitions, threads, progress=not a.json, on_result=emit)
+                            a.repetitions, threads, progress=not a.json, on_result=emit,
+                            pool=m.engine.pool)
         if not a.json:
             print(markdown_table(res, "native" if "native" in m.ops.__name__ else "numpy"))
     return 0
