@@ -439,6 +439,17 @@ def cmd_rm(a) -> int:
     return 0
 
 
+def _memory_json(m) -> dict:
+    """The KV pool's bytes and, under a budget, the ledger's entries by category (the KV
+    the evaluation ran in is the engine's pool, booked under "kv")."""
+    from .api import peak_rss_bytes
+    d = {"kv_pool_bytes": m.engine.pool.nbytes, "peak_rss_bytes": peak_rss_bytes()}
+    if m.ledger is not None:
+        from .memory.ledger import CATEGORIES
+        d["ledger"] = {c: m.ledger.items(c) for c in CATEGORIES}
+    return d
+
+
 def cmd_perplexity(a) -> int:
     def progress(i, n, v, what="PPL"):
         if not a.json:
@@ -469,8 +480,9 @@ def cmd_perplexity(a) -> int:
                 print(f"Final estimate: PPL = {ppl:.4f} +/- {err:.5f}")
             return 0
         r = m.perplexity(text, ctx=a.ctx_size, progress=progress, max_chunks=a.chunks)
+        mem = _memory_json(m)
     if a.json:
-        print(json.dumps(r.to_dict()))
+        print(json.dumps({**r.to_dict(), **mem}))
     else:
         print(f"chunks {r.chunks} x {a.ctx_size} tokens ({r.n_tokens} tokens), {r.seconds:.1f} s")
         print(f"Final estimate: PPL = {r.ppl:.4f} +/- {r.ppl_err:.5f}")

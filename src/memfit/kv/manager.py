@@ -174,12 +174,16 @@ class BlockManager:
     def rollback(self, seq, n_tokens: int) -> tuple[int, list[tuple[int, int, int]]]:
         """Take back seq's last n_tokens computed tokens. Blocks past the new end go back to
         the pool unkeyed (when seq was their only owner); the block the new end falls in loses
-        its key, or, when another sequence shares it, is replaced by a copy. Returns (tokens
-        taken back, copies [(src, dst, n_rows)] the storage must make)."""
+        its key, or, when another sequence shares it, is replaced by a copy (with no free
+        block for the copy, that whole block is taken back too). Returns (tokens taken back,
+        copies [(src, dst, n_rows)] the storage must make)."""
         n = max(0, min(int(n_tokens), seq.n_computed))
         end = seq.n_computed - n
         bs = self.block_size
         keep = self.blocks_for(end)
+        if end % bs and self.ref[seq.block_table[keep - 1]] > 1 and self.n_free == 0:
+            end, keep = end - end % bs, keep - 1
+            n = seq.n_computed - end
         copies = []
         for b in seq.block_table[keep:]:
             if self.ref[b] == 1:

@@ -97,7 +97,7 @@ class ModelDesc:
 
     @property
     def kv_elems_per_token(self) -> int:
-        return self.n_layer * self.n_head_kv * (self.head_dim + self.head_dim_v)
+        return self.kv_bytes_per_token // 4
 
     def kv_cache_bytes(self, n_ctx: int, cache_type_k="f16", cache_type_v="f16") -> int:
         """Bytes of a KV cache of n_ctx tokens in the given cache types (f16, q8_0: 34 B
