@@ -96,18 +96,23 @@ def test_random_operations_keep_the_prefix_cache_true():
     rng = random.Random(3)
     m = BlockManager(12, BS)
     rows: dict[int, list] = {}  # block -> the token of each row written to it
+    n_copies = n_shared = 0
     seqs: list[tuple[SeqBlocks, list]] = []
-    vocab = [1, 2]  # a tiny vocabulary: different sequences often share prefixes
+    seen: list[list] = [[]]  # token lists of earlier sequences: new ones often start with one
+    vocab = [1, 2]
 
     def write(s, toks, lo, hi):
         for p in range(lo, hi):
             b = s.block_table[p // BS]
             rows.setdefault(b, [None] * BS)[p % BS] = toks[p]
 
-    for _ in range(3000):
+    for _ in range(6000):
         op = rng.random()
         if op < 0.25 and len(seqs) < 4:
-            toks = [rng.choice(vocab) for _ in range(rng.randint(1, 100))]
+            base = rng.choice(seen)
+            toks = base[:rng.randint(0, len(base))] + [rng.choice(vocab)
+                                                      for _ in range(rng.randint(1, 60))]
+            seen.append(list(toks))
             s = SeqBlocks()
             if m.admit(s, toks):
                 write(s, toks, s.n_computed, len(toks))
@@ -122,7 +127,9 @@ def test_random_operations_keep_the_prefix_cache_true():
                 m.commit(s, k, toks)
         elif op < 0.85 and seqs:
             s, toks = rng.choice(seqs)
+            n_shared += any(m.ref[b] > 1 for b in s.block_table)
             n, copies = m.rollback(s, rng.randint(0, len(toks)))
+            n_copies += len(copies)
             for src, dst, nr in copies:
                 rows[dst] = rows[src][:nr] + [None] * (BS - nr)
             del toks[len(toks) - n:]
@@ -142,7 +149,7 @@ def test_random_operations_keep_the_prefix_cache_true():
         assert m.n_used == int((count > 0).sum())
         for key, b in m._by_key.items():
             assert key[1] == tuple(rows[b]), "a keyed block holds other tokens than its key"
-    assert m.n_cached > 0  # the property was exercised with keyed blocks
+    assert m.n_cached > 0 and n_copies > 5 and n_shared > 10  # keyed, shared, copied blocks
 
 
 # --- the single-sequence path: rollback + re-forward == cold --------------------------------
