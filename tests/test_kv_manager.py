@@ -154,13 +154,22 @@ def test_random_operations_keep_the_prefix_cache_true():
 
 # --- the single-sequence path: rollback + re-forward == cold --------------------------------
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def _tiny(tmp_path_factory, arch):
     from memfit.models import load_model
     from memfit.models.synthetic import write_tiny_model
     from memfit.ops import get_ops
-    path = write_tiny_model(tmp_path_factory.mktemp("kvm") / "t.gguf", "llama", "Q4_0", seed=2)
+    path = write_tiny_model(tmp_path_factory.mktemp("kvm") / f"{arch}.gguf", arch, "Q4_0", seed=2)
     return load_model(path, ops=get_ops("native"))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return _tiny(tmp_path_factory, "llama")
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])  # gemma3: sliding window of 4
+def tiny_arch(request, tmp_path_factory):
+    return _tiny(tmp_path_factory, request.param)
 
 
 def _run(model, pool, pieces, trims=()):
@@ -175,7 +184,8 @@ def _run(model, pool, pieces, trims=()):
 
 
 @pytest.mark.parametrize("cache_type", ["f16", "q8_0", "q4_0"])
-def test_rollback_then_reforward_equals_cold(tiny, cache_type):
+def test_rollback_then_reforward_equals_cold(tiny_arch, cache_type):
+    tiny = tiny_arch
     c = tiny.config
     pool = KVPool(c.n_layer, 6, c.n_head_kv, c.head_dim_k, c.head_dim_v, cache_type)
     rng = np.random.default_rng(0)

@@ -92,6 +92,26 @@ class KVStorage:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.k_blocks) + sum(a.nbytes for a in self.v_blocks)
 
+    @staticmethod
+    def _raw(a: np.ndarray) -> np.ndarray:
+        """A layer's rows [rows, Hkv, ...] as uint8 [rows, Hkv, row_bytes] (a view)."""
+        return a.view(np.uint8).reshape(a.shape[0], a.shape[1], -1)
+
+    def read_blocks(self, blocks) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Copies of the K and V rows of blocks (in order), per layer uint8
+        [len(blocks) * BLOCK_SIZE, Hkv, row_bytes] in the cache types (sessions)."""
+        bs = self.block_size
+        rows = (np.asarray(blocks, np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)
+        return [self._raw(a)[rows] for a in self.k], [self._raw(a)[rows] for a in self.v]
+
+    def write_block(self, block: int, k: list[np.ndarray], v: list[np.ndarray]) -> None:
+        """Rows of one block from per layer uint8 [BLOCK_SIZE, Hkv, row_bytes] (sessions)."""
+        bs = self.block_size
+        for a, src in zip(self.k, k):
+            self._raw(a)[block * bs:(block + 1) * bs] = src
+        for a, src in zip(self.v, v):
+            self._raw(a)[block * bs:(block + 1) * bs] = src
+
     def copy_rows(self, src: int, dst: int, n_rows: int) -> None:
         """Rows 0..n_rows of block src into block dst, every layer (copy on write)."""
         for a in self.k_blocks + self.v_blocks:
