@@ -79,11 +79,10 @@ class KVStorage:
         self.k = [a.reshape(rows, n_kv_head, a.shape[-1]) for a in self.k_blocks]
         self.v = [a.reshape(rows, n_kv_head, a.shape[-1]) for a in self.v_blocks]
         assert self.nbytes == rows * self.bytes_per_token
-        self.ledger, self._entry = ledger, None
+        self.ledger = ledger
         if ledger is not None:
             # the planner's KV reservation (the weight store books it as kv/plan) is this pool
-            self._entry = "plan" if "plan" in ledger.items("kv") else name
-            if self._entry == "plan":
+            if "plan" in ledger.items("kv"):
                 ledger.resize("kv", "plan", self.nbytes)
             else:
                 ledger.alloc("kv", name, self.nbytes)
