@@ -33,7 +33,6 @@ class SeqKV:
         self.pool, self.n_ctx = pool, n_ctx
         self.state = SeqBlocks()
         self.kv_type, self.kv_type_v = pool.kv_type, pool.kv_type_v
-        self.quantized = pool.kv_type not in (0, 1) or pool.kv_type_v not in (0, 1)
         self._zeros = np.zeros(1, np.int32)
 
     @classmethod
@@ -42,8 +41,8 @@ class SeqKV:
         """A sequence on a pool of its own, just large enough for n_ctx tokens."""
         if n_ctx <= 0:
             raise RequestError(f"context size must be positive, got {n_ctx}")
-        pool = KVPool(n_layer, -(-n_ctx // BLOCK_SIZE), n_kv_head, head_dim_k, head_dim_v, cache_type,
-                      ledger=ledger, cache_type_v=cache_type_v)
+        pool = KVPool(n_layer, -(-n_ctx // BLOCK_SIZE), n_kv_head, head_dim_k, head_dim_v,
+                      cache_type, ledger=ledger, cache_type_v=cache_type_v)
         return cls(pool, n_ctx)
 
     @property
