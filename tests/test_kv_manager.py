@@ -326,3 +326,40 @@ def test_perplexity_under_budget_books_its_kv(smollm2_path, golden_dir, tmp_path
     assert d["ledger"]["kv"] == {"plan": kv} and d["kv_pool_bytes"] == kv == plan["kv_bytes"]
     assert r.peak_rss <= budget, f"peak RSS {r.peak_rss / 2**20:.1f} MiB > {budget / 2**20:.1f}"
     assert d["peak_rss_bytes"] <= budget
+
+
+def test_engine_sequence_rolls_back_through_the_manager(tmp_path):
+    """The engine's own Sequence (keyed by the scheduler) rolled back mid-request: its
+    rolled-back block leaves the prefix cache, the engine recomputes the taken-back tokens,
+    the block is keyed again with the same tokens, and a later request reuses it."""
+    from memfit.engine.engine import Engine
+    from memfit.engine.sampler import SamplingParams
+    from memfit.gguf import open_gguf
+    from memfit.models import load_model
+    from memfit.models.synthetic import write_tiny_model
+    from memfit.ops import get_ops
+    from memfit.tokenizer import Tokenizer
+    f = open_gguf(write_tiny_model(tmp_path / "q.gguf", "qwen3", "Q8_0", seed=21))
+    tok = Tokenizer.from_metadata(f.metadata)
+    tok.eog_ids = set()
+    eng = Engine(load_model(f, ops=get_ops("native")), tok, n_ctx=256)
+    pool, m = eng.pool, eng.pool.manager
+    prompt = [(7 * i) % 200 + 3 for i in range(70)]
+    rid = eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=4))
+    eng.step()  # the whole prompt, and its first token
+    seq = eng.sequence(rid)
+    assert seq.n_computed == 70 and seq.n_hashed == 2
+    assert m.match_prefix(prompt) == _keys(prompt, 2)
+    assert pool.rollback(seq, 40) == 40 and seq.n_computed == 30 and seq.n_hashed == 0
+    assert m.match_prefix(prompt) == [] and len(seq.block_table) == 1
+    # blocks for the tokens to recompute (the scheduler allocates at admission and per decode row)
+    assert m.allocate_for(seq, len(seq.tokens) - seq.n_computed) and len(seq.block_table) == 3
+    out = []
+    while eng.has_unfinished():
+        out += [o.token for o in eng.step() if o.request_id == rid]
+    assert len(out) == 3  # the taken-back tokens were recomputed, then decoding went on
+    assert m.match_prefix(prompt) == _keys(prompt, 2) and pool.n_used == 0
+    rid2 = eng.add_request(prompt + [9], SamplingParams(temperature=0, max_tokens=1))
+    while eng.has_unfinished():
+        done = [o for o in eng.step() if o.request_id == rid2 and o.finished]
+    assert done[0].cache_n == 64
