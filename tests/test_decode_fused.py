@@ -78,7 +78,7 @@ def test_decode_layer_rejects_bad_buffers(tmp_path):
     layer, names = m._decode_layers()[0]
     w = [m.weights.get(n).data for n in names]
     cache = m.new_cache(4)
-    K, V = cache.layer_arrays(0)
+    K, V = cache.pool.k[0][:4], cache.pool.v[0][:4]  # the rows of 4 positions
     x = np.zeros(m.config.n_embd, np.float32)
     with pytest.raises(ValueError, match="pos is outside"):
         _native.decode_layer(layer, x, 4, K, V, True, *w)

@@ -175,7 +175,8 @@ def test_cache_overflow_and_bad_ids(tmp_path):
     m.forward(np.array([4, 5]), cache)
     with pytest.raises(RequestError, match="9999"):
         m.forward(np.array([9999]), m.new_cache(4))
-    assert cache.nbytes == 2 * 2 * 4 * 2 * 64 * 4  # layers x (K, V) x n_ctx x heads x dim x f32
+    # layers x (K, V) x one block of 32 rows (4 tokens rounded up) x heads x dim x f32
+    assert cache.nbytes == 2 * 2 * 32 * 2 * 64 * 4
 
 
 def test_unknown_architecture(tmp_path):

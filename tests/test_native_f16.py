@@ -1,12 +1,12 @@
 """round_f16 (the f16 KV cache / f16 Q rounding done in C) must equal numpy's
 x.astype(float16).astype(float32) bit for bit: ties, subnormals, overflow to inf, random bit
-patterns; AVX2 and scalar paths; and KVCache stores exactly the numpy-rounded values."""
+patterns; AVX2 and scalar paths; and the f16 KV pool stores exactly the numpy-rounded values."""
 
 import numpy as np
 import pytest
 
 _native = pytest.importorskip("memfit._native")
-from memfit.kv.cache import KVCache  # noqa: E402
+from memfit.kv import KVPool  # noqa: E402
 
 
 @pytest.mark.parametrize("isa", ["scalar", "avx2"])
@@ -34,9 +34,13 @@ def test_round_f16_matches_numpy(isa):
 
 
 def test_kv_cache_stores_f16_rounded():
+    from memfit.ops import native
     rng = np.random.default_rng(1)
-    c = KVCache(2, 8, 3, 64, f16_values=True)
+    p = KVPool(2, 1, 3, 64)
     k, v = rng.standard_normal((5, 3, 64), dtype=np.float32), rng.standard_normal((5, 3, 64), dtype=np.float32)
-    K, V, _ = c.update_and_fetch(1, k, v)
-    np.testing.assert_array_equal(K, k.astype(np.float16).astype(np.float32))
-    np.testing.assert_array_equal(V, v.astype(np.float16).astype(np.float32))
+    slots = np.array([7, 0, 31, 3, 12], np.int32)
+    native.kv_store(p.kv_type, p.k[1], slots, k)
+    native.kv_store(p.kv_type, p.v[1], slots, v)
+    assert p.k[1].dtype == np.float16
+    np.testing.assert_array_equal(p.k[1][slots].astype(np.float32), k.astype(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(p.v[1][slots].astype(np.float32), v.astype(np.float16).astype(np.float32))

@@ -134,10 +134,9 @@ class Model:
         from .engine.engine import kv_pool_blocks
         from .kv import BLOCK_SIZE
         tokens = kv_pool_blocks(self.n_ctx, self.n_parallel) * BLOCK_SIZE
-        from .kv.quant import cache_type, row_bytes
-        kv = tokens * c.n_layer * c.n_head_kv * (
-            row_bytes(cache_type(self.cache_type_k), c.head_dim_k)
-            + row_bytes(cache_type(self.cache_type_v), c.head_dim_v))
+        from .kv.storage import kv_bytes_per_token
+        kv = tokens * kv_bytes_per_token(c.n_layer, c.n_head_kv, c.head_dim_k, c.head_dim_v,
+                                         self.cache_type_k, self.cache_type_v)
         avail = psutil.virtual_memory().available
         if kv > avail:
             raise RequestError(f"context size {self.n_ctx} x {self.n_parallel} sequences needs "
@@ -409,11 +408,13 @@ class Model:
         count = 0
         running = []
         bos = self.tokenizer.bos_id if self.tokenizer.add_bos else None
+        from .kv.seq import SeqKV
+        cache = SeqKV(self.engine.pool, ctx)  # blocks of the engine's pool (in the ledger)
         for c in range(n_chunks):
             chunk = list(toks[c * ctx:(c + 1) * ctx])
             if bos is not None:
                 chunk[0] = bos
-            cache = self.model.new_cache(ctx)
+            cache.reset()
             # forward in the plan's n_batch pieces (scratch is sized for it); keep rows first..
             hs = []
             for b in range(0, ctx, self.n_batch):
@@ -437,6 +438,7 @@ class Model:
             running.append(math.exp(nll / count))
             if progress:
                 progress(c + 1, n_chunks, running[-1])
+        cache.close()
         mean = nll / count
         ppl = math.exp(mean)
         var = nll2 / count - mean * mean

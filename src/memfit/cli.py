@@ -512,6 +512,17 @@ def cmd_rm(a) -> int:
     return 0
 
 
+def _memory_json(m) -> dict:
+    """The KV pool's bytes and, under a budget, the ledger's entries by category (the KV
+    the evaluation ran in is the engine's pool, booked under "kv")."""
+    from .api import peak_rss_bytes
+    d = {"kv_pool_bytes": m.engine.pool.nbytes, "peak_rss_bytes": peak_rss_bytes()}
+    if m.ledger is not None:
+        from .memory.ledger import CATEGORIES
+        d["ledger"] = {c: m.ledger.items(c) for c in CATEGORIES}
+    return d
+
+
 def cmd_perplexity(a) -> int:
     def progress(i, n, v, what="PPL"):
         if not a.json:
@@ -548,8 +559,9 @@ def cmd_perplexity(a) -> int:
                 print(f"Final estimate: PPL = {ppl:.4f} +/- {err:.5f}")
             return 0
         r = m.perplexity(text, ctx=a.ctx_size, progress=progress, max_chunks=a.chunks)
+        mem = _memory_json(m)
     if a.json:
-        print(json.dumps(r.to_dict()))
+        print(json.dumps({**r.to_dict(), **mem}))
     else:
         print(f"chunks {r.chunks} x {a.ctx_size} tokens ({r.n_tokens} tokens), {r.seconds:.1f} s")
         print(f"Final estimate: PPL = {r.ppl:.4f} +/- {r.ppl_err:.5f}")
@@ -632,7 +644,8 @@ def cmd_bench(a) -> int:
     if a.profile:
         from .bench.profile import run_profile
         with _load(a, n_ctx=a.n_prompt + a.n_gen + 8) as m:
-            return run_profile(m.model, n_gen=max(1, a.n_gen), n_prompt=a.n_prompt, as_json=a.json)
+            return run_profile(m.model, n_gen=max(1, a.n_gen), n_prompt=a.n_prompt, as_json=a.json,
+                               pool=m.engine.pool)
     parallel = _parallel_list(a.parallel)
     n_par = max(parallel) if parallel else 1
     n_ctx = a.n_prompt + a.n_gen + 8 + (n_par if parallel else 0)
@@ -667,7 +680,8 @@ def cmd_bench(a) -> int:
                                      on_result=emit)
         else:
             res = run_bench(m.model, name, m.tokenizer.n_vocab, a.n_prompt, a.n_gen,
-                            a.repetitions, threads, progress=not a.json, on_result=emit)
+                            a.repetitions, threads, progress=not a.json, on_result=emit,
+                            pool=m.engine.pool)
         if not a.json:
             print(markdown_table(res, "native" if "native" in m.ops.__name__ else "numpy"))
     return 0

@@ -279,11 +279,6 @@ def _header_problem(h: Any) -> str | None:
 
 # --- the engine's paged pool ----------------------------------------------------------------
 
-def _rows(a: np.ndarray) -> np.ndarray:
-    """A pool array [rows, Hkv, ...] as uint8 rows [rows, Hkv, row_bytes] (a view)."""
-    return a.view(np.uint8).reshape(a.shape[0], a.shape[1], -1)
-
-
 def export_prefix(pool, ids: list[int]) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """K and V rows (per layer, copies) of the longest prefix of ids whose whole blocks are in
     the pool's prefix cache: a multiple of the block size, possibly 0."""
@@ -295,8 +290,7 @@ def export_prefix(pool, ids: list[int]) -> tuple[list[np.ndarray], list[np.ndarr
         if b is None:
             break
         blocks.append(b)
-    rows = (np.asarray(blocks, np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)
-    return [_rows(a)[rows] for a in pool.k], [_rows(a)[rows] for a in pool.v]
+    return pool.storage.read_blocks(blocks)
 
 
 def import_prefix(pool, ids: list[int], k: list[np.ndarray], v: list[np.ndarray]) -> int:
@@ -313,10 +307,8 @@ def import_prefix(pool, ids: list[int], k: list[np.ndarray], v: list[np.ndarray]
         if pool.n_free == 0:
             return j * bs
         b = pool.allocate()
-        for a, src in zip(pool.k, k):
-            _rows(a)[b * bs:(b + 1) * bs] = src[j * bs:(j + 1) * bs]
-        for a, src in zip(pool.v, v):
-            _rows(a)[b * bs:(b + 1) * bs] = src[j * bs:(j + 1) * bs]
+        pool.storage.write_block(b, [x[j * bs:(j + 1) * bs] for x in k],
+                                 [x[j * bs:(j + 1) * bs] for x in v])
         pool.register(b, key)
         pool.release([b])
     return n * bs

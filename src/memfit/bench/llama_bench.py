@@ -36,25 +36,32 @@ class BenchResult:
         return d
 
 
-def _pp(model, ids: np.ndarray) -> float:
-    cache = model.new_cache(len(ids) + 1)
-    t0 = time.perf_counter()
-    model.forward(ids, cache)
-    return len(ids) / (time.perf_counter() - t0)
+def _cache(model, pool, n: int):
+    """One sequence of n tokens: on pool (the engine's, in the ledger) when given."""
+    from ..kv.seq import SeqKV
+    return SeqKV(pool, n) if pool is not None else model.new_cache(n)
 
 
-def _tg(model, ids: np.ndarray) -> float:
-    cache = model.new_cache(len(ids) + 1)
-    t0 = time.perf_counter()
-    for i in range(len(ids)):
-        model.forward(ids[i:i + 1], cache)
-    return len(ids) / (time.perf_counter() - t0)
+def _pp(model, ids: np.ndarray, pool=None) -> float:
+    with _cache(model, pool, len(ids) + 1) as cache:
+        t0 = time.perf_counter()
+        model.forward(ids, cache)
+        return len(ids) / (time.perf_counter() - t0)
+
+
+def _tg(model, ids: np.ndarray, pool=None) -> float:
+    with _cache(model, pool, len(ids) + 1) as cache:
+        t0 = time.perf_counter()
+        for i in range(len(ids)):
+            model.forward(ids[i:i + 1], cache)
+        return len(ids) / (time.perf_counter() - t0)
 
 
 def run_bench(model, name: str, n_vocab: int, n_prompt: int = 512, n_gen: int = 128,
               reps: int = 5, threads: int = 1, seed: int = 0, progress: bool = True,
-              on_result=None) -> list[BenchResult]:
-    """Measure pp{n_prompt} and tg{n_gen}; ``on_result(BenchResult)`` after each test."""
+              on_result=None, pool=None) -> list[BenchResult]:
+    """Measure pp{n_prompt} and tg{n_gen} (in blocks of ``pool``, the engine's KV pool, when
+    given); ``on_result(BenchResult)`` after each test."""
     rng = np.random.default_rng(seed)
     out = []
     for kind, n, fn in (("pp", n_prompt, _pp), ("tg", n_gen, _tg)):
@@ -63,7 +70,7 @@ def run_bench(model, name: str, n_vocab: int, n_prompt: int = 512, n_gen: int = 
         res = BenchResult(name, f"{kind}{n}", threads)
         for r in range(reps + 1):  # first run is the warm-up
             ids = rng.integers(0, n_vocab, size=n, dtype=np.int32)
-            tps = fn(model, ids)
+            tps = fn(model, ids, pool)
             if progress:
                 what = "warm-up" if r == 0 else f"rep {r}/{reps}"
                 print(f"  {kind}{n} {what}: {tps:.2f} tok/s", file=sys.stderr, flush=True)

@@ -29,8 +29,9 @@ _TYPE_NAMES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 
 
 
 def profile_decode(model, n_gen: int = 32, n_prompt: int = 0, seed: int = 0,
-                   probe_gb_per_s: float | None = None) -> dict:
-    """The profile as a dict (see the module docstring); times in ms per token."""
+                   probe_gb_per_s: float | None = None, pool=None) -> dict:
+    """The profile as a dict (see the module docstring); times in ms per token. The sequence
+    runs in blocks of ``pool`` (the engine's KV pool) when given."""
     from .. import _native
     from ..ops import native
     if model.ops is not native:
@@ -39,7 +40,8 @@ def profile_decode(model, n_gen: int = 32, n_prompt: int = 0, seed: int = 0,
     c = model.config
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, c.n_vocab, size=n_prompt + n_gen + 1, dtype=np.int32)
-    cache = model.new_cache(n_prompt + n_gen + 2)
+    from .llama_bench import _cache
+    cache = _cache(model, pool, n_prompt + n_gen + 2)
     if n_prompt:
         model.forward(ids[:n_prompt], cache)
     model.forward(ids[n_prompt:n_prompt + 1], cache)  # warm-up: scratch, fused layers built
@@ -136,10 +138,11 @@ def format_profile(p: dict) -> str:
     return "\n".join(lines)
 
 
-def run_profile(model, n_gen: int, n_prompt: int, as_json: bool, probe: bool = True) -> int:
+def run_profile(model, n_gen: int, n_prompt: int, as_json: bool, probe: bool = True,
+                pool=None) -> int:
     from .kernels import memory_read_bandwidth
     bw = memory_read_bandwidth(1 << 30) / 1e9 if probe else None
-    p = profile_decode(model, n_gen=n_gen, n_prompt=n_prompt, probe_gb_per_s=bw)
+    p = profile_decode(model, n_gen=n_gen, n_prompt=n_prompt, probe_gb_per_s=bw, pool=pool)
     print(json.dumps(p) if as_json else format_profile(p), flush=True)
     if not as_json and not p["fused_layers"]:
         print("note: this model's layers ran op by op (no fused decode layer)", file=sys.stderr)

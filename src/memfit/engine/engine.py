@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import RequestError
-from ..kv.pool import BLOCK_SIZE, KVPool
+from ..kv.pool import KVPool
+from ..kv.storage import kv_pool_blocks  # the planner's pool size (the API imports it here)
 from .generate import Timings
 from .runner import Runner
 from .sampler import Sampler, SamplingParams, StopMatcher, top_logprobs
@@ -42,11 +43,6 @@ class StepOutput:
     cache_n: int               # prompt tokens reused from the prefix cache
     n_generated: int
     timings: Timings | None = None  # on the finished output
-
-
-def kv_pool_blocks(n_ctx: int, n_parallel: int) -> int:
-    """Blocks of the pool for n_parallel sequences of up to n_ctx tokens (the planner's KV)."""
-    return n_parallel * ((n_ctx + BLOCK_SIZE - 1) // BLOCK_SIZE)
 
 
 class Engine:

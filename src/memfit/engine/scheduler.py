@@ -14,7 +14,7 @@ Batch invariance: every position of a sequence has one kind for its whole life. 
 positions are prompt rows (the prefill kernels), generated ones decode rows (the decode
 kernels), whatever the step: a recomputed sequence feeds its generated tokens as decode rows
 (a chunk of them in one decode-kind step), a step never mixes the kinds, and a block holding
-decode rows is keyed with where they start (kv/pool.py block_key), so a new prompt never
+decode rows is keyed with where they start (kv/manager.py block_key), so a new prompt never
 reuses K/V that a cold run would compute otherwise. The kernels make a row independent of the
 others in its forward, so chunks of any size are packed, and a sequence's tokens do not
 depend on what else runs, how its prompt was chunked or what the prefix cache held.
@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from ..kv.pool import KVPool, block_key
+from ..kv.pool import KVPool
 from .sequence import Sequence, Status
 
 
@@ -58,35 +58,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # --- blocks
-    def _blocks_for(self, n_tokens: int) -> int:
-        return (n_tokens + self.bs - 1) // self.bs
-
-    def _key(self, seq: Sequence, i: int, parent):
-        """Prefix key of seq's block i (see block_key: rows past the prompt are decode rows)."""
-        toks, lo = seq.tokens[i * self.bs:(i + 1) * self.bs], i * self.bs
-        return block_key(parent, toks, None if lo + self.bs <= seq.n_prompt else max(0, seq.n_prompt - lo))
-
     def _admit(self, seq: Sequence) -> bool:
         """Give seq its cached prefix blocks and blocks for the rest of its tokens; False (and
         no change) when the pool cannot hold them now."""
         toks = seq.tokens
         # reuse whole cached blocks, but leave at least one token to compute (its logits)
-        hit, key = [], None
-        for i in range((len(toks) - 1) // self.bs):
-            k = self._key(seq, i, key)
-            if self.pool.peek(k) is None:
-                break
-            hit.append(k)
-            key = k
-        need = self._blocks_for(len(toks)) - len(hit)
-        cached_hits = sum(1 for k in hit if self.pool.ref[self.pool.peek(k)] == 0)
-        if need > self.pool.n_free - cached_hits:
+        if not self.pool.manager.admit(seq, toks, n_prompt=seq.n_prompt):
             return False
-        seq.block_table = [self.pool.lookup(k) for k in hit]
-        seq.block_table += [self.pool.allocate() for _ in range(need)]
-        seq.n_computed = len(hit) * self.bs
-        seq.n_hashed = len(hit)
-        seq.last_key = key
         if not seq.admitted:
             seq.admitted = True
             seq.cache_n = seq.n_computed
@@ -98,8 +76,7 @@ class Scheduler:
 
     def free(self, seq: Sequence) -> None:
         """Return seq's blocks and slot (finished, aborted or preempted)."""
-        self.pool.release(seq.block_table)
-        seq.block_table = []
+        self.pool.manager.free(seq)
         if seq.slot >= 0:
             self._free_slots.append(seq.slot)
             seq.slot = -1
@@ -163,9 +140,4 @@ class Scheduler:
     def after_step(self, sched: Scheduled) -> None:
         """Advance n_computed and key the blocks that became full (prefix cache)."""
         for s, k in zip(sched.seqs, sched.n_tokens):
-            s.n_computed += k
-            while (s.n_hashed + 1) * self.bs <= s.n_computed:
-                i = s.n_hashed
-                s.last_key = self._key(s, i, s.last_key)
-                self.pool.register(s.block_table[i], s.last_key)
-                s.n_hashed += 1
+            self.pool.manager.commit(s, k, s.tokens, n_prompt=s.n_prompt)

@@ -14,19 +14,20 @@ import numpy as np
 
 def iter_logits(m, ids, first: int = 0) -> Iterator[tuple[int, np.ndarray]]:
     """Yield (row, logits f32 [rows, n_vocab]) for rows first..len(ids)-1 of ``ids`` run as one
-    sequence from position 0 on ``m`` (a memfit.api.Model)."""
+    sequence from position 0 on ``m`` (a memfit.api.Model), in blocks of its engine's KV pool."""
+    from ..kv.seq import SeqKV
     from ..memory.planner import LOGITS_SLICE_ROWS as rows
     n = len(ids)
     assert 0 <= first < n
     ids = np.asarray(ids, dtype=np.int32)
-    cache = m.model.new_cache(n)
     hs = []
-    for b in range(0, n, m.n_batch):
-        piece = ids[b:b + m.n_batch]
-        if b + len(piece) <= first:
-            m.model.forward(piece, cache)
-        else:
-            hs.append(m.model.forward(piece, cache, hidden_from=max(0, first - b)))
+    with SeqKV(m.engine.pool, n) as cache:
+        for b in range(0, n, m.n_batch):
+            piece = ids[b:b + m.n_batch]
+            if b + len(piece) <= first:
+                m.model.forward(piece, cache)
+            else:
+                hs.append(m.model.forward(piece, cache, hidden_from=max(0, first - b)))
     h = np.concatenate(hs) if len(hs) > 1 else hs[0]
     for j in range(0, len(h), rows):
         yield first + j, m.model.logits(h[j:j + rows])

@@ -93,19 +93,18 @@ class ModelDesc:
     @property
     def kv_bytes_per_token(self) -> int:
         """f32 K and V of every layer for one position."""
-        return self.kv_elems_per_token * 4
+        return self.kv_cache_bytes(1, "f32", "f32")
 
     @property
     def kv_elems_per_token(self) -> int:
-        return self.n_layer * self.n_head_kv * (self.head_dim + self.head_dim_v)
+        return self.kv_bytes_per_token // 4
 
     def kv_cache_bytes(self, n_ctx: int, cache_type_k="f16", cache_type_v="f16") -> int:
         """Bytes of a KV cache of n_ctx tokens in the given cache types (f16, q8_0: 34 B
-        per 32 values, q4_0: 18 B per 32)."""
-        from ..kv.quant import cache_type, row_bytes
-        tk, tv = cache_type(cache_type_k), cache_type(cache_type_v)
-        return n_ctx * self.n_layer * self.n_head_kv * (row_bytes(tk, self.head_dim)
-                                                       + row_bytes(tv, self.head_dim_v))
+        per 32 values, q4_0: 18 B per 32): kv/storage.py's kv_bytes_per_token."""
+        from ..kv.storage import kv_bytes_per_token
+        return n_ctx * kv_bytes_per_token(self.n_layer, self.n_head_kv, self.head_dim,
+                                          self.head_dim_v, cache_type_k, cache_type_v)
 
     @property
     def weight_bytes(self) -> int:
@@ -339,13 +338,6 @@ def _summarize(names: list[str]) -> str:
     return ", ".join(f"{k} x{v}" if v > 1 else k for k, v in c.items())
 
 
-def kv_pool_tokens(n_ctx: int, n_parallel: int = 1) -> int:
-    """Token rows of the engine's KV block pool: n_parallel sequences of n_ctx tokens, each
-    rounded up to whole blocks (engine.engine.kv_pool_blocks)."""
-    from ..kv.pool import BLOCK_SIZE
-    return n_parallel * -(-n_ctx // BLOCK_SIZE) * BLOCK_SIZE
-
-
 def scratch_bytes(m: ModelDesc, n_batch: int, n_ctx: int, threads: int,
                   logits_all: bool = False) -> int:
     """Activation/scratch estimate for a batch of n_batch tokens (f32 everywhere)."""
@@ -405,9 +397,9 @@ def expert_slot_bytes(m: ModelDesc) -> int:
 
 def kv_pool_tokens(n_ctx: int, n_parallel: int = 1) -> int:
     """Token rows of the engine's KV block pool: n_parallel sequences of n_ctx tokens, each
-    rounded up to whole blocks (engine.engine.kv_pool_blocks)."""
-    from ..kv.pool import BLOCK_SIZE
-    return n_parallel * -(-n_ctx // BLOCK_SIZE) * BLOCK_SIZE
+    rounded up to whole blocks (kv/storage.py kv_pool_blocks)."""
+    from ..kv.storage import BLOCK_SIZE, kv_pool_blocks
+    return kv_pool_blocks(n_ctx, n_parallel) * BLOCK_SIZE
 
 
 def kv_bytes(m: ModelDesc, n_ctx: int, kv_bytes_per_elem: float | None, n_parallel: int = 1,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import RequestError
-from ..kv.cache import KVCache
+from ..kv.seq import SeqKV as KVCache
 from .batch import Batch
 from ..quant.reference import dequantize
 from .config import ModelConfig
@@ -72,16 +72,21 @@ class Model:
 
     # --- compute -------------------------------------------------------------------------
     def new_cache(self, n_ctx: int) -> KVCache:
+        """One sequence of up to n_ctx tokens on a KV pool of its own (kv/seq.py); the API runs
+        it on the engine's pool instead (SeqKV(engine.pool))."""
+        from ..kv.quant import NAMES, cache_type
         c = self.config
-        return KVCache(c.n_layer, n_ctx, c.n_head_kv, c.head_dim_k, c.head_dim_v,
-                       f16_values=self.kv_f16, type_k=self.cache_type_k, type_v=self.cache_type_v)
+        tk, tv = NAMES[cache_type(self.cache_type_k)], NAMES[cache_type(self.cache_type_v)]
+        if (tk, tv) == ("f16", "f16") and not self.kv_f16:
+            tk = tv = "f32"  # tests of exact float math
+        return KVCache.new(c.n_layer, n_ctx, c.n_head_kv, c.head_dim_k, c.head_dim_v, tk, tv)
 
     def forward(self, batch, cache: KVCache | None = None, all_logits: bool = False,
                 hidden_from: int | None = None) -> np.ndarray:
         """``forward(batch)``: logits f32 [len(batch.out_rows), n_vocab] of a Batch
         (models/batch.py: flat rows of any sequences, the engine's runner builds it).
 
-        ``forward(ids, cache)``: one sequence in a contiguous KVCache, logits f32 [n_vocab] of
+        ``forward(ids, cache)``: one sequence in a KVCache (kv/seq.py), logits f32 [n_vocab] of
         the last token, or [n, n_vocab] with all_logits; the tokens are placed at positions
         cache.offset.. and the cache advances by len(ids). With hidden_from=k, returns the
         final-normed hidden states [n - k, n_embd] of rows k.. instead, for the caller to turn

@@ -1,0 +1,117 @@
+"""KV storage: the arrays that hold K and V and their ledger entry (no bookkeeping of who
+owns which block: that is kv/manager.py, in integers).
+
+Per layer a K array [n_blocks, BLOCK_SIZE, n_kv_head, row] and a V array (float16 values for
+cache type f16, float32 for f32; q8_0 / q4_0 hold raw GGML block bytes per row, kv/quant.py),
+allocated once at its planned size and never grown. ``k[l]`` / ``v[l]`` are the same memory
+as physical rows [n_blocks * BLOCK_SIZE, n_kv_head, row], the kernels' addressing
+(kv/view.py): logical position p of a sequence is row table[p // BLOCK_SIZE] * BLOCK_SIZE +
+p % BLOCK_SIZE.
+
+``kv_bytes_per_token`` is the one definition of what a cached token costs: the planner, the
+API's fit check and this storage all count with it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import RequestError
+from . import quant as kq
+from .view import KV_TYPES
+
+BLOCK_SIZE = 32
+
+
+def kv_type_id(t: int | str | None) -> int:
+    """GGML type id of a cache type: a name ('f16', 'f32', 'q8_0', 'q4_0') or an id."""
+    if isinstance(t, str) and t.strip().lower() == "f32":
+        return kq.F32
+    return kq.cache_type(t)
+
+
+def kv_bytes_per_token(n_layer: int, n_head_kv: int, head_dim_k: int, head_dim_v: int | None = None,
+                       type_k: int | str | None = "f16", type_v: int | str | None = None) -> int:
+    """Bytes of K and V of one position over every layer, in cache types type_k / type_v
+    (type_v defaults to type_k): rows of 2 B per value (f16), 4 (f32), 34 B per 32 values
+    (q8_0), 18 B per 32 (q4_0)."""
+    head_dim_v = head_dim_k if head_dim_v is None else head_dim_v
+    tk = kv_type_id(type_k)
+    tv = tk if type_v is None else kv_type_id(type_v)
+    return n_layer * n_head_kv * (kq.row_bytes(tk, head_dim_k) + kq.row_bytes(tv, head_dim_v))
+
+
+def kv_pool_blocks(n_ctx: int, n_parallel: int = 1) -> int:
+    """Blocks of a pool for n_parallel sequences of up to n_ctx tokens (the planner's KV)."""
+    return n_parallel * -(-n_ctx // BLOCK_SIZE)
+
+
+class KVStorage:
+    def __init__(self, n_layer: int, n_blocks: int, n_kv_head: int, head_dim_k: int,
+                 head_dim_v: int | None = None, cache_type: str = "f16",
+                 cache_type_v: str | None = None, ledger=None, name: str = "kv_pool"):
+        if n_blocks < 1:
+            raise RequestError(f"the KV pool needs at least one block, got {n_blocks}")
+        cache_type_v = cache_type if cache_type_v is None else cache_type_v
+        for t in (cache_type, cache_type_v):
+            if t not in KV_TYPES:
+                raise RequestError(f"KV cache type {t!r} is not supported; use one of "
+                                   f"{', '.join(kq.CACHE_TYPES)}")
+        head_dim_v = head_dim_k if head_dim_v is None else head_dim_v
+        self.cache_type, self.kv_type = cache_type, KV_TYPES[cache_type]
+        self.cache_type_v, self.kv_type_v = cache_type_v, KV_TYPES[cache_type_v]
+        self.n_blocks, self.block_size = n_blocks, BLOCK_SIZE
+        self.bytes_per_token = kv_bytes_per_token(n_layer, n_kv_head, head_dim_k, head_dim_v,
+                                                  self.kv_type, self.kv_type_v)
+        rows = n_blocks * BLOCK_SIZE
+
+        def blocks(t: int, d: int) -> list[np.ndarray]:
+            # per layer [n_blocks, BLOCK_SIZE, Hkv, row] (INTERFACES.md §2): d values (f16/f32),
+            # or q8_0 / q4_0 GGML blocks as uint8 [.., row_bytes]
+            if kq.is_block(t):
+                kq.check_head_dims(t, d)
+                return [np.zeros((n_blocks, BLOCK_SIZE, n_kv_head, kq.row_bytes(t, d)), np.uint8)
+                        for _ in range(n_layer)]
+            dt = np.float16 if t == kq.F16 else np.float32
+            return [np.zeros((n_blocks, BLOCK_SIZE, n_kv_head, d), dt) for _ in range(n_layer)]
+        self.k_blocks = blocks(self.kv_type, head_dim_k)
+        self.v_blocks = blocks(self.kv_type_v, head_dim_v)
+        self.k = [a.reshape(rows, n_kv_head, a.shape[-1]) for a in self.k_blocks]
+        self.v = [a.reshape(rows, n_kv_head, a.shape[-1]) for a in self.v_blocks]
+        assert self.nbytes == rows * self.bytes_per_token
+        self.ledger = ledger
+        if ledger is not None:
+            # the planner's KV reservation (the weight store books it as kv/plan) is this pool
+            if "plan" in ledger.items("kv"):
+                ledger.resize("kv", "plan", self.nbytes)
+            else:
+                ledger.alloc("kv", name, self.nbytes)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.k_blocks) + sum(a.nbytes for a in self.v_blocks)
+
+    @staticmethod
+    def _raw(a: np.ndarray) -> np.ndarray:
+        """A layer's rows [rows, Hkv, ...] as uint8 [rows, Hkv, row_bytes] (a view)."""
+        return a.view(np.uint8).reshape(a.shape[0], a.shape[1], -1)
+
+    def read_blocks(self, blocks) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Copies of the K and V rows of blocks (in order), per layer uint8
+        [len(blocks) * BLOCK_SIZE, Hkv, row_bytes] in the cache types (sessions)."""
+        bs = self.block_size
+        rows = (np.asarray(blocks, np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)
+        return [self._raw(a)[rows] for a in self.k], [self._raw(a)[rows] for a in self.v]
+
+    def write_block(self, block: int, k: list[np.ndarray], v: list[np.ndarray]) -> None:
+        """Rows of one block from per layer uint8 [BLOCK_SIZE, Hkv, row_bytes] (sessions)."""
+        bs = self.block_size
+        for a, src in zip(self.k, k):
+            self._raw(a)[block * bs:(block + 1) * bs] = src
+        for a, src in zip(self.v, v):
+            self._raw(a)[block * bs:(block + 1) * bs] = src
+
+    def copy_rows(self, src: int, dst: int, n_rows: int) -> None:
+        """Rows 0..n_rows of block src into block dst, every layer (copy on write)."""
+        for a in self.k_blocks + self.v_blocks:
+            a[dst, :n_rows] = a[src, :n_rows]
