@@ -94,6 +94,10 @@ void mf_b32gemm_avx512(int type, const uint8_t *w, size_t rb, int64_t nrows, int
  * zmm per 4 K positions, lane j = X row j), bs[p][j] = row j's bsums[2p] | bsums[2p+1] << 16,
  * bs32[p][j] the same of the sums per 32 (S[2p] | S[2p+1] << 16, for the types whose corrections
  * are per 32), dx[j] = row j's scale (0 for pad rows). */
+/* matmul kernel families (quant_mm.c), chosen by the caller, never by the row count */
+#define MF_MM_PREFILL 0 /* the type's widest batched kernel (16-row X bands on avx512vnni) */
+#define MF_MM_DECODE 1  /* the one-row vec-dots */
+#define MF_MM_NARROW 2  /* batched kernels of 4 X rows a call (matrices that see few rows: experts) */
 #define MF_XB_ROWS 16
 typedef struct { _Alignas(64) int8_t qs[64][64]; int32_t bs[8][16]; int32_t bs32[4][16]; float dx[16]; } mf_xband; /* 4928 B */
 /* W block: u8 codes in K order, float scale d*sc per sub-block (16 groups of 16, or the first

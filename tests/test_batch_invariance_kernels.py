@@ -1,6 +1,7 @@
 """Batch invariance of the kernels: a row's result depends only on its own input row.
 
-Every type x every ISA path this CPU runs x both kernel families (prefill, decode): an X row's
+Every type x every ISA path this CPU runs x every kernel family (prefill, narrow prefill,
+decode): an X row's
 outputs are the same bits alone, at any position of a call of any row count (1..33: every
 threshold the kernels had), with any neighbours, with 1 or 2 threads. This is what lets the
 engine give a sequence the same tokens cold, cached, chunked or batched (tests/test_exact.py).
@@ -19,6 +20,8 @@ NAMES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "
          "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
 ISAS = ["scalar", "avx2", "avx512", "avx512vnni"]
 NS = (1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 15, 16, 17, 33)
+MODES = {"prefill": {"rowwise": False}, "narrow": {"rowwise": False, "narrow": True},
+         "decode": {"rowwise": True}}
 
 
 def _isas() -> list[str]:
@@ -40,27 +43,29 @@ def _bits(a):
     return np.ascontiguousarray(a).view(np.uint32)
 
 
-@pytest.mark.parametrize("rowwise", [False, True], ids=["prefill", "decode"])
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("name", NAMES)
-def test_row_independent_of_call(isa, name, rowwise):
+def test_row_independent_of_call(isa, name, mode):
+    kw = MODES[mode]
     t = BY_NAME[name]
     rng = np.random.default_rng(900 + t.id)
     rows, cols = 45, 512  # 8/4-row groups and a remainder; two 256-blocks, sixteen 32-blocks
     w = QTensor("w", t, (rows, cols), random_blocks(t, rows * cols, rng))
     X = rng.standard_normal((40, cols)).astype(np.float32)
-    alone = np.stack([nat.matmul(X[i:i + 1], w, rowwise=rowwise)[0] for i in range(40)])
+    alone = np.stack([nat.matmul(X[i:i + 1], w, **kw)[0] for i in range(40)])
     for nt in (1, 2):
         _native.set_threads(nt)
         for n in NS:
             for start in (0, 40 - n):
-                got = nat.matmul(X[start:start + n], w, rowwise=rowwise)
+                got = nat.matmul(X[start:start + n], w, **kw)
                 assert np.array_equal(_bits(got), _bits(alone[start:start + n])), \
-                    f"{name} {isa} {'decode' if rowwise else 'prefill'} n={n} start={start} threads={nt}"
+                    f"{name} {isa} {mode} n={n} start={start} threads={nt}"
 
 
-@pytest.mark.parametrize("rowwise", [False, True], ids=["prefill", "decode"])
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("names", [("Q4_K", "Q6_K", "Q8_0"), ("Q4_1", "Q4_0", "F16")])
-def test_multi_matmul_rows_equal_single(isa, names, rowwise):
+def test_multi_matmul_rows_equal_single(isa, names, mode):
+    kw = MODES[mode]
     # weights of different types sharing X (Q/K/V, gate/up) in one call: each result row is
     # the single matmul's row alone
     rng = np.random.default_rng(77)
@@ -69,10 +74,10 @@ def test_multi_matmul_rows_equal_single(isa, names, rowwise):
                   random_blocks(BY_NAME[nm], (33 + 8 * j) * cols, rng)) for j, nm in enumerate(names)]
     X = rng.standard_normal((21, cols)).astype(np.float32)
     for n in (1, 3, 7, 21):
-        ys = nat.matmul_multi(X[:n], ws, rowwise=rowwise)
+        ys = nat.matmul_multi(X[:n], ws, **kw)
         for w, y in zip(ws, ys):
             for i in range(n):
-                assert np.array_equal(_bits(y[i]), _bits(nat.matmul(X[i:i + 1], w, rowwise=rowwise)[0])), \
+                assert np.array_equal(_bits(y[i]), _bits(nat.matmul(X[i:i + 1], w, **kw)[0])), \
                     f"{w.type.name} {isa} n={n} row={i}"
 
 

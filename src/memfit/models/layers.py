@@ -279,12 +279,15 @@ class Model:
             h = self.ops.silu_mul(g, u) if self.act == "silu" else self.ops.gelu_mul(g, u)
         return self.linear(h, p + "ffn_down")
 
-    def _glu(self, x: np.ndarray, gate, up, down) -> np.ndarray:
-        # down(act(gate x) * up x) for QTensors (one expert, or the shared expert)
-        mm, kw = getattr(self.ops, "matmul_multi", None), self._rows_kw(x)
-        g, u = mm(x, [gate, up], **kw) if mm is not None else (self._matmul(x, gate), self._matmul(x, up))
+    def _glu(self, x: np.ndarray, gate, up, down, expert: bool = False) -> np.ndarray:
+        # down(act(gate x) * up x) for QTensors (one expert, or the shared expert); a routed
+        # expert's prompt rows take the narrow kernels, as the fused call (csrc/moe.c)
+        kw = {**self._rows_kw(x), "narrow": expert}
+        mm = getattr(self.ops, "matmul_multi", None)
+        g, u = mm(x, [gate, up], **kw) if mm is not None else \
+            (self.ops.matmul(x, gate, **kw), self.ops.matmul(x, up, **kw))
         h = self.ops.silu_mul(g, u) if self.act == "silu" else self.ops.gelu_mul(g, u)
-        return self._matmul(h, down)
+        return self.ops.matmul(h, down, **kw)
 
     def route(self, il: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Router of layer il on x [n, n_embd] -> (experts int64 [n, k], weights f32 [n, k]) as
@@ -341,7 +344,7 @@ class Model:
                 continue
             for e, (gate, up, down) in zip(group, mats):
                 rows, slot = np.nonzero(sel == e)   # a token picks an expert at most once
-                y = self._glu(np.ascontiguousarray(x[rows]), gate, up, down)
+                y = self._glu(np.ascontiguousarray(x[rows]), gate, up, down, expert=True)
                 out[rows] += y * wts[rows, slot][:, None]
         if self.spec.shared_expert:
             # [n]: one logit per token; a per-row sum (BLAS's x @ v may group rows differently
