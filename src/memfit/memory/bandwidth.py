@@ -270,6 +270,8 @@ def get_bandwidth(path: str | os.PathLike | None = None, *, measure: bool = True
     probe, else measured (if measure) and cached, else the default. With measure, a probe
     that is missing, old or was taken under load is taken again (choose_probe/probe_is_stale);
     refresh ignores the caches and, with measure, probes now. Never raises."""
+    from .planner import COUNTS
+    COUNTS["bandwidth"] += 1
     cache = _load_cache()
     src = []
     mkey = machine_key()

@@ -51,6 +51,9 @@ ATTN_Q_BLOCK = 64                 # query rows whose scores over the context exi
 # the sampler copies one row), each with an f32 shifted copy and f64 exp: 16 bytes per entry
 LOGITS_SLICE_ROWS = 8
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.")
+# work done by this process, by kind: 'describe' (a GGUF described), 'plan' (a pure plan),
+# 'bandwidth' (the bandwidth record read), 'routing' (routing counts loaded): tests count a load
+COUNTS: Counter = Counter()
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,7 @@ class ModelDesc:
     def from_gguf(f, name: str = "") -> "ModelDesc":
         """Description from an open GGUFFile (memfit.gguf.open_gguf)."""
         from ..models.spec import config_from_gguf
+        COUNTS["describe"] += 1
         md = f.metadata
         c = config_from_gguf(f)   # the models' hyperparameter rules (models/spec.py)
         n_expert, n_used = c.n_expert, c.n_expert_used
@@ -602,6 +606,7 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
     Order: fixed costs (baseline, scratch, KV, staging), the dense trunk, the hot experts, the
     expert cache; below the floor BudgetError names the smallest budget that works."""
     assert n_ctx > 0 and threads > 0 and n_batch > 0 and n_parallel > 0
+    COUNTS["plan"] += 1
     m = model
     kv = kv_bytes(m, n_ctx, kv_bytes_per_elem, n_parallel, cache_type_k, cache_type_v)
     # the larger of the measured RSS and the model's predicted runtime (see RUNTIME_BASE_BYTES)
