@@ -34,16 +34,17 @@ _KIND_PRIORITY = {"norm": 0, "other": 1, "router": 2, "attn": 3, "output": 4, "f
 IO_STAGING_BYTES = 0
 # Runtime RSS predicted from the model alone, so `memfit plan` and `memfit run` agree on the
 # floor (the planner takes max(prediction, measured RSS)). Measured on x86-64 Linux, Python
-# 3.11: python + numpy + memfit + native ext + tokenizers imported = 35 MiB; GGUF metadata
-# parse + tokenizer build, peak above that, per vocabulary entry: BPE 440 B (+ 550 B per
-# merge), SentencePiece 290 B (Qwen2-1.5B-shaped 152k BPE 65 MiB, SmolLM2 49k+49k merges
-# 48 MiB, Gemma-3 262k SPM 72 MiB). The constants below carry ~10% on top of that.
+# 3.11: python + numpy + memfit + native ext + tokenizers imported = 31-35 MiB (40 below: the
+# allowance for other numpy/BLAS builds); GGUF metadata parse + tokenizer build, peak above
+# that, per vocabulary entry: BPE 440 B (+ 550 B per merge), SentencePiece 290 B (SmolLM2
+# 49k+49k merges peaks at 83 MiB of the 86 predicted, Gemma-3 262k SPM at 104 of 112).
 RUNTIME_BASE_BYTES = 40 * MiB
-TOKENIZER_BYTES_PER_TOKEN = 480   # BPE; SentencePiece (tokenizer model 'llama') costs less
-SPM_BYTES_PER_TOKEN = 320
-TOKENIZER_BYTES_PER_MERGE = 600
+TOKENIZER_BYTES_PER_TOKEN = 440   # BPE; SentencePiece (tokenizer model 'llama') costs less
+SPM_BYTES_PER_TOKEN = 290
+TOKENIZER_BYTES_PER_MERGE = 550
 # after the plan: model objects, float32 norms, I/O + kernel thread stacks, allocator slack
-RUNTIME_EXTRA_BYTES = 24 * MiB
+# (SmolLM2's loaded runtime is 88 MiB of the 92 predicted with this, Gemma-3's 110 of 118)
+RUNTIME_EXTRA_BYTES = 6 * MiB
 MIN_BATCH = 64                    # smallest prefill batch the planner will choose
 THREAD_SCRATCH_BYTES = 2 * MiB    # per-thread kernel scratch (quantized activations, tiles)
 ATTN_Q_BLOCK = 64                 # query rows whose scores over the context exist at once
@@ -355,13 +356,16 @@ def scratch_bytes(m: ModelDesc, n_batch: int, n_ctx: int, threads: int,
     """Activation/scratch estimate for a batch of n_batch tokens (f32 everywhere)."""
     q_dim = m.n_head * m.head_dim
     kv_dim = m.n_head_kv * (m.head_dim + m.head_dim_v)
-    per_tok = 6 * m.n_embd + q_dim + kv_dim + m.n_head * m.head_dim_v + 3 * m.n_ff
-    per_tok *= 2  # numpy temporaries beside the named buffers
+    # per row: the FFN's gate and up (buffers reused by every layer), Q/K/V and 4 rows of
+    # n_embd (residual, norm, attention and FFN outputs); measured peaks of a 512-row
+    # prefill: SmolLM2 7.7 MiB of the 12.4 this gives, Gemma-3 14.3 of 16
+    per_tok = 2 * m.n_ff + 4 * m.n_embd + q_dim + kv_dim
     # attention scores [rows, heads, n_ctx] for a block of at most ATTN_Q_BLOCK query rows
     scores = min(n_batch, ATTN_Q_BLOCK) * m.n_head * n_ctx
     logits = m.n_vocab * (4 * n_batch if logits_all else 16 * LOGITS_SLICE_ROWS)
     # Q8-style activation copy (csrc: 40 B per 32 or 320 B per 256 values, 1.25 bytes/elem)
     quant_act = n_batch * max(m.n_embd, m.n_ff) * 5 // 4
+    # the forward's buffers stay allocated while perplexity slices the logits: both count
     return (4 * (n_batch * per_tok + scores) + logits + quant_act
             + threads * THREAD_SCRATCH_BYTES)
 
