@@ -696,9 +696,9 @@ def _predict(m: ModelDesc, streamed: set[str], x: _Experts, emb_rows, bandwidth:
         notes.append(f"decode is bounded by the disk: {format_size(disk)} streamed per token"
                      if t_disk >= t_mem else "decode is bounded by memory bandwidth")
         if t_disk >= t_mem and "observed" not in bandwidth.source:
-            notes.append("disk rate from a cold probe, not yet from the weight store: decode "
-                         "re-reads the same bytes each token, which a virtual disk's host cache "
-                         "can serve faster; after one run plans use the store's own rate")
+            notes.append("disk rate from a probe (its second pass over the same bytes, as decode "
+                         "re-reads them each token), not yet from the weight store; after one "
+                         "run plans use the store's own rate")
     return mem, disk, (1.0 / t if t > 0 else float("inf"))
 
 
