@@ -5,8 +5,8 @@ model that would run from memory into one streamed from disk every token (SmolLM
 300 MiB: 58 MiB/token, ~4.5 instead of ~37 tok/s). ``fit_context`` is the one rule every
 command uses (runtime.Runtime plans run, chat, bench, serve and plan): a context the user
 set is kept; otherwise the largest one up to the default that keeps every weight resident,
-else the default when the budget holds it (weights stream), else the largest context the
-budget holds at all. ``explain_streaming`` says why weights stream and what would avoid it.
+else (weights stream at any context) the largest that streams at most 25% more per token
+than context 512. ``explain_streaming`` says why weights stream and what would avoid it.
 Both only call ``plan_at(n_ctx, **kv) -> Plan``, the pure planner on one model description.
 """
 
@@ -16,6 +16,8 @@ from ..errors import BudgetError, RequestError
 
 STEP = 256          # contexts tried are multiples of this (the KV block size divides it)
 MIN_FIT_CTX = 256   # below this a lowered context is not worth it: stream, or refuse
+STREAM_REF_CTX = 512  # streaming anyway: contexts are compared with this one's disk bytes
+STREAM_SLACK = 0.25   # ... and may stream this much more per token
 
 
 def train_ctx(f) -> int:
@@ -70,9 +72,12 @@ def largest_resident_ctx(plan_at, hi: int, **kv) -> int | None:
 
 def fit_context(plan_at, default: int, n_ctx: int | None = None) -> tuple[int, str | None]:
     """(context, note or None) for a load: n_ctx when the user set it; else the default when
-    its plan keeps every weight resident, else the largest resident context >= MIN_FIT_CTX,
-    else the default when the budget holds it, else the largest context >= MIN_FIT_CTX the
-    budget holds (the weights stream in both); else the BudgetError of the smallest."""
+    its plan keeps every weight resident, else the largest resident context >= MIN_FIT_CTX.
+    Else the weights stream at every context: the largest context up to the default that
+    streams at most STREAM_SLACK more per token than STREAM_REF_CTX does (a context that only
+    costs speed is not chosen for the user), or, where the budget does not hold
+    STREAM_REF_CTX, the largest it holds >= MIN_FIT_CTX; below the floor even there, the
+    BudgetError at MIN_FIT_CTX."""
     if n_ctx is not None:
         return int(n_ctx), None
     p = _plan_or_none(plan_at, default)
@@ -83,13 +88,24 @@ def fit_context(plan_at, default: int, n_ctx: int | None = None) -> tuple[int, s
         return c, (f"context {c} (not the default {default}): the largest that keeps every "
                    f"weight resident within the budget; a larger --ctx-size streams weights "
                    f"from disk")
-    if p is not None:
-        return default, None
-    c = _largest(lambda c: _plan_or_none(plan_at, c) is not None, default)
-    if c is None or c < MIN_FIT_CTX:
-        plan_at(MIN_FIT_CTX)  # raises: the floor at the smallest context tried
-    return c, (f"context {c} (not the default {default}): the largest the budget holds; "
-               f"a larger --ctx-size is below the floor")
+    fits = lambda c: _plan_or_none(plan_at, c) is not None  # noqa: E731
+    ref = _plan_or_none(plan_at, min(STREAM_REF_CTX, default))
+    if ref is None:
+        c = _largest(fits, min(STREAM_REF_CTX, default))
+        if c is None or c < MIN_FIT_CTX:
+            plan_at(MIN_FIT_CTX)  # raises: the floor at the smallest context tried
+    else:
+        bound = ref.disk_bytes_per_token * (1 + STREAM_SLACK)
+        c = _largest(lambda c: fits(c) and plan_at(c).disk_bytes_per_token <= bound, default)
+    if c == default:
+        return c, None
+    most = _largest(fits, default)
+    if c == most:
+        return c, (f"context {c} (not the default {default}): the largest this budget holds; "
+                   f"weights stream at every context")
+    return c, (f"context {c} (not the default {default}): weights stream at every context "
+               f"this budget holds, and a larger one streams more per token (--ctx-size up "
+               f"to {most} fits, slower)")
 
 
 def explain_streaming(plan_at, plan, budget) -> str:
