@@ -20,7 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import RequestError
+from .errors import BudgetError, RequestError
 
 
 class Runtime:
@@ -134,10 +134,10 @@ class Runtime:
                     memo[key] = plan(d, self.budget, c, threads, self.bandwidth,
                                      baseline_bytes=self.baseline, n_parallel=self.n_parallel,
                                      expert_counts=counts, expert_policy=policy, **k)
-                except Exception as e:  # noqa: BLE001 - a refusal is remembered as well
+                except BudgetError as e:  # a refusal is remembered as well
                     memo[key] = e
             r = memo[key]
-            if isinstance(r, Exception):
+            if isinstance(r, BudgetError):
                 raise r
             return r
 
@@ -183,8 +183,9 @@ class Runtime:
              "weight_store": self.use_store}
         if self.plan is not None:
             p = self.plan
-            d.update(n_batch=p.n_batch, kv_bytes=p.kv_bytes, pinned_bytes=p.tier_bytes["pinned"],
-                     streamed_tensors=len(p.tiers["file"]), cached_tensors=len(p.tiers["cache"]),
+            d.update(n_batch=self.n_batch, kv_bytes=p.kv_bytes,
+                     pinned_bytes=p.tier_bytes["pinned"], streamed_tensors=len(p.tiers["file"]),
+                     cached_tensors=len(p.tiers["cache"]),
                      disk_bytes_per_token=p.disk_bytes_per_token, planned_bytes=p.planned_bytes)
         return d
 
