@@ -92,7 +92,7 @@ def budgeted_run(model: Path, budget: int) -> Proc:
                   "--mem-budget", budget, env={"MEMFIT_DEBUG_LEDGER": "1"})
 
 
-def check_within_budget(r: Proc, budget: int, reference: dict) -> dict:
+def check_within_budget(r: Proc, budget: int, reference: dict, used: float = 0.9) -> dict:
     d = r.json()
     print(f"budget {budget / MiB:.1f} MiB: peak RSS {r.peak_rss / MiB:.1f} MiB, read "
           f"{d['store']['bytes_read'] / 1e6:.0f} MB, {r.seconds:.1f} s")  # shown with -s
@@ -103,6 +103,11 @@ def check_within_budget(r: Proc, budget: int, reference: dict) -> dict:
     assert d["mem_budget_bytes"] == budget
     assert d["prompt_ids"] == reference["prompt_ids"]
     assert d["ids"] == reference["ids"], "greedy tokens differ from the unconstrained run"
+    if d["load"]["streamed_tensors"]:
+        # weights stream: budget the planner left unused is speed lost (issue 17, item 7)
+        assert r.peak_rss >= used * budget, (
+            f"peak RSS {r.peak_rss / MiB:.1f} MiB is more than {1 - used:.0%} below the budget "
+            f"{budget / MiB:.1f} MiB while {d['load']['streamed_tensors']} tensors stream")
     return d
 
 
@@ -219,7 +224,9 @@ def test_gemma_within_budget(gemma_path):
     reference = memfit("run", gemma_path, "-p", PROMPT, "-n", N_GEN, "--temp", 0, "--json",
                        "-c", CTX).json()
     r = budgeted_run(gemma_path, budget)
-    check_within_budget(r, budget, reference)
+    # 86% here: the plan keeps room for perplexity's logits slices (8 rows x 262k x 16 B =
+    # 32 MiB, 10% of this budget) that generation never allocates (docs/NOTES.md, session 6)
+    check_within_budget(r, budget, reference, used=0.84)
 
 
 # ---- perplexity at the floor ---------------------------------------------------------------

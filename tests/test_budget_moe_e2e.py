@@ -74,10 +74,16 @@ def test_moe_within_budget_identical_greedy(moe_model, reference, tmp_path, wher
     if where != "100%":
         assert unconstrained.peak_rss > size * 0.9  # memory-mapped whole without a budget
         assert st["expert_misses"] > 0 and 0.0 <= st["expert_hit_rate"] < 1.0
-        assert st["bytes_read"] > size // 2
+        # experts missed were read from the file (how much depends on the cache the budget
+        # leaves: more room, fewer reads)
+        assert st["bytes_read"] >= st["expert_demand_bytes"] > 0
         assert {"prefetch_recall", "prefetch_wasted_bytes", "expert_hits"} <= set(st)
     if where == "floor":
         assert st["expert_slots"] == MOE["n_expert_used"]
+    if where != "100%":
+        # the budget is used, within 10% below it (at 100% the expert cache has 3x more slots
+        # than this 6-token run routes distinct experts: slots are resident once filled)
+        assert r.peak_rss >= 0.9 * budget, (r.peak_rss / MiB, budget / MiB)
 
 
 @pytest.mark.timeout(120)

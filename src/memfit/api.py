@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -66,162 +64,28 @@ class Model:
     def __init__(self, model: str | os.PathLike | None = None, threads: int | None = None,
                  n_ctx: int | None = None, backend: str | None = None, quiet: bool = True,
                  mem_budget: int | str | None = None, n_parallel: int = 1,
-                 cache_type_k: str = "f16", cache_type_v: str = "f16"):
-        from .gguf import open_gguf
-        from .models import load_model
-        from .ops import get_ops
-        from .pull import resolve_model
-        from .tokenizer import Tokenizer
-
-        self.store = None
-        self.path = Path(resolve_model(str(model) if model is not None else None, quiet=quiet))
-        self.file = open_gguf(self.path)
-        try:
-            if threads is not None and threads < 1:
-                raise RequestError(f"threads must be >= 1, got {threads}")
-            if n_ctx is not None and int(n_ctx) < 8:  # before the planner sizes the KV cache
-                raise RequestError(f"context size {n_ctx} is too small (minimum 8)")
-            if int(n_parallel) < 1:
-                raise RequestError(f"n_parallel must be >= 1, got {n_parallel}")
-            self.n_parallel = int(n_parallel)
-            from .memory.ctxfit import check_ctx
-            check_ctx(self.file, n_ctx)  # the training context, before the planner sizes KV
-            self.threads = threads
-            from .kv.quant import NAMES, cache_type
-            # KV cache types (llama.cpp's -ctk/-ctv): checked before the planner counts them
-            self.cache_type_k = NAMES[cache_type(cache_type_k)]
-            self.cache_type_v = NAMES[cache_type(cache_type_v)]
-            self.plan = self.ledger = None
-            self.notes: list[str] = []  # start-up facts the CLI prints (context fitted, streaming)
-            if mem_budget is not None or os.environ.get("MEMFIT_MEM_BUDGET"):
-                n_ctx = self._plan_budget(mem_budget, n_ctx, quiet)  # refuses before anything loads
-            else:
-                n_ctx = self._auto_budget(n_ctx, quiet)
-            self.tokenizer = Tokenizer.from_metadata(self.file.metadata)
-            self.ops = get_ops(backend)
-            if threads is not None and hasattr(self.ops, "set_threads"):
-                self.ops.set_threads(threads)
-            self.model = load_model(self.file, weights=self.store, ops=self.ops)
-            self.config = self.model.config
-            from .kv.quant import check_head_dims
-            check_head_dims(cache_type(self.cache_type_k), self.config.head_dim_k)
-            check_head_dims(cache_type(self.cache_type_v), self.config.head_dim_v)
-            self.model.cache_type_k, self.model.cache_type_v = self.cache_type_k, self.cache_type_v
-            train_ctx = int(getattr(self.config, "n_ctx_train", 0) or 4096)
-            self.n_ctx = int(n_ctx) if n_ctx is not None else min(train_ctx, 4096)
-            self.n_batch = int(getattr(self.plan, "n_batch", 0) or 512)
-            if self.n_ctx < 8:
-                raise RequestError(f"context size {self.n_ctx} is too small (minimum 8)")
-            if self.n_ctx > train_ctx:
-                raise RequestError(f"context size {self.n_ctx} exceeds the model's training "
-                                   f"context {train_ctx}; use --ctx-size {train_ctx} or less")
-            self._check_kv_fits()
-            from .engine.engine import Engine
-            # the paged KV pool for n_parallel sequences of n_ctx tokens, counted by the ledger
-            kvt = None if self.cache_type_k == "f16" and self.cache_type_v == "f16" else \
-                self.cache_type_k  # None: the model's default (f16, or f32 in exact-math tests)
-            self.engine = Engine(self.model, self.tokenizer, self.n_ctx, self.n_parallel,
-                                 self.n_batch, ledger=self.ledger, cache_type=kvt,
-                                 cache_type_v=None if kvt is None else self.cache_type_v)
-        except BaseException:
-            self.close()
-            raise
-
-    def _check_kv_fits(self) -> None:
-        """Refuse a context whose KV cache cannot fit in available memory (before allocating)."""
-        import psutil
-        c = self.config
-        from .engine.engine import kv_pool_blocks
-        from .kv import BLOCK_SIZE
-        tokens = kv_pool_blocks(self.n_ctx, self.n_parallel) * BLOCK_SIZE
-        from .kv.storage import kv_bytes_per_token
-        kv = tokens * kv_bytes_per_token(c.n_layer, c.n_head_kv, c.head_dim_k, c.head_dim_v,
-                                         self.cache_type_k, self.cache_type_v)
-        avail = psutil.virtual_memory().available
-        if kv > avail:
-            raise RequestError(f"context size {self.n_ctx} x {self.n_parallel} sequences needs "
-                               f"{kv / 2**30:.1f} GiB of KV cache but {avail / 2**30:.1f} GiB is "
-                               f"available; lower --ctx-size or --parallel")
-
-    def _kv_plan_args(self) -> dict:
-        """The planner's KV keywords for this load (ctxfit and plan_for_path take them)."""
-        return dict(n_parallel=self.n_parallel, cache_type_k=self.cache_type_k,
-                    cache_type_v=self.cache_type_v)
-
-    def _auto_budget(self, n_ctx, quiet: bool) -> int | None:
-        """No budget given: plan against the detected one (MemAvailable or the cgroup limit,
-        minus a margin). A model that fits whole is memory-mapped as before; one that does
-        not is run within the detected budget by the weight store, and one below its floor
-        is refused (naming the minimum) instead of thrashing or being OOM-killed."""
-        from .memory.budget import detect_budget, measure_baseline
-        from .memory.ctxfit import explain_streaming, fit_context
-        from .memory.planner import plan_for_path
-
-        try:
-            budget, why = detect_budget()
-        except (OSError, ValueError):  # no /proc/meminfo or cgroup files: nothing to plan for
-            return n_ctx
-        baseline = measure_baseline()
-        if n_ctx is None:  # a smaller context that keeps the weights resident, if one is needed
-            fit, note = fit_context(self.file, budget, self.threads, baseline,
-                                        **self._kv_plan_args())
-            if fit:
-                n_ctx = fit
-                self.notes.append(note)
-        plan = plan_for_path(self.file, budget, n_ctx=n_ctx, threads=self.threads,
-                             baseline_bytes=baseline, **self._kv_plan_args())
-        if plan.tiers["file"] or plan.tiers["cache"]:
-            if not quiet:
-                print(f"memfit: the model does not fit in memory ({why}); streaming "
-                      f"{plan.disk_bytes_per_token / 2**30:.2f} GiB per token from the file "
-                      f"(set --mem-budget to choose the budget)", file=sys.stderr, flush=True)
-            self.notes.append(explain_streaming(self.file, plan, budget, self.threads, baseline,
-                                                    **self._kv_plan_args()))
-            self._plan_budget(budget, n_ctx, quiet, plan=plan, baseline=baseline)
-        return n_ctx
-
-    def _plan_budget(self, mem_budget, n_ctx, quiet: bool, plan=None, baseline=None) -> int | None:
-        """Plan tiers for the budget (refusing below the floor before anything loads), then
-        open a WeightStore that executes the plan inside a ledger of the budget."""
-        from .memory.budget import measure_baseline, resolve_budget
-        from .memory.ledger import Ledger
-        from .memory.planner import plan_for_path
-        from .memory.ctxfit import explain_streaming, fit_context
-        from .memory.store import WeightStore
-        from .models import config_from_gguf
-        # architecture, hyperparameters and every tensor's shape and type, from the header
-        # only: a file the model cannot run is refused before the store reads any weights
-        config_from_gguf(self.file, check=True)
-        budget, _why = resolve_budget(mem_budget)
-        if plan is None:
-            baseline = measure_baseline()
-            if n_ctx is None:  # the largest context up to the default that keeps weights resident
-                fit, note = fit_context(self.file, budget, self.threads, baseline,
-                                        **self._kv_plan_args())
-                if fit:
-                    n_ctx = fit
-                    self.notes.append(note)
-            plan = plan_for_path(self.file, budget, n_ctx=n_ctx, threads=self.threads,
-                                 baseline_bytes=baseline, **self._kv_plan_args())
-            if plan.tiers["file"] or plan.tiers["cache"]:
-                self.notes.append(explain_streaming(self.file, plan, budget, self.threads, baseline,
-                                                    **self._kv_plan_args()))
-        self.plan = plan
-        self.ledger = Ledger(budget)
-        self.ledger.alloc("baseline", "runtime", baseline)
-        routing = None
-        if plan.n_expert and plan.tiers["cache"]:  # learn the hot set for the next load
-            from .memory.hotset import RoutingCounts
-            routing = RoutingCounts.load(self.file.paths[0], plan.n_layer, plan.n_expert)
-        self.store = WeightStore(self.file, self.plan, self.ledger, routing=routing)
-        return n_ctx
+                 cache_type_k: str = "f16", cache_type_v: str = "f16", *, runtime=None):
+        """Plan and load (memfit.runtime.Runtime), or load the planned ``runtime`` given
+        (serve plans before its port opens)."""
+        from .runtime import Runtime
+        rt = runtime if runtime is not None else Runtime(
+            model, threads=threads, n_ctx=n_ctx, backend=backend, quiet=quiet,
+            mem_budget=mem_budget, n_parallel=n_parallel, cache_type_k=cache_type_k,
+            cache_type_v=cache_type_v)
+        self.runtime = rt.load()
+        self.path, self.file, self.store, self.ledger = rt.path, rt.file, rt.store, rt.ledger
+        self.plan = rt.plan if rt.use_store else None  # the plan a weight store executes
+        self.notes = rt.notes  # start-up facts the CLI prints (context fitted, streaming)
+        self.threads, self.n_parallel, self.n_ctx, self.n_batch = \
+            rt.threads, rt.n_parallel, rt.n_ctx, rt.n_batch
+        self.cache_type_k, self.cache_type_v = rt.cache_type_k, rt.cache_type_v
+        self.tokenizer, self.ops, self.model, self.config, self.engine = \
+            rt.tokenizer, rt.ops, rt.model, rt.config, rt.engine
 
     # --- lifecycle
     def close(self) -> None:
         self.closed = True
-        if self.store is not None:
-            self.store.close()
-        self.file.close()
+        self.runtime.close()
 
     def _check_open(self) -> None:
         if getattr(self, "closed", False):

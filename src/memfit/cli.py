@@ -248,6 +248,7 @@ def cmd_run(a) -> int:
             r = m.generate(ids, max_tokens=a.n_predict, top_logprobs=a.top_logprobs, **kw)
             d = r.to_dict()
             d["peak_rss_bytes"] = peak_rss_bytes()
+            d["load"] = m.runtime.summary()  # the configuration `memfit plan` showed
             if m.store is not None:
                 d["mem_budget_bytes"] = m.ledger.budget
                 d["store"] = m.store.stats()
@@ -578,27 +579,31 @@ def cmd_info(a) -> int:
 
 def cmd_plan(a) -> int:
     from .memory.bandwidth import Bandwidth, get_bandwidth
-    from .memory.budget import resolve_budget
-    from .memory.planner import plan_for_path
-    from .pull import resolve_model
-    path = resolve_model(a.model, quiet=True)
-    from .gguf import open_gguf
-    from .memory.ctxfit import check_ctx
-    with open_gguf(path) as f:
-        check_ctx(f, a.ctx_size)
-    budget, why = resolve_budget(a.mem_budget)
-    kw = dict(n_ctx=a.ctx_size, threads=a.threads, cache_type_k=a.cache_type_k,
-              cache_type_v=a.cache_type_v)
-    plan_for_path(path, budget, bandwidth=Bandwidth(source="default"), **kw)  # floor first
-    bw = get_bandwidth(path, measure=not a.no_measure or a.reprobe, refresh=a.reprobe)
-    p = plan_for_path(path, budget, bandwidth=bw, **kw)
+    from .runtime import Runtime
+    # the planning step of every load (run, chat, bench, serve): the same context and plan;
+    # the floor is checked with the default bandwidth before any probe runs
+    rt = Runtime(a.model, threads=a.threads, n_ctx=a.ctx_size, mem_budget=a.mem_budget,
+                 n_parallel=a.parallel, cache_type_k=a.cache_type_k,
+                 cache_type_v=a.cache_type_v, bandwidth=Bandwidth(source="default"))
+    try:
+        bw = get_bandwidth(rt.path, measure=not a.no_measure or a.reprobe, refresh=a.reprobe)
+        rt.replan(bw)
+    finally:
+        rt.close()
+    p, budget, why = rt.plan, rt.budget, rt.budget_why
+    if p is None:
+        raise RequestError("no memory budget could be detected here; give --mem-budget")
     if a.json:
         d = p.to_json()
+        d["n_parallel"] = rt.n_parallel
+        d["load_notes"] = rt.notes
         d["bandwidth_notes"] = {"memory": bw.mem_note, "disk": bw.disk_note}
         print(json.dumps(d, indent=1))
     else:
         print(f"budget: {_mib(budget)} ({why})")
         print(p.format())
+        for note in rt.notes:
+            print(f"note: {note}")
         print(f"memory bandwidth {bw.mem_read_bytes_per_s / 1e9:.1f} GB/s: {bw.mem_note}")
         print(f"disk bandwidth {bw.disk_read_bytes_per_s / 1e9:.2f} GB/s: {bw.disk_note}")
     return 0
@@ -816,6 +821,8 @@ def build_parser() -> argparse.ArgumentParser:
     pn.add_argument("-c", "--ctx", "--ctx-size", dest="ctx_size", type=_int_at_least(8, " for a context size"),
                     default=None, help="context size (default: min(training context, 4096))")
     pn.add_argument("-t", "--threads", type=_threads, default=None)
+    pn.add_argument("-np", "--parallel", type=_int_at_least(1), default=1,
+                    help="sequences whose KV cache the budget holds (serve's -np; default 1)")
     _add_cache_type_args(pn)
     pn.add_argument("--no-measure", action="store_true", help="use cached/default bandwidths instead of measuring")
     pn.add_argument("--reprobe", action="store_true", help="measure memory and disk bandwidth now, whatever is cached")

@@ -65,6 +65,8 @@ class RoutingCounts:
     @classmethod
     def load(cls, path, n_layer: int, n_expert: int) -> "RoutingCounts":
         """The record for the model file at `path` (zeros when none or unusable; warns)."""
+        from .planner import COUNTS
+        COUNTS["routing"] += 1
         ident = model_identity(path)
         rc = cls(n_layer, n_expert, path, ident)
         rp = record_path(path)

@@ -34,16 +34,17 @@ _KIND_PRIORITY = {"norm": 0, "other": 1, "router": 2, "attn": 3, "output": 4, "f
 IO_STAGING_BYTES = 0
 # Runtime RSS predicted from the model alone, so `memfit plan` and `memfit run` agree on the
 # floor (the planner takes max(prediction, measured RSS)). Measured on x86-64 Linux, Python
-# 3.11: python + numpy + memfit + native ext + tokenizers imported = 35 MiB; GGUF metadata
-# parse + tokenizer build, peak above that, per vocabulary entry: BPE 440 B (+ 550 B per
-# merge), SentencePiece 290 B (Qwen2-1.5B-shaped 152k BPE 65 MiB, SmolLM2 49k+49k merges
-# 48 MiB, Gemma-3 262k SPM 72 MiB). The constants below carry ~10% on top of that.
+# 3.11: python + numpy + memfit + native ext + tokenizers imported = 31-35 MiB (40 below: the
+# allowance for other numpy/BLAS builds); GGUF metadata parse + tokenizer build, peak above
+# that, per vocabulary entry: BPE 440 B (+ 550 B per merge), SentencePiece 290 B (SmolLM2
+# 49k+49k merges peaks at 83 MiB of the 86 predicted, Gemma-3 262k SPM at 104 of 112).
 RUNTIME_BASE_BYTES = 40 * MiB
-TOKENIZER_BYTES_PER_TOKEN = 480   # BPE; SentencePiece (tokenizer model 'llama') costs less
-SPM_BYTES_PER_TOKEN = 320
-TOKENIZER_BYTES_PER_MERGE = 600
+TOKENIZER_BYTES_PER_TOKEN = 440   # BPE; SentencePiece (tokenizer model 'llama') costs less
+SPM_BYTES_PER_TOKEN = 290
+TOKENIZER_BYTES_PER_MERGE = 550
 # after the plan: model objects, float32 norms, I/O + kernel thread stacks, allocator slack
-RUNTIME_EXTRA_BYTES = 24 * MiB
+# (SmolLM2's loaded runtime is 88 MiB of the 92 predicted with this, Gemma-3's 110 of 118)
+RUNTIME_EXTRA_BYTES = 6 * MiB
 MIN_BATCH = 64                    # smallest prefill batch the planner will choose
 THREAD_SCRATCH_BYTES = 2 * MiB    # per-thread kernel scratch (quantized activations, tiles)
 ATTN_Q_BLOCK = 64                 # query rows whose scores over the context exist at once
@@ -51,6 +52,9 @@ ATTN_Q_BLOCK = 64                 # query rows whose scores over the context exi
 # the sampler copies one row), each with an f32 shifted copy and f64 exp: 16 bytes per entry
 LOGITS_SLICE_ROWS = 8
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.")
+# work done by this process, by kind: 'describe' (a GGUF described), 'plan' (a pure plan),
+# 'bandwidth' (the bandwidth record read), 'routing' (routing counts loaded): tests count a load
+COUNTS: Counter = Counter()
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,7 @@ class ModelDesc:
     def from_gguf(f, name: str = "") -> "ModelDesc":
         """Description from an open GGUFFile (memfit.gguf.open_gguf)."""
         from ..models.spec import config_from_gguf
+        COUNTS["describe"] += 1
         md = f.metadata
         c = config_from_gguf(f)   # the models' hyperparameter rules (models/spec.py)
         n_expert, n_used = c.n_expert, c.n_expert_used
@@ -343,13 +348,16 @@ def scratch_bytes(m: ModelDesc, n_batch: int, n_ctx: int, threads: int,
     """Activation/scratch estimate for a batch of n_batch tokens (f32 everywhere)."""
     q_dim = m.n_head * m.head_dim
     kv_dim = m.n_head_kv * (m.head_dim + m.head_dim_v)
-    per_tok = 6 * m.n_embd + q_dim + kv_dim + m.n_head * m.head_dim_v + 3 * m.n_ff
-    per_tok *= 2  # numpy temporaries beside the named buffers
+    # per row: the FFN's gate and up (buffers reused by every layer), Q/K/V and 4 rows of
+    # n_embd (residual, norm, attention and FFN outputs); measured peaks of a 512-row
+    # prefill: SmolLM2 7.7 MiB of the 12.4 this gives, Gemma-3 14.3 of 16
+    per_tok = 2 * m.n_ff + 4 * m.n_embd + q_dim + kv_dim
     # attention scores [rows, heads, n_ctx] for a block of at most ATTN_Q_BLOCK query rows
     scores = min(n_batch, ATTN_Q_BLOCK) * m.n_head * n_ctx
     logits = m.n_vocab * (4 * n_batch if logits_all else 16 * LOGITS_SLICE_ROWS)
     # Q8-style activation copy (csrc: 40 B per 32 or 320 B per 256 values, 1.25 bytes/elem)
     quant_act = n_batch * max(m.n_embd, m.n_ff) * 5 // 4
+    # the forward's buffers stay allocated while perplexity slices the logits: both count
     return (4 * (n_batch * per_tok + scores) + logits + quant_act
             + threads * THREAD_SCRATCH_BYTES)
 
@@ -594,6 +602,7 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
     Order: fixed costs (baseline, scratch, KV, staging), the dense trunk, the hot experts, the
     expert cache; below the floor BudgetError names the smallest budget that works."""
     assert n_ctx > 0 and threads > 0 and n_batch > 0 and n_parallel > 0
+    COUNTS["plan"] += 1
     m = model
     kv = kv_bytes(m, n_ctx, kv_bytes_per_elem, n_parallel, cache_type_k, cache_type_v)
     # the larger of the measured RSS and the model's predicted runtime (see RUNTIME_BASE_BYTES)
@@ -679,9 +688,9 @@ def _predict(m: ModelDesc, streamed: set[str], x: _Experts, emb_rows, bandwidth:
         notes.append(f"decode is bounded by the disk: {format_size(disk)} streamed per token"
                      if t_disk >= t_mem else "decode is bounded by memory bandwidth")
         if t_disk >= t_mem and "observed" not in bandwidth.source:
-            notes.append("disk rate from a cold probe, not yet from the weight store: decode "
-                         "re-reads the same bytes each token, which a virtual disk's host cache "
-                         "can serve faster; after one run plans use the store's own rate")
+            notes.append("disk rate from a probe (its second pass over the same bytes, as decode "
+                         "re-reads them each token), not yet from the weight store; after one "
+                         "run plans use the store's own rate")
     return mem, disk, (1.0 / t if t > 0 else float("inf"))
 
 

@@ -88,7 +88,6 @@ class WeightStore:
         self._stream_s = 0.0
         self._lock = threading.Lock()
         self._io = IOPool()
-        self._reserved: list[tuple[str, str]] = []
         self._ledger_items: list[tuple[str, str]] = []
         try:
             self._setup(plan, ledger, expert_policy, routing)
@@ -97,15 +96,8 @@ class WeightStore:
             raise
 
     def _setup(self, plan: Plan, ledger: Ledger | None, expert_policy, routing) -> None:
-        # the plan's reservations nobody else registers (activations, KV, staging), so the
-        # ledger total is the planned total and the debug watchdog compares RSS with it
-        if ledger is not None:
-            for cat, n in (("scratch", plan.scratch_bytes), ("kv", plan.kv_bytes),
-                           ("io_staging", plan.io_staging_bytes)):
-                if not ledger.items(cat):
-                    ledger.alloc(cat, "plan", n)
-                    self._reserved.append((cat, "plan"))
-
+        # the store books only its own buffers (pinned tensors, slots, expert cache); the
+        # runtime books the baseline and scratch, the KV pool its blocks (runtime.Runtime)
         # pinned tier
         self._pinned: dict[str, np.ndarray] = {}
         for name in plan.tiers["pinned"]:
@@ -678,9 +670,9 @@ class WeightStore:
             self._emb_mm = None  # views may still reference it; the GC closes it
         if self.ledger is not None:
             self.ledger.stop_watchdog()
-            for cat, name in self._reserved + self._ledger_items:
+            for cat, name in self._ledger_items:
                 self.ledger.free(cat, name)
-            self._reserved, self._ledger_items = [], []
+            self._ledger_items = []
         self._pinned = {}
         if self.ledger is not None and self.ledger.debug == "raise" and self.ledger.violation:
             raise LedgerDriftError(f"memfit ledger drift during the run: {self.ledger.violation}")

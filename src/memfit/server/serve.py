@@ -85,8 +85,7 @@ def _load_kwargs(a) -> dict:
 
 
 def serve(a) -> int:
-    from ..memory.budget import current_rss, peak_rss, resolve_budget
-    from ..memory.planner import plan_for_path
+    from ..memory.budget import current_rss, peak_rss
     from ..pull import resolve_model
 
     if a.parallel < 1:
@@ -99,31 +98,21 @@ def serve(a) -> int:
         raise RequestError(f"refusing to listen on {a.host} without an API key: give "
                            f"--api-key-file FILE (or MEMFIT_API_KEY), or bind 127.0.0.1")
     path = Path(resolve_model(a.model, quiet=False))
+    # plan before binding (runtime.Runtime, as `memfit plan -np N` shows): a budget below the
+    # floor, given or detected, is refused here, before the port opens; the load uses this plan
+    from ..runtime import Runtime
     kw = _load_kwargs(a)
-    from ..gguf import open_gguf
-    from ..kv.quant import cache_type, check_head_dims
-    from ..memory.ctxfit import check_ctx
-    from ..models.spec import config_from_gguf
-    with open_gguf(path) as f:  # what the load would refuse only after the port opened
-        check_ctx(f, a.ctx_size)
-        c = config_from_gguf(f)
-        check_head_dims(cache_type(a.cache_type_k), c.head_dim_k)
-        check_head_dims(cache_type(a.cache_type_v), c.head_dim_v)
-    # plan before binding: a budget below the floor (given or detected, as the load will use)
-    # is refused here, before the port opens
-    try:
-        budget, why = resolve_budget(a.mem_budget)
-    except (OSError, ValueError):  # nothing to detect from: the load maps the model whole
-        budget = None
-    if budget is not None:
-        plan = plan_for_path(path, budget, n_ctx=a.ctx_size, threads=a.threads,
-                             n_parallel=a.parallel,
-                             **{k: kw[k] for k in ("cache_type_k", "cache_type_v") if k in kw})
+    rt = Runtime(path, **kw)
+    if rt.plan is not None:
+        plan = rt.plan
         tb = plan.tier_bytes
-        print(f"memfit: plan: budget {_mib(budget)} ({why}), floor {_mib(plan.min_budget_bytes)}, "
-              f"KV {_mib(plan.kv_bytes)}, weights resident {_mib(tb.get('pinned', 0))}, "
+        print(f"memfit: plan: budget {_mib(rt.budget)} ({rt.budget_why}), floor "
+              f"{_mib(plan.min_budget_bytes)}, ctx {rt.n_ctx} x {rt.n_parallel}, KV "
+              f"{_mib(plan.kv_bytes)}, weights resident {_mib(tb.get('pinned', 0))}, "
               f"streamed {plan.disk_bytes_per_token / 2**20:.0f} MiB/token",
               file=sys.stderr, flush=True)
+        for note in rt.notes:
+            print(f"memfit: {note}", file=sys.stderr, flush=True)
 
     import uvicorn
     from starlette.middleware.cors import CORSMiddleware
@@ -150,7 +139,11 @@ def serve(a) -> int:
     if a.cors_origin:
         asgi = CORSMiddleware(asgi, allow_origins=a.cors_origin, allow_methods=["GET", "POST"],
                               allow_headers=["Authorization", "Content-Type"])
-    sock = _bind(a.host, a.port)
+    try:
+        sock = _bind(a.host, a.port)
+    except BaseException:
+        rt.close()
+        raise
     port = sock.getsockname()[1]
     shown = f"[{a.host}]" if ":" in a.host else a.host
     print(f"memfit: listening on http://{shown}:{port} (model {state.model_ids[0]!r}, "
@@ -170,7 +163,7 @@ def serve(a) -> int:
         from ..api import Model
         t0 = time.perf_counter()
         try:
-            m = Model(path, **kw)
+            m = Model(runtime=rt)
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             failure.append(e)
             server.should_exit = True
@@ -199,6 +192,7 @@ def serve(a) -> int:
             state.worker.stop()
         if state.model is not None:
             state.model.close()
+        rt.close()  # the load failed or never ran: the planned file is still open
         sock.close()
     if failure:
         e = failure[0]

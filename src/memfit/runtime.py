@@ -1,0 +1,244 @@
+"""One load, one plan: the runtime builder that the API, the CLI and the server share.
+
+    rt = Runtime("smollm2-135m", mem_budget="300MiB")   # plan: nothing is loaded yet
+    print(rt.n_ctx, rt.plan.format())                   # what `memfit plan` prints
+    rt.load()                                           # ledger -> store -> model -> engine
+    ...
+    rt.close()                                          # saves what the next plan needs
+
+Planning describes the GGUF once (planner.ModelDesc), reads the bandwidth record and the
+routing counts once, then fits the context with the pure planner on that description
+(memory/ctxfit.fit_context) and keeps the plan for that context. `memfit plan`, `run`,
+`chat`, `bench` and `serve` all plan here, so they show and use the same configuration.
+Each part registers its own bytes in the ledger: the runtime the baseline and the model's
+scratch, the weight store its pinned tensors and slots, the KV pool its blocks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from .errors import BudgetError, RequestError
+
+
+class Runtime:
+    """A planned (then loaded) model. Attributes after planning: path, file, desc, budget,
+    budget_why, n_ctx, plan (None when no budget could be detected), use_store (a weight
+    store executes the plan: a budget was given, or the weights do not fit whole), n_batch,
+    notes (start-up facts: context fitted, why weights stream). After load(): ledger, store,
+    tokenizer, ops, model, config, engine."""
+
+    def __init__(self, model: str | os.PathLike | None = None, *, threads: int | None = None,
+                 n_ctx: int | None = None, backend: str | None = None, quiet: bool = True,
+                 mem_budget: int | str | None = None, n_parallel: int = 1,
+                 cache_type_k: str = "f16", cache_type_v: str = "f16", bandwidth=None):
+        from .gguf import open_gguf
+        from .pull import resolve_model
+
+        self.store = self.ledger = self.engine = self.model = None
+        self.routing = None
+        self.loaded = self.closed = False
+        self.backend, self.quiet = backend, quiet
+        self.path = Path(resolve_model(str(model) if model is not None else None, quiet=quiet))
+        self.file = open_gguf(self.path)
+        try:
+            self._plan(threads, n_ctx, mem_budget, n_parallel, cache_type_k, cache_type_v,
+                       bandwidth)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- planning (nothing loaded) ----
+    def _plan(self, threads, n_ctx, mem_budget, n_parallel, cache_type_k, cache_type_v,
+              bandwidth) -> None:
+        from .kv.quant import NAMES, cache_type, check_head_dims
+        from .memory.ctxfit import check_ctx, default_ctx
+        from .models import config_from_gguf
+
+        if threads is not None and threads < 1:
+            raise RequestError(f"threads must be >= 1, got {threads}")
+        if n_ctx is not None and int(n_ctx) < 8:  # before the planner sizes the KV cache
+            raise RequestError(f"context size {n_ctx} is too small (minimum 8)")
+        if int(n_parallel) < 1:
+            raise RequestError(f"n_parallel must be >= 1, got {n_parallel}")
+        self.threads, self.n_parallel = threads, int(n_parallel)
+        check_ctx(self.file, n_ctx)  # the training context, before the planner sizes KV
+        # KV cache types (llama.cpp's -ctk/-ctv): checked before the planner counts them
+        self.cache_type_k = NAMES[cache_type(cache_type_k)]
+        self.cache_type_v = NAMES[cache_type(cache_type_v)]
+        # architecture, hyperparameters and every tensor's shape and type, from the header
+        # only: a file the model cannot run is refused before the store reads any weights
+        cfg = config_from_gguf(self.file, check=True)
+        check_head_dims(cache_type(self.cache_type_k), cfg.head_dim_k)
+        check_head_dims(cache_type(self.cache_type_v), cfg.head_dim_v)
+        self.notes: list[str] = []
+        self.plan = None
+        self.budget, self.budget_why = self._budget(mem_budget)
+        explicit = mem_budget is not None or bool(os.environ.get("MEMFIT_MEM_BUDGET"))
+        default = default_ctx(self.file)
+        if self.budget is None:  # nothing to plan for (no /proc/meminfo): map the model whole
+            self.n_ctx, self.use_store = int(n_ctx) if n_ctx is not None else default, False
+        else:
+            self._fit(n_ctx, default, bandwidth)
+            streams = bool(self.plan.tiers["file"] or self.plan.tiers["cache"])
+            self.use_store = explicit or streams
+            if streams and not explicit and not self.quiet:
+                print(f"memfit: the model does not fit in memory ({self.budget_why}); streaming "
+                      f"{self.plan.disk_bytes_per_token / 2**30:.2f} GiB per token from the file "
+                      f"(set --mem-budget to choose the budget)", file=sys.stderr, flush=True)
+        self.n_batch = int(self.plan.n_batch) if self.use_store else 512
+        self._check_kv_fits()
+
+    @staticmethod
+    def _budget(mem_budget) -> tuple[int | None, str]:
+        from .memory.budget import resolve_budget
+        try:
+            return resolve_budget(mem_budget)
+        except (OSError, ValueError):  # no /proc/meminfo or cgroup files: nothing to plan for
+            if mem_budget is not None or os.environ.get("MEMFIT_MEM_BUDGET"):
+                raise
+            return None, "no budget detected"
+
+    def _fit(self, n_ctx, default: int, bandwidth) -> None:
+        """Describe the file once, then fit the context and plan on that description."""
+        from .memory.bandwidth import get_bandwidth
+        from .memory.budget import measure_baseline
+        from .memory.ctxfit import explain_streaming, fit_context
+        from .memory.planner import EXPERT_POLICIES, ModelDesc, expert_switch, plan
+
+        self.desc = d = ModelDesc.from_gguf(self.file)
+        policy = os.environ.get("MEMFIT_EXPERT_POLICY", "") or "lru"
+        if policy not in EXPERT_POLICIES:
+            raise RequestError(f"expert cache policy {policy!r} is not one of "
+                               f"{', '.join(EXPERT_POLICIES)} (MEMFIT_EXPERT_POLICY)")
+        counts = None
+        if d.n_expert and expert_switch("MEMFIT_EXPERT_HOTSET"):
+            from .memory.hotset import RoutingCounts
+            self.routing = RoutingCounts.load(self.file.paths[0], d.n_layer, d.n_expert)
+            counts = self.routing.by_layer()
+        elif d.n_expert:
+            counts = {}  # no hot set: every expert goes through the cache
+        self.bandwidth = bandwidth or get_bandwidth(self.file.paths[0], measure=False)
+        self.baseline = measure_baseline()
+        threads = self.threads or os.cpu_count() or 1
+        self._memo = memo = {}
+
+        def plan_at(c: int, **kv):
+            """The pure planner at context c (KV types overridable), memoized."""
+            k = {"cache_type_k": self.cache_type_k, "cache_type_v": self.cache_type_v, **kv}
+            key = (c, k["cache_type_k"], k["cache_type_v"])
+            if key not in memo:
+                try:
+                    memo[key] = plan(d, self.budget, c, threads, self.bandwidth,
+                                     baseline_bytes=self.baseline, n_parallel=self.n_parallel,
+                                     expert_counts=counts, expert_policy=policy, **k)
+                except BudgetError as e:  # a refusal is remembered as well
+                    memo[key] = e
+            r = memo[key]
+            if isinstance(r, BudgetError):
+                raise r
+            return r
+
+        self._plan_at = plan_at
+        self.n_ctx, note = fit_context(plan_at, default, n_ctx)
+        if note:
+            self.notes.append(note)
+        self.plan = plan_at(self.n_ctx)
+        if self.plan.tiers["file"] or self.plan.tiers["cache"]:
+            self.notes.append(explain_streaming(plan_at, self.plan, self.budget))
+
+    def replan(self, bandwidth) -> None:
+        """The same plan with another bandwidth (only the predicted rate changes): `memfit
+        plan` checks the floor with the default bandwidth before it probes."""
+        if self.plan is None:
+            return
+        self.bandwidth = bandwidth
+        self._memo.clear()
+        self.plan = self._plan_at(self.n_ctx)
+
+    def _check_kv_fits(self) -> None:
+        """Refuse a context whose KV cache cannot fit in available memory (before allocating)."""
+        import psutil
+
+        from .engine.engine import kv_pool_blocks
+        from .kv import BLOCK_SIZE
+        from .kv.storage import kv_bytes_per_token
+        from .models import config_from_gguf
+        c = config_from_gguf(self.file)
+        tokens = kv_pool_blocks(self.n_ctx, self.n_parallel) * BLOCK_SIZE
+        kv = tokens * kv_bytes_per_token(c.n_layer, c.n_head_kv, c.head_dim_k, c.head_dim_v,
+                                         self.cache_type_k, self.cache_type_v)
+        avail = psutil.virtual_memory().available
+        if kv > avail:
+            raise RequestError(f"context size {self.n_ctx} x {self.n_parallel} sequences needs "
+                               f"{kv / 2**30:.1f} GiB of KV cache but {avail / 2**30:.1f} GiB is "
+                               f"available; lower --ctx-size or --parallel")
+
+    def summary(self) -> dict:
+        """The configuration in use, in `memfit plan --json`'s terms (run --json shows it)."""
+        d = {"n_ctx": self.n_ctx, "n_parallel": self.n_parallel, "budget_bytes": self.budget,
+             "weight_store": self.use_store}
+        if self.plan is not None:
+            p = self.plan
+            d.update(n_batch=self.n_batch, kv_bytes=p.kv_bytes,
+                     pinned_bytes=p.tier_bytes["pinned"], streamed_tensors=len(p.tiers["file"]),
+                     cached_tensors=len(p.tiers["cache"]),
+                     disk_bytes_per_token=p.disk_bytes_per_token, planned_bytes=p.planned_bytes)
+        return d
+
+    # ---- loading ----
+    def load(self) -> "Runtime":
+        """ledger -> store -> tokenizer, model -> engine, as planned."""
+        from .engine.engine import Engine
+        from .models import load_model
+        from .ops import get_ops
+        from .tokenizer import Tokenizer
+
+        if self.loaded:
+            return self
+        self.loaded = True
+        try:
+            if self.use_store:
+                from .memory.ledger import Ledger
+                from .memory.store import WeightStore
+                p = self.plan
+                self.ledger = Ledger(self.budget)
+                self.ledger.alloc("baseline", "runtime", self.baseline)
+                # the model's activations: the runtime owns the model, so it books them
+                self.ledger.alloc("scratch", "model", p.scratch_bytes)
+                routing = self.routing if p.n_expert and p.tiers["cache"] else None
+                self.store = WeightStore(self.file, p, self.ledger, routing=routing)
+            self.tokenizer = Tokenizer.from_metadata(self.file.metadata)
+            self.ops = get_ops(self.backend)
+            if self.threads is not None and hasattr(self.ops, "set_threads"):
+                self.ops.set_threads(self.threads)
+            self.model = load_model(self.file, weights=self.store, ops=self.ops)
+            self.config = self.model.config
+            self.model.cache_type_k, self.model.cache_type_v = self.cache_type_k, self.cache_type_v
+            # the paged KV pool for n_parallel sequences of n_ctx tokens; it books itself
+            kvt = None if self.cache_type_k == "f16" and self.cache_type_v == "f16" else \
+                self.cache_type_k  # None: the model's default (f16, or f32 in exact-math tests)
+            self.engine = Engine(self.model, self.tokenizer, self.n_ctx, self.n_parallel,
+                                 self.n_batch, ledger=self.ledger, cache_type=kvt,
+                                 cache_type_v=None if kvt is None else self.cache_type_v)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        """Free the store (it saves the routing counts and the observed disk rate the next
+        plan reads) and the file."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.store is not None:
+                self.store.close()
+        finally:
+            self.file.close()
+
+
+__all__ = ["Runtime"]
