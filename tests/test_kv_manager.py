@@ -286,7 +286,7 @@ def test_evaluation_runs_in_the_engine_pool(smollm2_path, golden_dir):
     text = _golden_text(golden_dir)
     with memfit.load(smollm2_path, n_ctx=512, threads=2, mem_budget="2GiB") as m:
         pool = m.engine.pool
-        assert m.ledger.items("kv") == {"plan": pool.nbytes}  # the plan's KV line is the pool
+        assert m.ledger.items("kv") == {"kv_pool": pool.nbytes}  # the pool books its own bytes
         written = lambda: sum(int(np.count_nonzero(a)) for a in pool.k)  # noqa: E731
         assert written() == 0
         r = m.perplexity(text, ctx=512, max_chunks=1)
@@ -323,7 +323,7 @@ def test_perplexity_under_budget_books_its_kv(smollm2_path, golden_dir, tmp_path
     d = r.json()
     assert d["chunks"] == 1 and 5 < d["ppl"] < 50
     kv = 1024 * kv_bytes_per_token(30, 3, 64, 64, "f16", "f16")  # SmolLM2-135M, one sequence
-    assert d["ledger"]["kv"] == {"plan": kv} and d["kv_pool_bytes"] == kv == plan["kv_bytes"]
+    assert d["ledger"]["kv"] == {"kv_pool": kv} and d["kv_pool_bytes"] == kv == plan["kv_bytes"]
     assert r.peak_rss <= budget, f"peak RSS {r.peak_rss / 2**20:.1f} MiB > {budget / 2**20:.1f}"
     assert d["peak_rss_bytes"] <= budget
 

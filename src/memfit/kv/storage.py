@@ -80,12 +80,8 @@ class KVStorage:
         self.v = [a.reshape(rows, n_kv_head, a.shape[-1]) for a in self.v_blocks]
         assert self.nbytes == rows * self.bytes_per_token
         self.ledger = ledger
-        if ledger is not None:
-            # the planner's KV reservation (the weight store books it as kv/plan) is this pool
-            if "plan" in ledger.items("kv"):
-                ledger.resize("kv", "plan", self.nbytes)
-            else:
-                ledger.alloc("kv", name, self.nbytes)
+        if ledger is not None:  # the storage books its own bytes (the plan counted them)
+            ledger.alloc("kv", name, self.nbytes)
 
     @property
     def nbytes(self) -> int:
