@@ -107,6 +107,33 @@ def build_app(state: ServerState) -> Starlette:
                              param="model", code="model_not_found")
         return state.model_ids[0]
 
+    # ------------------------------------------------------------------ prompts
+    # one prompt templated and tokenized at a time, in bounded pieces that stop past the
+    # context: the scratch is one piece (planner.PROMPT_SCRATCH_BYTES), not one per request
+    prompt_gate = asyncio.Semaphore(1)
+
+    async def prompt_ids(param: str, make) -> list[int]:
+        """``make(limit)`` -> ids in a worker thread; more than the context (or
+        --max-prompt-tokens) allows -> the context_length_exceeded 400 without the rest."""
+        from ..memory.budget import trim_heap
+        from ..tokenizer.vocab import TooManyTokens
+        m, cap = state.model, state.max_prompt_tokens
+        limit = m.n_ctx - 1 if cap is None else min(cap, m.n_ctx - 1)
+        async with prompt_gate:
+            try:
+                return await asyncio.to_thread(make, limit)
+            except TooManyTokens as e:
+                if cap is not None and cap < m.n_ctx - 1:
+                    raise P.APIError(400, f"the prompt has more than {cap} tokens (at least "
+                                          f"{e.n_at_least}); this server takes at most {cap} "
+                                          f"(--max-prompt-tokens)", param,
+                                     "context_length_exceeded") from None
+                raise P.APIError(400, f"the prompt has at least {e.n_at_least} tokens but the "
+                                      f"context is {m.n_ctx}; shorten the prompt", param,
+                                 "context_length_exceeded") from None
+            finally:
+                trim_heap()
+
     # ------------------------------------------------------------------ generation
     def make_job(req: P.GenRequest, t0: float) -> Job:
         from ..engine.sampler import SamplingParams
@@ -342,7 +369,7 @@ def build_app(state: ServerState) -> Starlette:
         lp, top = P.chat_logprobs(body)
         m = state.model
         # templating and tokenizing a long prompt must not stall the streams on this loop
-        ids = await asyncio.to_thread(lambda: m._prompt_ids(m.apply_chat_template(msgs)))
+        ids = await prompt_ids("messages", lambda n: m._prompt_ids(m.apply_chat_template(msgs), n))
         req = P.GenRequest("chat", model, ids, sampling, max_tokens, stream_, include_usage,
                            lp, top, ignore_eos=P.get_bool(body, "ignore_eos", False))
         return await run_generation(request, req)
@@ -362,7 +389,9 @@ def build_app(state: ServerState) -> Starlette:
                                 "drop one of them")
         m = state.model
         try:
-            ids = await asyncio.to_thread(m._prompt_ids, prompt)
+            ids = await prompt_ids("prompt", lambda n: m._prompt_ids(prompt, n))
+        except P.APIError:
+            raise
         except MemfitError as e:
             raise P.bad("prompt", str(e)) from None
         echo_text = (prompt if isinstance(prompt, str) else m.detokenize(ids)) if echo else ""

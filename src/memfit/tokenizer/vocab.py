@@ -16,11 +16,12 @@ out of plain text and is an EOG id, exactly as llama.cpp does.
 from __future__ import annotations
 
 import operator
+import re
 
 import numpy as np
 
 from ..errors import ModelError, RequestError, UnsupportedError
-from .bpe import build_bpe, decode_bytelevel
+from .bpe import BYTE_DECODER, build_bpe, decode_bytelevel, isolates_digits
 from .spm import SPMModel
 
 # GGUF token types (llama.cpp LLAMA_TOKEN_TYPE_*)
@@ -42,6 +43,21 @@ _EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endofte
 _FIM_PAD = ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]")
 _FIM_REP = ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>")
 _FIM_SEP = ("<|file_sep|>",)
+
+# candidate cut positions for streamed encoding (Tokenizer._safe_cut checks the rest)
+_BPE_CUT = re.compile(r"(?<=[A-Za-z])[\x00-\x40\x5b-\x60\x7b-\x7f]|(?<=[^\s]) |(?<=[^\W_])[\t\n\r\f\v]")
+# and where every digit is a pre-token of its own (smollm, qwen2, ...): around a digit
+_BPE_CUT_DIGITS = re.compile(_BPE_CUT.pattern + r"|(?<=[^\s])[0-9]|(?<=[0-9]).", re.S)
+_SPM_CUT = re.compile(r"(?<=[^\s]) ")
+_SPM_CUT_NL = re.compile(r"(?<=[^\s]) |(?<=\n)[^\s]")
+
+
+class TooManyTokens(RequestError):
+    """The text has more tokens than the limit given to encode_limited (at least n)."""
+
+    def __init__(self, n_at_least: int, limit: int):
+        super().__init__(f"the text has at least {n_at_least} tokens; the limit is {limit}")
+        self.n_at_least, self.limit = n_at_least, limit
 
 
 class Tokenizer:
@@ -243,11 +259,11 @@ class Tokenizer:
             frags = out
         return frags
 
-    def _check_text(self, text) -> None:
+    def _check_text(self, text) -> int:
         if not isinstance(text, str):
             raise RequestError(f"text to tokenize must be a str, got {type(text).__name__}")
         try:
-            text.encode("utf-8")
+            return len(text.encode("utf-8"))
         except UnicodeEncodeError as e:
             raise RequestError(f"text to tokenize is not valid Unicode (lone surrogate at "
                                f"character {e.start}); send UTF-8 text") from None
@@ -306,31 +322,100 @@ class Tokenizer:
         if add_special and self.add_eos:
             yield [self.eos_id]
 
-    def _safe_cut(self, text: str, at: int, search: int = 1 << 14) -> int:
-        """The first position >= at (within ``search`` characters, else the end) where the
-        text can be cut without changing the ids. BPE: between a letter and " letter" (every
-        supported pre-tokenizer ends a letter run there, and the char before the cut is no
-        space, so no end-of-text lookahead differs); SPM: after a newline before a non-space,
-        when newline runs are special tokens (gemma) or no piece holds a newline."""
+    def encode_limited(self, text: str, limit: int, add_special: bool = True,
+                       parse_special: bool = True, piece_chars: int = 1 << 12) -> list[int]:
+        """``encode`` that stops once the ids pass ``limit``: raises TooManyTokens without
+        tokenizing the rest. Pieces of ~piece_chars are cut as in iter_encode, so the ids equal
+        encode(text); a piece is refused unseen when its length alone proves it holds more
+        tokens than are left (a token covers at most _max_token_units bytes/chars), so the
+        scratch memory stays ~one piece of at most ``limit`` tokens whatever the text."""
+        n_bytes = self._check_text(text)
+        c = self._max_token_units()
+        out: list[int] = [self.bos_id] if add_special and self.add_bos else []
+        n_eos = 1 if add_special and self.add_eos else 0
+
+        def check(n_at_least: int) -> None:
+            if n_at_least + n_eos > limit:
+                raise TooManyTokens(n_at_least + n_eos, limit)
+
+        # the whole text first: a token covers at most c bytes (BPE) or characters (SPM)
+        check(len(out) + -(-(n_bytes if self.kind == "gpt2" else len(text)) // c))
+        start, prev, n = 0, True, len(text)
+        while start < n:
+            # a piece longer than (tokens left) * c characters cannot fit: search no further
+            stop = min(n, start + (limit - len(out) - n_eos + 1) * c + 1)
+            end = n if stop - start <= 2 * piece_chars and stop == n \
+                else self._safe_cut(text, start + piece_chars, stop)
+            if end >= stop and stop < n:
+                check(len(out) + -(-(stop - start) // c))   # no cut before stop: too long
+            piece = text[start:end]
+            if self.kind == "gpt2":
+                check(len(out) + -(-len(piece.encode("utf-8")) // c))
+            prev = self._encode_into(piece, out, parse_special, prev)
+            del piece
+            check(len(out))
+            start = end
+        if n_eos:
+            out.append(self.eos_id)
+        return out
+
+    def _max_token_units(self) -> int:
+        """The most text one token can stand for: bytes for byte-level BPE (a token's stored
+        text has one char per byte, two UTF-8 bytes at most; specials are plain text), chars
+        for SPM (its pieces are '▁'-escaped text, byte tokens cover under one char)."""
+        if not hasattr(self, "_max_units"):
+            if self.kind == "gpt2":
+                byte_level = BYTE_DECODER.keys()
+                self._max_units = max(
+                    len(t) if not a & (_SPECIAL | A_USER_DEFINED) and byte_level >= set(t)
+                    else len(t.encode("utf-8")) + len(self.token_to_bytes(i))
+                    for i, (t, a) in enumerate(zip(self._tokens, self._attrs)))
+            else:
+                self._max_units = max(len(t) for t in self._tokens)
+        return self._max_units
+
+    def _safe_cut(self, text: str, at: int, stop: int | None = None) -> int:
+        """The first position >= at (before ``stop``, else the end: len(text)) where the text
+        can be cut without changing the ids. BPE: before a " " after a non-space, before other
+        whitespace after a letter or digit, between an ASCII letter and an ASCII non-letter, and
+        around a digit where each digit is a pre-token: no supported pre-tokenizer regex
+        matches across these (letter runs end at a non-letter, punctuation and digit runs at a
+        space, an optional prefix attaches to the letters after it) and the char before the cut
+        is no space, so no end-of-text lookahead differs. SPM: before a " " after a non-space, where
+        no vocabulary piece holding "x▁" straddles the cut (only those merge across words), or
+        after a newline before a non-space when newline runs are special tokens (gemma) or no
+        piece holds a newline. Never inside a special token's text."""
         n = len(text)
+        stop = n if stop is None else min(stop, n)
+        at = max(at, 1)
         if self.kind == "llama":
-            if not self._newline_cuts_ok():
-                return n
-            i = at
-            while i < min(n, at + search):
-                i = text.find("\n", i, at + search)
-                if i < 0:
-                    return n
-                j = i + 1
-                if j < n and not text[j].isspace() and not self._special_spans(text, j):
-                    return j
-                i = j
-            return n
-        for i in range(at, min(n - 1, at + search)):
-            if text[i] == " " and text[i - 1].isalpha() and text[i + 1].isalpha() \
-                    and not self._special_spans(text, i):
-                return i
+            rx = _SPM_CUT_NL if self._newline_cuts_ok() else _SPM_CUT
+        else:
+            rx = _BPE_CUT_DIGITS if isolates_digits(self.pre) else _BPE_CUT
+        for m in rx.finditer(text, at, stop):
+            i = m.start()
+            if i < at or self._special_spans(text, i):
+                continue
+            if self.kind == "llama" and text[i] == " " and self._spm_spans(text, i):
+                continue
+            return i
         return n
+
+    def _spm_spans(self, text: str, i: int) -> bool:
+        """True when an SPM piece with a '▁' after another char could straddle position i."""
+        sp = self._spm.spanning()
+        if not sp:
+            return False
+        w = max(map(len, sp))
+        window = text[max(0, i - w + 1):i + w - 1].replace(" ", "\u2581")
+        off = max(0, i - w + 1)
+        for t in sp:
+            k = window.find(t)
+            while k >= 0:
+                if off + k < i < off + k + len(t):
+                    return True
+                k = window.find(t, k + 1)
+        return False
 
     def _special_spans(self, text: str, i: int) -> bool:
         """True when a special token's text could straddle position i."""
