@@ -144,6 +144,7 @@ def _texts(specials: list[str]) -> list[str]:
         "x" * 2000 + "7" * 2000 + "!?" * 1000 + "\t\t" + "  " * 500,
         "naïve café — “quoted” ünïcödé 😀🎉 " * 80,
         "".join(specials) * 20 + "".join(s + " x " for s in specials) * 10,
+        "".join(f"q{chr(0x2581) * k} {chr(0x2581) * j}zebra " for k in range(4) for j in range(4)) * 8,
     ]
     for k in (30, 200, 2000, 6000):
         for _ in range(6):
@@ -192,3 +193,42 @@ def test_bounded_encode_equals_whole_encode(request, fixture, pre):
                                        piece_chars=7)
                 assert len(want) - 1 < e.value.n_at_least <= len(want)
     assert cut_pieces > 2000   # the texts were really cut, not encoded whole
+
+
+@pytest.mark.realmodel
+def test_prompt_limit_and_tokenize_stop_early(smollm2_path):
+    """--max-prompt-tokens is the limit tokenizing stops at (named in the 400); /tokenize counts
+    up to the context and refuses more the same way; a stretch with no exact cut too long to
+    tokenize at once is a clear 400, not a tokenizer run of unbounded memory."""
+    s = ServerProcess(["-c", "256", "-np", "1", "--max-prompt-tokens", "50"])
+    try:
+        c = httpx.Client(base_url=s.url, timeout=120)
+        r = c.post("/v1/completions", json={"prompt": "hello " * 150_000, "max_tokens": 1})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+        assert "at most 50 (--max-prompt-tokens)" in err["message"], err
+        r = c.post("/v1/completions", json={"prompt": "hello" + " hello" * 49, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == 50
+
+        ids = c.post("/tokenize", json={"content": "hello" + " hello" * 255}).json()["tokens"]
+        assert len(ids) == 256                      # the whole context
+        r = c.post("/tokenize", json={"content": "hello " * 150_000})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "content" and "the context is 256" in err["message"], err
+    finally:
+        s.stop()
+
+
+@pytest.mark.realmodel
+def test_uncuttable_stretch_is_refused_in_one_line(smollm2_path):
+    from memfit.errors import RequestError
+    tok = _tok(smollm2_path)
+    text = "q" * 40_000                              # one pre-token, ~2.5k tokens or more
+    with pytest.raises(RequestError, match="no word boundary") as e:
+        tok.encode_limited(text, 100_000)
+    assert "\n" not in str(e.value)
+    # short enough to take at once: the same ids as one encode
+    assert tok.encode_limited(text[:30_000], 100_000) == tok.encode(text[:30_000])

@@ -106,9 +106,8 @@ def trim_heap() -> None:
     global _libc
     if _libc is None:
         import ctypes
-        import ctypes.util
         try:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _libc = ctypes.CDLL(None)           # this process's symbols: libc is linked in
             _libc.malloc_trim.argtypes = [ctypes.c_size_t]
         except (OSError, AttributeError):
             _libc = False

@@ -112,27 +112,36 @@ def build_app(state: ServerState) -> Starlette:
     # context: the scratch is one piece (planner.PROMPT_SCRATCH_BYTES), not one per request
     prompt_gate = asyncio.Semaphore(1)
 
-    async def prompt_ids(param: str, make) -> list[int]:
+    async def prompt_ids(param: str, make, whole_context: bool = False) -> list[int]:
         """``make(limit)`` -> ids in a worker thread; more than the context (or
-        --max-prompt-tokens) allows -> the context_length_exceeded 400 without the rest."""
+        --max-prompt-tokens) allows -> the context_length_exceeded 400 without the rest.
+        A prompt leaves room for one generated token; /tokenize (whole_context) may fill it."""
         from ..memory.budget import trim_heap
         from ..tokenizer.vocab import TooManyTokens
-        m, cap = state.model, state.max_prompt_tokens
-        limit = m.n_ctx - 1 if cap is None else min(cap, m.n_ctx - 1)
+        m = state.model
+        cap = None if whole_context else state.max_prompt_tokens
+        limit = m.n_ctx - (0 if whole_context else 1)
+        limit = limit if cap is None else min(cap, limit)
+
+        def work():
+            try:
+                return make(limit)
+            finally:
+                trim_heap()     # the pieces' memory back to the kernel before the next prompt
+
         async with prompt_gate:
             try:
-                return await asyncio.to_thread(make, limit)
+                return await asyncio.to_thread(work)
             except TooManyTokens as e:
-                if cap is not None and cap < m.n_ctx - 1:
-                    raise P.APIError(400, f"the prompt has more than {cap} tokens (at least "
-                                          f"{e.n_at_least}); this server takes at most {cap} "
+                if cap is not None and cap == limit:
+                    raise P.APIError(400, f"the prompt has at least {e.n_at_least} tokens; "
+                                          f"this server takes at most {cap} "
                                           f"(--max-prompt-tokens)", param,
                                      "context_length_exceeded") from None
-                raise P.APIError(400, f"the prompt has at least {e.n_at_least} tokens but the "
-                                      f"context is {m.n_ctx}; shorten the prompt", param,
+                what = "content" if whole_context else "prompt"
+                raise P.APIError(400, f"the {what} has at least {e.n_at_least} tokens but the "
+                                      f"context is {m.n_ctx}; shorten the {what}", param,
                                  "context_length_exceeded") from None
-            finally:
-                trim_heap()
 
     # ------------------------------------------------------------------ generation
     def make_job(req: P.GenRequest, t0: float) -> Job:
@@ -431,7 +440,9 @@ def build_app(state: ServerState) -> Starlette:
         parse_special = P.get_bool(body, "parse_special", True)
         with_pieces = P.get_bool(body, "with_pieces", False)
         tok = state.model.tokenizer
-        ids = tok.encode(content, add_special=add_special, parse_special=parse_special)
+        # counted up to the context, in bounded pieces, as a prompt is
+        ids = await prompt_ids("content", lambda n: tok.encode_limited(
+            content, n, add_special=add_special, parse_special=parse_special), whole_context=True)
         if not with_pieces:
             return _json(200, {"tokens": ids})
         out = []

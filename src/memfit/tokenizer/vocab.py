@@ -15,6 +15,7 @@ out of plain text and is an EOG id, exactly as llama.cpp does.
 
 from __future__ import annotations
 
+import collections
 import operator
 import re
 
@@ -48,8 +49,15 @@ _FIM_SEP = ("<|file_sep|>",)
 _BPE_CUT = re.compile(r"(?<=[A-Za-z])[\x00-\x40\x5b-\x60\x7b-\x7f]|(?<=[^\s]) |(?<=[^\W_])[\t\n\r\f\v]")
 # and where every digit is a pre-token of its own (smollm, qwen2, ...): around a digit
 _BPE_CUT_DIGITS = re.compile(_BPE_CUT.pattern + r"|(?<=[^\s])[0-9]|(?<=[0-9]).", re.S)
-_SPM_CUT = re.compile(r"(?<=[^\s]) ")
-_SPM_CUT_NL = re.compile(r"(?<=[^\s]) |(?<=\n)[^\s]")
+# SPM: not after a literal '▁' (it would join the next word's '▁' run)
+_SPM_CUT = re.compile("(?<=[^\\s\u2581]) ")
+_SPM_CUT_NL = re.compile("(?<=[^\\s\u2581]) |(?<=\n)[^\\s]")
+
+
+# the longest stretch without an exact cut that encode_limited tokenizes at once: its scratch
+# (~80 bytes per UTF-8 byte in HF tokenizers, ~250 per char in the SPM merge) is what a
+# prompt costs beyond its text; planner.PROMPT_SCRATCH_BYTES reserves it
+MAX_PIECE_CHARS = 1 << 15
 
 
 class TooManyTokens(RequestError):
@@ -323,12 +331,13 @@ class Tokenizer:
             yield [self.eos_id]
 
     def encode_limited(self, text: str, limit: int, add_special: bool = True,
-                       parse_special: bool = True, piece_chars: int = 1 << 12) -> list[int]:
+                       parse_special: bool = True, piece_chars: int = 1 << 12,
+                       max_piece: int = MAX_PIECE_CHARS) -> list[int]:
         """``encode`` that stops once the ids pass ``limit``: raises TooManyTokens without
         tokenizing the rest. Pieces of ~piece_chars are cut as in iter_encode, so the ids equal
-        encode(text); a piece is refused unseen when its length alone proves it holds more
-        tokens than are left (a token covers at most _max_token_units bytes/chars), so the
-        scratch memory stays ~one piece of at most ``limit`` tokens whatever the text."""
+        encode(text); a piece is refused unseen when its units alone prove more tokens than
+        are left (_min_tokens), and a stretch of more than max_piece characters with no exact
+        cut is refused (RequestError), so the scratch is one piece whatever the text."""
         n_bytes = self._check_text(text)
         c = self._max_token_units()
         out: list[int] = [self.bos_id] if add_special and self.add_bos else []
@@ -346,11 +355,17 @@ class Tokenizer:
             stop = min(n, start + (limit - len(out) - n_eos + 1) * c + 1)
             end = n if stop - start <= 2 * piece_chars and stop == n \
                 else self._safe_cut(text, start + piece_chars, stop)
+            if end - start > max_piece:
+                end = self._safe_cut(text, start + 1, stop)     # the nearest cut instead
             if end >= stop and stop < n:
                 check(len(out) + -(-(stop - start) // c))   # no cut before stop: too long
             piece = text[start:end]
-            if self.kind == "gpt2":
-                check(len(out) + -(-len(piece.encode("utf-8")) // c))
+            check(len(out) + self._min_tokens(piece))
+            if len(piece) > max_piece:
+                raise RequestError(
+                    f"the text has {len(piece)} characters at position {start} with no word "
+                    f"boundary where it can be split for tokenizing; memfit tokenizes at most "
+                    f"{max_piece} at once")
             prev = self._encode_into(piece, out, parse_special, prev)
             del piece
             check(len(out))
@@ -360,19 +375,53 @@ class Tokenizer:
         return out
 
     def _max_token_units(self) -> int:
-        """The most text one token can stand for: bytes for byte-level BPE (a token's stored
-        text has one char per byte, two UTF-8 bytes at most; specials are plain text), chars
-        for SPM (its pieces are '▁'-escaped text, byte tokens cover under one char)."""
-        if not hasattr(self, "_max_units"):
-            if self.kind == "gpt2":
-                byte_level = BYTE_DECODER.keys()
-                self._max_units = max(
-                    len(t) if not a & (_SPECIAL | A_USER_DEFINED) and byte_level >= set(t)
-                    else len(t.encode("utf-8")) + len(self.token_to_bytes(i))
-                    for i, (t, a) in enumerate(zip(self._tokens, self._attrs)))
-            else:
-                self._max_units = max(len(t) for t in self._tokens)
+        """The most text one token can stand for: bytes for byte-level BPE, chars for SPM."""
+        self._unit_weights()
         return self._max_units
+
+    def _unit_weights(self):
+        """1 / the longest token (in units: bytes for byte-level BPE, chars for SPM, its '▁'
+        standing for ' ') holding each unit; a unit in no token weighs 1 (its byte tokens)."""
+        if getattr(self, "_weights", None) is None:
+            longest: dict = {}
+            for t, a in zip(self._tokens, self._attrs):
+                if self.kind == "gpt2":
+                    # a byte-level piece's bytes; split-out special text as UTF-8 (either for
+                    # special-typed tokens, which the merges may produce too)
+                    byte_level = BYTE_DECODER.keys() >= set(t)
+                    units = [decode_bytelevel(t)] if byte_level else []
+                    if a & (_SPECIAL | A_USER_DEFINED) or not byte_level:
+                        units.append(t.encode("utf-8"))
+                    for u in units:
+                        for b in set(u):
+                            if longest.get(b, 0) < len(u):
+                                longest[b] = len(u)
+                else:
+                    for ch in set(t):
+                        if longest.get(ch, 0) < len(t):
+                            longest[ch] = len(t)
+            if self.kind == "gpt2":
+                w = np.ones(256)
+                for b, k in longest.items():
+                    w[b] = 1.0 / k
+            else:
+                w = {ch: 1.0 / k for ch, k in longest.items()}
+                if "\u2581" in longest:
+                    w[" "] = min(1.0, w.get(" ", 1.0), w["\u2581"])
+            self._max_units = max(longest.values(), default=1)
+            self._weights = w
+        return self._weights
+
+    def _min_tokens(self, piece: str) -> int:
+        """A lower bound on the ids of ``piece``: a token of k units holds only units whose
+        longest token is >= k, so the units' weights sum to <= 1 per token."""
+        w = self._unit_weights()
+        if self.kind == "gpt2":
+            counts = np.bincount(np.frombuffer(piece.encode("utf-8"), np.uint8), minlength=256)
+            total = float(counts @ w)
+        else:
+            total = sum(k * w.get(ch, 1.0) for ch, k in collections.Counter(piece).items())
+        return int(total * (1 - 1e-9))
 
     def _safe_cut(self, text: str, at: int, stop: int | None = None) -> int:
         """The first position >= at (before ``stop``, else the end: len(text)) where the text
