@@ -81,6 +81,11 @@ def test_oversized_prompts_stay_in_budget(smollm2_path):
             _context_error(client.post(url + "/v1/completions",
                                        json={"prompt": text, "max_tokens": 1}), "prompt")
 
+        # token ids past the context: refused before they are checked one by one
+        msg = _context_error(client.post(url + "/v1/completions", json={
+            "prompt": [100] * 150_000, "max_tokens": 1}), "prompt")
+        assert "at least 150000 tokens" in msg, msg
+
         # (b) six ~900 kB chat messages at once
         content = ("hello world, " * 70_000)[:900_000]
         out: list[httpx.Response] = []

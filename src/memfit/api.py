@@ -258,6 +258,9 @@ class Model:
             if limit is not None:
                 return self.tokenizer.encode_limited(prompt, limit)
             return self.tokenize(prompt, add_special=True, parse_special=True)
+        if limit is not None and len(prompt) > limit:
+            from .tokenizer.vocab import TooManyTokens
+            raise TooManyTokens(len(prompt), limit)
         ids = [int(i) for i in prompt]
         bad = [i for i in ids if not 0 <= i < self.tokenizer.n_vocab]
         if bad:
