@@ -81,6 +81,15 @@ def test_oversized_prompts_stay_in_budget(smollm2_path):
             _context_error(client.post(url + "/v1/completions",
                                        json={"prompt": text, "max_tokens": 1}), "prompt")
 
+        # a stretch too long to tokenize at once whose length cannot prove it too long
+        for path, body, param in (("/v1/completions", {"prompt": "q" * 20_000}, "prompt"),
+                                  ("/v1/chat/completions", {"messages": [
+                                      {"role": "user", "content": "q" * 20_000}]}, "messages")):
+            r = client.post(url + path, json={**body, "max_tokens": 1})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == param and "no word boundary" in err["message"], err
+
         # token ids past the context: refused before they are checked one by one
         msg = _context_error(client.post(url + "/v1/completions", json={
             "prompt": [100] * 150_000, "max_tokens": 1}), "prompt")
@@ -236,4 +245,4 @@ def test_uncuttable_stretch_is_refused_in_one_line(smollm2_path):
         tok.encode_limited(text, 100_000)
     assert "\n" not in str(e.value)
     # short enough to take at once: the same ids as one encode
-    assert tok.encode_limited(text[:30_000], 100_000) == tok.encode(text[:30_000])
+    assert tok.encode_limited(text[:16_000], 100_000) == tok.encode(text[:16_000])

@@ -45,9 +45,9 @@ TOKENIZER_BYTES_PER_MERGE = 600
 # after the plan: model objects, float32 norms, I/O + kernel thread stacks, allocator slack
 RUNTIME_EXTRA_BYTES = 24 * MiB
 # a prompt being templated and tokenized (the server does one at a time, tokenizer.vocab's
-# encode_limited in pieces of at most MAX_PIECE_CHARS): measured <= 8 MiB for the worst piece
-# (a 32k-char word through gemma's SPM merge), plus the rendered copy of a 1 MiB chat message
-PROMPT_SCRATCH_BYTES = 16 * MiB
+# encode_limited in pieces of at most MAX_PIECE_CHARS): peak RSS over idle measured <= 5 MiB
+# for the worst pieces (16k-char words, SmolLM2 BPE and Gemma SPM) and a 1 MiB chat message
+PROMPT_SCRATCH_BYTES = 8 * MiB
 MIN_BATCH = 64                    # smallest prefill batch the planner will choose
 THREAD_SCRATCH_BYTES = 2 * MiB    # per-thread kernel scratch (quantized activations, tiles)
 ATTN_Q_BLOCK = 64                 # query rows whose scores over the context exist at once

@@ -117,7 +117,7 @@ def build_app(state: ServerState) -> Starlette:
         --max-prompt-tokens) allows -> the context_length_exceeded 400 without the rest.
         A prompt leaves room for one generated token; /tokenize (whole_context) may fill it."""
         from ..memory.budget import trim_heap
-        from ..tokenizer.vocab import TooManyTokens
+        from ..tokenizer.vocab import TooManyTokens, UncuttableText
         m = state.model
         cap = None if whole_context else state.max_prompt_tokens
         limit = m.n_ctx - (0 if whole_context else 1)
@@ -132,6 +132,8 @@ def build_app(state: ServerState) -> Starlette:
         async with prompt_gate:
             try:
                 return await asyncio.to_thread(work)
+            except UncuttableText as e:
+                raise P.bad(param, str(e)) from None
             except TooManyTokens as e:
                 if cap is not None and cap == limit:
                     raise P.APIError(400, f"the prompt has at least {e.n_at_least} tokens; "

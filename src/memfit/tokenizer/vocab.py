@@ -57,7 +57,11 @@ _SPM_CUT_NL = re.compile("(?<=[^\\s\u2581]) |(?<=\n)[^\\s]")
 # the longest stretch without an exact cut that encode_limited tokenizes at once: its scratch
 # (~80 bytes per UTF-8 byte in HF tokenizers, ~250 per char in the SPM merge) is what a
 # prompt costs beyond its text; planner.PROMPT_SCRATCH_BYTES reserves it
-MAX_PIECE_CHARS = 1 << 15
+MAX_PIECE_CHARS = 1 << 14
+
+
+class UncuttableText(RequestError):
+    """A stretch longer than encode_limited's max_piece with no place to cut it exactly."""
 
 
 class TooManyTokens(RequestError):
@@ -362,7 +366,7 @@ class Tokenizer:
             piece = text[start:end]
             check(len(out) + self._min_tokens(piece))
             if len(piece) > max_piece:
-                raise RequestError(
+                raise UncuttableText(
                     f"the text has {len(piece)} characters at position {start} with no word "
                     f"boundary where it can be split for tokenizing; memfit tokenizes at most "
                     f"{max_piece} at once")
