@@ -169,7 +169,8 @@ def _texts(specials: list[str]) -> list[str]:
 @pytest.mark.realmodel
 @pytest.mark.parametrize("fixture,pre", [("smollm2_path", None), ("smollm2_path", "llama3"),
                                          ("smollm2_path", "qwen2"), ("smollm2_path", "default"),
-                                         ("smollm2_path", "gpt-2"), ("gemma_path", None)])
+                                         ("smollm2_path", "gpt-2"), ("smollm2_path", "falcon"),
+                                         ("gemma_path", None)])
 def test_bounded_encode_equals_whole_encode(request, fixture, pre):
     """encode_limited (and iter_encode) in small pieces: the ids of one whole encode, on texts
     with special tokens, long runs without whitespace and unicode; with the SmolLM2 vocabulary
