@@ -114,9 +114,16 @@ class Model:
             self.tokenizer, self.file.arch, messages, add_generation_prompt, template)
         return text
 
-    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+    def _prompt_ids(self, prompt: str | Sequence[int], limit: int | None = None) -> list[int]:
+        """Prompt text or ids -> ids; with ``limit``, text is tokenized in bounded pieces and
+        tokenizer.vocab.TooManyTokens raised as soon as it has more than limit tokens."""
         if isinstance(prompt, str):
+            if limit is not None:
+                return self.tokenizer.encode_limited(prompt, limit)
             return self.tokenize(prompt, add_special=True, parse_special=True)
+        if limit is not None and len(prompt) > limit:
+            from .tokenizer.vocab import TooManyTokens
+            raise TooManyTokens(len(prompt), limit)
         ids = [int(i) for i in prompt]
         bad = [i for i in ids if not 0 <= i < self.tokenizer.n_vocab]
         if bad:

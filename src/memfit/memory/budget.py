@@ -100,6 +100,24 @@ def reset_peak_rss() -> bool:
         return False
 
 
+def trim_heap() -> None:
+    """Give freed heap pages back to the kernel (glibc malloc_trim), so RSS falls after a
+    burst of large transient allocations (a long prompt's text and pieces); no-op elsewhere."""
+    global _libc
+    if _libc is None:
+        import ctypes
+        try:
+            _libc = ctypes.CDLL(None)           # this process's symbols: libc is linked in
+            _libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc:
+        _libc.malloc_trim(0)
+
+
+_libc = None
+
+
 def mem_available(meminfo: str = "/proc/meminfo") -> int:
     with open(meminfo) as f:
         for line in f:

@@ -45,6 +45,10 @@ TOKENIZER_BYTES_PER_MERGE = 550
 # after the plan: model objects, float32 norms, I/O + kernel thread stacks, allocator slack
 # (SmolLM2's loaded runtime is 88 MiB of the 92 predicted with this, Gemma-3's 110 of 118)
 RUNTIME_EXTRA_BYTES = 6 * MiB
+# a prompt being templated and tokenized (the server does one at a time, tokenizer.vocab's
+# encode_limited in pieces of at most MAX_PIECE_CHARS): peak RSS over idle measured <= 5 MiB
+# for the worst pieces (16k-char words, SmolLM2 BPE and Gemma SPM) and a 1 MiB chat message
+PROMPT_SCRATCH_BYTES = 8 * MiB
 MIN_BATCH = 64                    # smallest prefill batch the planner will choose
 THREAD_SCRATCH_BYTES = 2 * MiB    # per-thread kernel scratch (quantized activations, tiles)
 ATTN_Q_BLOCK = 64                 # query rows whose scores over the context exist at once
@@ -606,7 +610,7 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
     m = model
     kv = kv_bytes(m, n_ctx, kv_bytes_per_elem, n_parallel, cache_type_k, cache_type_v)
     # the larger of the measured RSS and the model's predicted runtime (see RUNTIME_BASE_BYTES)
-    baseline = max(baseline_bytes, m.runtime_bytes) + RUNTIME_EXTRA_BYTES
+    baseline = max(baseline_bytes, m.runtime_bytes) + RUNTIME_EXTRA_BYTES + PROMPT_SCRATCH_BYTES
     n_batch = min(n_batch, n_ctx)  # a prefill batch never exceeds the context
 
     def fixed(nb: int) -> int:

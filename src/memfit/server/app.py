@@ -110,6 +110,44 @@ def build_app(state: ServerState) -> Starlette:
                              param="model", code="model_not_found")
         return state.model_ids[0]
 
+    # ------------------------------------------------------------------ prompts
+    # one prompt templated and tokenized at a time, in bounded pieces that stop past the
+    # context: the scratch is one piece (planner.PROMPT_SCRATCH_BYTES), not one per request
+    prompt_gate = asyncio.Semaphore(1)
+
+    async def prompt_ids(param: str, make, whole_context: bool = False) -> list[int]:
+        """``make(limit)`` -> ids in a worker thread; more than the context (or
+        --max-prompt-tokens) allows -> the context_length_exceeded 400 without the rest.
+        A prompt leaves room for one generated token; /tokenize (whole_context) may fill it."""
+        from ..memory.budget import trim_heap
+        from ..tokenizer.vocab import TooManyTokens, UncuttableText
+        m = state.model
+        cap = None if whole_context else state.max_prompt_tokens
+        limit = m.n_ctx - (0 if whole_context else 1)
+        limit = limit if cap is None else min(cap, limit)
+
+        def work():
+            try:
+                return make(limit)
+            finally:
+                trim_heap()     # the pieces' memory back to the kernel before the next prompt
+
+        async with prompt_gate:
+            try:
+                return await asyncio.to_thread(work)
+            except UncuttableText as e:
+                raise P.bad(param, str(e)) from None
+            except TooManyTokens as e:
+                if cap is not None and cap == limit:
+                    raise P.APIError(400, f"the prompt has at least {e.n_at_least} tokens; "
+                                          f"this server takes at most {cap} "
+                                          f"(--max-prompt-tokens)", param,
+                                     "context_length_exceeded") from None
+                what = "content" if whole_context else "prompt"
+                raise P.APIError(400, f"the {what} has at least {e.n_at_least} tokens but the "
+                                      f"context is {m.n_ctx}; shorten the {what}", param,
+                                 "context_length_exceeded") from None
+
     # ------------------------------------------------------------------ generation
     def make_job(req: P.GenRequest, t0: float) -> Job:
         from ..engine.sampler import SamplingParams
@@ -345,7 +383,7 @@ def build_app(state: ServerState) -> Starlette:
         lp, top = P.chat_logprobs(body)
         m = state.model
         # templating and tokenizing a long prompt must not stall the streams on this loop
-        ids = await asyncio.to_thread(lambda: m._prompt_ids(m.apply_chat_template(msgs)))
+        ids = await prompt_ids("messages", lambda n: m._prompt_ids(m.apply_chat_template(msgs), n))
         req = P.GenRequest("chat", model, ids, sampling, max_tokens, stream_, include_usage,
                            lp, top, ignore_eos=P.get_bool(body, "ignore_eos", False))
         return await run_generation(request, req)
@@ -365,7 +403,9 @@ def build_app(state: ServerState) -> Starlette:
                                 "drop one of them")
         m = state.model
         try:
-            ids = await asyncio.to_thread(m._prompt_ids, prompt)
+            ids = await prompt_ids("prompt", lambda n: m._prompt_ids(prompt, n))
+        except P.APIError:
+            raise
         except MemfitError as e:
             raise P.bad("prompt", str(e)) from None
         echo_text = (prompt if isinstance(prompt, str) else m.detokenize(ids)) if echo else ""
@@ -405,7 +445,9 @@ def build_app(state: ServerState) -> Starlette:
         parse_special = P.get_bool(body, "parse_special", True)
         with_pieces = P.get_bool(body, "with_pieces", False)
         tok = state.model.tokenizer
-        ids = tok.encode(content, add_special=add_special, parse_special=parse_special)
+        # counted up to the context, in bounded pieces, as a prompt is
+        ids = await prompt_ids("content", lambda n: tok.encode_limited(
+            content, n, add_special=add_special, parse_special=parse_special), whole_context=True)
         if not with_pieces:
             return _json(200, {"tokens": ids})
         out = []

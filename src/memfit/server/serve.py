@@ -173,6 +173,11 @@ def serve(a) -> int:
         pool = getattr(m.engine, "pool", None)
         for arr in (*getattr(pool, "k", ()), *getattr(pool, "v", ())):
             arr.fill(0)
+        # the bounded prompt tokenizer's tables and malloc_trim, before the first request's
+        # queue wait is counting
+        from ..memory.budget import trim_heap
+        m.tokenizer.encode_limited("warm up", m.n_ctx)
+        trim_heap()
         state.model = m
         w = EngineWorker(m.engine, a.parallel, a.queue_timeout)
         w.start()

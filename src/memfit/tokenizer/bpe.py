@@ -60,6 +60,12 @@ def build_bpe(tokens: list[str], merges: list[str], pre: str):
     return tk
 
 
+def isolates_digits(pre: str | None) -> bool:
+    """True when every digit is a pre-token of its own (a cut next to a digit is exact)."""
+    regexes = _PRE.get(pre or "default", ((),))[0]
+    return bool(regexes) and (regexes[0] == r"\p{N}" or r"|\p{N}|" in regexes[0])
+
+
 def _byte_table() -> dict[str, int]:
     # GPT-2's reversible byte <-> printable-unicode map (inverse direction: char -> byte)
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \

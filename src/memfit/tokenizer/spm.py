@@ -18,7 +18,7 @@ from ..errors import ModelError
 
 # a word: a run of '▁' and the non-'▁' characters after it (the unit merges stay inside)
 _WORD = re.compile("\u2581*[^\u2581]+|\u2581+")
-CACHE_MAX = 1 << 17
+CACHE_MAX = 1 << 14
 
 
 class SPMModel:

@@ -15,12 +15,14 @@ out of plain text and is an EOG id, exactly as llama.cpp does.
 
 from __future__ import annotations
 
+import collections
 import operator
+import re
 
 import numpy as np
 
 from ..errors import ModelError, RequestError, UnsupportedError
-from .bpe import build_bpe, decode_bytelevel
+from .bpe import BYTE_DECODER, build_bpe, decode_bytelevel, isolates_digits
 from .spm import SPMModel
 
 # GGUF token types (llama.cpp LLAMA_TOKEN_TYPE_*)
@@ -42,6 +44,32 @@ _EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endofte
 _FIM_PAD = ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]")
 _FIM_REP = ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>")
 _FIM_SEP = ("<|file_sep|>",)
+
+# candidate cut positions for streamed encoding (Tokenizer._safe_cut checks the rest)
+_BPE_CUT = re.compile(r"(?<=[A-Za-z])[\x00-\x40\x5b-\x60\x7b-\x7f]|(?<=[^\s]) |(?<=[^\W_])[\t\n\r\f\v]")
+# and where every digit is a pre-token of its own (smollm, qwen2, ...): around a digit
+_BPE_CUT_DIGITS = re.compile(_BPE_CUT.pattern + r"|(?<=[^\s])[0-9]|(?<=[0-9]).", re.S)
+# SPM: not after a literal '▁' (it would join the next word's '▁' run)
+_SPM_CUT = re.compile("(?<=[^\\s\u2581]) ")
+_SPM_CUT_NL = re.compile("(?<=[^\\s\u2581]) |(?<=\n)[^\\s]")
+
+
+# the longest stretch without an exact cut that encode_limited tokenizes at once: its scratch
+# (~80 bytes per UTF-8 byte in HF tokenizers, ~250 per char in the SPM merge) is what a
+# prompt costs beyond its text; planner.PROMPT_SCRATCH_BYTES reserves it
+MAX_PIECE_CHARS = 1 << 14
+
+
+class UncuttableText(RequestError):
+    """A stretch longer than encode_limited's max_piece with no place to cut it exactly."""
+
+
+class TooManyTokens(RequestError):
+    """The text has more tokens than the limit given to encode_limited (at least n)."""
+
+    def __init__(self, n_at_least: int, limit: int):
+        super().__init__(f"the text has at least {n_at_least} tokens; the limit is {limit}")
+        self.n_at_least, self.limit = n_at_least, limit
 
 
 class Tokenizer:
@@ -243,11 +271,11 @@ class Tokenizer:
             frags = out
         return frags
 
-    def _check_text(self, text) -> None:
+    def _check_text(self, text) -> int:
         if not isinstance(text, str):
             raise RequestError(f"text to tokenize must be a str, got {type(text).__name__}")
         try:
-            text.encode("utf-8")
+            return len(text.encode("utf-8"))
         except UnicodeEncodeError as e:
             raise RequestError(f"text to tokenize is not valid Unicode (lone surrogate at "
                                f"character {e.start}); send UTF-8 text") from None
@@ -306,31 +334,141 @@ class Tokenizer:
         if add_special and self.add_eos:
             yield [self.eos_id]
 
-    def _safe_cut(self, text: str, at: int, search: int = 1 << 14) -> int:
-        """The first position >= at (within ``search`` characters, else the end) where the
-        text can be cut without changing the ids. BPE: between a letter and " letter" (every
-        supported pre-tokenizer ends a letter run there, and the char before the cut is no
-        space, so no end-of-text lookahead differs); SPM: after a newline before a non-space,
-        when newline runs are special tokens (gemma) or no piece holds a newline."""
+    def encode_limited(self, text: str, limit: int, add_special: bool = True,
+                       parse_special: bool = True, piece_chars: int = 1 << 12,
+                       max_piece: int = MAX_PIECE_CHARS) -> list[int]:
+        """``encode`` that stops once the ids pass ``limit``: raises TooManyTokens without
+        tokenizing the rest. Pieces of ~piece_chars are cut as in iter_encode, so the ids equal
+        encode(text); a piece is refused unseen when its units alone prove more tokens than
+        are left (_min_tokens), and a stretch of more than max_piece characters with no exact
+        cut is refused (RequestError), so the scratch is one piece whatever the text."""
+        n_bytes = self._check_text(text)
+        c = self._max_token_units()
+        out: list[int] = [self.bos_id] if add_special and self.add_bos else []
+        n_eos = 1 if add_special and self.add_eos else 0
+
+        def check(n_at_least: int) -> None:
+            if n_at_least + n_eos > limit:
+                raise TooManyTokens(n_at_least + n_eos, limit)
+
+        # the whole text first: a token covers at most c bytes (BPE) or characters (SPM)
+        check(len(out) + -(-(n_bytes if self.kind == "gpt2" else len(text)) // c))
+        start, prev, n = 0, True, len(text)
+        while start < n:
+            # a piece longer than (tokens left) * c characters cannot fit: search no further
+            stop = min(n, start + (limit - len(out) - n_eos + 1) * c + 1)
+            end = n if stop - start <= 2 * piece_chars and stop == n \
+                else self._safe_cut(text, start + piece_chars, stop)
+            if end - start > max_piece:
+                end = self._safe_cut(text, start + 1, stop)     # the nearest cut instead
+            if end >= stop and stop < n:
+                check(len(out) + -(-(stop - start) // c))   # no cut before stop: too long
+            piece = text[start:end]
+            check(len(out) + self._min_tokens(piece))
+            if len(piece) > max_piece:
+                raise UncuttableText(
+                    f"the text has {len(piece)} characters at position {start} with no word "
+                    f"boundary where it can be split for tokenizing; memfit tokenizes at most "
+                    f"{max_piece} at once")
+            prev = self._encode_into(piece, out, parse_special, prev)
+            del piece
+            check(len(out))
+            start = end
+        if n_eos:
+            out.append(self.eos_id)
+        return out
+
+    def _max_token_units(self) -> int:
+        """The most text one token can stand for: bytes for byte-level BPE, chars for SPM."""
+        self._unit_weights()
+        return self._max_units
+
+    def _unit_weights(self):
+        """1 / the longest token (in units: bytes for byte-level BPE, chars for SPM, its '▁'
+        standing for ' ') holding each unit; a unit in no token weighs 1 (its byte tokens)."""
+        if getattr(self, "_weights", None) is None:
+            longest: dict = {}
+            for t, a in zip(self._tokens, self._attrs):
+                if self.kind == "gpt2":
+                    # a byte-level piece's bytes; split-out special text as UTF-8 (either for
+                    # special-typed tokens, which the merges may produce too)
+                    byte_level = BYTE_DECODER.keys() >= set(t)
+                    units = [decode_bytelevel(t)] if byte_level else []
+                    if a & (_SPECIAL | A_USER_DEFINED) or not byte_level:
+                        units.append(t.encode("utf-8"))
+                    for u in units:
+                        for b in set(u):
+                            if longest.get(b, 0) < len(u):
+                                longest[b] = len(u)
+                else:
+                    for ch in set(t):
+                        if longest.get(ch, 0) < len(t):
+                            longest[ch] = len(t)
+            if self.kind == "gpt2":
+                w = np.ones(256)
+                for b, k in longest.items():
+                    w[b] = 1.0 / k
+            else:
+                w = {ch: 1.0 / k for ch, k in longest.items()}
+                if "\u2581" in longest:
+                    w[" "] = min(1.0, w.get(" ", 1.0), w["\u2581"])
+            self._max_units = max(longest.values(), default=1)
+            self._weights = w
+        return self._weights
+
+    def _min_tokens(self, piece: str) -> int:
+        """A lower bound on the ids of ``piece``: a token of k units holds only units whose
+        longest token is >= k, so the units' weights sum to <= 1 per token."""
+        w = self._unit_weights()
+        if self.kind == "gpt2":
+            counts = np.bincount(np.frombuffer(piece.encode("utf-8"), np.uint8), minlength=256)
+            total = float(counts @ w)
+        else:
+            total = sum(k * w.get(ch, 1.0) for ch, k in collections.Counter(piece).items())
+        return int(total * (1 - 1e-9))
+
+    def _safe_cut(self, text: str, at: int, stop: int | None = None) -> int:
+        """The first position >= at (before ``stop``, else the end: len(text)) where the text
+        can be cut without changing the ids. BPE: before a " " after a non-space, before other
+        whitespace after a letter or digit, between an ASCII letter and an ASCII non-letter, and
+        around a digit where each digit is a pre-token: no supported pre-tokenizer regex
+        matches across these (letter runs end at a non-letter, punctuation and digit runs at a
+        space, an optional prefix attaches to the letters after it) and the char before the cut
+        is no space, so no end-of-text lookahead differs. SPM: before a " " after a non-space, where
+        no vocabulary piece holding "x▁" straddles the cut (only those merge across words), or
+        after a newline before a non-space when newline runs are special tokens (gemma) or no
+        piece holds a newline. Never inside a special token's text."""
         n = len(text)
+        stop = n if stop is None else min(stop, n)
+        at = max(at, 1)
         if self.kind == "llama":
-            if not self._newline_cuts_ok():
-                return n
-            i = at
-            while i < min(n, at + search):
-                i = text.find("\n", i, at + search)
-                if i < 0:
-                    return n
-                j = i + 1
-                if j < n and not text[j].isspace() and not self._special_spans(text, j):
-                    return j
-                i = j
-            return n
-        for i in range(at, min(n - 1, at + search)):
-            if text[i] == " " and text[i - 1].isalpha() and text[i + 1].isalpha() \
-                    and not self._special_spans(text, i):
-                return i
+            rx = _SPM_CUT_NL if self._newline_cuts_ok() else _SPM_CUT
+        else:
+            rx = _BPE_CUT_DIGITS if isolates_digits(self.pre) else _BPE_CUT
+        for m in rx.finditer(text, at, stop):
+            i = m.start()
+            if i < at or self._special_spans(text, i):
+                continue
+            if self.kind == "llama" and text[i] == " " and self._spm_spans(text, i):
+                continue
+            return i
         return n
+
+    def _spm_spans(self, text: str, i: int) -> bool:
+        """True when an SPM piece with a '▁' after another char could straddle position i."""
+        sp = self._spm.spanning()
+        if not sp:
+            return False
+        w = max(map(len, sp))
+        window = text[max(0, i - w + 1):i + w - 1].replace(" ", "\u2581")
+        off = max(0, i - w + 1)
+        for t in sp:
+            k = window.find(t)
+            while k >= 0:
+                if off + k < i < off + k + len(t):
+                    return True
+                k = window.find(t, k + 1)
+        return False
 
     def _special_spans(self, text: str, i: int) -> bool:
         """True when a special token's text could straddle position i."""
