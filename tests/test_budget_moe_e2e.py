@@ -83,7 +83,10 @@ def test_moe_within_budget_identical_greedy(moe_model, reference, tmp_path, wher
     if where != "100%":
         # the budget is used, within 10% below it (at 100% the expert cache has 3x more slots
         # than this 6-token run routes distinct experts: slots are resident once filled)
-        assert r.peak_rss >= 0.9 * budget, (r.peak_rss / MiB, budget / MiB)
+        # (less the reserve every plan keeps for templating and tokenizing a prompt, which a
+        # 6-token prompt does not touch: planner.PROMPT_SCRATCH_BYTES)
+        from memfit.memory.planner import PROMPT_SCRATCH_BYTES
+        assert r.peak_rss >= 0.9 * (budget - PROMPT_SCRATCH_BYTES), (r.peak_rss / MiB, budget / MiB)
 
 
 @pytest.mark.timeout(120)

@@ -166,7 +166,10 @@ def test_a_streaming_run_uses_the_budget(smollm2_path, tmp_path, budget_mib):
                        "-c", 512, "-t", 2, "--mem-budget", budget)
     assert 400 < len(d["prompt_ids"]) < 512 and d["load"]["streamed_tensors"] > 0
     assert peak <= budget
-    assert peak >= 0.8 * budget, (peak / MiB, budget_mib)  # was 66% at 200 MiB
+    # less the plan's reserve for templating and tokenizing a server's prompt, which `run`
+    # does not touch (planner.PROMPT_SCRATCH_BYTES)
+    from memfit.memory.planner import PROMPT_SCRATCH_BYTES
+    assert peak >= 0.8 * (budget - PROMPT_SCRATCH_BYTES), (peak / MiB, budget_mib)  # was 66% at 200 MiB
 
 
 @pytest.mark.realmodel
