@@ -366,6 +366,37 @@ static PyObject *py_gelu_mul(PyObject *self, PyObject *const *args, Py_ssize_t n
     return gated("gelu_mul", 1, args, nargs, kw);
 }
 
+/* ---- fwht(x, n, scale, out=None): rows of n values times the Walsh-Hadamard matrix ------- */
+
+static PyObject *py_fwht(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kw) {
+    static const char *const names[] = {"x", "n", "scale", "out"};
+    const char *fn = "fwht";
+    PyObject *a[4], *res = NULL;
+    bufs bs = {.n = 0};
+    if (parse_args(fn, args, nargs, kw, names, 3, 4, a) < 0) return NULL;
+    const long long n = PyLong_AsLongLong(a[1]);
+    const double scale = PyFloat_AsDouble(a[2]);
+    if (PyErr_Occurred()) return NULL;
+    if (n < 1 || (n & (n - 1))) return PyErr_Format(PyExc_ValueError, "fwht: n must be a power of two, got %lld", n);
+    Py_buffer *x = get_buf(&bs, a[0], fn, "x", 'f', 0, 1, 64), *o;
+    if (!x) goto done;
+    if (numel(x) % n) { PyErr_Format(PyExc_ValueError, "fwht: %lld values are not rows of %lld", (long long)numel(x), n); goto done; }
+    if (!(o = get_out(&bs, a[3], fn, x->ndim, x->shape, &res))) goto done;
+    {
+        const float *xp = x->buf;
+        float *op = o->buf;
+        const int64_t rows = numel(x) / n;
+        Py_BEGIN_ALLOW_THREADS
+        mf_fwht_f32(xp, op, rows, n, (float)scale);
+        Py_END_ALLOW_THREADS
+    }
+    release(&bs);
+    return res;
+done:
+    release(&bs);
+    return NULL;
+}
+
 /* ---- round_f16(x, out=None): x rounded to float16 precision, kept as float32 ------------- */
 
 static PyObject *py_round_f16(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kw) {
@@ -506,6 +537,9 @@ PyMethodDef mf_ops_methods[] = {
      "silu_mul(gate f32, up f32 (same shape), out=None) -> silu(gate) * up"},
     {"gelu_mul", (PyCFunction)(void (*)(void))py_gelu_mul, FC,
      "gelu_mul(gate f32, up f32 (same shape), out=None) -> gelu_tanh(gate) * up"},
+    {"fwht", (PyCFunction)(void (*)(void))py_fwht, FC,
+     "fwht(x f32, n, scale, out=None) -> each row of n values (a power of two) scaled, then times "
+     "the Sylvester Walsh-Hadamard matrix (butterflies; a row's bits never depend on the others)"},
     {"f32_to_f16", (PyCFunction)(void (*)(void))py_f32_to_f16, METH_FASTCALL,
      "f32_to_f16(x f32, out f16): out = x rounded to float16 (ties to even), as x.astype(float16)"},
     {"attention", (PyCFunction)(void (*)(void))py_attention, FC,

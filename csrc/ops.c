@@ -326,6 +326,26 @@ static void gate_run(const float *g, const float *u, float *out, int64_t n, int 
 
 void mf_silu_mul_f32(const float *g, const float *u, float *out, int64_t n) { gate_run(g, u, out, n, 0); }
 
+/* Each row of n values (n a power of two) times the orthonormal Sylvester Walsh-Hadamard
+ * matrix, as a fast transform: scaled by `scale` first, then log2(n) butterfly passes
+ * (a + b, a - b), one row at a time, so a row's bits never depend on the other rows
+ * (kv/quant.py rotate: the quantized KV cache's rotation; its numpy form gives the same bits).
+ * out may be x. */
+void mf_fwht_f32(const float *x, float *out, int64_t rows, int64_t n, float scale) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *y = out + r * n;
+        const float *xr = x + r * n;
+        for (int64_t i = 0; i < n; i++) y[i] = xr[i] * scale;
+        for (int64_t h = 1; h < n; h *= 2)
+            for (int64_t j0 = 0; j0 < n; j0 += 2 * h)
+                for (int64_t j = j0; j < j0 + h; j++) {
+                    const float a = y[j], b = y[j + h];
+                    y[j] = a + b;
+                    y[j + h] = a - b;
+                }
+    }
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* float16 rounding of float32 values (the f16 KV cache and f16 Q of llama.cpp's flash path).  */
 

@@ -24,6 +24,7 @@ void mf_softmax_f32(const float *x, float *out, int64_t rows, int64_t k);
 
 /* out = silu(g) * u  and  out = gelu_tanh(g) * u, elementwise over n values. */
 void mf_silu_mul_f32(const float *g, const float *u, float *out, int64_t n);
+void mf_fwht_f32(const float *x, float *out, int64_t rows, int64_t n, float scale);
 void mf_gelu_mul_f32(const float *g, const float *u, float *out, int64_t n);
 
 /* out[i] = float16 bits of x[i] (round to nearest even, IEEE overflow/subnormals), as numpy's

@@ -109,3 +109,23 @@ def test_moe_ffn_rows_independent_of_group_size(isa, rowwise):
     full = run(np.arange(n))
     for i in range(n):
         assert np.array_equal(_bits(run(np.array([i]))[0]), _bits(full[i])), f"{isa} token {i}"
+
+
+def test_hadamard_rotation_rowwise_and_native_equals_numpy():
+    # the quantized KV cache's rotation (kv/quant.py rotate): native and numpy butterflies give
+    # the same bits, a row's result is its own alone, and it is the Hadamard product
+    from memfit.kv import quant as kq
+    x = np.random.default_rng(3).standard_normal((9, 4, 128)).astype(np.float32)
+    for n in (64, 128):
+        got = kq.rotate(x, n)
+        native = kq._native_fwht
+        try:
+            kq._native_fwht = lambda: None
+            ref = kq.rotate(x, n)
+        finally:
+            kq._native_fwht = native
+        assert np.array_equal(_bits(got), _bits(ref))
+        for i in (0, 4, 8):
+            assert np.array_equal(_bits(kq.rotate(x[i:i + 1], n)), _bits(got[i:i + 1]))
+        exact = (x.reshape(-1, n).astype(np.float64) @ kq.hadamard(n).astype(np.float64)).reshape(x.shape)
+        assert np.abs(got - exact).max() < 1e-5

@@ -96,6 +96,14 @@ def rot_size(t: int, head_dim: int, is_k: bool) -> int:
     return n
 
 
+def _native_fwht():
+    try:
+        from .. import _native
+    except ImportError:  # pure-numpy installs: the butterflies below
+        return None
+    return getattr(_native, "fwht", None)
+
+
 def rotate(x: np.ndarray, n: int) -> np.ndarray:
     """x [..., D] with each chunk of n values of the last axis multiplied by hadamard(n), as a
     fast Walsh-Hadamard transform: log2(n) butterfly passes of elementwise adds, so a row's
@@ -105,7 +113,11 @@ def rotate(x: np.ndarray, n: int) -> np.ndarray:
     if n == 0:
         return x
     shape = x.shape
-    y = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, n) * np.float32(1.0 / np.sqrt(np.float32(n)))
+    scale = np.float32(1.0 / np.sqrt(np.float32(n)))
+    native = _native_fwht()
+    if native is not None:  # the same butterflies in C (csrc/ops.c mf_fwht_f32): the same bits
+        return native(np.ascontiguousarray(x, dtype=np.float32), n, float(scale)).reshape(shape)
+    y = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, n) * scale
     h = 1
     while h < n:
         v = y.reshape(-1, n // (2 * h), 2, h)
