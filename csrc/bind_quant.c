@@ -194,16 +194,11 @@ static PyObject *py_matmul_rows(PyObject *self, PyObject *const *a, Py_ssize_t n
     return matmul_multi_args(a, na, MF_MM_DECODE);
 }
 
-static PyObject *py_matmul_narrow(PyObject *self, PyObject *const *a, Py_ssize_t na) {
-    return matmul_multi_args(a, na, MF_MM_NARROW);
-}
-
 PyMethodDef mf_quant_methods[] = {
     {"dequantize", (PyCFunction)(void (*)(void))py_dequantize, METH_FASTCALL, "dequantize(type, src, n, out)"},
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "matmul(type, w, rows, cols, x, n, out): out[n, rows] = x[n, cols] @ W^T (prefill kernels)"},
     {"matmul_multi", (PyCFunction)(void (*)(void))py_matmul_multi, METH_FASTCALL, "matmul_multi(x, n, cols, type, w, rows, out, ...): out_j = x @ W_j^T for 1..4 weights (prefill kernels)"},
     {"matmul_rows", (PyCFunction)(void (*)(void))py_matmul_rows, METH_FASTCALL, "matmul_rows(x, n, cols, type, w, rows, out, ...): matmul_multi with the decode kernels"},
-    {"matmul_narrow", (PyCFunction)(void (*)(void))py_matmul_narrow, METH_FASTCALL, "matmul_narrow(x, n, cols, type, w, rows, out, ...): matmul_multi with the narrow prefill kernels (4 X rows a call)"},
     {"get_rows", (PyCFunction)(void (*)(void))py_get_rows, METH_FASTCALL, "get_rows(type, w, rows, cols, ids int64, out)"},
     {NULL, NULL, 0, NULL},
 };

@@ -17,8 +17,8 @@ int mf_matmul_multi_ex(int k, const int *types, const uint8_t *const *ws, const 
 
 /* x[n, n_embd]; w[3 * g + {0, 1, 2}]: expert g's gate (n_ff, n_embd), up (n_ff, n_embd), down
  * (n_embd, n_ff) bytes of types[0..2]; group g is rows[off[g] .. off[g + 1]) with weights
- * wts[same]; out[n, n_embd] accumulates. decode: the decode kernels, else the narrow prefill
- * ones (quant_mm.c: either way a row's result does not depend on how many rows share its group).
+ * wts[same]; out[n, n_embd] accumulates. decode: the decode kernels, else the prefill ones
+ * (quant_mm.c: either way a row's result does not depend on how many rows share its group).
  * Returns 0, or the matmul's error (-1 type, -2 cols, -3 out of memory). Call without the GIL. */
 int mf_moe_ffn(const float *x, int64_t n_embd, int64_t n_ff, const int *types, int64_t n_groups,
                const uint8_t *const *w, const int64_t *off, const int64_t *rows, const float *wts,
@@ -27,11 +27,10 @@ int mf_moe_ffn(const float *x, int64_t n_embd, int64_t n_ff, const int *types, i
     for (int64_t g = 0; g < n_groups; g++)
         if (off[g + 1] - off[g] > maxg) maxg = off[g + 1] - off[g];
     if (maxg == 0) return 0;
-    /* prompt rows take the narrow batched kernels (4 X rows a call): an expert sees few rows
-     * of a forward, and on the 2 GB qwen3moe synth file (64 experts, 8 used) they prefilled
-     * 1.71x faster than the 16-row-band GEMMs at pp512 and 0.93x at pp64 (in-process A/B,
-     * docs/NOTES.md). A fixed choice: a row's bits never depend on its group's size. */
-    const int mode = decode ? MF_MM_DECODE : MF_MM_NARROW;
+    /* a fixed family for every group (a row's bits never depend on its group's size); the
+     * narrow 4-X-row kernels measured 0.87x (pp64) and 0.76x (pp512) of this on the 2 GB
+     * qwen3moe synth file, quiet (docs/NOTES.md) */
+    const int mode = decode ? MF_MM_DECODE : MF_MM_PREFILL;
     /* xg[maxg, n_embd], gate and up [maxg, n_ff], y[maxg, n_embd] */
     float *buf = malloc(sizeof(float) * (size_t)maxg * (size_t)(2 * n_embd + 2 * n_ff));
     if (!buf) return -3;

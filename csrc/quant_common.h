@@ -97,7 +97,6 @@ void mf_b32gemm_avx512(int type, const uint8_t *w, size_t rb, int64_t nrows, int
 /* matmul kernel families (quant_mm.c), chosen by the caller, never by the row count */
 #define MF_MM_PREFILL 0 /* the type's widest batched kernel (16-row X bands on avx512vnni) */
 #define MF_MM_DECODE 1  /* the one-row vec-dots */
-#define MF_MM_NARROW 2  /* batched kernels of 4 X rows a call (matrices that see few rows: experts) */
 #define MF_XB_ROWS 16
 typedef struct { _Alignas(64) int8_t qs[64][64]; int32_t bs[8][16]; int32_t bs32[4][16]; float dx[16]; } mf_xband; /* 4928 B */
 /* W block: u8 codes in K order, float scale d*sc per sub-block (16 groups of 16, or the first

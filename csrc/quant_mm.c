@@ -71,11 +71,9 @@ static void mm_task_scalar(void *p, int64_t t) {
  * never by the row count (batch invariance): decode runs the one-row integer vec-dots (and
  * their 4/8-row forms, which keep each row's bits) for any n; prefill runs the type's batched
  * kernel for any n (K-quants: kgemm on avx512vnni, kblk on avx2; 32-element types: b32g
- * where it exists, else b32; float types: the 2x4 FMA GEMM); narrow is prefill without the
- * 16-row-band GEMMs (kblk, b32: 4 X rows a call; for matrices that see few rows, the
- * experts). Each batched kernel's result for a row does not depend on the other rows, the
- * row count or the task split. A type without a batched kernel runs its vec-dots in every
- * mode. So a prompt row gets the same bits whether its prompt was chunked, packed with
+ * where it exists, else b32; float types: the 2x4 FMA GEMM). Each batched kernel's result
+ * for a row does not depend on the other rows, the row count or the task split. A type
+ * without a batched kernel runs its vec-dots in both modes. So a prompt row gets the same bits whether its prompt was chunked, packed with
  * others or found partly in the prefix cache. */
 #ifndef MF_KG_TILE
 #define MF_KG_TILE (1024 * 1024) /* bytes of unpacked W per GEMM task (L2: 2 MiB per core) */
@@ -350,7 +348,7 @@ typedef struct {
 /* Fill p for Y = X · W^T (everything but c.xq for quantized activations). 0 or -1/-2. */
 static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, int64_t cols,
                         const float *x, int64_t n, float *y, int mode) {
-    const int vec_only = mode == MF_MM_DECODE, narrow = mode == MF_MM_NARROW;
+    const int vec_only = mode == MF_MM_DECODE;
     if (type < 0 || type >= T_MAX || mf_qtypes[type].block == 0) return -1;
     const mf_qinfo *q = &mf_qtypes[type];
     if (cols % q->block) return -2;
@@ -386,7 +384,7 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
                                        : (size_t)(cols / 256) * sizeof(mf_q8_256);
             if (vec_only) {
                 /* row-independent: every X row is dotted as if alone */
-            } else if (mf_kunpack_avx2[type] && mf_isa >= MF_ISA_AVX512VNNI && !narrow) {
+            } else if (mf_kunpack_avx2[type] && mf_isa >= MF_ISA_AVX512VNNI) {
                 int64_t rk = MF_KG_TILE / (c.nb * (int64_t)sizeof(mf_kw)) / MF_KG_R * MF_KG_R;
                 c.rt = rk < MF_KG_R ? MF_KG_R : rk > MF_KG_RT_MAX ? MF_KG_RT_MAX : rk;
                 while (c.rt > MF_KG_R && (rows + c.rt - 1) / c.rt < 4 * nt) c.rt -= MF_KG_R;
@@ -397,7 +395,7 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
                 int64_t rk = (192 * 1024) / (c.nb * (int64_t)sizeof(mf_kblk));
                 c.rt = rk < 1 ? 1 : rk > c.rt ? c.rt : rk;
                 p->fn = mm_task_kblk;
-            } else if (mf_isa >= MF_ISA_AVX512VNNI && mf_b32gemm_ok[type] && !narrow) {
+            } else if (mf_isa >= MF_ISA_AVX512VNNI && mf_b32gemm_ok[type]) {
                 c.xfmt = XF_B32BAND;
                 c.xs = (size_t)c.nb * sizeof(mf_b32band); /* per band of 16 rows */
                 /* W tile (48 B per unpacked block) <= ~192 KB, a multiple of 10 rows (the kernel's

@@ -1,7 +1,6 @@
 """Batch invariance of the kernels: a row's result depends only on its own input row.
 
-Every type x every ISA path this CPU runs x every kernel family (prefill, narrow prefill,
-decode): an X row's
+Every type x every ISA path this CPU runs x both kernel families (prefill, decode): an X row's
 outputs are the same bits alone, at any position of a call of any row count (1..33: every
 threshold the kernels had), with any neighbours, with 1 or 2 threads. This is what lets the
 engine give a sequence the same tokens cold, cached, chunked or batched (tests/test_exact.py).
@@ -20,8 +19,7 @@ NAMES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "
          "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
 ISAS = ["scalar", "avx2", "avx512", "avx512vnni"]
 NS = (1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 15, 16, 17, 33)
-MODES = {"prefill": {"rowwise": False}, "narrow": {"rowwise": False, "narrow": True},
-         "decode": {"rowwise": True}}
+MODES = {"prefill": {"rowwise": False}, "decode": {"rowwise": True}}
 
 
 def _isas() -> list[str]:

@@ -279,10 +279,9 @@ class Model:
             h = self.ops.silu_mul(g, u) if self.act == "silu" else self.ops.gelu_mul(g, u)
         return self.linear(h, p + "ffn_down")
 
-    def _glu(self, x: np.ndarray, gate, up, down, expert: bool = False) -> np.ndarray:
-        # down(act(gate x) * up x) for QTensors (one expert, or the shared expert); a routed
-        # expert's prompt rows take the narrow kernels, as the fused call (csrc/moe.c)
-        kw = {**self._rows_kw(x), "narrow": expert}
+    def _glu(self, x: np.ndarray, gate, up, down) -> np.ndarray:
+        # down(act(gate x) * up x) for QTensors (one expert, or the shared expert)
+        kw = self._rows_kw(x)
         mm = getattr(self.ops, "matmul_multi", None)
         g, u = mm(x, [gate, up], **kw) if mm is not None else \
             (self.ops.matmul(x, gate, **kw), self.ops.matmul(x, up, **kw))
@@ -344,7 +343,7 @@ class Model:
                 continue
             for e, (gate, up, down) in zip(group, mats):
                 rows, slot = np.nonzero(sel == e)   # a token picks an expert at most once
-                y = self._glu(np.ascontiguousarray(x[rows]), gate, up, down, expert=True)
+                y = self._glu(np.ascontiguousarray(x[rows]), gate, up, down)
                 out[rows] += y * wts[rows, slot][:, None]
         if self.spec.shared_expert:
             # [n]: one logit per token; a per-row sum (BLAS's x @ v may group rows differently

@@ -47,11 +47,10 @@ def _unsupported(w: QTensor):
 
 
 def matmul(x: np.ndarray, w: QTensor, out: np.ndarray | None = None,
-           rowwise: bool | None = None, narrow: bool = False) -> np.ndarray:
+           rowwise: bool | None = None) -> np.ndarray:
     # x[n, cols] @ W(rows, cols)^T -> y[n, rows]; rowwise: the decode kernels (True) or the
     # prefill ones (False) for any n; None (callers outside the model: benches, tests) picks
-    # decode for one row, prefill for more. narrow: prefill with the 4-X-row kernels
-    # (matrices that see few rows of a forward: the experts; csrc/quant_mm.c)
+    # decode for one row, prefill for more
     rows, cols = w.shape
     if x.dtype != np.float32 or not x.flags.c_contiguous:
         x = np.ascontiguousarray(x, dtype=np.float32)
@@ -65,19 +64,17 @@ def matmul(x: np.ndarray, w: QTensor, out: np.ndarray | None = None,
         rowwise = n <= 1
     if rowwise:
         _native.matmul_rows(x, n, cols, w.type.id, w.data, rows, out)
-    elif narrow:
-        _native.matmul_narrow(x, n, cols, w.type.id, w.data, rows, out)
     else:
         _native.matmul(w.type.id, w.data, rows, cols, x, n, out)
     return out
 
 
 def matmul_multi(x: np.ndarray, ws: list[QTensor], outs: list[np.ndarray] | None = None,
-                 rowwise: bool | None = None, narrow: bool = False) -> list[np.ndarray]:
+                 rowwise: bool | None = None) -> list[np.ndarray]:
     """[x @ W^T for W in ws] (1..4 weights with equal cols) in one native call: x is quantized
     once and all row tiles run as one pool job; each result equals matmul(x, W) bit for bit.
     outs: preallocated float32 [n, rows_j] results (the caller's reusable buffers); rowwise as
-    and narrow as in matmul."""
+    as in matmul."""
     cols = ws[0].shape[1]
     if x.dtype != np.float32 or not x.flags.c_contiguous:
         x = np.ascontiguousarray(x, dtype=np.float32)
@@ -93,7 +90,7 @@ def matmul_multi(x: np.ndarray, ws: list[QTensor], outs: list[np.ndarray] | None
         args += (w.type.id, w.data, w.shape[0], y)
         ys.append(y)
     dec = n <= 1 if rowwise is None else rowwise
-    (_native.matmul_rows if dec else _native.matmul_narrow if narrow else _native.matmul_multi)(*args)
+    (_native.matmul_rows if dec else _native.matmul_multi)(*args)
     return ys
 
 

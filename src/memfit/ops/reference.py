@@ -24,9 +24,9 @@ def dequant(w: QTensor) -> np.ndarray:
     return dequantize(w.type.id, w.data.reshape(-1), n).reshape(w.shape)
 
 
-def matmul(x: np.ndarray, w: QTensor, rowwise: bool = False, narrow: bool = False) -> np.ndarray:
-    # x[n, cols] @ W(rows, cols)^T -> y[n, rows] (rowwise, narrow: the native backend's kernel
-    # families; numpy's product is taken as it comes)
+def matmul(x: np.ndarray, w: QTensor, rowwise: bool = False) -> np.ndarray:
+    # x[n, cols] @ W(rows, cols)^T -> y[n, rows] (rowwise: the native backend's kernel family;
+    # numpy's product is taken as it comes)
     rows, cols = w.shape
     assert x.ndim == 2 and x.shape[1] == cols, (x.shape, w.name, w.shape)
     return np.ascontiguousarray(x, dtype=np.float32) @ dequant(w).T
