@@ -119,9 +119,13 @@ def test_cold_cached_chunked_batched_preempted(tmp_path, arch, kv):
             _same(r.result(rid), cold[i], f"{arch} {kv} batched seed {seed}, prompt {i}")
     # preempted: a pool too small for all, so sequences are evicted and recomputed
     r = Recorder(_engine(model, tok, kv, n_parallel=4, n_blocks=5))
+    steps, schedule = [], r.eng.scheduler.schedule
+    r.eng.scheduler.schedule = lambda: (lambda s: (steps.append(s), s)[1])(schedule())
     rids = [r.add(p, n=40) for p in PROMPTS[4:8]]
     r.drain()
     assert r.eng.scheduler.n_preempted > 0
+    # the evicted sequences' generated tokens were recomputed as decode rows, several a step
+    assert any(s is not None and s.decode and sum(s.n_tokens) > len(s.seqs) for s in steps)
     long_cold = [_alone_n(model, tok, kv, p, 40) for p in PROMPTS[4:8]]
     for rid, c, p in zip(rids, long_cold, PROMPTS[4:8]):
         _same(r.result(rid), c, f"{arch} {kv} preempted, prompt of {len(p)}")
