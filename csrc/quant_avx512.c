@@ -911,6 +911,69 @@ typedef void (*kg_fn)(const mf_kw *const *, int64_t, const mf_xband *, const mf_
                       kgemm_5_##G##_##B, kgemm_6_##G##_##B, kgemm_7_##G##_##B, kgemm_8_##G##_##B}
 static const kg_fn kg_tab[2][2][9] = {{KG_ROW(16, 1), KG_ROW(16, 2)}, {KG_ROW(32, 1), KG_ROW(32, 2)}};
 
+/* The same per-lane arithmetic on the first 4 rows of one band only (128-bit lanes): a call
+ * with at most 4 X rows (a prompt's tail, a small expert group) does a quarter of the work and
+ * gives each row the bits kgemm_core gives it (vpdpbusd, the float conversion and each FMA are
+ * lane-wise; the same operands in the same order). out as kgemm_core's (lanes 4-15 untouched). */
+VNNI static inline __attribute__((always_inline)) void kgemm4_core(const mf_kw *const *w, const int R, const int G,
+                                                                    int64_t nb, const mf_xband *x0, float *out) {
+    for (int i = 0; i < R; i++) _mm_storeu_ps(out + 16 * i, _mm_setzero_ps());
+    for (int64_t b = 0; b < nb; b++) {
+        const mf_xband *xb = x0 + b;
+        const mf_kw *k[KG_MAXR];
+        __m128 f[KG_MAXR];
+        for (int r = 0; r < R; r++) {
+            k[r] = w[r] + b;
+            f[r] = _mm_setzero_ps();
+        }
+        for (int g = 0; g < 256 / G; g++) {
+            __m128i a[KG_MAXR];
+            for (int r = 0; r < R; r++) a[r] = _mm_setzero_si128();
+#pragma GCC unroll 8
+            for (int s = 0; s < G / 4; s++) {
+                const int kk = g * (G / 4) + s;
+                const __m128i xv = _mm_load_si128((const __m128i *)xb->qs[kk]);
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++) {
+                    int32_t wv;
+                    memcpy(&wv, k[r]->q + 4 * kk, 4);
+                    a[r] = _mm_dpbusd_epi32(a[r], _mm_set1_epi32(wv), xv);
+                }
+            }
+            for (int r = 0; r < R; r++)
+                f[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(a[r]), _mm_set1_ps(k[r]->s[g]), f[r]);
+        }
+        __m128i c[KG_MAXR];
+        for (int r = 0; r < R; r++) c[r] = _mm_setzero_si128();
+        for (int p = 0; p < (G == 32 ? 4 : 8); p++) {
+            const __m128i bv = _mm_loadu_si128((const __m128i *)(G == 32 ? xb->bs32[p] : xb->bs[p]));
+            for (int r = 0; r < R; r++) c[r] = _mm_dpwssd_epi32(c[r], bv, _mm_set1_epi32(k[r]->cc2[p]));
+        }
+        const __m128 dx = _mm_loadu_ps(xb->dx);
+        for (int r = 0; r < R; r++) {
+            float *o = out + 16 * r;
+            f[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(c[r]), _mm_set1_ps(k[r]->dc), f[r]);
+            _mm_storeu_ps(o, _mm_fmadd_ps(f[r], dx, _mm_loadu_ps(o)));
+        }
+    }
+}
+
+#define KG4_FN(R, G) \
+    VNNI static void kgemm4_##R##_##G(const mf_kw *const *w, int64_t nb, const mf_xband *x0, float *out) { \
+        kgemm4_core(w, R, G, nb, x0, out); \
+    }
+#define KG4_FNS(R) KG4_FN(R, 16) KG4_FN(R, 32)
+KG4_FNS(1) KG4_FNS(2) KG4_FNS(3) KG4_FNS(4) KG4_FNS(5) KG4_FNS(6) KG4_FNS(7) KG4_FNS(8)
+typedef void (*kg4_fn)(const mf_kw *const *, int64_t, const mf_xband *, float *);
+#define KG4_ROW(G) {NULL, kgemm4_1_##G, kgemm4_2_##G, kgemm4_3_##G, kgemm4_4_##G, kgemm4_5_##G, \
+                    kgemm4_6_##G, kgemm4_7_##G, kgemm4_8_##G}
+static const kg4_fn kg4_tab[2][9] = {KG4_ROW(16), KG4_ROW(32)};
+
+/* at most 4 X rows, all in x0's first lanes */
+VNNI void mf_kgemm4_avx512(const mf_kw *const *w, int R, int g32, int64_t nb, const mf_xband *x0, float *out) {
+    kg4_tab[g32 != 0][R](w, nb, x0, out);
+}
+
 /* x1 NULL: one band */
 VNNI void mf_kgemm_avx512(const mf_kw *const *w, int R, int g32, int64_t nb, const mf_xband *x0,
                           const mf_xband *x1, float *out) {

@@ -112,6 +112,7 @@ void mf_xband_build(const mf_q8_256 *rows, int64_t m, int64_t nb, mf_xband *o); 
  * out[(h*R + r)*16 + j] for band h, W row r, lane j */
 void mf_kgemm_avx512(const mf_kw *const *w, int R, int g32, int64_t nb, const mf_xband *x0,
                      const mf_xband *x1, float *out);
+void mf_kgemm4_avx512(const mf_kw *const *w, int R, int g32, int64_t nb, const mf_xband *x0, float *out);
 
 /* per-thread scratch that grows: 64-byte aligned, at least `bytes`; NULL when out of memory */
 typedef struct { void *p; size_t cap; } tl_scratch;

@@ -251,7 +251,10 @@ static void mm_task_kgemm(void *p, int64_t t) {
         for (int64_t r = r0; r < r1; r += MF_KG_R) {
             int R = r1 - r < MF_KG_R ? (int)(r1 - r) : MF_KG_R;
             for (int k = 0; k < R; k++) wr[k] = wk + (r + k - r0) * c->nb;
-            mf_kgemm_avx512(wr, R, c->g32, c->nb, x0, x1, out);
+            if (c->n <= 4) /* a quarter of the lanes, the same bits per row */
+                mf_kgemm4_avx512(wr, R, c->g32, c->nb, x0, out);
+            else
+                mf_kgemm_avx512(wr, R, c->g32, c->nb, x0, x1, out);
             for (int k = 0; k < R; k++)
                 for (int64_t j = 0; j < m; j++)
                     c->y[(i0 + j) * c->rows + r + k] = out[((j / MF_XB_ROWS) * R + k) * MF_XB_ROWS + j % MF_XB_ROWS];
