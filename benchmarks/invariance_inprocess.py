@@ -16,7 +16,6 @@ import time
 import numpy as np
 
 sys.path.insert(0, "/tmp/abpkg")
-import memfit_base  # noqa: E402,F401
 from memfit import api as new_api  # noqa: E402
 from memfit_base import api as base_api  # noqa: E402
 

@@ -74,9 +74,9 @@ def _engine(model, tok, kv, n_parallel=1, n_batch=512, n_blocks=None):
                   cache_type=kv, cache_type_v=kv, n_blocks=n_blocks)
 
 
-def _alone(model, tok, kv, ids, **kw):
+def _alone(model, tok, kv, ids, n=N_GEN, **kw):
     r = Recorder(_engine(model, tok, kv, **kw))
-    rid = r.add(ids)
+    rid = r.add(ids, n=n)
     r.drain()
     return r.result(rid)
 
@@ -126,7 +126,7 @@ def test_cold_cached_chunked_batched_preempted(tmp_path, arch, kv):
     assert r.eng.scheduler.n_preempted > 0
     # the evicted sequences' generated tokens were recomputed as decode rows, several a step
     assert any(s is not None and s.decode and sum(s.n_tokens) > len(s.seqs) for s in steps)
-    long_cold = [_alone_n(model, tok, kv, p, 40) for p in PROMPTS[4:8]]
+    long_cold = [_alone(model, tok, kv, p, n=40) for p in PROMPTS[4:8]]
     for rid, c, p in zip(rids, long_cold, PROMPTS[4:8]):
         _same(r.result(rid), c, f"{arch} {kv} preempted, prompt of {len(p)}")
 
@@ -144,13 +144,6 @@ def test_exact_on_other_isas(tmp_path, arch, kv, isa):
         test_cold_cached_chunked_batched_preempted(tmp_path, arch, kv)
     finally:
         _native.set_isa(before)
-
-
-def _alone_n(model, tok, kv, ids, n):
-    r = Recorder(_engine(model, tok, kv))
-    rid = r.add(ids, n=n)
-    r.drain()
-    return r.result(rid)
 
 
 @pytest.mark.realmodel
@@ -183,7 +176,7 @@ def test_real_models_cached_equals_cold_and_teacher_forced(which, kv, request):
             rid = warm.add(ids[:n], n=1)
             warm.drain()
             cached = warm.result(rid)
-            _same(cached, _alone_n(model, tok, kv, ids[:n], 1), f"{which} {kv} cached vs cold, n={n}")
+            _same(cached, _alone(model, tok, kv, ids[:n], n=1), f"{which} {kv} cached vs cold, n={n}")
             assert np.array_equal(cached[1][0], teacher[n - 1].view(np.uint32)), \
                 f"{which} {kv} n={n}: engine logits differ from the teacher-forced ones"
         prompts = [ids[:33], ids[:40], ids[5:45], ids[:48]]

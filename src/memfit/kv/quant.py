@@ -13,6 +13,8 @@ order (8 lanes of 4-product integer sums, one fma per block and lane, hsum_float
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ..errors import RequestError
@@ -96,7 +98,9 @@ def rot_size(t: int, head_dim: int, is_k: bool) -> int:
     return n
 
 
+@functools.cache
 def _native_fwht():
+    # looked up once: rotate runs four times per layer per token
     try:
         from .. import _native
     except ImportError:  # pure-numpy installs: the butterflies below
