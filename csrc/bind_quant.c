@@ -41,7 +41,7 @@ static int get_f32(PyObject *o, Py_buffer *v, int writable, const char *what) {
 }
 
 static int check_type(long type) {
-    if (type < 0 || type >= T_MAX || mf_qtypes[type].block == 0) {
+    if (type < 0 || type >= T_MAX || !mf_type_ok((int)type)) {
         PyErr_Format(PyExc_ValueError, "ggml type %ld is not supported by the native kernels", type);
         return -1;
     }

@@ -205,7 +205,7 @@ static PyObject *py_decode_layer_new(PyObject *self, PyObject *const *a, Py_ssiz
     const int64_t cols[NW] = {E, E, E, L->n_head * L->dv, E, E, L->n_ff};
     for (int j = 0; j < NW; j++) {
         long long t = iv[10 + j];
-        if (t < 0 || t >= T_MAX || mf_qtypes[t].block == 0 || cols[j] % mf_qtypes[t].block ||
+        if (t < 0 || t >= T_MAX || !mf_type_ok(t) || cols[j] % mf_qtypes[t].block ||
             (mf_qtypes[t].xfmt == XF_Q8_256 && cols[j] % 256)) {
             PyErr_Format(PyExc_ValueError, "decode_layer_new: %s type %lld cannot run with %lld columns",
                          w_names[j], t, (long long)cols[j]);

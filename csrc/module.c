@@ -9,10 +9,11 @@ extern PyMethodDef mf_decode_methods[]; /* csrc/decode.c */
 extern PyMethodDef mf_kv_methods[];     /* csrc/bind_kv.c */
 extern PyMethodDef mf_moe_methods[];    /* csrc/moe.c */
 extern PyMethodDef mf_kvq_methods[];    /* csrc/bind_kvq.c */
+extern PyMethodDef mf_table_methods[];  /* csrc/quant_tables.c */
 
 static PyMethodDef *tables[] = {mf_quant_methods, mf_ops_methods, mf_pool_methods,
                                 mf_bench_methods, mf_decode_methods, mf_kv_methods,
-                                mf_moe_methods, mf_kvq_methods};
+                                mf_moe_methods, mf_kvq_methods, mf_table_methods};
 static PyMethodDef all_methods[256];
 
 static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_native",
@@ -29,5 +30,13 @@ PyMODINIT_FUNC PyInit__native(void) {
     all_methods[k] = (PyMethodDef){NULL, NULL, 0, NULL};
     mf_init_isa();
     mf_init_pool();
-    return PyModule_Create(&moduledef);
+    PyObject *m = PyModule_Create(&moduledef);
+    if (!m) return NULL;
+    /* the IQ lattice tables come from gguf-py (memfit/quant/tables.py, csrc/quant_tables.c) */
+    PyObject *tb = PyImport_ImportModule("memfit.quant.tables");
+    PyObject *r = tb ? PyObject_CallMethod(tb, "install", "O", m) : NULL;
+    Py_XDECREF(tb);
+    if (!r) { Py_DECREF(m); return NULL; }
+    Py_DECREF(r);
+    return m;
 }

@@ -92,7 +92,7 @@ static PyObject *py_moe_ffn(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     int gelu = PyObject_IsTrue(a[11]), decode = na == 14 ? PyObject_IsTrue(a[13]) : 0;
     if (PyErr_Occurred() || gelu < 0 || decode < 0) return NULL;
     for (int j = 0; j < 3; j++)
-        if (types[j] < 0 || types[j] >= T_MAX || mf_qtypes[types[j]].block == 0)
+        if (types[j] < 0 || types[j] >= T_MAX || !mf_type_ok(types[j]))
             return PyErr_Format(PyExc_ValueError, "ggml type %d is not supported by the native kernels", types[j]);
     if (n < 0 || E <= 0 || F <= 0 || E % mf_qtypes[types[0]].block || E % mf_qtypes[types[1]].block
         || F % mf_qtypes[types[2]].block)

@@ -19,6 +19,13 @@ const mf_qinfo mf_qtypes[T_MAX] = {
     [T_Q2_K] = {256, 84, XF_Q8_256}, [T_Q3_K] = {256, 110, XF_Q8_256},
     [T_Q4_K] = {256, 144, XF_Q8_256}, [T_Q5_K] = {256, 176, XF_Q8_256},
     [T_Q6_K] = {256, 210, XF_Q8_256}, [T_IQ4_XS] = {256, 136, XF_Q8_256},
+    /* ggml's vec_dot_type: Q8_K for the IQ and ternary types, Q8_0 for MXFP4 and NVFP4 */
+    [T_IQ2_XXS] = {256, 66, XF_Q8_256}, [T_IQ2_XS] = {256, 74, XF_Q8_256},
+    [T_IQ2_S] = {256, 82, XF_Q8_256}, [T_IQ3_XXS] = {256, 98, XF_Q8_256},
+    [T_IQ3_S] = {256, 110, XF_Q8_256}, [T_IQ1_S] = {256, 50, XF_Q8_256},
+    [T_IQ1_M] = {256, 56, XF_Q8_256}, [T_TQ1_0] = {256, 54, XF_Q8_256},
+    [T_TQ2_0] = {256, 66, XF_Q8_256}, [T_MXFP4] = {32, 17, XF_Q8_32},
+    [T_NVFP4] = {64, 36, XF_Q8_32},
 };
 
 static float half_to_float(uint16_t h) {
@@ -189,6 +196,11 @@ static const dq_fn dq_table[T_MAX] = {
     [T_Q4_K] = dq_q4_k, [T_Q5_K] = dq_q5_k, [T_Q6_K] = dq_q6_k, [T_IQ4_XS] = dq_iq4_xs,
 };
 
+int mf_type_ok(int type) {
+    if (type == T_F32 || type == T_F16 || type == T_BF16) return 1;
+    return type >= 0 && type < T_MAX && mf_qtypes[type].block && dq_table[type] && mf_tables_ready(type);
+}
+
 /* n elements (a multiple of the block size) from src into dst; 0 on success. */
 int mf_dequant_row(int type, const uint8_t *src, float *dst, int64_t n) {
     if (type == T_F32) { memcpy(dst, src, (size_t)n * 4); return 0; }
@@ -203,7 +215,7 @@ int mf_dequant_row(int type, const uint8_t *src, float *dst, int64_t n) {
         }
         return 0;
     }
-    if (type < 0 || type >= T_MAX || !dq_table[type]) return -1;
+    if (!mf_type_ok(type)) return -1;
     const mf_qinfo *t = &mf_qtypes[type];
     for (int64_t b = 0; b < n / t->block; b++) dq_table[type](src + b * t->bytes, dst + b * t->block);
     return 0;

@@ -9,7 +9,9 @@
 enum {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
     T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20,
-    T_IQ4_XS = 23, T_BF16 = 30, T_MAX = 40
+    T_IQ2_XXS = 16, T_IQ2_XS = 17, T_IQ3_XXS = 18, T_IQ1_S = 19, T_IQ3_S = 21, T_IQ2_S = 22,
+    T_IQ4_XS = 23, T_IQ1_M = 29, T_BF16 = 30, T_TQ1_0 = 34, T_TQ2_0 = 35, T_MXFP4 = 39,
+    T_NVFP4 = 40, T_MAX = 48
 };
 
 /* Activation formats the integer vec-dots consume (memfit's own, not ggml's byte layout). */
@@ -35,8 +37,20 @@ extern float mf_f16_table[65536];
 static inline float mf_f16(const uint8_t *p) { return mf_f16_table[p[0] | (p[1] << 8)]; }
 
 void mf_quant_init(void);
+/* 1 when the native core computes with the type: a float type, or a quant type whose
+ * dequantizer exists and whose tables (quant_tables.c) are installed */
+int mf_type_ok(int type);
 int mf_dequant_row(int type, const uint8_t *src, float *dst, int64_t n);
 void mf_get_scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m);
+
+/* Lattice tables of the IQ types (quant_tables.c), installed once at import from gguf-py (see
+ * there). Row-major int8 values, so e.g. mf_grid_iq2xxs read as uint64[256] is ggml's
+ * iq2xxs_grid and mf_grid_iq3xxs as uint32[256] is iq3xxs_grid. */
+extern _Alignas(64) int8_t mf_grid_iq2xxs[256 * 8], mf_grid_iq2xs[512 * 8], mf_grid_iq2s[1024 * 8];
+extern _Alignas(64) uint8_t mf_grid_iq3xxs[256 * 4], mf_grid_iq3s[512 * 4];
+extern _Alignas(64) int8_t mf_grid_iq1s[2048 * 8]; /* -1/0/+1; IQ1_S and IQ1_M share it */
+extern uint8_t mf_ksigns_iq2xs[128];                /* ggml's ksigns_iq2xs */
+int mf_tables_ready(int type);                      /* 1 when the type's tables are installed */
 
 /* A K-quant block unpacked for the prefill kernel (see quant_avx2.c). */
 typedef struct { _Alignas(64) uint8_t q[256]; int16_t sv[8][16]; int16_t cc[16]; float d, dc; } mf_kblk; /* 576 B */

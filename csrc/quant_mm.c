@@ -352,7 +352,7 @@ typedef struct {
 static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, int64_t cols,
                         const float *x, int64_t n, float *y, int mode) {
     const int vec_only = mode == MF_MM_DECODE;
-    if (type < 0 || type >= T_MAX || mf_qtypes[type].block == 0) return -1;
+    if (type < 0 || type >= T_MAX || !mf_type_ok(type)) return -1;
     const mf_qinfo *q = &mf_qtypes[type];
     if (cols % q->block) return -2;
     mm_ctx c = {.type = type, .w = w, .rows = rows, .cols = cols, .nb = cols / q->block,
@@ -628,7 +628,7 @@ static void gr_task(void *p, int64_t i) {
 
 /* ids already range-checked by the caller. */
 int mf_get_rows(int type, const uint8_t *w, int64_t cols, const int64_t *ids, int64_t n, float *out) {
-    if (type < 0 || type >= T_MAX || mf_qtypes[type].block == 0) return -1;
+    if (type < 0 || type >= T_MAX || !mf_type_ok(type)) return -1;
     const mf_qinfo *q = &mf_qtypes[type];
     if (cols % q->block) return -2;
     gr_ctx c = {type, w, cols, cols / q->block * q->bytes, ids, out};
@@ -651,7 +651,7 @@ static void dq_task(void *p, int64_t t) {
 }
 
 int mf_dequantize(int type, const uint8_t *src, int64_t n, float *dst) {
-    if (type < 0 || type >= T_MAX || mf_qtypes[type].block == 0) return -1;
+    if (type < 0 || type >= T_MAX || !mf_type_ok(type)) return -1;
     const mf_qinfo *q = &mf_qtypes[type];
     if (n % q->block) return -2;
     int64_t chunk = (int64_t)q->block * 256;

@@ -13,10 +13,9 @@ _native = pytest.importorskip("memfit._native")
 from memfit.ops import QTensor  # noqa: E402
 from memfit.ops import native as nat  # noqa: E402
 from memfit.quant.random import random_blocks  # noqa: E402
-from memfit.quant.types import BY_NAME  # noqa: E402
+from memfit.quant.types import BY_NAME, SUPPORTED_NAMES  # noqa: E402
 
-NAMES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
-         "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
+NAMES = list(SUPPORTED_NAMES)
 ISAS = ["scalar", "avx2", "avx512", "avx512vnni"]
 NS = (1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 15, 16, 17, 33)
 MODES = {"prefill": {"rowwise": False}, "decode": {"rowwise": True}}

@@ -12,10 +12,10 @@ from memfit import _native
 from memfit.models import load_model
 from memfit.models.synthetic import write_tiny_model
 from memfit.ops import get_ops
+from memfit.quant.types import SUPPORTED_NAMES  # noqa: E402
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3"]
-TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
+TYPES = list(SUPPORTED_NAMES)
 IDS = [5, 17, 200, 33, 290, 0, 64, 64, 128, 7, 255, 1]
 SPLIT = 3  # prefill this many, then one token at a time
 

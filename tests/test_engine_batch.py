@@ -14,6 +14,7 @@ from memfit.models import load_model
 from memfit.models.synthetic import write_tiny_model
 from memfit.ops import get_ops
 from memfit.tokenizer import Tokenizer
+from memfit.quant.types import SUPPORTED_NAMES  # noqa: E402
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3"]
 # different lengths; two cross a 32-token block boundary while decoding
@@ -197,8 +198,7 @@ def test_packed_prefill_equals_alone_real(request, which):
         assert got == alone
 
 
-TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
+TYPES = list(SUPPORTED_NAMES)
 
 
 def _paged_steps(model, fused: bool, kv_type: str):

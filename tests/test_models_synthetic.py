@@ -14,10 +14,10 @@ from memfit.errors import ModelError, RequestError, UnsupportedError
 from memfit.models import load_model
 from memfit.models.synthetic import write_tiny_model
 from memfit.ops import get_ops
+from memfit.quant.types import SUPPORTED_NAMES  # noqa: E402
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3"]
-TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
+TYPES = list(SUPPORTED_NAMES)
 # the hyperparameters each tiny model is written with (passed explicitly, read back by nobody)
 CFG = {
     "llama": dict(n_embd=256, n_layer=2, n_head=4, n_head_kv=2, head_dim=64, n_ff=512, rope_base=10000.0),

@@ -19,10 +19,10 @@ from memfit.models.layers import Model
 from memfit.models.spec import ArchSpec
 from memfit.models.synthetic import write_tiny_model
 from memfit.ops import get_ops
+from memfit.quant.types import SUPPORTED_NAMES  # noqa: E402
 
 ARCHS = ["qwen3moe", "qwen2moe", "mixtral", "olmoe"]
-TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
+TYPES = list(SUPPORTED_NAMES)
 # what each tiny model is written with (explicit, so the reference does not read the file's
 # metadata back)
 CFG = {

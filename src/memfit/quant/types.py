@@ -32,13 +32,16 @@ _TABLE = [
     (22, "IQ2_S", 256, 82), (23, "IQ4_XS", 256, 136), (24, "I8", 1, 1), (25, "I16", 1, 2),
     (26, "I32", 1, 4), (27, "I64", 1, 8), (28, "F64", 1, 8), (29, "IQ1_M", 256, 56),
     (30, "BF16", 1, 2), (34, "TQ1_0", 256, 54), (35, "TQ2_0", 256, 66), (39, "MXFP4", 32, 17),
+    (40, "NVFP4", 64, 36), (41, "Q1_0", 128, 18),
 ]
 
 TYPES: dict[int, GGMLType] = {i: GGMLType(i, n, b, s) for i, n, b, s in _TABLE}
 BY_NAME: dict[str, GGMLType] = {t.name: t for t in TYPES.values()}
 
-# Types memfit computes with (numpy reference; the native core covers the same set).
-SUPPORTED = frozenset(BY_NAME[n].id for n in (
+# Types memfit computes with (numpy reference; the native core covers the same set), in the
+# order the tests parametrize over them.
+SUPPORTED_NAMES: tuple[str, ...] = (
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
-))
+)
+SUPPORTED = frozenset(BY_NAME[n].id for n in SUPPORTED_NAMES)
