@@ -123,7 +123,21 @@ def test_hand_made_q8_0_and_bf16():
     assert np.array_equal(dequantize(BY_NAME["BF16"].id, bf, 2), [1.0, -3.0])
 
 
-@pytest.mark.parametrize("type_id,name", [(9, "Q8_1"), (16, "IQ2_XXS"), (39, "MXFP4"), (99, "99")])
+@pytest.mark.parametrize("type_id,name", [(9, "Q8_1"), (41, "Q1_0"), (99, "99")])
 def test_unsupported_types_are_named(type_id, name):
     with pytest.raises(UnsupportedError, match=name):
         dequantize(type_id, np.zeros(1024, np.uint8), 256)
+
+
+NEW = ["IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M",
+       "MXFP4", "NVFP4", "TQ1_0", "TQ2_0"]
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_random_blocks_of_new_types_are_finite_and_sized(name):
+    # random valid blocks: finite values of the requested magnitude, never a run of zeros
+    from memfit.quant.random import random_blocks
+    t = BY_NAME[name]
+    w = dequantize(t.id, random_blocks(t, 256 * 32, np.random.default_rng(3)), 256 * 32)
+    assert np.isfinite(w).all() and 0.02 < float(np.abs(w).mean()) < 0.1
+    assert np.count_nonzero(w) > w.size // 2

@@ -32,14 +32,25 @@ _SCALES = {
     "Q6_K": (208, None, 64.0 * 16.0, 0.0),  # |sc| ~ 64, |q - 32| ~ 16
     "IQ4_NL": (0, None, 60.0, 0.0),        # |kvalue| ~ 60
     "IQ4_XS": (0, None, 16.0 * 60.0, 0.0),
+    # lattice types: d * (sub-block scale) * grid value * sign (gguf.quants' dequantizers)
+    "IQ2_XXS": (0, None, 7.75 * 0.25 * 25.0, 0.0),  # (0.5 + ls) / 4, grid 8/25/43
+    "IQ2_XS": (0, None, 7.75 * 0.25 * 25.0, 0.0),
+    "IQ2_S": (0, None, 7.75 * 0.25 * 25.0, 0.0),
+    "IQ3_XXS": (0, None, 7.75 * 0.5 * 30.0, 0.0),   # (0.5 + ls) / 2, grid 4..62
+    "IQ3_S": (0, None, 16.0 * 8.0, 0.0),            # 1 + 2 sc, grid 1..15
+    "IQ1_S": (0, None, 8.0 * 0.7, 0.0),             # 2 s + 1, grid -1/0/1 +- 1/8
+    "TQ1_0": (52, None, 0.67, 0.0),                 # d * {-1, 0, 1}
+    "TQ2_0": (64, None, 0.67, 0.0),
 }
+# types whose scales are not one fp16 field: filled by _fix_scales
+_SPECIAL = ("IQ1_M", "MXFP4", "NVFP4")
 _FLOATS = ("F32", "F16", "BF16")
 
 
 def _check(qtype: GGMLType) -> None:
-    if qtype.name not in _SCALES and qtype.name not in _FLOATS:
+    if qtype.name not in _SCALES and qtype.name not in _FLOATS and qtype.name not in _SPECIAL:
         raise UnsupportedError(f"cannot generate random data of type {qtype.name}; supported: "
-                               f"{', '.join(_FLOATS + tuple(_SCALES))}")
+                               f"{', '.join(_FLOATS + tuple(_SCALES) + _SPECIAL)}")
 
 
 def _random_bytes(n: int, rng: np.random.Generator) -> np.ndarray:
@@ -80,6 +91,9 @@ def random_blocks(qtype: GGMLType, n_elements: int, rng: np.random.Generator,
         return _random_floats(qtype, n_elements, rng, scale)
     n_blocks = n_elements // qtype.block_size
     blocks = _random_bytes(n_blocks * qtype.type_size, rng)
+    if qtype.name in _SPECIAL:
+        _fix_scales(qtype.name, blocks.reshape(n_blocks, qtype.type_size), scale)
+        return blocks
     d_off, m_off, typical, m_mult = _SCALES[qtype.name]
     # The random bits already in each fp16 scale field pick its value from a table:
     # d uniform in scale/typical * [0.5, 1.5), dmin/m likewise around m_mult * d.
@@ -92,6 +106,29 @@ def random_blocks(qtype: GGMLType, n_elements: int, rng: np.random.Generator,
         m_table = _u16_table(u * np.float32(scale / typical * m_mult), "F16")
         words[:, m_off // 2] = m_table[words[:, m_off // 2]]
     return blocks
+
+
+def _fix_scales(name: str, b: np.ndarray, scale: float) -> None:
+    """Scale fields of IQ1_M, MXFP4 and NVFP4 blocks b[n_blocks, type_size] (random bits in
+    place) set to finite values that make |w| ~ scale, keeping the bits' randomness."""
+    u = np.linspace(0.5, 1.5, 65536, endpoint=False, dtype=np.float32)
+    if name == "IQ1_M":
+        # the fp16 d is the top nibbles of the 4 u16 scale words (bytes 48..55)
+        w = b[:, 48:56].copy().view("<u2")  # [n, 4]
+        d = _u16_table(u * np.float32(scale / (8.0 * 0.7)), "F16")[w[:, 0] ^ w[:, 1]]
+        for k in range(4):
+            w[:, k] = (w[:, k] & np.uint16(0x0FFF)) | (((d >> np.uint16(4 * k)) & np.uint16(0xF)) << np.uint16(12))
+        b[:, 48:56] = w.view(np.uint8)
+    elif name == "MXFP4":
+        # e8m0 exponent e: d = 2^(e - 128) (ggml_e8m0_to_fp32_half); |kvalue| ~ 4.6
+        e0 = 128 + int(np.round(np.log2(scale / 4.6)))
+        b[:, 0] = (e0 - 1 + (b[:, 0] % 3)).astype(np.uint8)
+    else:  # NVFP4: 4 unsigned E4M3 scales (bias 7, x 0.5) per 64 values; |kvalue| ~ 4.6
+        target = scale / 4.6 / 0.5
+        e0 = int(np.clip(np.round(np.log2(target)) + 7, 1, 14))
+        exp = (e0 - 1 + (b[:, :4] % 3)).clip(1, 15).astype(np.uint8)
+        b[:, :4] = (exp << 3) | (b[:, :4] & np.uint8(7))
+        b[:, :4][b[:, :4] == 0x7F] = 0x7E
 
 
 def random_weight(qtype: GGMLType, shape: tuple[int, int], rng: np.random.Generator,

@@ -198,6 +198,23 @@ _DEQUANT = {
 }
 
 
+def _from_gguf(name: str):
+    """The lattice, ternary and FP4 types: gguf-py's own dequantizer (gguf.quants) is their
+    readable definition and the oracle; not rewritten here."""
+    from gguf import GGMLQuantizationType, quants
+
+    qt = GGMLQuantizationType[name]
+
+    def dq(blocks: np.ndarray) -> np.ndarray:
+        return quants.dequantize(np.ascontiguousarray(blocks), qt).astype(np.float32, copy=False)
+    return dq
+
+
+for _n in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M",
+           "MXFP4", "NVFP4", "TQ1_0", "TQ2_0"):
+    _DEQUANT[_n] = _from_gguf(_n)
+
+
 def _type(type_id: int) -> GGMLType:
     t = TYPES.get(int(type_id))
     if t is None:
