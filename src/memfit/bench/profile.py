@@ -23,9 +23,9 @@ import time
 
 import numpy as np
 
-_TYPE_NAMES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1",
-               8: "Q8_0", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K",
-               20: "IQ4_NL", 23: "IQ4_XS"}
+from ..quant.types import TYPES
+
+_TYPE_NAMES = {i: t.name for i, t in TYPES.items()}
 
 
 def profile_decode(model, n_gen: int = 32, n_prompt: int = 0, seed: int = 0,

@@ -31,19 +31,20 @@ import numpy as np
 
 from .. import _native
 from ..errors import UnsupportedError
+from ..quant.types import SUPPORTED, SUPPORTED_NAMES, TYPES
 from . import QTensor
 from . import reference as _ref
 
 # a row's results never depend on the other rows of its call (see Paths above)
 BATCH_INVARIANT = True
 
-_BLOCK = {0: 1, 1: 1, 30: 1, 2: 32, 3: 32, 6: 32, 7: 32, 8: 32, 20: 32,
-          10: 256, 11: 256, 12: 256, 13: 256, 14: 256, 23: 256}
+# the types the native core computes with -> elements per block
+_BLOCK = {i: TYPES[i].block_size for i in SUPPORTED}
 
 
 def _unsupported(w: QTensor):
     raise UnsupportedError(f"tensor {w.name!r}: type {w.type.name} has no native kernel; "
-                           f"supported: F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K..Q6_K IQ4_NL IQ4_XS")
+                           f"supported: {' '.join(SUPPORTED_NAMES)}")
 
 
 def matmul(x: np.ndarray, w: QTensor, out: np.ndarray | None = None,
