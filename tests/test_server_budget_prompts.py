@@ -247,3 +247,34 @@ def test_uncuttable_stretch_is_refused_in_one_line(smollm2_path):
     assert "\n" not in str(e.value)
     # short enough to take at once: the same ids as one encode
     assert tok.encode_limited(text[:16_000], 100_000) == tok.encode(text[:16_000])
+
+
+@pytest.mark.realmodel
+def test_run_and_generate_tokenize_a_huge_prompt_bounded(tmp_path, smollm2_path):
+    # `memfit run -f` of a 20 MB text with a 256-token context: refused from its first pieces
+    # in one line, in a process whose peak RSS stays near the loaded model's (tokenizing the
+    # whole text first took ~3 GB and ~70 s here)
+    words = "the quick brown fox jumps over the lazy dog, again and again. "
+    path = tmp_path / "big.txt"
+    path.write_text(words * (20_000_000 // len(words)))
+    code = ("import resource, sys\nfrom memfit.cli import main\n"
+            "try:\n    rc = main(sys.argv[1:])\nfinally:\n"
+            "    print('maxrss', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
+            "sys.exit(rc)\n")
+    p = subprocess.run([sys.executable, "-c", code, "run", str(smollm2_path), "-f", str(path),
+                        "-c", "256", "-n", "4"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stderr
+    errs = [ln for ln in p.stderr.splitlines() if "error" in ln]
+    assert len(errs) == 1 and re.search(r"at least \d+ tokens but the context is 256", errs[0]), p.stderr
+    assert "Traceback" not in p.stderr
+    maxrss_kib = int(re.search(r"maxrss (\d+)", p.stderr).group(1))
+    assert maxrss_kib * 1024 < 400 * MiB, maxrss_kib
+
+    import memfit
+    with memfit.load(str(smollm2_path), n_ctx=128) as m:
+        from memfit.errors import RequestError
+        with pytest.raises(RequestError, match=r"at least \d+ tokens but the context is 128"):
+            m.generate(words * 200_000, max_tokens=1)
+        with pytest.raises(RequestError, match=r"has 500 tokens but the context is 128"):
+            m.generate([1] * 500, max_tokens=1)
+        assert m.generate("Hello", max_tokens=2).ids  # a prompt that fits still runs

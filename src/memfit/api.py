@@ -130,11 +130,22 @@ class Model:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.tokenizer.n_vocab - 1})")
         return ids
 
+    def _prompt_ids_ctx(self, prompt: str | Sequence[int]) -> list[int]:
+        """A prompt to generate from -> ids, text tokenized in bounded pieces that stop as soon
+        as it cannot fit the context (a prompt needs at least one free position)."""
+        from .tokenizer.vocab import TooManyTokens
+        try:
+            return self._prompt_ids(prompt, self.n_ctx - 1)
+        except TooManyTokens as e:
+            raise RequestError(f"the prompt has {'at least ' if isinstance(prompt, str) else ''}"
+                               f"{e.n_at_least} tokens but the context is {self.n_ctx}; raise "
+                               f"--ctx-size or shorten the prompt") from None
+
     # --- generation (clients of self.engine)
     def _steps(self, prompt, n_top: int, state: GenerationState | None, **sampling):
         self._check_open()
         params = SamplingParams(**sampling)
-        ids = self._prompt_ids(prompt)
+        ids = self._prompt_ids_ctx(prompt)
         st = state if state is not None else GenerationState(ids)
         st.prompt_ids = ids
         return st, generate_steps(self.model, self.tokenizer, ids, params, self.n_ctx,
@@ -161,7 +172,7 @@ class Model:
                               st.top if top_logprobs > 0 else None)
         params = SamplingParams(max_tokens=max_tokens, **sampling)
         eng = self.engine
-        all_ids = [self._prompt_ids(p) for p in prompt]
+        all_ids = [self._prompt_ids_ctx(p) for p in prompt]
         rids, seqs = [], {}
         try:
             for ids in all_ids:

@@ -237,12 +237,9 @@ def cmd_run(a) -> int:
                 print(f"memfit: chat template: {m.chat_template_used}", file=sys.stderr, flush=True)
                 if a.chat_template is None and _base_model_note(m):
                     print(f"memfit: {_base_model_note(m)}", file=sys.stderr, flush=True)
-        ids = m.tokenize(prompt)
+        ids = m._prompt_ids_ctx(prompt)  # bounded: a huge -f FILE stops at the context
         if not ids:
             raise RequestError("the prompt is empty (no tokens); give some text")
-        if len(ids) >= m.n_ctx:  # refused before anything is printed
-            raise RequestError(f"the prompt has {len(ids)} tokens but the context is {m.n_ctx}; "
-                               f"raise --ctx-size or shorten the prompt")
         kw = _sampling_kwargs(a)
         if a.json:
             r = m.generate(ids, max_tokens=a.n_predict, top_logprobs=a.top_logprobs, **kw)
