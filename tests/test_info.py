@@ -67,7 +67,10 @@ def test_describe_synthetic(tmp_path):
     assert (t["bos_token_id"], t["bos_token"], t["eos_token"], t["add_bos"]) == (1, "<b>", "<a>", False)
     assert d["chat_template"] is True
     assert d["tensor_count"] == 5
-    assert d["types"] == {
+    shares = {k: e["share"] for k, e in d["types"].items()}
+    assert shares["F16"] == round(2 * 64 * 64 * 2 / d["tensor_bytes"], 6)
+    assert abs(sum(shares.values()) - 1.0) < 1e-5
+    assert {k: {f: v for f, v in e.items() if f != "share"} for k, e in d["types"].items()} == {
         "Q8_0": {"tensors": 1, "bytes": 64 * 136, "elements": 64 * 128},
         "F16": {"tensors": 2, "bytes": 2 * 64 * 64 * 2, "elements": 2 * 64 * 64},
         "F32": {"tensors": 1, "bytes": 4 * 64 * 4, "elements": 256},
@@ -129,3 +132,27 @@ def test_describe_gemma(gemma_path):
     assert d["hyperparameters"]["sliding_window"] == 512
     assert set(d["types"]) == {"Q8_0", "Q5_0", "Q4_K", "Q6_K", "F32"}
     assert d["unsupported_types"] == []
+
+
+def test_describe_shows_the_mix(tmp_path):
+    # a synthetic MoE in a low-bit mix: per type count/bytes/share, per role the types
+    from memfit.synth import synth
+    p = synth(tmp_path / "m.gguf", "qwen2moe", "tiny", "IQ2_XXS", progress=False).path
+    d = describe(p)
+    assert json.loads(json.dumps(d)) == d
+    assert (d["file_type"], d["file_type_name"]) == (19, "IQ2_XXS")
+    assert abs(sum(e["share"] for e in d["types"].values()) - 1.0) < 1e-5
+    assert d["types"]["IQ2_XXS"]["share"] > 0.8
+    r = d["roles"]
+    assert list(r) == ["embeddings", "output", "attention", "shared experts", "experts",
+                       "router", "norms & biases"]
+    assert set(r["embeddings"]) == {"Q2_K"} and set(r["output"]) == {"Q5_K"}
+    assert r["attention"]["Q4_K"]["tensors"] == 4   # attn_v of 4 layers (16 experts)
+    assert r["attention"]["IQ2_XXS"]["tensors"] == 12
+    assert set(r["experts"]) == {"IQ2_XXS"} and r["experts"]["IQ2_XXS"]["tensors"] == 12
+    assert set(r["router"]) == {"F32"} and set(r["norms & biases"]) == {"F32"}
+    assert sum(e["bytes"] for ts in r.values() for e in ts.values()) == d["tensor_bytes"]
+    text = format_info(d)
+    for needle in ("file type      19 (IQ2_XXS)", "mix by role", "  experts         IQ2_XXS 12 (",
+                   "  attention       IQ2_XXS 12 (", "%"):
+        assert needle in text, needle

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 
 import numpy as np
 import pytest
@@ -100,3 +101,120 @@ def test_loads_tokenizes_and_runs(tmp_path):
         assert np.isfinite(logits).all()
     finally:
         model.file.close()
+
+
+def _plan(quant, arch, size, **over):
+    from memfit.synth import plan_types
+    return {n: qt.name for n, _, qt in plan_types(quant, arch, {**CONFIGS[(arch, size)], **over})}
+
+
+def test_low_bit_mixes_follow_llama_quantize():
+    # llama-7b: n_gqa 1, 32 layers (ffn_down of the first 32/8 = 4 layers bumped)
+    t = _plan("IQ2_XXS", "llama", "7b")
+    assert (t["output.weight"], t["token_embd.weight"], t["blk.0.attn_v.weight"]) == ("Q5_K", "Q2_K", "Q2_K")
+    assert [t[f"blk.{i}.ffn_down.weight"] for i in (0, 3, 4, 31)] == ["Q2_K", "Q2_K", "IQ2_XXS", "IQ2_XXS"]
+    assert t["blk.5.attn_output.weight"] == t["blk.5.ffn_gate.weight"] == "IQ2_XXS"
+    assert t["blk.5.attn_norm.weight"] == "F32"
+    assert _plan("IQ2_XXS", "qwen2", "7b")["blk.9.attn_v.weight"] == "Q4_K"   # n_gqa 7
+    t = _plan("IQ1_S", "llama", "7b")
+    assert (t["blk.9.attn_output.weight"], t["blk.9.ffn_up.weight"]) == ("IQ2_XXS", "IQ1_S")
+    assert _plan("IQ1_M", "llama", "7b")["blk.9.attn_q.weight"] == "IQ1_M"
+    t = _plan("IQ2_S", "llama", "7b")   # default IQ2_XS, bumps to IQ3_S
+    assert (t["blk.9.ffn_up.weight"], t["blk.9.attn_v.weight"], t["blk.0.ffn_down.weight"],
+            t["blk.9.attn_output.weight"], t["token_embd.weight"]) == ("IQ2_XS",) + ("IQ3_S",) * 4
+    assert _plan("IQ2_M", "llama", "7b")["blk.9.ffn_up.weight"] == "IQ2_S"
+    assert _plan("IQ2_XS", "llama", "7b")["blk.9.ffn_up.weight"] == "IQ2_XS"
+    t = _plan("IQ3_XXS", "llama", "7b")
+    assert (t["blk.9.attn_q.weight"], t["blk.9.attn_k.weight"], t["blk.9.attn_v.weight"],
+            t["blk.9.attn_output.weight"], t["blk.0.ffn_down.weight"], t["output.weight"],
+            t["token_embd.weight"]) == ("IQ2_S", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ3_XXS", "Q5_K", "IQ3_S")
+    t = _plan("IQ3_S", "qwen2", "7b")
+    assert (t["output.weight"], t["blk.9.attn_v.weight"], t["blk.9.ffn_up.weight"]) == ("Q6_K", "Q4_K", "IQ3_S")
+    assert _plan("IQ3_S", "llama", "7b")["blk.9.attn_v.weight"] == "IQ3_S"
+    t = _plan("IQ3_M", "llama", "7b")
+    assert [t[f"blk.{i}.ffn_down.weight"] for i in (3, 4)] == ["Q4_K", "IQ3_S"]
+    assert t["blk.9.attn_v.weight"] == t["blk.9.attn_output.weight"] == "Q4_K"
+    # MoE: experts (3-D) MXFP4, every other matrix Q8_0; expert counts >= 4 bump attn_v
+    t = _plan("MXFP4_MOE", "qwen3moe", "30b-a3b")
+    assert t["blk.3.ffn_down_exps.weight"] == t["blk.3.ffn_gate_exps.weight"] == "MXFP4"
+    assert t["blk.3.attn_q.weight"] == t["output.weight"] == t["token_embd.weight"] == "Q8_0"
+    assert t["blk.3.ffn_gate_inp.weight"] == "F32"
+    t = _plan("IQ2_XXS", "qwen3moe", "30b-a3b")
+    assert (t["blk.3.attn_v.weight"], t["blk.3.attn_k.weight"], t["blk.5.ffn_down_exps.weight"],
+            t["blk.6.ffn_down_exps.weight"]) == ("Q4_K", "IQ2_XXS", "Q2_K", "IQ2_XXS")
+    # 8 experts (Mixtral): attn_k Q4_K and attn_output Q5_K; IQ3_* attn_v/attn_k Q8_0
+    t = _plan("IQ2_XXS", "mixtral", "2gb")
+    assert (t["blk.9.attn_k.weight"], t["blk.9.attn_output.weight"]) == ("Q4_K", "Q5_K")
+    t = _plan("IQ3_M", "mixtral", "2gb")
+    assert (t["blk.9.attn_v.weight"], t["blk.9.attn_k.weight"], t["blk.9.attn_output.weight"],
+            t["blk.9.ffn_down_exps.weight"], t["blk.11.ffn_down_exps.weight"]) == \
+        ("Q8_0", "Q8_0", "Q5_K", "IQ3_S", "Q4_K")   # use_more_bits(11, 24)
+    # shared experts: ffn_down* counted in llama-quantize's order (layer, then name), so of
+    # 16 layers' 32 ffn_down tensors the first 2 (layer 0's experts and shared expert) bump
+    t = _plan("IQ2_XXS", "qwen2moe", "tiny", n_layer=16)
+    assert (t["blk.0.ffn_down_exps.weight"], t["blk.0.ffn_down_shexp.weight"],
+            t["blk.1.ffn_down_exps.weight"]) == ("Q2_K", "Q2_K", "IQ2_XXS")
+    # tied embeddings take the output's type
+    t = _plan("IQ2_XXS", "qwen2", "1.5b")
+    assert "output.weight" not in t and t["token_embd.weight"] == "Q5_K"
+
+
+def test_low_bit_fallback_and_sizes():
+    # rows that are not a multiple of 256: tensor_type_fallback's types, then F16
+    assert tensor_type("IQ2_XXS", "blk.9.ffn_up.weight", 9, 32, 1600, False).name == "IQ4_NL"
+    assert tensor_type("TQ1_0", "blk.9.ffn_up.weight", 9, 32, 1600, False).name == "Q4_0"
+    assert tensor_type("IQ2_XXS", "blk.9.ffn_up.weight", 9, 32, 1608, False).name == "F16"
+    assert tensor_type("IQ2_XXS", "output.weight", None, 32, 1600, False).name == "Q8_0"
+    # bits per weight of the whole file: above the main type's (IQ2_XXS 2.06, IQ3_S 3.44),
+    # below the next type up's, from the bumped tensors
+    from memfit.synth import plan_types
+    cfg = CONFIGS[("qwen2", "7b")]
+    for quant, lo, hi in (("IQ2_XXS", 2.06, 2.5), ("IQ3_M", 3.44, 4.0), ("IQ1_S", 1.56, 2.06)):
+        pl = [(s, qt) for _, s, qt in plan_types(quant, "qwen2", cfg) if len(s) > 1]
+        bits = 8 * sum(qt.row_bytes(s[-1]) * int(np.prod(s[:-1])) for s, qt in pl)
+        bpw = bits / sum(int(np.prod(s)) for s, _ in pl)
+        assert lo < bpw < hi, (quant, bpw)
+
+
+def test_single_type_files(tmp_path):
+    from memfit.synth import FILE_TYPES, LLAMA_FTYPES, SINGLE_TYPES, resolve_quant
+    assert {"TQ1_0", "NVFP4", "MXFP4", "IQ1_M", "Q2_K", "IQ4_XS", "BF16"} <= set(SINGLE_TYPES)
+    for ty in SINGLE_TYPES:
+        pure = ty in FILE_TYPES
+        mix, single, ftype = resolve_quant(ty, pure)
+        assert single == ty and ftype in LLAMA_FTYPES.values(), ty
+        assert tensor_type(ty, "output.weight", None, 4, 512, False, pure=pure).name == ty
+        assert tensor_type(ty, "blk.0.ffn_gate_inp.weight", 0, 4, 512, False, pure=pure).name == "F32"
+    assert resolve_quant("IQ2_M", pure=True)[1:] == ("IQ2_S", 29)   # the mix's default type
+    assert resolve_quant("IQ2_S", pure=True)[1:] == ("IQ2_S", 29)
+    assert resolve_quant("Q4_K")[2] == 14 and resolve_quant("NVFP4")[2] == 39
+    assert resolve_quant("IQ2_XXS")[1] is None   # a mix name without --pure is the mix
+    with pytest.raises(RequestError, match="Q8_K"):
+        resolve_quant("Q8_K")
+    # small files of a few of them: the types written, valid blocks
+    for ty in ("TQ1_0", "NVFP4", "IQ2_XXS"):
+        p = synth(tmp_path / f"{ty}.gguf", "llama", "tiny", ty, progress=False,
+                  pure=ty in FILE_TYPES).path
+        with open_gguf(p) as f:
+            assert f.metadata["general.file_type"] == resolve_quant(ty, ty in FILE_TYPES)[2]
+            types = {n: t.type.name for n, t in f.tensors.items()}
+            assert {types["output.weight"], types["blk.2.attn_k.weight"]} == {ty}
+            assert types["blk.2.attn_norm.weight"] == "F32"
+            t = f.tensors["blk.2.attn_k.weight"]
+            x = dequantize(t.type.id, f.tensor_data(t.name), int(np.prod(t.shape)))
+            assert np.isfinite(x).all() and 0.002 < float(np.abs(x).mean()) < 1.0, ty
+
+
+def test_run_refuses_a_type_not_computable_yet(tmp_path):
+    # synth writes any type; `memfit run` names the first tensor memfit cannot compute
+    from memfit.quant.types import SUPPORTED_NAMES
+    from memfit.synth import FILE_TYPES, SINGLE_TYPES
+    from test_budget_e2e import memfit
+    todo = [t for t in SINGLE_TYPES if t not in SUPPORTED_NAMES]
+    if not todo:
+        pytest.skip("every type memfit writes is computable")
+    ty = todo[0]
+    p = synth(tmp_path / "x.gguf", "llama", "tiny", ty, progress=False, pure=ty in FILE_TYPES).path
+    r = memfit("run", p, "-p", "hi", "-n", 1)
+    assert r.rc != 0 and "Traceback" not in r.err
+    assert re.search(rf"tensor \S+\.weight has type {ty}, which memfit cannot compute", r.err), r.err[-2000:]

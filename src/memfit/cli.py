@@ -609,7 +609,7 @@ def cmd_plan(a) -> int:
 def cmd_synth(a) -> int:
     from .synth import synth
     r = synth(a.output, arch=a.arch, size=a.size, quant=a.quant, seed=a.seed,
-              progress=not a.json, routing_skew=a.routing_skew, force=a.force)
+              progress=not a.json, routing_skew=a.routing_skew, force=a.force, pure=a.pure)
     if a.json:
         print(json.dumps({"path": str(r.path), "bytes": r.nbytes, "tensors": r.n_tensors,
                           "seconds": round(r.seconds, 3)}))
@@ -830,7 +830,10 @@ def build_parser() -> argparse.ArgumentParser:
     sy.add_argument("output", help="output .gguf path (an existing file is kept unless --force)")
     sy.add_argument("--arch", default="llama", help="llama | qwen2 | qwen3moe | mixtral | qwen2moe | olmoe (default llama)")
     sy.add_argument("--size", default="7b", help="tiny | 1b | 1.5b | 7b; MoE: tiny | 2gb | 30b-a3b (qwen3moe) (default 7b)")
-    sy.add_argument("--quant", default="Q4_K_M", help="Q4_K_M | Q5_K_M | Q4_0 | Q8_0 | ... (default Q4_K_M)")
+    sy.add_argument("--quant", default="Q4_K_M",
+                    help="a llama-quantize mix (Q4_K_M Q5_K_M Q4_0 Q8_0 ...; low-bit: IQ1_S IQ1_M IQ2_XXS IQ2_XS IQ2_S IQ2_M IQ3_XXS IQ3_S IQ3_M MXFP4_MOE) or one GGML type for every matrix (Q2_K IQ4_XS TQ1_0 NVFP4 ...) (default Q4_K_M)")
+    sy.add_argument("--pure", action="store_true",
+                    help="every matrix of --quant's type, as llama-quantize --pure (for types named like a mix, e.g. IQ2_XXS); 1-D tensors and routers stay F32")
     sy.add_argument("--seed", type=_int_at_least(0), default=0)
     sy.add_argument("--routing-skew", type=_float_in(0.0), default=0.0, metavar="S",
                     help="MoE only: 0 = random router (near-uniform expert use); S > 0 makes some experts popular and choices persist across tokens (synthetic routing, see README)")
@@ -921,7 +924,8 @@ def _validate(a) -> None:
         from .eval.kld import check_base_output
         check_base_output(a.kl_divergence_base)
     if a.cmd == "synth":
-        from .synth import check_output
+        from .synth import check_output, resolve_quant
+        resolve_quant(a.quant, a.pure)
         check_output(a.output, a.force)
     if a.cmd == "plan" and a.reprobe and a.no_measure:
         raise RequestError("--reprobe measures now; it cannot go with --no-measure")

@@ -35,6 +35,40 @@ HYPERPARAMETERS = [
 ]
 
 
+# roles of `memfit info`'s mix table, in report order
+ROLES = ("embeddings", "output", "attention", "dense FFN", "shared experts", "experts", "router",
+         "norms & biases", "other")
+
+
+def tensor_role(name: str, n_dims: int) -> str:
+    """Which part of the model a tensor is, from its GGUF name (any architecture)."""
+    if name in ("token_embd.weight", "per_layer_token_embd.weight"):
+        return "embeddings"
+    if name == "output.weight":
+        return "output"
+    if n_dims == 1:
+        return "norms & biases"
+    if "ffn_gate_inp" in name:
+        return "router"
+    if "_exps." in name:
+        return "experts"
+    if "_shexp." in name:
+        return "shared experts"
+    if ".attn_" in name:
+        return "attention"
+    if ".ffn_" in name:
+        return "dense FFN"
+    return "other"
+
+
+def _ftype_name(ftype: Any) -> str | None:
+    from .synth import LLAMA_FTYPES
+    for k, v in LLAMA_FTYPES.items():
+        if v == ftype:
+            return k
+    return None
+
+
 def _token(tokens: list | None, i: Any) -> str | None:
     if isinstance(tokens, list) and isinstance(i, int) and 0 <= i < len(tokens):
         return tokens[i]
@@ -71,6 +105,18 @@ def describe_file(f: GGUFFile) -> dict[str, Any]:
         e["elements"] += t.n_elements
         n_params += t.n_elements
     types = dict(sorted(types.items(), key=lambda kv: -kv[1]["bytes"]))
+    total = sum(e["bytes"] for e in types.values())
+    for e in types.values():
+        e["share"] = round(e["bytes"] / total, 6) if total else 0.0
+    # role -> type -> {tensors, bytes}: which parts of the model carry which types
+    roles: dict[str, dict[str, dict[str, int]]] = {}
+    for t in f.tensors.values():
+        r = roles.setdefault(tensor_role(t.name, len(t.shape)), {})
+        e = r.setdefault(t.type.name, {"tensors": 0, "bytes": 0})
+        e["tensors"] += 1
+        e["bytes"] += t.nbytes
+    roles = {k: dict(sorted(roles[k].items(), key=lambda kv: -kv[1]["bytes"]))
+             for k in ROLES if k in roles}
     unsupported = sorted({t.type.name for t in f.tensors.values() if t.type.id not in SUPPORTED})
     template = md.get("tokenizer.chat_template")
     return {
@@ -83,14 +129,16 @@ def describe_file(f: GGUFFile) -> dict[str, Any]:
         "name": md.get("general.name"),
         "size_label": md.get("general.size_label"),
         "file_type": md.get("general.file_type"),
+        "file_type_name": _ftype_name(md.get("general.file_type")),
         "hyperparameters": hp,
         "tokenizer": tok,
         "chat_template": isinstance(template, str) and bool(template),
         "metadata_count": len(md),
         "tensor_count": len(f.tensors),
-        "tensor_bytes": sum(e["bytes"] for e in types.values()),
+        "tensor_bytes": total,
         "n_params": n_params,
         "types": types,
+        "roles": roles,
         "unsupported_types": unsupported,
     }
 
@@ -147,8 +195,18 @@ def format_info(d: dict[str, Any]) -> str:
     else:
         lines.append("tokenizer      (none)")
     lines.append(f"chat template  {'yes' if d['chat_template'] else 'no'}")
+    if d.get("file_type") is not None:
+        ft = d.get("file_type_name")
+        lines.append(f"file type      {d['file_type']}" + (f" ({ft})" if ft else ""))
     lines.append(f"tensors        {d['tensor_count']}, {_size(d['tensor_bytes'])}")
     for name, e in d["types"].items():
         mark = "" if name not in d["unsupported_types"] else "  (not supported by memfit)"
-        lines.append(f"  {name:<8} {e['tensors']:>5} tensors  {_size(e['bytes']):>11}{mark}")
+        lines.append(f"  {name:<8} {e['tensors']:>5} tensors  {_size(e['bytes']):>11}  "
+                     f"{100 * e['share']:5.1f}%{mark}")
+    if d.get("roles"):
+        lines.append("mix by role")
+        w = max(len(k) for k in d["roles"])
+        for role, ts in d["roles"].items():
+            parts = ", ".join(f"{t} {e['tensors']} ({_size(e['bytes'])})" for t, e in ts.items())
+            lines.append(f"  {role:<{w}}  {parts}")
     return "\n".join(lines)

@@ -75,44 +75,211 @@ CONFIGS: dict[tuple[str, str], dict] = {
                                   n_ff=6144, n_vocab=151936, n_ctx=40960, rope_base=1e6,
                                   tied=False, n_expert=128, n_expert_used=8, n_ff_exp=768),
 }
-# llama_ftype ids written as general.file_type
-FILE_TYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9,
-              "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
+# llama_ftype ids (llama.h LLAMA_FTYPE_MOSTLY_*), written as general.file_type
+LLAMA_FTYPES = {
+    "F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10,
+    "Q3_K_S": 11, "Q3_K_M": 12, "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16,
+    "Q5_K_M": 17, "Q6_K": 18, "IQ2_XXS": 19, "IQ2_XS": 20, "Q2_K_S": 21, "IQ3_XS": 22,
+    "IQ3_XXS": 23, "IQ1_S": 24, "IQ4_NL": 25, "IQ3_S": 26, "IQ3_M": 27, "IQ2_S": 28,
+    "IQ2_M": 29, "IQ4_XS": 30, "IQ1_M": 31, "BF16": 32, "TQ1_0": 36, "TQ2_0": 37,
+    "MXFP4_MOE": 38, "NVFP4": 39, "Q1_0": 40,
+}
+# the published low-bit mixes (llama-quantize's presets of those names), see _lowbit_type
+LOWBIT_MIXES = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_S",
+                "IQ3_M", "MXFP4_MOE")
+# the mixes synth writes: name -> llama_ftype id
+FILE_TYPES = {q: LLAMA_FTYPES[q] for q in ("F16", "Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1",
+                                           "Q4_K_M", "Q5_K_M", "Q6_K") + LOWBIT_MIXES}
+# the type most tensors of a mix get (llama_ftype_get_default_type)
+_DEFAULT = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K", "IQ2_S": "IQ2_XS", "IQ2_M": "IQ2_S",
+            "IQ3_M": "IQ3_S", "MXFP4_MOE": "MXFP4"}
+# single-type files (`--quant TYPE`, or `--pure`): every type memfit can write random valid
+# blocks of; general.file_type is the llama_ftype whose default type it is (the _S variant)
+SINGLE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K",
+                "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S",
+                "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4")
+_SINGLE_FTYPE = {"Q3_K": "Q3_K_S", "Q4_K": "Q4_K_S", "Q5_K": "Q5_K_S", "IQ2_S": "IQ2_M",
+                 "MXFP4": "MXFP4_MOE"}
 CHUNK_BYTES = 16 << 20    # generation/write unit; part of the determinism contract
-# k-quant fallback when a row is not a multiple of 256 (llama-quantize does the same)
-_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+# a row that is not a multiple of the type's block: llama-quantize's tensor_type_fallback
+# (and F16 when the fallback's block does not divide the row either)
+_FALLBACK = {"IQ1_S": "IQ4_NL", "IQ1_M": "IQ4_NL", "IQ2_XXS": "IQ4_NL", "IQ2_XS": "IQ4_NL",
+             "IQ2_S": "IQ4_NL", "IQ3_XXS": "IQ4_NL", "IQ3_S": "IQ4_NL", "IQ4_XS": "IQ4_NL",
+             "Q2_K": "Q4_0", "Q3_K": "Q4_0", "TQ1_0": "Q4_0", "TQ2_0": "Q4_0",
+             "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
 
 def _use_more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
+def _category(name: str) -> str:
+    """llama-quantize's tensor category (tensor_get_category): matched by name part."""
+    if name == "output.weight":
+        return "output"
+    if name in ("token_embd.weight", "per_layer_token_embd.weight"):
+        return "token_embd"
+    for part, cat in (("attn_qkv.weight", "attn_v"), ("attn_kv_b.weight", "attn_v"),
+                      ("attn_v.weight", "attn_v"), ("attn_k.weight", "attn_k"),
+                      ("attn_q.weight", "attn_q"), ("attn_output.weight", "attn_output"),
+                      ("ffn_up", "ffn_up"), ("ffn_gate", "ffn_gate"), ("ffn_down", "ffn_down")):
+        if part in name:
+            return cat
+    return "other"
+
+
+def resolve_quant(quant: str, pure: bool = False) -> tuple[str, str | None, int]:
+    """(mix, single type or None, llama_ftype id) of a --quant value: a mix name (FILE_TYPES)
+    is that mix unless ``pure``; a type name (SINGLE_TYPES) is a single-type file (with
+    ``pure`` too where it also names a mix, e.g. IQ2_S: every matrix IQ2_S); ``pure`` with a
+    mix-only name gives every matrix the mix's default type (Q4_K_M: Q4_K), as llama-quantize
+    --pure does."""
+    if quant in FILE_TYPES and not pure:
+        return quant, None, FILE_TYPES[quant]
+    if quant in FILE_TYPES and quant not in SINGLE_TYPES:
+        return quant, _DEFAULT.get(quant, quant), FILE_TYPES[quant]
+    if quant in SINGLE_TYPES:
+        return quant, quant, LLAMA_FTYPES[_SINGLE_FTYPE.get(quant, quant)]
+    raise RequestError(f"unknown quant {quant!r}; use a mix ({', '.join(FILE_TYPES)}) or a "
+                       f"single type ({', '.join(t for t in SINGLE_TYPES if t not in FILE_TYPES)}"
+                       f"; with --pure also {', '.join(t for t in SINGLE_TYPES if t in FILE_TYPES)})")
+
+
+def _lowbit_type(q: str, cat: str, layer: int | None, n_layer: int, cols: int, n_gqa: int,
+                 n_expert: int, tied: bool, i_ffn_down: int, stacked: bool) -> str:
+    """llama_tensor_get_type_impl for the LOWBIT_MIXES (before the fallback); see tensor_type."""
+    d = _DEFAULT.get(q, q)
+    s2 = q in ("IQ2_S", "IQ2_M")
+    if cat == "output" or (tied and cat == "token_embd"):
+        if q == "MXFP4_MOE" or cols % BY_NAME[d].block_size:
+            return "Q8_0"
+        return "Q6_K" if q in ("IQ3_S", "IQ3_M") else "Q5_K"
+    if q == "MXFP4_MOE":
+        return "MXFP4" if stacked else "Q8_0"
+    if cat == "token_embd":
+        return "IQ3_S" if s2 or q.startswith("IQ3") else "Q2_K"
+    if not q.startswith("IQ3"):   # IQ1_S IQ1_M IQ2_XXS IQ2_XS IQ2_S IQ2_M
+        if cat == "attn_v":
+            return "Q4_K" if n_gqa >= 4 or n_expert >= 4 else "IQ3_S" if s2 else "Q2_K"
+        if cat == "attn_k" and n_expert == 8:
+            return "Q4_K"
+        if cat == "ffn_down":
+            return ("IQ3_S" if s2 else "Q2_K") if i_ffn_down < n_layer // 8 else d
+        if cat == "attn_output":
+            return "Q5_K" if n_expert == 8 else "IQ2_XXS" if q.startswith("IQ1") \
+                else "IQ3_S" if s2 else d
+        return d
+    # IQ3_XXS IQ3_S IQ3_M (with an importance matrix, as published files are made)
+    if cat == "attn_v":
+        if n_expert == 8:
+            return "Q8_0"
+        return "Q4_K" if n_gqa >= 4 or q == "IQ3_M" else d
+    if cat == "attn_k":
+        return "Q8_0" if n_expert == 8 else "IQ2_S" if q == "IQ3_XXS" else d
+    if cat == "attn_q":
+        return "IQ2_S" if q == "IQ3_XXS" else d
+    if cat == "ffn_down":
+        i = layer if n_expert > 1 and layer is not None else i_ffn_down
+        if q == "IQ3_M" and (i < n_layer // 8 or (n_expert == 8 and _use_more_bits(i, n_layer))):
+            return "Q4_K"
+        return d
+    if cat == "attn_output":
+        if n_expert == 8:
+            return "Q5_K"
+        return {"IQ3_XXS": "IQ3_S", "IQ3_M": "Q4_K"}.get(q, d)
+    return d
+
+
 def tensor_type(quant: str, name: str, layer: int | None, n_layer: int, cols: int,
-                is_vector: bool) -> GGMLType:
-    """The GGML type llama-quantize's mix gives this tensor for ftype `quant`."""
+                is_vector: bool, *, n_gqa: int = 1, n_expert: int = 0, tied: bool = False,
+                i_ffn_down: int | None = None, stacked: bool | None = None,
+                pure: bool = False) -> GGMLType:
+    """The GGML type llama-quantize's mix `quant` gives this tensor (llama_tensor_get_type).
+
+    Every mix: 1-D tensors (norms, biases) and expert routers (ffn_gate_inp) stay F32; a row
+    not a multiple of the chosen type's block falls back as tensor_type_fallback does (IQ1/2/3
+    and IQ4_XS -> IQ4_NL; Q2_K, Q3_K, TQ1_0, TQ2_0 -> Q4_0; Q4_K -> Q5_0; Q5_K -> Q5_1;
+    Q6_K -> Q8_0; then F16). Single-type files (resolve_quant) give every other tensor the type.
+
+    Q4_K_M / Q5_K_M: Q4_K / Q5_K; attn_v and ffn_down (also the experts') Q6_K in use_more_bits
+    layers (the first and last eighth, every third between), output Q6_K. Q4_0 ... Q6_K: the
+    type, output Q6_K. (These model the dense, untied rules only.)
+
+    The low-bit mixes (n_gqa = n_head / n_head_kv; "8 experts" is n_expert == 8, Mixtral):
+      output (and a tied token_embd): Q5_K for IQ1_*/IQ2_*/IQ3_XXS, Q6_K for IQ3_S/IQ3_M,
+        Q8_0 for MXFP4_MOE or a row that is not a multiple of 256.
+      MXFP4_MOE: stacked experts (3-D) MXFP4, every other matrix Q8_0.
+      token_embd: Q2_K for IQ1_S/IQ1_M/IQ2_XXS/IQ2_XS, IQ3_S for IQ2_S/IQ2_M/IQ3_*.
+      IQ1_S/IQ1_M/IQ2_XXS/IQ2_XS/IQ2_S/IQ2_M (the default type is the mix's name, except
+        IQ2_S -> IQ2_XS and IQ2_M -> IQ2_S):
+        attn_v Q4_K if n_gqa >= 4 or n_expert >= 4, else IQ3_S (IQ2_S/M) or Q2_K;
+        attn_k Q4_K with 8 experts;
+        ffn_down (every tensor named ffn_down*, counted in file order by layer then name):
+          the first n_layer/8 of them IQ3_S (IQ2_S/M) or Q2_K;
+        attn_output Q5_K with 8 experts, else IQ2_XXS (IQ1_*), IQ3_S (IQ2_S/M).
+      IQ3_XXS/IQ3_S/IQ3_M (default IQ3_XXS / IQ3_S / IQ3_S; made with an importance matrix):
+        attn_v Q8_0 with 8 experts, else Q4_K if n_gqa >= 4 or IQ3_M;
+        attn_k Q8_0 with 8 experts, else IQ2_S (IQ3_XXS); attn_q IQ2_S (IQ3_XXS);
+        ffn_down (IQ3_M) Q4_K in layers < n_layer/8 and, with 8 experts, use_more_bits ones;
+        attn_output Q5_K with 8 experts, else IQ3_S (IQ3_XXS), Q4_K (IQ3_M).
+    Not modelled: llama.cpp's 70B attn_v bump (model type 70B), Falcon's rules.
+
+    i_ffn_down: this tensor's index among the ffn_down tensors in llama-quantize's order
+    (default: the layer, right unless a layer has several, e.g. shared experts);
+    stacked: a 3-D expert tensor (default: "_exps" in the name)."""
     if is_vector or name.endswith("ffn_gate_inp.weight"):
         return BY_NAME["F32"]   # llama-quantize keeps norms, biases and routers in F32
-    if quant in ("Q4_K_M", "Q5_K_M"):
-        base = quant[:4]
-        t = base
+    mix, single, _ = resolve_quant(quant, pure)
+    if single is not None:
+        t = single
+    elif mix in LOWBIT_MIXES:
+        t = _lowbit_type(mix, _category(name), layer, n_layer, cols, n_gqa, n_expert, tied,
+                         layer if i_ffn_down is None else i_ffn_down,
+                         "_exps." in name if stacked is None else stacked)
+    elif mix in ("Q4_K_M", "Q5_K_M"):
+        t = _DEFAULT[mix]
         if name == "output.weight":
             t = "Q6_K"
         elif name.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight",
                             "ffn_down_shexp.weight")) \
                 and layer is not None and _use_more_bits(layer, n_layer):
             t = "Q6_K"
-    elif quant in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q6_K"):
-        t = "Q6_K" if name == "output.weight" else quant
-    elif quant in ("Q8_0", "F16"):
-        t = quant
-    else:
-        raise RequestError(f"unknown quant mix {quant!r}; use one of {', '.join(FILE_TYPES)}")
+    elif mix in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q6_K"):
+        t = "Q6_K" if name == "output.weight" else mix
+    else:   # Q8_0, F16
+        t = mix
     qt = BY_NAME[t]
     if cols % qt.block_size:
         qt = BY_NAME[_FALLBACK.get(t, "F16")]
         if cols % qt.block_size:
             qt = BY_NAME["F16"]
     return qt
+
+
+def _layer_of(name: str) -> int:
+    if name.startswith("blk."):
+        return int(name.split(".")[1])
+    return -1
+
+
+def plan_types(quant: str, arch: str, cfg: dict, pure: bool = False
+               ) -> list[tuple[str, tuple[int, ...], GGMLType]]:
+    """(name, shape, type) of every tensor of a CONFIGS entry under mix `quant`, in file order.
+    ffn_down tensors are counted in llama-quantize's order (weight_name_comparer: by layer,
+    then by name) for the low-bit mixes' "first n_layer/8 ffn_down" rule."""
+    ts = model_tensors(arch, cfg)
+    order = sorted(range(len(ts)), key=lambda i: (_layer_of(ts[i][0]), ts[i][0]))
+    i_down = {}
+    for i in order:
+        name, shape = ts[i][0], ts[i][1]
+        if len(shape) > 1 and _category(name) == "ffn_down":
+            i_down[name] = len(i_down)
+    kw = dict(n_gqa=cfg["n_head"] // cfg["n_head_kv"], n_expert=cfg.get("n_expert", 0),
+              tied=cfg["tied"], pure=pure)
+    return [(name, shape, tensor_type(quant, name, layer, cfg["n_layer"], shape[-1],
+                                      len(shape) == 1, i_ffn_down=i_down.get(name),
+                                      stacked=len(shape) == 3, **kw))
+            for name, shape, layer in ts]
 
 
 @dataclass
@@ -241,14 +408,15 @@ def check_output(path, force: bool = False) -> Path:
 
 
 def synth(path, arch: str = "llama", size: str = "7b", quant: str = "Q4_K_M", seed: int = 0,
-          progress: bool = True, routing_skew: float = 0.0, force: bool = False) -> SynthResult:
+          progress: bool = True, routing_skew: float = 0.0, force: bool = False,
+          pure: bool = False) -> SynthResult:
     """Write a synthetic GGUF; returns its size and write speed. See the module doc.
     An existing file is refused unless ``force``; a non-regular one always (check_output).
     A failed or interrupted write leaves no ``*.partial`` behind."""
     path = check_output(path, force)
     tmp = path.with_name(path.name + ".partial")
     try:
-        return _write(path, arch, size, quant, seed, progress, routing_skew)
+        return _write(path, arch, size, quant, seed, progress, routing_skew, pure)
     except OSError as e:
         raise RequestError(f"cannot write {tmp}: {e.strerror or e}") from None
     finally:
@@ -256,15 +424,14 @@ def synth(path, arch: str = "llama", size: str = "7b", quant: str = "Q4_K_M", se
 
 
 def _write(path: Path, arch: str, size: str, quant: str, seed: int, progress: bool,
-           routing_skew: float) -> SynthResult:
+           routing_skew: float, pure: bool) -> SynthResult:
     import gguf
 
     key = (arch, size.lower())
     if key not in CONFIGS:
         raise RequestError(f"no synthetic config {arch}-{size}; available: "
                            + ", ".join(f"{a}-{s}" for a, s in CONFIGS))
-    if quant not in FILE_TYPES:
-        raise RequestError(f"unknown quant mix {quant!r}; use one of {', '.join(FILE_TYPES)}")
+    _, _, ftype = resolve_quant(quant, pure)
     cfg = CONFIGS[key]
     if not (routing_skew >= 0.0 and np.isfinite(routing_skew)):
         raise RequestError(f"--routing-skew {routing_skew} must be >= 0 (0: random routing)")
@@ -274,8 +441,7 @@ def _write(path: Path, arch: str, size: str, quant: str, seed: int, progress: bo
     mc = model_config(arch, cfg)
 
     plan = []
-    for name, shape, layer in model_tensors(arch, cfg):
-        qt = tensor_type(quant, name, layer, cfg["n_layer"], shape[-1], len(shape) == 1)
+    for name, shape, qt in plan_types(quant, arch, cfg, pure):
         if routing_skew and name == "token_embd.weight":
             qt = BY_NAME["Q8_0"]   # carries the shared direction (random blocks cannot)
         plan.append((name, shape, qt))
@@ -287,8 +453,8 @@ def _write(path: Path, arch: str, size: str, quant: str, seed: int, progress: bo
     tmp = path.with_name(path.name + ".partial")
     from .models.spec import write_hparams
     w = gguf.GGUFWriter(str(tmp), mc.arch)
-    w.add_name(f"synthetic {arch}-{size} {quant}")
-    w.add_file_type(FILE_TYPES[quant])
+    w.add_name(f"synthetic {arch}-{size} {quant}{' pure' if pure else ''}")
+    w.add_file_type(ftype)
     write_hparams(w, mc)
     if routing_skew:
         w.add_float32("memfit.synth.routing_skew", float(routing_skew))
@@ -377,5 +543,6 @@ def _write(path: Path, arch: str, size: str, quant: str, seed: int, progress: bo
     return SynthResult(path, path.stat().st_size, len(plan), dt)
 
 
-__all__ = ["CONFIGS", "FILE_TYPES", "SynthResult", "synth", "check_output", "tensor_type",
+__all__ = ["CONFIGS", "FILE_TYPES", "LLAMA_FTYPES", "LOWBIT_MIXES", "SINGLE_TYPES", "SynthResult",
+           "synth", "check_output", "tensor_type", "plan_types", "resolve_quant",
            "model_tensors", "model_config"]
