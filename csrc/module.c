@@ -30,13 +30,5 @@ PyMODINIT_FUNC PyInit__native(void) {
     all_methods[k] = (PyMethodDef){NULL, NULL, 0, NULL};
     mf_init_isa();
     mf_init_pool();
-    PyObject *m = PyModule_Create(&moduledef);
-    if (!m) return NULL;
-    /* the IQ lattice tables come from gguf-py (memfit/quant/tables.py, csrc/quant_tables.c) */
-    PyObject *tb = PyImport_ImportModule("memfit.quant.tables");
-    PyObject *r = tb ? PyObject_CallMethod(tb, "install", "O", m) : NULL;
-    Py_XDECREF(tb);
-    if (!r) { Py_DECREF(m); return NULL; }
-    Py_DECREF(r);
-    return m;
+    return PyModule_Create(&moduledef);
 }

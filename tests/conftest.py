@@ -8,6 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from memfit.quant import tables as _tables
+
+# tests call memfit._native directly with every type: its IQ lattice tables, which a model
+# load installs on first need, are installed once for the whole session
+_tables.install()
+
 # the llama.cpp goldens travel with the repository (tests/data/golden); MEMFIT_GOLDEN overrides
 GOLDEN = Path(os.environ.get("MEMFIT_GOLDEN") or Path(__file__).resolve().parent / "data" / "golden")
 

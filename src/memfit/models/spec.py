@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from ..errors import ModelError, UnsupportedError
+from ..quant.tables import ensure as ensure_tables
 from ..quant.types import SUPPORTED, TYPES
 
 if TYPE_CHECKING:
@@ -137,6 +138,7 @@ def check_tensors(spec: ArchSpec, c: "ModelConfig", info) -> None:
             names = ", ".join(sorted(TYPES[i].name for i in SUPPORTED))
             raise UnsupportedError(f"tensor {t.name} has type {qtype.name}, which memfit cannot "
                                    f"compute with; supported types: {names}")
+        ensure_tables(qtype.id)  # the IQ lattice tables, when this type reads them
 
 
 def config_from_gguf(f, check: bool = False) -> "ModelConfig":

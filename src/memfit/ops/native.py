@@ -31,6 +31,8 @@ import numpy as np
 
 from .. import _native
 from ..errors import UnsupportedError
+from ..quant.tables import LATTICE_TYPES
+from ..quant.tables import ensure as ensure_tables
 from ..quant.types import SUPPORTED, SUPPORTED_NAMES, TYPES
 from . import QTensor
 from . import reference as _ref
@@ -40,6 +42,13 @@ BATCH_INVARIANT = True
 
 # the types the native core computes with -> elements per block
 _BLOCK = {i: TYPES[i].block_size for i in SUPPORTED}
+
+
+def _check(w: QTensor) -> None:
+    if w.type.id not in _BLOCK:
+        _unsupported(w)
+    if w.type.id in LATTICE_TYPES:
+        ensure_tables(w.type.id)
 
 
 def _unsupported(w: QTensor):
@@ -59,8 +68,7 @@ def matmul(x: np.ndarray, w: QTensor, out: np.ndarray | None = None,
     n = x.shape[0]
     if out is None:
         out = np.empty((n, rows), dtype=np.float32)
-    if w.type.id not in _BLOCK:
-        _unsupported(w)
+    _check(w)
     if rowwise is None:
         rowwise = n <= 1
     if rowwise:
@@ -83,8 +91,7 @@ def matmul_multi(x: np.ndarray, ws: list[QTensor], outs: list[np.ndarray] | None
     n = x.shape[0]
     args, ys = [x, n, cols], []
     for w in ws:
-        if w.type.id not in _BLOCK:
-            _unsupported(w)
+        _check(w)
         assert w.shape[1] == cols, (w.name, w.shape, cols)
         y = np.empty((n, w.shape[0]), dtype=np.float32) if outs is None else outs[len(ys)]
         assert y.shape == (n, w.shape[0]) and y.dtype == np.float32 and y.flags.c_contiguous
@@ -101,8 +108,7 @@ def get_rows(w: QTensor, ids: np.ndarray, out: np.ndarray | None = None) -> np.n
     ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
     if out is None:
         out = np.empty((ids.size, cols), dtype=np.float32)
-    if w.type.id not in _BLOCK:
-        _unsupported(w)
+    _check(w)
     _native.get_rows(w.type.id, w.data, rows, cols, ids, out)
     return out
 
@@ -111,6 +117,7 @@ def dequantize(type_id: int, raw: np.ndarray, n: int, out: np.ndarray | None = N
     """n elements of raw GGUF bytes as float32 (bit-exact with gguf.quants.dequantize)."""
     if type_id not in _BLOCK:
         raise UnsupportedError(f"type id {type_id} has no native dequantize")
+    ensure_tables(type_id)
     if out is None:
         out = np.empty(n, dtype=np.float32)
     _native.dequantize(type_id, raw, n, out)

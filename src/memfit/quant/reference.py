@@ -201,11 +201,9 @@ _DEQUANT = {
 def _from_gguf(name: str):
     """The lattice, ternary and FP4 types: gguf-py's own dequantizer (gguf.quants) is their
     readable definition and the oracle; not rewritten here."""
-    from gguf import GGMLQuantizationType, quants
-
-    qt = GGMLQuantizationType[name]
-
     def dq(blocks: np.ndarray) -> np.ndarray:
+        from gguf import GGMLQuantizationType, quants  # only when used (~3 MiB of RSS)
+        qt = GGMLQuantizationType[name]
         return quants.dequantize(np.ascontiguousarray(blocks), qt).astype(np.float32, copy=False)
     return dq
 
