@@ -92,72 +92,83 @@ AVX2 static inline __m256i sdot32(__m256i g, uint32_t signs, const int8_t *x, __
     return _mm256_madd_epi16(_mm256_maddubs_epi16(g, y), sc);
 }
 
-AVX2 float mf_vd_iq2_xxs_avx2(const uint8_t *w, const void *xv, int64_t nb) {
-    const mf_q8_256 *x = xv;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w += 66) {
-        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-        for (int ib = 0; ib < 8; ib += 2) {
-            uint32_t a[4];
-            memcpy(a, w + 2 + 8 * ib, 16);
-            const uint8_t *i0 = (const uint8_t *)&a[0], *i1 = (const uint8_t *)&a[2];
-            __m256i g0 = grid32(mf_grid_iq2xxs, i0[0], i0[1], i0[2], i0[3]);
-            __m256i g1 = grid32(mf_grid_iq2xxs, i1[0], i1[1], i1[2], i1[3]);
-            s0 = _mm256_add_epi32(s0, sdot32(g0, ksigns4(a[1]), x[b].qs + 32 * ib, _mm256_set1_epi16((short)(2 * (a[1] >> 28) + 1))));
-            s1 = _mm256_add_epi32(s1, sdot32(g1, ksigns4(a[3]), x[b].qs + 32 * ib + 32, _mm256_set1_epi16((short)(2 * (a[3] >> 28) + 1))));
-        }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16c(w) * x[b].d), _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), acc);
+/* The vec-dot bodies, instantiated for AVX2 (sdot32) and AVX-512VL (sdot32m, below) */
+#define VD_IQ2_XXS(NAME, ATTR, SDOT)                                                                   \
+    ATTR float NAME(const uint8_t *w, const void *xv, int64_t nb) {                                    \
+        const mf_q8_256 *x = xv;                                                                       \
+        __m256 acc = _mm256_setzero_ps();                                                              \
+        for (int64_t b = 0; b < nb; b++, w += 66) {                                                    \
+            __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();                          \
+            for (int ib = 0; ib < 8; ib += 2) {                                                        \
+                uint32_t a[4];                                                                         \
+                memcpy(a, w + 2 + 8 * ib, 16);                                                         \
+                const uint8_t *i0 = (const uint8_t *)&a[0], *i1 = (const uint8_t *)&a[2];              \
+                __m256i g0 = grid32(mf_grid_iq2xxs, i0[0], i0[1], i0[2], i0[3]);                       \
+                __m256i g1 = grid32(mf_grid_iq2xxs, i1[0], i1[1], i1[2], i1[3]);                       \
+                s0 = _mm256_add_epi32(s0, SDOT(g0, ksigns4(a[1]), x[b].qs + 32 * ib,                   \
+                                               _mm256_set1_epi16((short)(2 * (a[1] >> 28) + 1))));     \
+                s1 = _mm256_add_epi32(s1, SDOT(g1, ksigns4(a[3]), x[b].qs + 32 * ib + 32,              \
+                                               _mm256_set1_epi16((short)(2 * (a[3] >> 28) + 1))));     \
+            }                                                                                          \
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(f16c(w) * x[b].d), _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), acc); \
+        }                                                                                              \
+        return 0.125f * hsum_ps(acc);                                                                  \
     }
-    return 0.125f * hsum_ps(acc);
-}
 
 /* 2 ls + 1 for the two 16-element halves of a 32-element sub-block (scale byte s) */
 AVX2 static inline __m256i xs_scales(uint8_t s) {
     return _mm256_set_m128i(_mm_set1_epi16((short)(2 * (s >> 4) + 1)), _mm_set1_epi16((short)(2 * (s & 0xF) + 1)));
 }
-
-AVX2 float mf_vd_iq2_xs_avx2(const uint8_t *w, const void *xv, int64_t nb) {
-    const mf_q8_256 *x = xv;
-    __m256 acc = _mm256_setzero_ps();
+static inline uint32_t xs_signs4(const uint16_t *a) { /* sign bytes of 4 XS groups */
     const uint8_t *k = mf_ksigns_iq2xs;
-    for (int64_t b = 0; b < nb; b++, w += 74) {
-        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-        uint16_t q[32];
-        memcpy(q, w + 2, 64);
-        for (int ib = 0; ib < 8; ib += 2) {
-            const uint16_t *a = q + 4 * ib;
-            __m256i g0 = grid32(mf_grid_iq2xs, a[0] & 511, a[1] & 511, a[2] & 511, a[3] & 511);
-            __m256i g1 = grid32(mf_grid_iq2xs, a[4] & 511, a[5] & 511, a[6] & 511, a[7] & 511);
-            uint32_t sg0 = (uint32_t)k[a[0] >> 9] | (uint32_t)k[a[1] >> 9] << 8 | (uint32_t)k[a[2] >> 9] << 16 | (uint32_t)k[a[3] >> 9] << 24;
-            uint32_t sg1 = (uint32_t)k[a[4] >> 9] | (uint32_t)k[a[5] >> 9] << 8 | (uint32_t)k[a[6] >> 9] << 16 | (uint32_t)k[a[7] >> 9] << 24;
-            s0 = _mm256_add_epi32(s0, sdot32(g0, sg0, x[b].qs + 32 * ib, xs_scales(w[66 + ib])));
-            s1 = _mm256_add_epi32(s1, sdot32(g1, sg1, x[b].qs + 32 * ib + 32, xs_scales(w[67 + ib])));
-        }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16c(w) * x[b].d), _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), acc);
-    }
-    return 0.125f * hsum_ps(acc);
+    return (uint32_t)k[a[0] >> 9] | (uint32_t)k[a[1] >> 9] << 8 | (uint32_t)k[a[2] >> 9] << 16 | (uint32_t)k[a[3] >> 9] << 24;
 }
+
+#define VD_IQ2_XS(NAME, ATTR, SDOT)                                                                    \
+    ATTR float NAME(const uint8_t *w, const void *xv, int64_t nb) {                                    \
+        const mf_q8_256 *x = xv;                                                                       \
+        __m256 acc = _mm256_setzero_ps();                                                              \
+        for (int64_t b = 0; b < nb; b++, w += 74) {                                                    \
+            __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();                          \
+            uint16_t q[32];                                                                            \
+            memcpy(q, w + 2, 64);                                                                      \
+            for (int ib = 0; ib < 8; ib += 2) {                                                        \
+                const uint16_t *a = q + 4 * ib;                                                        \
+                __m256i g0 = grid32(mf_grid_iq2xs, a[0] & 511, a[1] & 511, a[2] & 511, a[3] & 511);    \
+                __m256i g1 = grid32(mf_grid_iq2xs, a[4] & 511, a[5] & 511, a[6] & 511, a[7] & 511);    \
+                s0 = _mm256_add_epi32(s0, SDOT(g0, xs_signs4(a), x[b].qs + 32 * ib, xs_scales(w[66 + ib]))); \
+                s1 = _mm256_add_epi32(s1, SDOT(g1, xs_signs4(a + 4), x[b].qs + 32 * ib + 32, xs_scales(w[67 + ib]))); \
+            }                                                                                          \
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(f16c(w) * x[b].d), _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), acc); \
+        }                                                                                              \
+        return 0.125f * hsum_ps(acc);                                                                  \
+    }
 
 static inline int iq2s_idx(const uint8_t *w, int l) { return w[2 + l] | (((w[66 + l / 4] >> (2 * (l % 4))) & 3) << 8); }
 
-AVX2 float mf_vd_iq2_s_avx2(const uint8_t *w, const void *xv, int64_t nb) {
-    const mf_q8_256 *x = xv;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w += 82) {
-        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-        for (int ib = 0; ib < 8; ib += 2) {
-            const int l = 4 * ib;
-            __m256i g0 = grid32(mf_grid_iq2s, iq2s_idx(w, l), iq2s_idx(w, l + 1), iq2s_idx(w, l + 2), iq2s_idx(w, l + 3));
-            __m256i g1 = grid32(mf_grid_iq2s, iq2s_idx(w, l + 4), iq2s_idx(w, l + 5), iq2s_idx(w, l + 6), iq2s_idx(w, l + 7));
-            uint32_t sg[2];
-            memcpy(sg, w + 34 + l, 8);
-            s0 = _mm256_add_epi32(s0, sdot32(g0, sg[0], x[b].qs + 32 * ib, xs_scales(w[74 + ib])));
-            s1 = _mm256_add_epi32(s1, sdot32(g1, sg[1], x[b].qs + 32 * ib + 32, xs_scales(w[75 + ib])));
-        }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16c(w) * x[b].d), _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), acc);
+#define VD_IQ2_S(NAME, ATTR, SDOT)                                                                     \
+    ATTR float NAME(const uint8_t *w, const void *xv, int64_t nb) {                                    \
+        const mf_q8_256 *x = xv;                                                                       \
+        __m256 acc = _mm256_setzero_ps();                                                              \
+        for (int64_t b = 0; b < nb; b++, w += 82) {                                                    \
+            __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();                          \
+            for (int ib = 0; ib < 8; ib += 2) {                                                        \
+                const int l = 4 * ib;                                                                  \
+                __m256i g0 = grid32(mf_grid_iq2s, iq2s_idx(w, l), iq2s_idx(w, l + 1), iq2s_idx(w, l + 2), iq2s_idx(w, l + 3)); \
+                __m256i g1 = grid32(mf_grid_iq2s, iq2s_idx(w, l + 4), iq2s_idx(w, l + 5), iq2s_idx(w, l + 6), iq2s_idx(w, l + 7)); \
+                uint32_t sg[2];                                                                        \
+                memcpy(sg, w + 34 + l, 8);                                                             \
+                s0 = _mm256_add_epi32(s0, SDOT(g0, sg[0], x[b].qs + 32 * ib, xs_scales(w[74 + ib])));  \
+                s1 = _mm256_add_epi32(s1, SDOT(g1, sg[1], x[b].qs + 32 * ib + 32, xs_scales(w[75 + ib]))); \
+            }                                                                                          \
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(f16c(w) * x[b].d), _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), acc); \
+        }                                                                                              \
+        return 0.125f * hsum_ps(acc);                                                                  \
     }
-    return 0.125f * hsum_ps(acc);
-}
+
+VD_IQ2_XXS(mf_vd_iq2_xxs_avx2, AVX2, sdot32)
+VD_IQ2_XS(mf_vd_iq2_xs_avx2, AVX2, sdot32)
+VD_IQ2_S(mf_vd_iq2_s_avx2, AVX2, sdot32)
 
 /* ---------------- prefill unpack (mf_kblk) ----------------
  * q = grid * sign + 43 (0..86, u8 for maddubs/vpdpbusd; pair sums stay under 2^15), sv the
@@ -186,13 +197,11 @@ AVX2 void mf_up_iq2_xxs(const uint8_t *w, mf_kblk *o) {
 
 AVX2 void mf_up_iq2_xs(const uint8_t *w, mf_kblk *o) {
     o->d = o->dc = f16c(w) * 0.125f;
-    const uint8_t *k = mf_ksigns_iq2xs;
     uint16_t q[32];
     memcpy(q, w + 2, 64);
     for (int ib = 0; ib < 8; ib++) {
         const uint16_t *a = q + 4 * ib;
-        uint32_t sg = (uint32_t)k[a[0] >> 9] | (uint32_t)k[a[1] >> 9] << 8 | (uint32_t)k[a[2] >> 9] << 16 | (uint32_t)k[a[3] >> 9] << 24;
-        kblk32(grid32(mf_grid_iq2xs, a[0] & 511, a[1] & 511, a[2] & 511, a[3] & 511), sg, o->q + 32 * ib);
+        kblk32(grid32(mf_grid_iq2xs, a[0] & 511, a[1] & 511, a[2] & 511, a[3] & 511), xs_signs4(a), o->q + 32 * ib);
         kblk_scales(o, ib, 2 * (w[66 + ib] & 0xF) + 1, 2 * (w[66 + ib] >> 4) + 1);
     }
 }
@@ -208,85 +217,16 @@ AVX2 void mf_up_iq2_s(const uint8_t *w, mf_kblk *o) {
     }
 }
 
-/* ---------------- AVX-512 VNNI: 64 weights per step ----------------
- * 8 lattice points in one zmm, the 64 sign bits as a mask that negates x (vpsubb under
- * mask), vpmaddubsw, then vpdpwssd with the per-16 scales in the word lanes. */
-VNNI static inline __m512i grid64(const int8_t *grid, const int *i) {
-    return _mm512_set_epi64((long long)grid8(grid, i[7]), (long long)grid8(grid, i[6]), (long long)grid8(grid, i[5]),
-                            (long long)grid8(grid, i[4]), (long long)grid8(grid, i[3]), (long long)grid8(grid, i[2]),
-                            (long long)grid8(grid, i[1]), (long long)grid8(grid, i[0]));
+/* ---------------- AVX-512 VNNI path: the same kernels on ymm, signs as a mask ----------------
+ * The 32 sign bits negate x under a mask (vpsubb {k}) instead of building a +-1 vector (5
+ * ops). 1 thread, L2-resident 1024x4096, CPU time (docs/NOTES.md): XXS +12%; 64-weight zmm
+ * steps (8 lattice loads + inserts, vpdpwssd) measured 8-15% slower than AVX2, vpgatherqq
+ * slower still. */
+VNNI static inline __m256i sdot32m(__m256i g, uint32_t signs, const int8_t *x, __m256i sc) {
+    const __m256i y = _mm256_loadu_si256((const __m256i *)x);
+    const __m256i ys = _mm256_mask_sub_epi8(y, (__mmask32)signs, _mm256_setzero_si256(), y);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(g, ys), sc);
 }
-/* words 8k..8k+7 = s[k] (the scale of elements 16k..16k+15 of the step) */
-VNNI static inline __m512i scales4(int s0, int s1, int s2, int s3) {
-    const __m128i v = _mm_setr_epi32(s0 * 0x10001, s1 * 0x10001, s2 * 0x10001, s3 * 0x10001);
-    return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
-                                    _mm512_castsi128_si512(v));
-}
-VNNI static inline __m512i sdot64(__m512i acc, __m512i g, uint64_t signs, const int8_t *x, __m512i sc) {
-    const __m512i y = _mm512_loadu_si512((const void *)x);
-    const __m512i ys = _mm512_mask_sub_epi8(y, (__mmask64)signs, _mm512_setzero_si512(), y);
-    return _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(g, ys), sc);
-}
-
-VNNI float mf_vd_iq2_xxs_avx512(const uint8_t *w, const void *xv, int64_t nb) {
-    const mf_q8_256 *x = xv;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w += 66) {
-        __m512i s[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-        for (int j = 0; j < 4; j++) { /* sub-blocks 2j, 2j+1 */
-            uint32_t a[4];
-            memcpy(a, w + 2 + 16 * j, 16);
-            const uint8_t *i0 = (const uint8_t *)&a[0], *i1 = (const uint8_t *)&a[2];
-            const int idx[8] = {i0[0], i0[1], i0[2], i0[3], i1[0], i1[1], i1[2], i1[3]};
-            const uint64_t sg = (uint64_t)ksigns4(a[1]) | (uint64_t)ksigns4(a[3]) << 32;
-            const int l0 = (int)(2 * (a[1] >> 28) + 1), l1 = (int)(2 * (a[3] >> 28) + 1);
-            s[j & 1] = sdot64(s[j & 1], grid64(mf_grid_iq2xxs, idx), sg, x[b].qs + 64 * j, scales4(l0, l0, l1, l1));
-        }
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(f16c(w) * x[b].d), _mm512_cvtepi32_ps(_mm512_add_epi32(s[0], s[1])), acc);
-    }
-    return 0.125f * _mm512_reduce_add_ps(acc);
-}
-
-VNNI float mf_vd_iq2_xs_avx512(const uint8_t *w, const void *xv, int64_t nb) {
-    const mf_q8_256 *x = xv;
-    __m512 acc = _mm512_setzero_ps();
-    const uint8_t *k = mf_ksigns_iq2xs;
-    for (int64_t b = 0; b < nb; b++, w += 74) {
-        __m512i s[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-        uint16_t q[32];
-        memcpy(q, w + 2, 64);
-        for (int j = 0; j < 4; j++) {
-            const uint16_t *a = q + 8 * j;
-            int idx[8];
-            uint64_t sg = 0;
-            for (int l = 0; l < 8; l++) {
-                idx[l] = a[l] & 511;
-                sg |= (uint64_t)k[a[l] >> 9] << (8 * l);
-            }
-            const uint8_t s0 = w[66 + 2 * j], s1 = w[67 + 2 * j];
-            s[j & 1] = sdot64(s[j & 1], grid64(mf_grid_iq2xs, idx), sg, x[b].qs + 64 * j,
-                              scales4(2 * (s0 & 0xF) + 1, 2 * (s0 >> 4) + 1, 2 * (s1 & 0xF) + 1, 2 * (s1 >> 4) + 1));
-        }
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(f16c(w) * x[b].d), _mm512_cvtepi32_ps(_mm512_add_epi32(s[0], s[1])), acc);
-    }
-    return 0.125f * _mm512_reduce_add_ps(acc);
-}
-
-VNNI float mf_vd_iq2_s_avx512(const uint8_t *w, const void *xv, int64_t nb) {
-    const mf_q8_256 *x = xv;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w += 82) {
-        __m512i s[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-        for (int j = 0; j < 4; j++) {
-            int idx[8];
-            for (int l = 0; l < 8; l++) idx[l] = iq2s_idx(w, 8 * j + l);
-            uint64_t sg;
-            memcpy(&sg, w + 34 + 8 * j, 8);
-            const uint8_t s0 = w[74 + 2 * j], s1 = w[75 + 2 * j];
-            s[j & 1] = sdot64(s[j & 1], grid64(mf_grid_iq2s, idx), sg, x[b].qs + 64 * j,
-                              scales4(2 * (s0 & 0xF) + 1, 2 * (s0 >> 4) + 1, 2 * (s1 & 0xF) + 1, 2 * (s1 >> 4) + 1));
-        }
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(f16c(w) * x[b].d), _mm512_cvtepi32_ps(_mm512_add_epi32(s[0], s[1])), acc);
-    }
-    return 0.125f * _mm512_reduce_add_ps(acc);
-}
+VD_IQ2_XXS(mf_vd_iq2_xxs_avx512, VNNI, sdot32m)
+VD_IQ2_XS(mf_vd_iq2_xs_avx512, VNNI, sdot32m)
+VD_IQ2_S(mf_vd_iq2_s_avx512, VNNI, sdot32m)

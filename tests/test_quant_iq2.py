@@ -129,3 +129,24 @@ def test_tiny_model_prefill_equals_token_by_token(tmp_path, name):
     # integer kernels, measured 3-4e-2 of the largest logit (IQ4_XS: 5e-2) on these random
     # weights; a wrong scale or grid is O(1)
     assert _relerr(full, logits["numpy"][0]) < 0.1
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_vnni_decode_same_bits_as_avx2(name):
+    # the avx512vnni vec-dots only negate x under a mask where avx2 multiplies by a +-1 vector:
+    # the same int32 sums and float operations, so the same bits
+    if "avx512vnni" not in _isas():
+        pytest.skip("CPU lacks avx512vnni")
+    t = BY_NAME[name]
+    rng = np.random.default_rng(80 + t.id)
+    w = QTensor("w", t, (21, 1024), _blocks(t, 21 * 4, rng))
+    X = rng.standard_normal((3, 1024)).astype(np.float32)
+    before = _native.isa()
+    try:
+        ys = []
+        for isa in ("avx2", "avx512vnni"):
+            _native.set_isa(isa)
+            ys.append(nat.matmul(X, w, rowwise=True))
+    finally:
+        _native.set_isa(before)
+    np.testing.assert_array_equal(ys[0].view(np.uint32), ys[1].view(np.uint32))
