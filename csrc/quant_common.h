@@ -63,6 +63,20 @@ typedef void (*mf_b32unpack_fn)(const uint8_t *w, mf_b32 *o);
 /* 4 consecutive W rows (row stride rb bytes) against one prepared X row -> out[4] */
 typedef void (*mf_vecdot4_fn)(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out);
 
+/* IQ2_XXS / IQ2_XS / IQ2_S (quant_iq2.c): dequantize one block, vec-dots x Q8_256, prefill unpack */
+void mf_dq_iq2_xxs(const uint8_t *b, float *y);
+void mf_dq_iq2_xs(const uint8_t *b, float *y);
+void mf_dq_iq2_s(const uint8_t *b, float *y);
+float mf_vd_iq2_xxs_avx2(const uint8_t *w, const void *x, int64_t nb);
+float mf_vd_iq2_xs_avx2(const uint8_t *w, const void *x, int64_t nb);
+float mf_vd_iq2_s_avx2(const uint8_t *w, const void *x, int64_t nb);
+float mf_vd_iq2_xxs_avx512(const uint8_t *w, const void *x, int64_t nb);
+float mf_vd_iq2_xs_avx512(const uint8_t *w, const void *x, int64_t nb);
+float mf_vd_iq2_s_avx512(const uint8_t *w, const void *x, int64_t nb);
+void mf_up_iq2_xxs(const uint8_t *w, mf_kblk *o);
+void mf_up_iq2_xs(const uint8_t *w, mf_kblk *o);
+void mf_up_iq2_s(const uint8_t *w, mf_kblk *o);
+
 /* AVX2 (quant_avx2.c) */
 void mf_row_f32_avx2(int type, const uint8_t *w, float *dst, int64_t n);
 void mf_fgemm_avx2(const float *wf, int64_t nr, const float *x, int64_t m, int64_t cols, float *y, int64_t ys);
