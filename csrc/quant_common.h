@@ -129,7 +129,7 @@ void mf_kgemm_avx512(const mf_kw *const *w, int R, int g32, int64_t nb, const mf
 void mf_kgemm4_avx512(const mf_kw *const *w, int R, int g32, int64_t nb, const mf_xband *x0, float *out);
 
 /* IQ3_XXS, IQ3_S, IQ1_S, IQ1_M (quant_iq3.c): one-block dequantizers (quant.c dq_table) and
- * AVX2 vec-dots x Q8_K (mf_vecdot_avx2; the avx512 paths run these too) */
+ * AVX2 vec-dots x Q8_K (mf_vecdot_avx2) */
 void mf_dq_iq3_xxs(const uint8_t *b, float *y);
 void mf_dq_iq3_s(const uint8_t *b, float *y);
 void mf_dq_iq1_s(const uint8_t *b, float *y);
@@ -138,6 +138,11 @@ float mf_vd_iq3_xxs_avx2(const uint8_t *w, const void *x, int64_t nb);
 float mf_vd_iq3_s_avx2(const uint8_t *w, const void *x, int64_t nb);
 float mf_vd_iq1_s_avx2(const uint8_t *w, const void *x, int64_t nb);
 float mf_vd_iq1_m_avx2(const uint8_t *w, const void *x, int64_t nb);
+/* AVX-512 VNNI forms (mf_vecdot_avx512, activations XF_Q8_256) */
+float mf_vd_iq3_xxs_avx512(const uint8_t *w, const void *x, int64_t nb);
+float mf_vd_iq3_s_avx512(const uint8_t *w, const void *x, int64_t nb);
+float mf_vd_iq1_s_avx512(const uint8_t *w, const void *x, int64_t nb);
+float mf_vd_iq1_m_avx512(const uint8_t *w, const void *x, int64_t nb);
 
 /* per-thread scratch that grows: 64-byte aligned, at least `bytes`; NULL when out of memory */
 typedef struct { void *p; size_t cap; } tl_scratch;

@@ -11,7 +11,6 @@
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
 static inline uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
-static inline uint64_t rd64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
 static inline unsigned rd16(const uint8_t *p) { return (unsigned)(p[0] | (p[1] << 8)); }
 /* IQ1_M's f16 d: the top nibbles of its four u16 scale words (bytes 48..55) */
 static inline unsigned iq1m_d16(const uint8_t *b) {
@@ -94,8 +93,11 @@ AVX2 static inline __m256i sign32(uint32_t bits) {
     b = _mm256_or_si256(b, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
     return _mm256_or_si256(_mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(1));
 }
-static inline int g3x(const uint8_t *grid, unsigned i) { return (int)rd32(grid + 4 * i); }
-static inline long long g1(unsigned i) { return (long long)rd64((const uint8_t *)mf_grid_iq1s + 8 * i); }
+/* IQ1_S/IQ1_M: 4 grid rows of 8 values (11-bit indexes: low bytes q4 | high bits hi) */
+AVX2 static inline __m256i g1x4(uint32_t q4, __m128i hi) {
+    const __m128i idx = _mm_or_si128(_mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)q4)), hi);
+    return _mm256_i32gather_epi64((const long long *)(const void *)mf_grid_iq1s, idx, 8);
+}
 
 /* sum over sub-blocks of (2 ls + 1) * (unsigned grid . signed q8) in int32 lanes; x 0.25 d dx */
 AVX2 float mf_vd_iq3_xxs_avx2(const uint8_t *w, const void *xv, int64_t nb) {
@@ -106,10 +108,8 @@ AVX2 float mf_vd_iq3_xxs_avx2(const uint8_t *w, const void *xv, int64_t nb) {
         __m256i sumi = _mm256_setzero_si256();
         for (int ib = 0; ib < 8; ib++, qs += 8) {
             const uint32_t aux = rd32(w + 66 + 4 * ib);
-            const __m256i g = _mm256_set_epi32(g3x(mf_grid_iq3xxs, qs[7]), g3x(mf_grid_iq3xxs, qs[6]),
-                                               g3x(mf_grid_iq3xxs, qs[5]), g3x(mf_grid_iq3xxs, qs[4]),
-                                               g3x(mf_grid_iq3xxs, qs[3]), g3x(mf_grid_iq3xxs, qs[2]),
-                                               g3x(mf_grid_iq3xxs, qs[1]), g3x(mf_grid_iq3xxs, qs[0]));
+            const __m256i g = _mm256_i32gather_epi32((const int *)(const void *)mf_grid_iq3xxs,
+                                                     _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs)), 4);
             const uint32_t sg = iq3xxs_signs(aux, 0) | iq3xxs_signs(aux, 1) << 8 | iq3xxs_signs(aux, 2) << 16 |
                                 (uint32_t)iq3xxs_signs(aux, 3) << 24;
             const __m256i y = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(x[b].qs + 32 * ib)), sign32(sg));
@@ -129,9 +129,9 @@ AVX2 float mf_vd_iq3_s_avx2(const uint8_t *w, const void *xv, int64_t nb) {
         for (int ib = 0; ib < 8; ib++) {
             const uint8_t *qs = w + 2 + 8 * ib;
             const unsigned qh = w[66 + ib];
-#define I3S(k) g3x(mf_grid_iq3s, qs[k] | (((qh >> (k)) & 1) << 8))
-            const __m256i g = _mm256_set_epi32(I3S(7), I3S(6), I3S(5), I3S(4), I3S(3), I3S(2), I3S(1), I3S(0));
-#undef I3S
+            const __m256i hi = _mm256_and_si256(_mm256_sllv_epi32(_mm256_set1_epi32((int)qh), _mm256_setr_epi32(8, 7, 6, 5, 4, 3, 2, 1)), _mm256_set1_epi32(256));
+            const __m256i idx = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs)), hi);
+            const __m256i g = _mm256_i32gather_epi32((const int *)(const void *)mf_grid_iq3s, idx, 4);
             const __m256i y = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(x[b].qs + 32 * ib)), sign32(rd32(w + 74 + 4 * ib)));
             const __m256i p = _mm256_maddubs_epi16(g, y);
             const int sc = 1 + 2 * ((w[106 + ib / 2] >> (4 * (ib % 2))) & 0xF);
@@ -155,8 +155,7 @@ AVX2 float mf_vd_iq1_s_avx2(const uint8_t *w, const void *xv, int64_t nb) {
         for (int ib = 0; ib < 8; ib++, qs += 4) {
             const unsigned qh = rd16(w + 34 + 2 * ib);
             const int ls = (int)(2 * ((qh >> 12) & 7) + 1);
-            const __m256i g = _mm256_set_epi64x(g1(qs[3] | ((qh >> 1) & 0x700)), g1(qs[2] | ((qh << 2) & 0x700)),
-                                                g1(qs[1] | ((qh << 5) & 0x700)), g1(qs[0] | ((qh << 8) & 0x700)));
+            const __m256i g = g1x4(rd32(qs), _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)(qh << 8)), _mm_setr_epi32(0, 3, 6, 9)), _mm_set1_epi32(0x700)));
             const __m256i y = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(x[b].qs + 32 * ib)), g);
             sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(one8, y), _mm256_set1_epi16((short)ls)));
             const int s = x[b].bsums[2 * ib] + x[b].bsums[2 * ib + 1];
@@ -173,26 +172,174 @@ AVX2 float mf_vd_iq1_s_avx2(const uint8_t *w, const void *xv, int64_t nb) {
 AVX2 float mf_vd_iq1_m_avx2(const uint8_t *w, const void *xv, int64_t nb) {
     const mf_q8_256 *x = xv;
     __m256 acc = _mm256_setzero_ps();
-    const __m256i eight = _mm256_set1_epi8(8);
-    const long long dp = 0x0101010101010101LL, dm = -1LL;
+    const __m256i eight = _mm256_set1_epi8(8), one8 = _mm256_set1_epi8(1), all = _mm256_set1_epi8(-1);
+    /* int16 lane k of the block's scale vector: u16 word k/4 (bytes 2(k/4), +1) */
+    const __m256i sc_shuf = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3,
+                                             4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7);
+    const __m256i sc_mul = _mm256_setr_epi16(1 << 13, 1 << 10, 1 << 7, 1 << 4, 1 << 13, 1 << 10, 1 << 7, 1 << 4,
+                                             1 << 13, 1 << 10, 1 << 7, 1 << 4, 1 << 13, 1 << 10, 1 << 7, 1 << 4);
+    /* per sub-block ib (within 4): low 128 lane the word of scale 2ib, high lane of 2ib+1 */
+    const __m256i pick = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                          2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
     for (int64_t b = 0; b < nb; b++, w += 56) {
-        const unsigned sc[4] = {rd16(w + 48), rd16(w + 50), rd16(w + 52), rd16(w + 54)};
+        uint64_t sc;
+        memcpy(&sc, w + 48, 8);
+        /* 16 scales 2s+1 as int16, lane k = 2 ib + half: (word >> 3 (k%4)) & 7 via << (13 - 3 (k%4)), >> 13 */
+        __m256i s16 = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(_mm256_set1_epi64x((long long)sc), sc_shuf), sc_mul), 13);
+        s16 = _mm256_or_si256(_mm256_add_epi16(s16, s16), _mm256_set1_epi16(1));
+        const __m256i slo = _mm256_permute2x128_si256(s16, s16, 0x00), shi = _mm256_permute2x128_si256(s16, s16, 0x11);
         __m256i sumi = _mm256_setzero_si256();
         for (int ib = 0; ib < 8; ib++) {
             const uint8_t *qs = w + 4 * ib;
-            const unsigned h0 = w[32 + 2 * ib], h1 = w[33 + 2 * ib];
-            const __m256i g = _mm256_set_epi64x(g1(qs[3] | ((h1 << 4) & 0x700)), g1(qs[2] | ((h1 << 8) & 0x700)),
-                                                g1(qs[1] | ((h0 << 4) & 0x700)), g1(qs[0] | ((h0 << 8) & 0x700)));
-            const __m256i dl = _mm256_set_epi64x(h1 & 0x80 ? dm : dp, h1 & 0x08 ? dm : dp, h0 & 0x80 ? dm : dp, h0 & 0x08 ? dm : dp);
+            const unsigned hh = rd16(w + 32 + 2 * ib);
+            const __m128i nib = _mm_srlv_epi32(_mm_set1_epi32((int)(hh << 8)), _mm_setr_epi32(0, 4, 8, 12));
+            const __m256i g = g1x4(rd32(qs), _mm_and_si128(nib, _mm_set1_epi32(0x700)));
+            /* delta sign bit (nibble bit 3, at bit 11 of nib) -> -1 bytes where set, else +1 */
+            const __m256i dbit = _mm256_cvtepu32_epi64(_mm_and_si128(nib, _mm_set1_epi32(0x800)));
+            const __m256i dl = _mm256_or_si256(_mm256_xor_si256(_mm256_cmpeq_epi64(dbit, _mm256_setzero_si256()), all), one8);
             const __m256i a = _mm256_add_epi8(_mm256_sign_epi8(eight, g), dl);
             const __m256i y = _mm256_loadu_si256((const __m256i *)(x[b].qs + 32 * ib));
             const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(a), _mm256_sign_epi8(y, a));
-            const unsigned s = sc[ib / 2] >> (6 * (ib % 2));
-            const __m256i sv = _mm256_set_m128i(_mm_set1_epi16((short)(2 * ((s >> 3) & 7) + 1)), _mm_set1_epi16((short)(2 * (s & 7) + 1)));
+            const __m256i sv = _mm256_shuffle_epi8(ib < 4 ? slo : shi, _mm256_add_epi8(pick, _mm256_set1_epi8((char)(4 * (ib % 4)))));
             sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, sv));
         }
         const float d = mf_f16_table[iq1m_d16(w)];
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x[b].d * 0.125f), _mm256_cvtepi32_ps(sumi), acc);
     }
     return hsum_ps(acc);
+}
+
+/* ---------------- AVX-512 VNNI vec-dots x Q8_K: two sub-blocks (64 values) per zmm ---------
+ * grid rows by 16-lane gathers, signs as a 64-bit mask (negate y where set), sub-block scales
+ * as int16 by vpdpwssd: the same exact integer block sums as the AVX2 kernels */
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")))
+
+/* int16 scale vector of sub-blocks 2j (lanes 0..15) and 2j+1 (16..31) from int32 lanes of s8
+ * (only its low 256 bits are read) */
+VNNI static inline __m512i pair_scales(__m512i s8, int j) {
+    const __m512i base = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_setzero_si512(), _mm512_set1_epi16(2));
+    return _mm512_permutexvar_epi16(_mm512_add_epi16(base, _mm512_set1_epi16((short)(4 * j))), s8);
+}
+
+VNNI float mf_vd_iq3_xxs_avx512(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_256 *x = xv;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += 98) {
+        const __m256i aux = _mm256_loadu_si256((const __m256i *)(w + 66));
+        const __m256i ls = _mm256_add_epi32(_mm256_slli_epi32(_mm256_srli_epi32(aux, 28), 1), _mm256_set1_epi32(1));
+        const __m512i s8 = _mm512_castsi256_si512(ls);
+        __m512i sumi = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) {
+            const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 2 + 16 * j)));
+            const __m512i g = _mm512_i32gather_epi32(idx, (const void *)mf_grid_iq3xxs, 4);
+            const uint32_t a0 = rd32(w + 66 + 8 * j), a1 = rd32(w + 70 + 8 * j);
+            const uint64_t sg = (uint64_t)(iq3xxs_signs(a0, 0) | iq3xxs_signs(a0, 1) << 8 | iq3xxs_signs(a0, 2) << 16 | (uint32_t)iq3xxs_signs(a0, 3) << 24) |
+                                (uint64_t)(iq3xxs_signs(a1, 0) | iq3xxs_signs(a1, 1) << 8 | iq3xxs_signs(a1, 2) << 16 | (uint32_t)iq3xxs_signs(a1, 3) << 24) << 32;
+            __m512i y = _mm512_loadu_si512((const void *)(x[b].qs + 64 * j));
+            y = _mm512_mask_sub_epi8(y, (__mmask64)sg, _mm512_setzero_si512(), y);
+            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(g, y), pair_scales(s8, j));
+        }
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(f16s(w) * x[b].d * 0.25f), _mm512_cvtepi32_ps(sumi), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+VNNI float mf_vd_iq3_s_avx512(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_256 *x = xv;
+    __m512 acc = _mm512_setzero_ps();
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t b = 0; b < nb; b++, w += 110) {
+        /* scale of sub-block ib: nibble ib of the 4 scale bytes, 1 + 2 s */
+        const __m256i sn = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)rd32(w + 106)), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)), _mm256_set1_epi32(15));
+        const __m512i s8 = _mm512_castsi256_si512(_mm256_add_epi32(_mm256_add_epi32(sn, sn), _mm256_set1_epi32(1)));
+        __m512i sumi = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) {
+            const __m512i hi = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)(rd16(w + 66 + 2 * j) << 8)), lane), _mm512_set1_epi32(256));
+            const __m512i idx = _mm512_or_si512(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 2 + 16 * j))), hi);
+            const __m512i g = _mm512_i32gather_epi32(idx, (const void *)mf_grid_iq3s, 4);
+            uint64_t sg;
+            memcpy(&sg, w + 74 + 8 * j, 8);
+            __m512i y = _mm512_loadu_si512((const void *)(x[b].qs + 64 * j));
+            y = _mm512_mask_sub_epi8(y, (__mmask64)sg, _mm512_setzero_si512(), y);
+            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(g, y), pair_scales(s8, j));
+        }
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(f16s(w) * x[b].d), _mm512_cvtepi32_ps(sumi), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* IQ1_S/IQ1_M: 8 grid rows (two sub-blocks) by one 8-lane 64-bit gather */
+VNNI static inline __m512i g1x8(const uint8_t *q8b, __m256i hi) {
+    const __m256i idx = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q8b)), hi);
+    return _mm512_i32gather_epi64(idx, (const void *)mf_grid_iq1s, 8);
+}
+
+/* unsigned grid+1 (0..2) . q8 by maddubs; grid . q8 = that - sum(q8), the delta +-sum(q8)/8:
+ * 8 * sum ls (grid+1).q8 + sum ls S (+-1 - 8), S from bsums; x d dx / 8 */
+VNNI float mf_vd_iq1_s_avx512(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_256 *x = xv;
+    __m512 acc = _mm512_setzero_ps();
+    const __m512i one8 = _mm512_set1_epi8(1);
+    for (int64_t b = 0; b < nb; b++, w += 50) {
+        const __m256i qh = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + 34)));
+        const __m256i ls = _mm256_add_epi32(_mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(qh, 12), _mm256_set1_epi32(7)), 1), _mm256_set1_epi32(1));
+        const __m512i s8 = _mm512_castsi256_si512(ls);
+        __m512i sumi = _mm512_setzero_si512();
+        int corr = 0;
+        for (int j = 0; j < 4; j++) {
+            const uint32_t h2 = rd32(w + 34 + 4 * j); /* qh of sub-blocks 2j (low half), 2j+1 */
+            const __m256i src = _mm256_sllv_epi32(_mm256_set1_epi32((int)h2), _mm256_setr_epi32(8, 8, 8, 8, 0, 0, 0, 0));
+            const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(src, _mm256_setr_epi32(0, 3, 6, 9, 8, 11, 14, 17)), _mm256_set1_epi32(0x700));
+            const __m512i g = _mm512_add_epi8(g1x8(w + 2 + 8 * j, hi), one8);
+            const __m512i y = _mm512_loadu_si512((const void *)(x[b].qs + 64 * j));
+            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(g, y), pair_scales(s8, j));
+            for (int k = 0; k < 2; k++) {
+                const unsigned q = (h2 >> (16 * k)) & 0xFFFF;
+                const int ib = 2 * j + k, l = (int)(2 * ((q >> 12) & 7) + 1), S = x[b].bsums[2 * ib] + x[b].bsums[2 * ib + 1];
+                corr += l * S * (q & 0x8000 ? -9 : -7);
+            }
+        }
+        sumi = _mm512_add_epi32(_mm512_slli_epi32(sumi, 3), _mm512_zextsi128_si512(_mm_cvtsi32_si128(corr)));
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(f16s(w) * x[b].d * 0.125f), _mm512_cvtepi32_ps(sumi), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* u = 8 (grid+1) + (delta > 0 ? 2 : 0) = a + 9 with a = 8 grid +- 1 (IQ1_M's AVX2 form):
+ * sum sc u.q8 - 9 sum sc bsums, scales per 16 values as the bsums; x d dx / 8 */
+VNNI float mf_vd_iq1_m_avx512(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_256 *x = xv;
+    __m512 acc = _mm512_setzero_ps();
+    const __m512i one8 = _mm512_set1_epi8(1), two8 = _mm512_set1_epi8(2);
+    const __m256i sc_shuf = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3,
+                                             4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7);
+    const __m256i sc_mul = _mm256_setr_epi16(1 << 13, 1 << 10, 1 << 7, 1 << 4, 1 << 13, 1 << 10, 1 << 7, 1 << 4,
+                                             1 << 13, 1 << 10, 1 << 7, 1 << 4, 1 << 13, 1 << 10, 1 << 7, 1 << 4);
+    /* lanes of the pair's scale vector: 16-value group 4j + lane/8 */
+    const __m512i qsel = _mm512_set_epi64(3 * 0x0001000100010001LL, 3 * 0x0001000100010001LL, 2 * 0x0001000100010001LL, 2 * 0x0001000100010001LL,
+                                          0x0001000100010001LL, 0x0001000100010001LL, 0, 0);
+    for (int64_t b = 0; b < nb; b++, w += 56) {
+        uint64_t sc;
+        memcpy(&sc, w + 48, 8);
+        __m256i s16 = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(_mm256_set1_epi64x((long long)sc), sc_shuf), sc_mul), 13);
+        s16 = _mm256_or_si256(_mm256_add_epi16(s16, s16), _mm256_set1_epi16(1)); /* lane k: scale of values 16k.. */
+        const __m512i s16z = _mm512_castsi256_si512(s16);
+        const __m256i cs = _mm256_madd_epi16(s16, _mm256_loadu_si256((const __m256i *)x[b].bsums));
+        __m512i sumi = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) {
+            const __m256i nib = _mm256_srlv_epi32(_mm256_set1_epi32((int)rd32(w + 32 + 4 * j)), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+            const __m256i hi = _mm256_slli_epi32(_mm256_and_si256(nib, _mm256_set1_epi32(7)), 8);
+            const __mmask8 neg = _mm256_test_epi32_mask(nib, _mm256_set1_epi32(8));
+            const __m512i g = _mm512_add_epi8(g1x8(w + 8 * j, hi), one8);
+            const __m512i u = _mm512_add_epi8(_mm512_slli_epi16(g, 3), _mm512_maskz_mov_epi64((__mmask8)~neg, two8));
+            const __m512i y = _mm512_loadu_si512((const void *)(x[b].qs + 64 * j));
+            const __m512i sv = _mm512_permutexvar_epi16(_mm512_add_epi16(qsel, _mm512_set1_epi16((short)(4 * j))), s16z);
+            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(u, y), sv);
+        }
+        const __m256i c9 = _mm256_add_epi32(_mm256_slli_epi32(cs, 3), cs);
+        sumi = _mm512_sub_epi32(sumi, _mm512_zextsi256_si512(c9));
+        const float d = mf_f16_table[iq1m_d16(w)];
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(d * x[b].d * 0.125f), _mm512_cvtepi32_ps(sumi), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
 }
