@@ -531,6 +531,7 @@ AVX2 static void up_q2_k(const uint8_t *w, mf_kblk *o) {
 
 mf_kunpack_fn mf_kunpack_avx2[T_MAX] = {
     [T_Q2_K] = up_q2_k, [T_Q3_K] = up_q3_k, [T_Q4_K] = up_q4_k, [T_Q5_K] = up_q5_k, [T_Q6_K] = up_q6_k,
+    [T_IQ3_XXS] = mf_up_iq3_xxs, [T_IQ3_S] = mf_up_iq3_s, [T_IQ1_S] = mf_up_iq1_s, [T_IQ1_M] = mf_up_iq1_m,
 };
 
 /* unpacked W row (nb blocks) x M prepared X rows (stride xs bytes) -> out[M] */

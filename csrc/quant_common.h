@@ -138,6 +138,11 @@ float mf_vd_iq3_xxs_avx2(const uint8_t *w, const void *x, int64_t nb);
 float mf_vd_iq3_s_avx2(const uint8_t *w, const void *x, int64_t nb);
 float mf_vd_iq1_s_avx2(const uint8_t *w, const void *x, int64_t nb);
 float mf_vd_iq1_m_avx2(const uint8_t *w, const void *x, int64_t nb);
+/* prefill: blocks unpacked for the K-quant GEMMs (mf_kunpack_avx2) */
+void mf_up_iq3_xxs(const uint8_t *w, mf_kblk *o);
+void mf_up_iq3_s(const uint8_t *w, mf_kblk *o);
+void mf_up_iq1_s(const uint8_t *w, mf_kblk *o);
+void mf_up_iq1_m(const uint8_t *w, mf_kblk *o);
 /* AVX-512 VNNI forms (mf_vecdot_avx512, activations XF_Q8_256) */
 float mf_vd_iq3_xxs_avx512(const uint8_t *w, const void *x, int64_t nb);
 float mf_vd_iq3_s_avx512(const uint8_t *w, const void *x, int64_t nb);

@@ -209,6 +209,79 @@ AVX2 float mf_vd_iq1_m_avx2(const uint8_t *w, const void *xv, int64_t nb) {
     return hsum_ps(acc);
 }
 
+/* ---------------- prefill: blocks unpacked for the K-quant GEMMs (mf_kblk) ----------------
+ * Signed codes become unsigned by an offset folded into cc . bsums: IQ3_XXS q = grid*sign + 64
+ * (2..126: maddubs pair sums stay below 2^15), IQ3_S + 16, IQ1_S/IQ1_M q = 8 grid +- 1 + 9 (0..18)
+ * with d / 8. sv: the sub-block scales per 16 values, cc = -offset * scale. */
+AVX2 static inline void put_scales(mf_kblk *o, const int16_t s16[16], int off) {
+    for (int c = 0; c < 8; c++)
+        _mm256_storeu_si256((__m256i *)o->sv[c], _mm256_set_m128i(_mm_set1_epi16(s16[2 * c + 1]), _mm_set1_epi16(s16[2 * c])));
+    for (int i = 0; i < 16; i++) o->cc[i] = (int16_t)(-off * s16[i]);
+}
+
+AVX2 void mf_up_iq3_xxs(const uint8_t *w, mf_kblk *o) {
+    int16_t s16[16];
+    const __m256i off = _mm256_set1_epi8(64);
+    for (int ib = 0; ib < 8; ib++) {
+        const uint32_t aux = rd32(w + 66 + 4 * ib);
+        s16[2 * ib] = s16[2 * ib + 1] = (int16_t)(2 * (aux >> 28) + 1);
+        const __m256i g = _mm256_i32gather_epi32((const int *)(const void *)mf_grid_iq3xxs,
+                                                 _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + 2 + 8 * ib))), 4);
+        const uint32_t sg = iq3xxs_signs(aux, 0) | iq3xxs_signs(aux, 1) << 8 | iq3xxs_signs(aux, 2) << 16 |
+                            (uint32_t)iq3xxs_signs(aux, 3) << 24;
+        _mm256_storeu_si256((__m256i *)(o->q + 32 * ib), _mm256_add_epi8(_mm256_sign_epi8(g, sign32(sg)), off));
+    }
+    put_scales(o, s16, 64);
+    o->d = o->dc = f16s(w) * 0.25f;
+}
+
+AVX2 void mf_up_iq3_s(const uint8_t *w, mf_kblk *o) {
+    int16_t s16[16];
+    const __m256i off = _mm256_set1_epi8(16);
+    for (int ib = 0; ib < 8; ib++) {
+        s16[2 * ib] = s16[2 * ib + 1] = (int16_t)(1 + 2 * ((w[106 + ib / 2] >> (4 * (ib % 2))) & 0xF));
+        const unsigned qh = w[66 + ib];
+        const __m256i hi = _mm256_and_si256(_mm256_sllv_epi32(_mm256_set1_epi32((int)qh), _mm256_setr_epi32(8, 7, 6, 5, 4, 3, 2, 1)), _mm256_set1_epi32(256));
+        const __m256i idx = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + 2 + 8 * ib))), hi);
+        const __m256i g = _mm256_i32gather_epi32((const int *)(const void *)mf_grid_iq3s, idx, 4);
+        _mm256_storeu_si256((__m256i *)(o->q + 32 * ib), _mm256_add_epi8(_mm256_sign_epi8(g, sign32(rd32(w + 74 + 4 * ib))), off));
+    }
+    put_scales(o, s16, 16);
+    o->d = o->dc = f16s(w);
+}
+
+/* 8 grid +- 1 + 9 of 4 groups: g from g1x4, dl the delta's sign per group (-1 or +1 bytes) */
+AVX2 static inline __m256i iq1_u(__m256i g, __m256i dl) {
+    return _mm256_add_epi8(_mm256_add_epi8(_mm256_sign_epi8(_mm256_set1_epi8(8), g), dl), _mm256_set1_epi8(9));
+}
+
+AVX2 void mf_up_iq1_s(const uint8_t *w, mf_kblk *o) {
+    int16_t s16[16];
+    for (int ib = 0; ib < 8; ib++) {
+        const unsigned qh = rd16(w + 34 + 2 * ib);
+        s16[2 * ib] = s16[2 * ib + 1] = (int16_t)(2 * ((qh >> 12) & 7) + 1);
+        const __m256i g = g1x4(rd32(w + 2 + 4 * ib), _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)(qh << 8)), _mm_setr_epi32(0, 3, 6, 9)), _mm_set1_epi32(0x700)));
+        _mm256_storeu_si256((__m256i *)(o->q + 32 * ib), iq1_u(g, _mm256_set1_epi8(qh & 0x8000 ? -1 : 1)));
+    }
+    put_scales(o, s16, 9);
+    o->d = o->dc = f16s(w) * 0.125f;
+}
+
+AVX2 void mf_up_iq1_m(const uint8_t *w, mf_kblk *o) {
+    int16_t s16[16];
+    for (int k = 0; k < 16; k++) s16[k] = (int16_t)(2 * ((rd16(w + 48 + 2 * (k / 4)) >> (3 * (k % 4))) & 7) + 1);
+    const __m256i all = _mm256_set1_epi8(-1), one8 = _mm256_set1_epi8(1);
+    for (int ib = 0; ib < 8; ib++) {
+        const __m128i nib = _mm_srlv_epi32(_mm_set1_epi32((int)(rd16(w + 32 + 2 * ib) << 8)), _mm_setr_epi32(0, 4, 8, 12));
+        const __m256i g = g1x4(rd32(w + 4 * ib), _mm_and_si128(nib, _mm_set1_epi32(0x700)));
+        const __m256i dbit = _mm256_cvtepu32_epi64(_mm_and_si128(nib, _mm_set1_epi32(0x800)));
+        const __m256i dl = _mm256_or_si256(_mm256_xor_si256(_mm256_cmpeq_epi64(dbit, _mm256_setzero_si256()), all), one8);
+        _mm256_storeu_si256((__m256i *)(o->q + 32 * ib), iq1_u(g, dl));
+    }
+    put_scales(o, s16, 9);
+    o->d = o->dc = mf_f16_table[iq1m_d16(w)] * 0.125f;
+}
+
 /* ---------------- AVX-512 VNNI vec-dots x Q8_K: two sub-blocks (64 values) per zmm ---------
  * grid rows by 16-lane gathers, signs as a 64-bit mask (negate y where set), sub-block scales
  * as int16 by vpdpwssd: the same exact integer block sums as the AVX2 kernels */

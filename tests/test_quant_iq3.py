@@ -4,10 +4,10 @@ Dequantize: bit-exact with gguf-py, including the blocks of extreme codes (every
 and scale bit set or clear). Matmul on every ISA path this CPU runs, against the float64
 product of gguf-py's weights and the activations as ggml quantizes them (Q8_K per 256, the
 types' vec_dot_type; the scalar path dots in f32 against the unquantized x): odd row counts,
-n = 1..33, and activations that drive every int8 to +-127 (no int16 saturation in the
-kernels' pair sums). These types have no batched prefill kernel, so prefill runs the decode
-vec-dots: each row's bits do not depend on the call's other rows, and a tiny model of each type
-gives the same logits prefilled as token by token.
+n = 1..33, in decode and prefill mode (the K-quant GEMMs on blocks unpacked with an offset),
+and activations that drive every int8 to +-127 (no int16 saturation in the kernels' pair sums:
+IQ3_XXS's unpacked codes reach 126). Each row's bits do not depend on the call's other rows in
+either mode, and a tiny model of each type prefilled agrees with it token by token.
 """
 
 import gguf
@@ -111,21 +111,23 @@ def test_matmul_saturating_activations(isa, name):
     Wf = _deq(t, W).reshape(rows, 256).astype(np.float64)
     X = np.stack([np.ones(256), -np.ones(256), np.where(np.arange(256) % 3, 1.0, -1.0)]).astype(np.float32)
     ref = _ref(isa, X, Wf)
-    y = nat.matmul(X, QTensor("w", t, (rows, 256), W))
-    assert np.abs(y - ref).max() / np.abs(ref).max() < BOUND
+    for rowwise in (True, False):
+        y = nat.matmul(X, QTensor("w", t, (rows, 256), W), rowwise=rowwise)
+        assert np.abs(y - ref).max() / np.abs(ref).max() < BOUND
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_rows_independent_of_the_call(isa, name):
-    # decode (rowwise) and prefill calls of any n give each X row the bits of that row alone
+    # decode (rowwise: the vec-dots) and prefill (the K-quant GEMMs on the unpacked blocks)
+    # calls of any n give each X row the bits that mode gives the row alone
     t = BY_NAME[name]
     rng = np.random.default_rng(700 + t.id)
     rows, cols = 37, 2 * 256
     w = QTensor("w", t, (rows, cols), random_blocks(t, rows * cols, rng))
-    X = rng.standard_normal((19, cols)).astype(np.float32)
-    alone = np.concatenate([nat.matmul(X[i:i + 1], w, rowwise=True) for i in range(19)])
+    X = rng.standard_normal((37, cols)).astype(np.float32)
     for rowwise in (True, False):
-        for n in (2, 7, 19):
+        alone = np.concatenate([nat.matmul(X[i:i + 1], w, rowwise=rowwise) for i in range(37)])
+        for n in (2, 5, 16, 17, 37):
             got = nat.matmul(X[:n], w, rowwise=rowwise)
             np.testing.assert_array_equal(got.view(np.uint32), alone[:n].view(np.uint32))
 
@@ -141,7 +143,9 @@ def test_tiny_model_prefill_equals_token_by_token(tmp_path, name):
     steps = [m.forward(ids[:3], cache)] + [m.forward(ids[i:i + 1], cache) for i in range(3, len(ids))]
     step = np.stack(steps)
     assert np.isfinite(full).all() and np.std(full) > 0.1
-    # the matmuls give every row the same bits either way; attention and the f16 KV differ
-    # between the prefill and decode paths by rounding only
+    # prefill (GEMM) and decode (vec-dot) kernels, attention and the f16 KV differ by f32
+    # rounding: measured 2e-7..9e-7 of the largest logit, but where a difference flips one
+    # 8-bit activation's rounding in a later matmul, up to 9e-3 (IQ3_XXS, this seed; these
+    # models' native logits are 2-4% off float64, as Q4_K's); a wrong row or position is O(1)
     err = np.abs(step - full[2:]).max() / np.abs(full).max()
-    assert err < 1e-4, err
+    assert err < 3e-2, err
