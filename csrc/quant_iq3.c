@@ -159,7 +159,7 @@ AVX2 float mf_vd_iq1_s_avx2(const uint8_t *w, const void *xv, int64_t nb) {
             const __m256i y = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(x[b].qs + 32 * ib)), g);
             sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(one8, y), _mm256_set1_epi16((short)ls)));
             const int s = x[b].bsums[2 * ib] + x[b].bsums[2 * ib + 1];
-            sumd += qh & 0x8000 ? -ls * s : ls * s;
+            sumd += ls * s * (1 - (int)((qh >> 14) & 2)); /* arithmetic, not a branch on random bits */
         }
         const __m256i tot = _mm256_add_epi32(_mm256_slli_epi32(sumi, 3), _mm256_setr_epi32(sumd, 0, 0, 0, 0, 0, 0, 0));
         acc = _mm256_fmadd_ps(_mm256_set1_ps(f16s(w) * x[b].d * 0.125f), _mm256_cvtepi32_ps(tot), acc);
@@ -261,7 +261,7 @@ AVX2 void mf_up_iq1_s(const uint8_t *w, mf_kblk *o) {
         const unsigned qh = rd16(w + 34 + 2 * ib);
         s16[2 * ib] = s16[2 * ib + 1] = (int16_t)(2 * ((qh >> 12) & 7) + 1);
         const __m256i g = g1x4(rd32(w + 2 + 4 * ib), _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)(qh << 8)), _mm_setr_epi32(0, 3, 6, 9)), _mm_set1_epi32(0x700)));
-        _mm256_storeu_si256((__m256i *)(o->q + 32 * ib), iq1_u(g, _mm256_set1_epi8(qh & 0x8000 ? -1 : 1)));
+        _mm256_storeu_si256((__m256i *)(o->q + 32 * ib), iq1_u(g, _mm256_set1_epi8((char)(1 - (int)((qh >> 14) & 2)))));
     }
     put_scales(o, s16, 9);
     o->d = o->dc = f16s(w) * 0.125f;
@@ -369,7 +369,7 @@ VNNI float mf_vd_iq1_s_avx512(const uint8_t *w, const void *xv, int64_t nb) {
             for (int k = 0; k < 2; k++) {
                 const unsigned q = (h2 >> (16 * k)) & 0xFFFF;
                 const int ib = 2 * j + k, l = (int)(2 * ((q >> 12) & 7) + 1), S = x[b].bsums[2 * ib] + x[b].bsums[2 * ib + 1];
-                corr += l * S * (q & 0x8000 ? -9 : -7);
+                corr += l * S * (-7 - (int)((q >> 14) & 2));
             }
         }
         sumi = _mm512_add_epi32(_mm512_slli_epi32(sumi, 3), _mm512_zextsi128_si512(_mm_cvtsi32_si128(corr)));
