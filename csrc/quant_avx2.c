@@ -433,6 +433,7 @@ mf_vecdot_fn mf_vecdot_avx2[T_MAX] = {
     [T_Q8_0] = vd_q8_0, [T_IQ4_NL] = vd_iq4_nl, [T_Q2_K] = vd_q2_k, [T_Q3_K] = vd_q3_k,
     [T_Q4_K] = vd_q4_k, [T_Q5_K] = vd_q5_k, [T_Q6_K] = vd_q6_k, [T_IQ4_XS] = vd_iq4_xs,
     [T_IQ2_XXS] = mf_vd_iq2_xxs_avx2, [T_IQ2_XS] = mf_vd_iq2_xs_avx2, [T_IQ2_S] = mf_vd_iq2_s_avx2,
+    [T_IQ3_XXS] = mf_vd_iq3_xxs_avx2, [T_IQ3_S] = mf_vd_iq3_s_avx2, [T_IQ1_S] = mf_vd_iq1_s_avx2, [T_IQ1_M] = mf_vd_iq1_m_avx2,
 };
 
 /* ---------------- prefill: K-quant rows unpacked once, dotted with 4 X rows at a time ------
@@ -532,6 +533,7 @@ AVX2 static void up_q2_k(const uint8_t *w, mf_kblk *o) {
 mf_kunpack_fn mf_kunpack_avx2[T_MAX] = {
     [T_Q2_K] = up_q2_k, [T_Q3_K] = up_q3_k, [T_Q4_K] = up_q4_k, [T_Q5_K] = up_q5_k, [T_Q6_K] = up_q6_k,
     [T_IQ2_XXS] = mf_up_iq2_xxs, [T_IQ2_XS] = mf_up_iq2_xs, [T_IQ2_S] = mf_up_iq2_s,
+    [T_IQ3_XXS] = mf_up_iq3_xxs, [T_IQ3_S] = mf_up_iq3_s, [T_IQ1_S] = mf_up_iq1_s, [T_IQ1_M] = mf_up_iq1_m,
 };
 
 /* unpacked W row (nb blocks) x M prepared X rows (stride xs bytes) -> out[M] */

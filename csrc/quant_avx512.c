@@ -541,12 +541,14 @@ mf_vecdot_fn mf_vecdot_avx512[T_MAX] = {
     [T_Q8_0] = vd_q8_0, [T_Q3_K] = vd_q3_k,
     [T_Q4_K] = vd_q4_k, [T_Q5_K] = vd_q5_k, [T_Q6_K] = vd_q6_k,
     [T_IQ2_XXS] = mf_vd_iq2_xxs_avx512, [T_IQ2_XS] = mf_vd_iq2_xs_avx512, [T_IQ2_S] = mf_vd_iq2_s_avx512,
+    [T_IQ3_XXS] = mf_vd_iq3_xxs_avx512, [T_IQ3_S] = mf_vd_iq3_s_avx512, [T_IQ1_S] = mf_vd_iq1_s_avx512, [T_IQ1_M] = mf_vd_iq1_m_avx512,
 };
 int mf_xfmt_avx512[T_MAX] = {
     [T_Q4_0] = XF_Q8_32, [T_Q8_0] = XF_Q8_32, [T_Q3_K] = XF_Q8_256, [T_Q5_0] = XF_Q8_32,
     [T_Q4_1] = XF_Q8_32, [T_Q5_1] = XF_Q8_32,
     [T_Q4_K] = XF_Q8_256, [T_Q5_K] = XF_Q8_256, [T_Q6_K] = XF_Q8_256,
     [T_IQ2_XXS] = XF_Q8_256, [T_IQ2_XS] = XF_Q8_256, [T_IQ2_S] = XF_Q8_256,
+    [T_IQ3_XXS] = XF_Q8_256, [T_IQ3_S] = XF_Q8_256, [T_IQ1_S] = XF_Q8_256, [T_IQ1_M] = XF_Q8_256,
 };
 
 /* ---------------- prefill, 32-element types: the AVX2 bdot kernels with vpdpbusd ----------

@@ -142,6 +142,27 @@ void mf_kgemm_avx512(const mf_kw *const *w, int R, int g32, int64_t nb, const mf
                      const mf_xband *x1, float *out);
 void mf_kgemm4_avx512(const mf_kw *const *w, int R, int g32, int64_t nb, const mf_xband *x0, float *out);
 
+/* IQ3_XXS, IQ3_S, IQ1_S, IQ1_M (quant_iq3.c): one-block dequantizers (quant.c dq_table) and
+ * AVX2 vec-dots x Q8_K (mf_vecdot_avx2) */
+void mf_dq_iq3_xxs(const uint8_t *b, float *y);
+void mf_dq_iq3_s(const uint8_t *b, float *y);
+void mf_dq_iq1_s(const uint8_t *b, float *y);
+void mf_dq_iq1_m(const uint8_t *b, float *y);
+float mf_vd_iq3_xxs_avx2(const uint8_t *w, const void *x, int64_t nb);
+float mf_vd_iq3_s_avx2(const uint8_t *w, const void *x, int64_t nb);
+float mf_vd_iq1_s_avx2(const uint8_t *w, const void *x, int64_t nb);
+float mf_vd_iq1_m_avx2(const uint8_t *w, const void *x, int64_t nb);
+/* prefill: blocks unpacked for the K-quant GEMMs (mf_kunpack_avx2) */
+void mf_up_iq3_xxs(const uint8_t *w, mf_kblk *o);
+void mf_up_iq3_s(const uint8_t *w, mf_kblk *o);
+void mf_up_iq1_s(const uint8_t *w, mf_kblk *o);
+void mf_up_iq1_m(const uint8_t *w, mf_kblk *o);
+/* AVX-512 VNNI forms (mf_vecdot_avx512, activations XF_Q8_256) */
+float mf_vd_iq3_xxs_avx512(const uint8_t *w, const void *x, int64_t nb);
+float mf_vd_iq3_s_avx512(const uint8_t *w, const void *x, int64_t nb);
+float mf_vd_iq1_s_avx512(const uint8_t *w, const void *x, int64_t nb);
+float mf_vd_iq1_m_avx512(const uint8_t *w, const void *x, int64_t nb);
+
 /* per-thread scratch that grows: 64-byte aligned, at least `bytes`; NULL when out of memory */
 typedef struct { void *p; size_t cap; } tl_scratch;
 static inline void *tl_reserve(tl_scratch *s, size_t bytes) {

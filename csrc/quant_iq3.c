@@ -1,0 +1,418 @@
+/* IQ3_XXS, IQ3_S, IQ1_S, IQ1_M (ggml-common.h block layouts): scalar dequantizers, bit-exact
+ * with gguf-py (the same float32 operations in the same order), and AVX2 vec-dots against Q8_K
+ * activations (mf_q8_256), ggml's vec_dot_type for these types. The vec-dots sum each block in
+ * exact integers and scale once per block, as ggml's do. */
+#include "quant_common.h"
+#include "simd_x86.h"
+
+#include <immintrin.h>
+#include <string.h>
+
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+
+static inline uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline unsigned rd16(const uint8_t *p) { return (unsigned)(p[0] | (p[1] << 8)); }
+/* IQ1_M's f16 d: the top nibbles of its four u16 scale words (bytes 48..55) */
+static inline unsigned iq1m_d16(const uint8_t *b) {
+    return (rd16(b + 48) >> 12) | ((rd16(b + 50) >> 8) & 0x00F0) | ((rd16(b + 52) >> 4) & 0x0F00) | (rd16(b + 54) & 0xF000);
+}
+/* the 8 sign bits of IQ3_XXS's group l (of 8 values) in a sub-block's u32 */
+static inline unsigned iq3xxs_signs(uint32_t aux, int l) { return mf_ksigns_iq2xs[(aux >> (7 * l)) & 127]; }
+
+/* ---------------- dequantize, one block ---------------- */
+
+/* 98 B: d f16 | qs[64] grid indexes (4 values each) | 8 u32, one per 32 values: 4 x 7-bit
+ * ksigns indexes (8 values each), the scale ls in bits 28..31; x = d*(0.5+ls)*0.5*grid*sign */
+void mf_dq_iq3_xxs(const uint8_t *b, float *y) {
+    const float d = mf_f16(b);
+    const uint8_t *qs = b + 2;
+    for (int ib = 0; ib < 8; ib++) {
+        const uint32_t aux = rd32(b + 66 + 4 * ib);
+        const float db = d * (0.5f + (float)(aux >> 28)) * 0.5f;
+        for (int k = 0; k < 32; k++) {
+            const float v = db * (float)mf_grid_iq3xxs[4 * qs[8 * ib + k / 4] + k % 4];
+            y[32 * ib + k] = (iq3xxs_signs(aux, k / 8) >> (k % 8)) & 1 ? -v : v;
+        }
+    }
+}
+
+/* 110 B: d f16 | qs[64] low 8 bits of the 9-bit grid indexes | qh[8] (bit k of qh[i]: index
+ * 8i+k's 9th bit) | signs[32] (one bit per value) | scales[4] (a nibble per 32 values);
+ * x = d*(1+2*sc)*grid*sign */
+void mf_dq_iq3_s(const uint8_t *b, float *y) {
+    const float d = mf_f16(b);
+    for (int ib = 0; ib < 8; ib++) {
+        const float db = d * (float)(1 + 2 * ((b[106 + ib / 2] >> (4 * (ib % 2))) & 0xF));
+        const unsigned qh = b[66 + ib];
+        const uint32_t sg = rd32(b + 74 + 4 * ib);
+        for (int k = 0; k < 32; k++) {
+            const int i = k / 4, idx = b[2 + 8 * ib + i] | (((qh >> i) & 1) << 8);
+            const float v = db * (float)mf_grid_iq3s[4 * idx + k % 4];
+            y[32 * ib + k] = (sg >> k) & 1 ? -v : v;
+        }
+    }
+}
+
+/* 50 B: d f16 | qs[32] low 8 bits of the 11-bit grid indexes (8 values each) | qh[8] u16, one
+ * per 32 values: 3 high index bits per group of 8, the scale s in bits 12..14, the delta's sign
+ * in bit 15; x = d*(2s+1) * (grid + delta), delta = +-1/8 */
+void mf_dq_iq1_s(const uint8_t *b, float *y) {
+    const float d = mf_f16(b);
+    for (int ib = 0; ib < 8; ib++) {
+        const unsigned qh = rd16(b + 34 + 2 * ib);
+        const float dl = d * (float)(2 * ((qh >> 12) & 7) + 1), delta = qh & 0x8000 ? -0.125f : 0.125f;
+        for (int l = 0; l < 4; l++) {
+            const int8_t *g = mf_grid_iq1s + 8 * (b[2 + 4 * ib + l] | (((qh >> (3 * l)) & 7) << 8));
+            for (int j = 0; j < 8; j++) y[32 * ib + 8 * l + j] = dl * ((float)g[j] + delta);
+        }
+    }
+}
+
+/* 56 B: qs[32] as IQ1_S | qh[16] (per nibble, one group of 8: 3 high index bits, bit 3 the
+ * delta's sign) | scales: 4 u16 of 4 x 3-bit scales (one per 16 values), d f16 in their top
+ * nibbles; x = d*(2s+1) * (grid + delta) */
+void mf_dq_iq1_m(const uint8_t *b, float *y) {
+    const float d = mf_f16_table[iq1m_d16(b)];
+    for (int g8 = 0; g8 < 32; g8++) { /* groups of 8 values */
+        const unsigned h = (b[32 + g8 / 2] >> (4 * (g8 % 2))) & 0xF, k = (unsigned)g8 / 2; /* k: scale */
+        const unsigned s = (rd16(b + 48 + 2 * (k / 4)) >> (3 * (k % 4))) & 7;
+        const float dl = d * (float)(2 * s + 1), delta = h & 8 ? -0.125f : 0.125f;
+        const int8_t *g = mf_grid_iq1s + 8 * (b[g8] | ((h & 7) << 8));
+        for (int j = 0; j < 8; j++) y[8 * g8 + j] = dl * ((float)g[j] + delta);
+    }
+}
+
+/* ---------------- AVX2 vec-dots x Q8_K ---------------- */
+
+AVX2 static inline float f16s(const uint8_t *p) { return _cvtsh_ss((unsigned short)rd16(p)); }
+/* 32 bits -> 32 bytes, -1 where the bit is set, else +1 (for sign_epi8) */
+AVX2 static inline __m256i sign32(uint32_t bits) {
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                           0x0101010101010101, 0x0000000000000000);
+    __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), shuf);
+    b = _mm256_or_si256(b, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_or_si256(_mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(1));
+}
+/* IQ1_S/IQ1_M: 4 grid rows of 8 values (11-bit indexes: low bytes q4 | high bits hi) */
+AVX2 static inline __m256i g1x4(uint32_t q4, __m128i hi) {
+    const __m128i idx = _mm_or_si128(_mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)q4)), hi);
+    return _mm256_i32gather_epi64((const long long *)(const void *)mf_grid_iq1s, idx, 8);
+}
+
+/* sum over sub-blocks of (2 ls + 1) * (unsigned grid . signed q8) in int32 lanes; x 0.25 d dx */
+AVX2 float mf_vd_iq3_xxs_avx2(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_256 *x = xv;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += 98) {
+        const uint8_t *qs = w + 2;
+        __m256i sumi = _mm256_setzero_si256();
+        for (int ib = 0; ib < 8; ib++, qs += 8) {
+            const uint32_t aux = rd32(w + 66 + 4 * ib);
+            const __m256i g = _mm256_i32gather_epi32((const int *)(const void *)mf_grid_iq3xxs,
+                                                     _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs)), 4);
+            const uint32_t sg = iq3xxs_signs(aux, 0) | iq3xxs_signs(aux, 1) << 8 | iq3xxs_signs(aux, 2) << 16 |
+                                (uint32_t)iq3xxs_signs(aux, 3) << 24;
+            const __m256i y = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(x[b].qs + 32 * ib)), sign32(sg));
+            const __m256i p = _mm256_maddubs_epi16(g, y); /* grid <= 62: pair sums < 2^15 */
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, _mm256_set1_epi16((short)(2 * (aux >> 28) + 1))));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16s(w) * x[b].d * 0.25f), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    return hsum_ps(acc);
+}
+
+AVX2 float mf_vd_iq3_s_avx2(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_256 *x = xv;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += 110) {
+        __m256i sumi = _mm256_setzero_si256();
+        for (int ib = 0; ib < 8; ib++) {
+            const uint8_t *qs = w + 2 + 8 * ib;
+            const unsigned qh = w[66 + ib];
+            const __m256i hi = _mm256_and_si256(_mm256_sllv_epi32(_mm256_set1_epi32((int)qh), _mm256_setr_epi32(8, 7, 6, 5, 4, 3, 2, 1)), _mm256_set1_epi32(256));
+            const __m256i idx = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs)), hi);
+            const __m256i g = _mm256_i32gather_epi32((const int *)(const void *)mf_grid_iq3s, idx, 4);
+            const __m256i y = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(x[b].qs + 32 * ib)), sign32(rd32(w + 74 + 4 * ib)));
+            const __m256i p = _mm256_maddubs_epi16(g, y);
+            const int sc = 1 + 2 * ((w[106 + ib / 2] >> (4 * (ib % 2))) & 0xF);
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, _mm256_set1_epi16((short)sc)));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16s(w) * x[b].d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    return hsum_ps(acc);
+}
+
+/* grid . q8 via sign_epi8 (grid in -1/0/1); the delta per 32 values from bsums:
+ * 8 * sum (2s+1) grid.q8 + sum (2s+1) (+-1) sum(q8) in int32, x d dx / 8 */
+AVX2 float mf_vd_iq1_s_avx2(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_256 *x = xv;
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i one8 = _mm256_set1_epi8(1);
+    for (int64_t b = 0; b < nb; b++, w += 50) {
+        const uint8_t *qs = w + 2;
+        __m256i sumi = _mm256_setzero_si256();
+        int sumd = 0;
+        for (int ib = 0; ib < 8; ib++, qs += 4) {
+            const unsigned qh = rd16(w + 34 + 2 * ib);
+            const int ls = (int)(2 * ((qh >> 12) & 7) + 1);
+            const __m256i g = g1x4(rd32(qs), _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)(qh << 8)), _mm_setr_epi32(0, 3, 6, 9)), _mm_set1_epi32(0x700)));
+            const __m256i y = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(x[b].qs + 32 * ib)), g);
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(one8, y), _mm256_set1_epi16((short)ls)));
+            const int s = x[b].bsums[2 * ib] + x[b].bsums[2 * ib + 1];
+            sumd += ls * s * (1 - (int)((qh >> 14) & 2)); /* arithmetic, not a branch on random bits */
+        }
+        const __m256i tot = _mm256_add_epi32(_mm256_slli_epi32(sumi, 3), _mm256_setr_epi32(sumd, 0, 0, 0, 0, 0, 0, 0));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16s(w) * x[b].d * 0.125f), _mm256_cvtepi32_ps(tot), acc);
+    }
+    return hsum_ps(acc);
+}
+
+/* the delta per 8 values: a = 8*grid +- 1 (|a| <= 9) dotted with q8, scales per 16 values;
+ * x d dx / 8 */
+AVX2 float mf_vd_iq1_m_avx2(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_256 *x = xv;
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i eight = _mm256_set1_epi8(8), one8 = _mm256_set1_epi8(1), all = _mm256_set1_epi8(-1);
+    /* int16 lane k of the block's scale vector: u16 word k/4 (bytes 2(k/4), +1) */
+    const __m256i sc_shuf = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3,
+                                             4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7);
+    const __m256i sc_mul = _mm256_setr_epi16(1 << 13, 1 << 10, 1 << 7, 1 << 4, 1 << 13, 1 << 10, 1 << 7, 1 << 4,
+                                             1 << 13, 1 << 10, 1 << 7, 1 << 4, 1 << 13, 1 << 10, 1 << 7, 1 << 4);
+    /* per sub-block ib (within 4): low 128 lane the word of scale 2ib, high lane of 2ib+1 */
+    const __m256i pick = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                          2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+    for (int64_t b = 0; b < nb; b++, w += 56) {
+        uint64_t sc;
+        memcpy(&sc, w + 48, 8);
+        /* 16 scales 2s+1 as int16, lane k = 2 ib + half: (word >> 3 (k%4)) & 7 via << (13 - 3 (k%4)), >> 13 */
+        __m256i s16 = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(_mm256_set1_epi64x((long long)sc), sc_shuf), sc_mul), 13);
+        s16 = _mm256_or_si256(_mm256_add_epi16(s16, s16), _mm256_set1_epi16(1));
+        const __m256i slo = _mm256_permute2x128_si256(s16, s16, 0x00), shi = _mm256_permute2x128_si256(s16, s16, 0x11);
+        __m256i sumi = _mm256_setzero_si256();
+        for (int ib = 0; ib < 8; ib++) {
+            const uint8_t *qs = w + 4 * ib;
+            const unsigned hh = rd16(w + 32 + 2 * ib);
+            const __m128i nib = _mm_srlv_epi32(_mm_set1_epi32((int)(hh << 8)), _mm_setr_epi32(0, 4, 8, 12));
+            const __m256i g = g1x4(rd32(qs), _mm_and_si128(nib, _mm_set1_epi32(0x700)));
+            /* delta sign bit (nibble bit 3, at bit 11 of nib) -> -1 bytes where set, else +1 */
+            const __m256i dbit = _mm256_cvtepu32_epi64(_mm_and_si128(nib, _mm_set1_epi32(0x800)));
+            const __m256i dl = _mm256_or_si256(_mm256_xor_si256(_mm256_cmpeq_epi64(dbit, _mm256_setzero_si256()), all), one8);
+            const __m256i a = _mm256_add_epi8(_mm256_sign_epi8(eight, g), dl);
+            const __m256i y = _mm256_loadu_si256((const __m256i *)(x[b].qs + 32 * ib));
+            const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(a), _mm256_sign_epi8(y, a));
+            const __m256i sv = _mm256_shuffle_epi8(ib < 4 ? slo : shi, _mm256_add_epi8(pick, _mm256_set1_epi8((char)(4 * (ib % 4)))));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, sv));
+        }
+        const float d = mf_f16_table[iq1m_d16(w)];
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x[b].d * 0.125f), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    return hsum_ps(acc);
+}
+
+/* ---------------- prefill: blocks unpacked for the K-quant GEMMs (mf_kblk) ----------------
+ * Signed codes become unsigned by an offset folded into cc . bsums: IQ3_XXS q = grid*sign + 64
+ * (2..126: maddubs pair sums stay below 2^15), IQ3_S + 16, IQ1_S/IQ1_M q = 8 grid +- 1 + 9 (0..18)
+ * with d / 8. sv: the sub-block scales per 16 values, cc = -offset * scale. */
+AVX2 static inline void put_scales(mf_kblk *o, const int16_t s16[16], int off) {
+    for (int c = 0; c < 8; c++)
+        _mm256_storeu_si256((__m256i *)o->sv[c], _mm256_set_m128i(_mm_set1_epi16(s16[2 * c + 1]), _mm_set1_epi16(s16[2 * c])));
+    for (int i = 0; i < 16; i++) o->cc[i] = (int16_t)(-off * s16[i]);
+}
+
+AVX2 void mf_up_iq3_xxs(const uint8_t *w, mf_kblk *o) {
+    int16_t s16[16];
+    const __m256i off = _mm256_set1_epi8(64);
+    for (int ib = 0; ib < 8; ib++) {
+        const uint32_t aux = rd32(w + 66 + 4 * ib);
+        s16[2 * ib] = s16[2 * ib + 1] = (int16_t)(2 * (aux >> 28) + 1);
+        const __m256i g = _mm256_i32gather_epi32((const int *)(const void *)mf_grid_iq3xxs,
+                                                 _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + 2 + 8 * ib))), 4);
+        const uint32_t sg = iq3xxs_signs(aux, 0) | iq3xxs_signs(aux, 1) << 8 | iq3xxs_signs(aux, 2) << 16 |
+                            (uint32_t)iq3xxs_signs(aux, 3) << 24;
+        _mm256_storeu_si256((__m256i *)(o->q + 32 * ib), _mm256_add_epi8(_mm256_sign_epi8(g, sign32(sg)), off));
+    }
+    put_scales(o, s16, 64);
+    o->d = o->dc = f16s(w) * 0.25f;
+}
+
+AVX2 void mf_up_iq3_s(const uint8_t *w, mf_kblk *o) {
+    int16_t s16[16];
+    const __m256i off = _mm256_set1_epi8(16);
+    for (int ib = 0; ib < 8; ib++) {
+        s16[2 * ib] = s16[2 * ib + 1] = (int16_t)(1 + 2 * ((w[106 + ib / 2] >> (4 * (ib % 2))) & 0xF));
+        const unsigned qh = w[66 + ib];
+        const __m256i hi = _mm256_and_si256(_mm256_sllv_epi32(_mm256_set1_epi32((int)qh), _mm256_setr_epi32(8, 7, 6, 5, 4, 3, 2, 1)), _mm256_set1_epi32(256));
+        const __m256i idx = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + 2 + 8 * ib))), hi);
+        const __m256i g = _mm256_i32gather_epi32((const int *)(const void *)mf_grid_iq3s, idx, 4);
+        _mm256_storeu_si256((__m256i *)(o->q + 32 * ib), _mm256_add_epi8(_mm256_sign_epi8(g, sign32(rd32(w + 74 + 4 * ib))), off));
+    }
+    put_scales(o, s16, 16);
+    o->d = o->dc = f16s(w);
+}
+
+/* 8 grid +- 1 + 9 of 4 groups: g from g1x4, dl the delta's sign per group (-1 or +1 bytes) */
+AVX2 static inline __m256i iq1_u(__m256i g, __m256i dl) {
+    return _mm256_add_epi8(_mm256_add_epi8(_mm256_sign_epi8(_mm256_set1_epi8(8), g), dl), _mm256_set1_epi8(9));
+}
+
+AVX2 void mf_up_iq1_s(const uint8_t *w, mf_kblk *o) {
+    int16_t s16[16];
+    for (int ib = 0; ib < 8; ib++) {
+        const unsigned qh = rd16(w + 34 + 2 * ib);
+        s16[2 * ib] = s16[2 * ib + 1] = (int16_t)(2 * ((qh >> 12) & 7) + 1);
+        const __m256i g = g1x4(rd32(w + 2 + 4 * ib), _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)(qh << 8)), _mm_setr_epi32(0, 3, 6, 9)), _mm_set1_epi32(0x700)));
+        _mm256_storeu_si256((__m256i *)(o->q + 32 * ib), iq1_u(g, _mm256_set1_epi8((char)(1 - (int)((qh >> 14) & 2)))));
+    }
+    put_scales(o, s16, 9);
+    o->d = o->dc = f16s(w) * 0.125f;
+}
+
+AVX2 void mf_up_iq1_m(const uint8_t *w, mf_kblk *o) {
+    int16_t s16[16];
+    for (int k = 0; k < 16; k++) s16[k] = (int16_t)(2 * ((rd16(w + 48 + 2 * (k / 4)) >> (3 * (k % 4))) & 7) + 1);
+    const __m256i all = _mm256_set1_epi8(-1), one8 = _mm256_set1_epi8(1);
+    for (int ib = 0; ib < 8; ib++) {
+        const __m128i nib = _mm_srlv_epi32(_mm_set1_epi32((int)(rd16(w + 32 + 2 * ib) << 8)), _mm_setr_epi32(0, 4, 8, 12));
+        const __m256i g = g1x4(rd32(w + 4 * ib), _mm_and_si128(nib, _mm_set1_epi32(0x700)));
+        const __m256i dbit = _mm256_cvtepu32_epi64(_mm_and_si128(nib, _mm_set1_epi32(0x800)));
+        const __m256i dl = _mm256_or_si256(_mm256_xor_si256(_mm256_cmpeq_epi64(dbit, _mm256_setzero_si256()), all), one8);
+        _mm256_storeu_si256((__m256i *)(o->q + 32 * ib), iq1_u(g, dl));
+    }
+    put_scales(o, s16, 9);
+    o->d = o->dc = mf_f16_table[iq1m_d16(w)] * 0.125f;
+}
+
+/* ---------------- AVX-512 VNNI vec-dots x Q8_K: two sub-blocks (64 values) per zmm ---------
+ * grid rows by 16-lane gathers, signs as a 64-bit mask (negate y where set), sub-block scales
+ * as int16 by vpdpwssd: the same exact integer block sums as the AVX2 kernels */
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")))
+
+/* int16 scale vector of sub-blocks 2j (lanes 0..15) and 2j+1 (16..31) from int32 lanes of s8
+ * (only its low 256 bits are read) */
+VNNI static inline __m512i pair_scales(__m512i s8, int j) {
+    const __m512i base = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_setzero_si512(), _mm512_set1_epi16(2));
+    return _mm512_permutexvar_epi16(_mm512_add_epi16(base, _mm512_set1_epi16((short)(4 * j))), s8);
+}
+
+VNNI float mf_vd_iq3_xxs_avx512(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_256 *x = xv;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += 98) {
+        const __m256i aux = _mm256_loadu_si256((const __m256i *)(w + 66));
+        const __m256i ls = _mm256_add_epi32(_mm256_slli_epi32(_mm256_srli_epi32(aux, 28), 1), _mm256_set1_epi32(1));
+        const __m512i s8 = _mm512_castsi256_si512(ls);
+        __m512i sumi = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) {
+            const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 2 + 16 * j)));
+            const __m512i g = _mm512_i32gather_epi32(idx, (const void *)mf_grid_iq3xxs, 4);
+            const uint32_t a0 = rd32(w + 66 + 8 * j), a1 = rd32(w + 70 + 8 * j);
+            const uint64_t sg = (uint64_t)(iq3xxs_signs(a0, 0) | iq3xxs_signs(a0, 1) << 8 | iq3xxs_signs(a0, 2) << 16 | (uint32_t)iq3xxs_signs(a0, 3) << 24) |
+                                (uint64_t)(iq3xxs_signs(a1, 0) | iq3xxs_signs(a1, 1) << 8 | iq3xxs_signs(a1, 2) << 16 | (uint32_t)iq3xxs_signs(a1, 3) << 24) << 32;
+            __m512i y = _mm512_loadu_si512((const void *)(x[b].qs + 64 * j));
+            y = _mm512_mask_sub_epi8(y, (__mmask64)sg, _mm512_setzero_si512(), y);
+            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(g, y), pair_scales(s8, j));
+        }
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(f16s(w) * x[b].d * 0.25f), _mm512_cvtepi32_ps(sumi), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+VNNI float mf_vd_iq3_s_avx512(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_256 *x = xv;
+    __m512 acc = _mm512_setzero_ps();
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t b = 0; b < nb; b++, w += 110) {
+        /* scale of sub-block ib: nibble ib of the 4 scale bytes, 1 + 2 s */
+        const __m256i sn = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)rd32(w + 106)), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)), _mm256_set1_epi32(15));
+        const __m512i s8 = _mm512_castsi256_si512(_mm256_add_epi32(_mm256_add_epi32(sn, sn), _mm256_set1_epi32(1)));
+        __m512i sumi = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) {
+            const __m512i hi = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)(rd16(w + 66 + 2 * j) << 8)), lane), _mm512_set1_epi32(256));
+            const __m512i idx = _mm512_or_si512(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 2 + 16 * j))), hi);
+            const __m512i g = _mm512_i32gather_epi32(idx, (const void *)mf_grid_iq3s, 4);
+            uint64_t sg;
+            memcpy(&sg, w + 74 + 8 * j, 8);
+            __m512i y = _mm512_loadu_si512((const void *)(x[b].qs + 64 * j));
+            y = _mm512_mask_sub_epi8(y, (__mmask64)sg, _mm512_setzero_si512(), y);
+            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(g, y), pair_scales(s8, j));
+        }
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(f16s(w) * x[b].d), _mm512_cvtepi32_ps(sumi), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* IQ1_S/IQ1_M: 8 grid rows (two sub-blocks) by one 8-lane 64-bit gather */
+VNNI static inline __m512i g1x8(const uint8_t *q8b, __m256i hi) {
+    const __m256i idx = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q8b)), hi);
+    return _mm512_i32gather_epi64(idx, (const void *)mf_grid_iq1s, 8);
+}
+
+/* unsigned grid+1 (0..2) . q8 by maddubs; grid . q8 = that - sum(q8), the delta +-sum(q8)/8:
+ * 8 * sum ls (grid+1).q8 + sum ls S (+-1 - 8), S from bsums; x d dx / 8 */
+VNNI float mf_vd_iq1_s_avx512(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_256 *x = xv;
+    __m512 acc = _mm512_setzero_ps();
+    const __m512i one8 = _mm512_set1_epi8(1);
+    for (int64_t b = 0; b < nb; b++, w += 50) {
+        const __m256i qh = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + 34)));
+        const __m256i ls = _mm256_add_epi32(_mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(qh, 12), _mm256_set1_epi32(7)), 1), _mm256_set1_epi32(1));
+        const __m512i s8 = _mm512_castsi256_si512(ls);
+        __m512i sumi = _mm512_setzero_si512();
+        int corr = 0;
+        for (int j = 0; j < 4; j++) {
+            const uint32_t h2 = rd32(w + 34 + 4 * j); /* qh of sub-blocks 2j (low half), 2j+1 */
+            const __m256i src = _mm256_sllv_epi32(_mm256_set1_epi32((int)h2), _mm256_setr_epi32(8, 8, 8, 8, 0, 0, 0, 0));
+            const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(src, _mm256_setr_epi32(0, 3, 6, 9, 8, 11, 14, 17)), _mm256_set1_epi32(0x700));
+            const __m512i g = _mm512_add_epi8(g1x8(w + 2 + 8 * j, hi), one8);
+            const __m512i y = _mm512_loadu_si512((const void *)(x[b].qs + 64 * j));
+            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(g, y), pair_scales(s8, j));
+            for (int k = 0; k < 2; k++) {
+                const unsigned q = (h2 >> (16 * k)) & 0xFFFF;
+                const int ib = 2 * j + k, l = (int)(2 * ((q >> 12) & 7) + 1), S = x[b].bsums[2 * ib] + x[b].bsums[2 * ib + 1];
+                corr += l * S * (-7 - (int)((q >> 14) & 2));
+            }
+        }
+        sumi = _mm512_add_epi32(_mm512_slli_epi32(sumi, 3), _mm512_zextsi128_si512(_mm_cvtsi32_si128(corr)));
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(f16s(w) * x[b].d * 0.125f), _mm512_cvtepi32_ps(sumi), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* u = 8 (grid+1) + (delta > 0 ? 2 : 0) = a + 9 with a = 8 grid +- 1 (IQ1_M's AVX2 form):
+ * sum sc u.q8 - 9 sum sc bsums, scales per 16 values as the bsums; x d dx / 8 */
+VNNI float mf_vd_iq1_m_avx512(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_256 *x = xv;
+    __m512 acc = _mm512_setzero_ps();
+    const __m512i one8 = _mm512_set1_epi8(1), two8 = _mm512_set1_epi8(2);
+    const __m256i sc_shuf = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3,
+                                             4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7);
+    const __m256i sc_mul = _mm256_setr_epi16(1 << 13, 1 << 10, 1 << 7, 1 << 4, 1 << 13, 1 << 10, 1 << 7, 1 << 4,
+                                             1 << 13, 1 << 10, 1 << 7, 1 << 4, 1 << 13, 1 << 10, 1 << 7, 1 << 4);
+    /* lanes of the pair's scale vector: 16-value group 4j + lane/8 */
+    const __m512i qsel = _mm512_set_epi64(3 * 0x0001000100010001LL, 3 * 0x0001000100010001LL, 2 * 0x0001000100010001LL, 2 * 0x0001000100010001LL,
+                                          0x0001000100010001LL, 0x0001000100010001LL, 0, 0);
+    for (int64_t b = 0; b < nb; b++, w += 56) {
+        uint64_t sc;
+        memcpy(&sc, w + 48, 8);
+        __m256i s16 = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(_mm256_set1_epi64x((long long)sc), sc_shuf), sc_mul), 13);
+        s16 = _mm256_or_si256(_mm256_add_epi16(s16, s16), _mm256_set1_epi16(1)); /* lane k: scale of values 16k.. */
+        const __m512i s16z = _mm512_castsi256_si512(s16);
+        const __m256i cs = _mm256_madd_epi16(s16, _mm256_loadu_si256((const __m256i *)x[b].bsums));
+        __m512i sumi = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) {
+            const __m256i nib = _mm256_srlv_epi32(_mm256_set1_epi32((int)rd32(w + 32 + 4 * j)), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+            const __m256i hi = _mm256_slli_epi32(_mm256_and_si256(nib, _mm256_set1_epi32(7)), 8);
+            const __mmask8 neg = _mm256_test_epi32_mask(nib, _mm256_set1_epi32(8));
+            const __m512i g = _mm512_add_epi8(g1x8(w + 8 * j, hi), one8);
+            const __m512i u = _mm512_add_epi8(_mm512_slli_epi16(g, 3), _mm512_maskz_mov_epi64((__mmask8)~neg, two8));
+            const __m512i y = _mm512_loadu_si512((const void *)(x[b].qs + 64 * j));
+            const __m512i sv = _mm512_permutexvar_epi16(_mm512_add_epi16(qsel, _mm512_set1_epi16((short)(4 * j))), s16z);
+            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(u, y), sv);
+        }
+        const __m256i c9 = _mm256_add_epi32(_mm256_slli_epi32(cs, 3), cs);
+        sumi = _mm512_sub_epi32(sumi, _mm512_zextsi256_si512(c9));
+        const float d = mf_f16_table[iq1m_d16(w)];
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(d * x[b].d * 0.125f), _mm512_cvtepi32_ps(sumi), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
