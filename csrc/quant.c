@@ -194,6 +194,7 @@ static const dq_fn dq_table[T_MAX] = {
     [T_Q4_0] = dq_q4_0, [T_Q4_1] = dq_q4_1, [T_Q5_0] = dq_q5_0, [T_Q5_1] = dq_q5_1,
     [T_Q8_0] = dq_q8_0, [T_IQ4_NL] = dq_iq4_nl, [T_Q2_K] = dq_q2_k, [T_Q3_K] = dq_q3_k,
     [T_Q4_K] = dq_q4_k, [T_Q5_K] = dq_q5_k, [T_Q6_K] = dq_q6_k, [T_IQ4_XS] = dq_iq4_xs,
+    [T_MXFP4] = mf_dq_mxfp4, [T_NVFP4] = mf_dq_nvfp4, [T_TQ1_0] = mf_dq_tq1_0, [T_TQ2_0] = mf_dq_tq2_0,
 };
 
 int mf_type_ok(int type) {

@@ -432,6 +432,7 @@ mf_vecdot_fn mf_vecdot_avx2[T_MAX] = {
     [T_Q4_0] = vd_q4_0, [T_Q4_1] = vd_q4_1, [T_Q5_0] = vd_q5_0, [T_Q5_1] = vd_q5_1,
     [T_Q8_0] = vd_q8_0, [T_IQ4_NL] = vd_iq4_nl, [T_Q2_K] = vd_q2_k, [T_Q3_K] = vd_q3_k,
     [T_Q4_K] = vd_q4_k, [T_Q5_K] = vd_q5_k, [T_Q6_K] = vd_q6_k, [T_IQ4_XS] = vd_iq4_xs,
+    [T_MXFP4] = mf_vd_mxfp4_avx2, [T_NVFP4] = mf_vd_nvfp4_avx2, [T_TQ1_0] = mf_vd_tq1_0_avx2, [T_TQ2_0] = mf_vd_tq2_0_avx2,
 };
 
 /* ---------------- prefill: K-quant rows unpacked once, dotted with 4 X rows at a time ------

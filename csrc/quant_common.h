@@ -63,6 +63,16 @@ typedef void (*mf_b32unpack_fn)(const uint8_t *w, mf_b32 *o);
 /* 4 consecutive W rows (row stride rb bytes) against one prepared X row -> out[4] */
 typedef void (*mf_vecdot4_fn)(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out);
 
+/* MXFP4, NVFP4, TQ1_0, TQ2_0 (quant_fp4tq.c): one-block dequantizers and the vec-dots */
+void mf_dq_mxfp4(const uint8_t *b, float *y);
+void mf_dq_nvfp4(const uint8_t *b, float *y);
+void mf_dq_tq1_0(const uint8_t *b, float *y);
+void mf_dq_tq2_0(const uint8_t *b, float *y);
+float mf_vd_mxfp4_avx2(const uint8_t *w, const void *x, int64_t nb);
+float mf_vd_nvfp4_avx2(const uint8_t *w, const void *x, int64_t nb);
+float mf_vd_tq1_0_avx2(const uint8_t *w, const void *x, int64_t nb);
+float mf_vd_tq2_0_avx2(const uint8_t *w, const void *x, int64_t nb);
+
 /* AVX2 (quant_avx2.c) */
 void mf_row_f32_avx2(int type, const uint8_t *w, float *dst, int64_t n);
 void mf_fgemm_avx2(const float *wf, int64_t nr, const float *x, int64_t m, int64_t cols, float *y, int64_t ys);

@@ -43,5 +43,6 @@ BY_NAME: dict[str, GGMLType] = {t.name: t for t in TYPES.values()}
 SUPPORTED_NAMES: tuple[str, ...] = (
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+    "MXFP4", "NVFP4", "TQ1_0", "TQ2_0",
 )
 SUPPORTED = frozenset(BY_NAME[n].id for n in SUPPORTED_NAMES)

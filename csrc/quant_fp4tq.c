@@ -1,0 +1,210 @@
+/* MXFP4, NVFP4, TQ1_0, TQ2_0 (ggml's block layouts): scalar dequantizers bit-exact with
+ * gguf-py (every value is a product of two exact f32 factors, as there), AVX2 integer
+ * vec-dots and AVX-512 VNNI forms.
+ *
+ * MXFP4 (17 B / 32): e8m0 e | qs[16]; x = 2^(e-128) * kv[nibble] (ggml_e8m0_to_fp32_half,
+ *   kv = kvalues_mxfp4 = 2 * E2M1); element j low nibble of qs[j], j+16 high. x Q8_0.
+ * NVFP4 (36 B / 64): d[4] UE4M3 (one per 16, x 0.5) | qs[32]; sub-block s: low nibbles of
+ *   qs[8s..8s+7] are elements 16s..16s+7, high nibbles 16s+8..16s+15. x Q8_0 (two per block).
+ * TQ1_0 (54 B / 256): qs[48] | qh[4] | d f16; base-3 digits: trit n of byte q is
+ *   ((uint8)(q * 3^n) * 3) >> 8; qs[m] (m < 32) -> elements 32n+m (n < 5), qs[32+m] (m < 16)
+ *   -> 160+16n+m (n < 5), qh[m] -> 240+4n+m (n < 4); x = d * (trit - 1). x Q8_K.
+ * TQ2_0 (66 B / 256): qs[64] | d f16; element 128j+32l+m = (qs[32j+m] >> 2l) & 3; x = d*(q-1). */
+#include "quant_common.h"
+#include "simd_x86.h"
+
+#include <immintrin.h>
+#include <string.h>
+
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx512dq,avx2,fma,f16c")))
+
+static const int8_t kv_fp4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* ggml_e8m0_to_fp32_half: 2^(e-128), subnormal for e < 2 */
+static inline float e8m0_half(uint8_t e) {
+    uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+/* ggml_ue4m3_to_fp32 (x 0.5, bit 7 ignored, 0x7F -> 0): the 7 bits placed as an f16's top
+ * exponent/mantissa bits give 2^-7 of the value exactly (normal and subnormal alike) */
+static inline float ue4m3_half(uint8_t x) {
+    if (x == 0x7F) return 0.0f;
+    return mf_f16_table[(uint32_t)(x & 0x7F) << 7] * 128.0f;
+}
+
+/* ---------------- dequantize one block ---------------- */
+
+void mf_dq_mxfp4(const uint8_t *b, float *y) {
+    const float d = e8m0_half(b[0]);
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)kv_fp4[b[1 + j] & 0xF];
+        y[j + 16] = d * (float)kv_fp4[b[1 + j] >> 4];
+    }
+}
+void mf_dq_nvfp4(const uint8_t *b, float *y) {
+    for (int s = 0; s < 4; s++) {
+        const float d = ue4m3_half(b[s]);
+        const uint8_t *q = b + 4 + 8 * s;
+        for (int j = 0; j < 8; j++) {
+            y[16 * s + j] = d * (float)kv_fp4[q[j] & 0xF];
+            y[16 * s + 8 + j] = d * (float)kv_fp4[q[j] >> 4];
+        }
+    }
+}
+static inline int trit(uint8_t q, int n) {
+    static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
+    const uint8_t v = (uint8_t)(q * pow3[n]);
+    return ((v * 3) >> 8) - 1;
+}
+void mf_dq_tq1_0(const uint8_t *b, float *y) {
+    const float d = mf_f16(b + 52);
+    for (int n = 0; n < 5; n++)
+        for (int m = 0; m < 32; m++) y[32 * n + m] = d * (float)trit(b[m], n);
+    for (int n = 0; n < 5; n++)
+        for (int m = 0; m < 16; m++) y[160 + 16 * n + m] = d * (float)trit(b[32 + m], n);
+    for (int n = 0; n < 4; n++)
+        for (int m = 0; m < 4; m++) y[240 + 4 * n + m] = d * (float)trit(b[48 + m], n);
+}
+void mf_dq_tq2_0(const uint8_t *b, float *y) {
+    const float d = mf_f16(b + 64);
+    for (int j = 0; j < 2; j++)
+        for (int l = 0; l < 4; l++)
+            for (int m = 0; m < 32; m++) y[128 * j + 32 * l + m] = d * (float)(((b[32 * j + m] >> (2 * l)) & 3) - 1);
+}
+
+/* ---------------- AVX2 ---------------- */
+
+/* signed x signed bytes -> 16 pair sums via |a| * sign(b, a) (|a| <= 12: no saturation) */
+AVX2 static inline __m256i fp4_dot(__m256i a, __m256i b) {
+    return _mm256_maddubs_epi16(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
+}
+AVX2 static inline __m256i kv_fp4_256(void) {
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kv_fp4));
+}
+
+/* per block: the int32 lanes of the 32-value dot, times 2^(e-128) * dx (one FMA) */
+AVX2 float mf_vd_mxfp4_avx2(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_32 *x = xv;
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1), kv = kv_fp4_256(), m4 = _mm256_set1_epi8(0xF);
+    for (int64_t b = 0; b < nb; b++, w += 17) {
+        const __m128i t = _mm_loadu_si128((const __m128i *)(w + 1));
+        const __m256i q = _mm256_shuffle_epi8(kv, _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), m4));
+        const __m256i p = _mm256_madd_epi16(fp4_dot(q, _mm256_loadu_si256((const __m256i *)x[b].qs)), ones);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(e8m0_half(w[0]) * x[b].d), _mm256_cvtepi32_ps(p), acc);
+    }
+    return hsum_ps(acc);
+}
+
+/* the 4 UE4M3 scales of an NVFP4 block (x 0.5) -> 4 floats (see ue4m3_half) */
+AVX2 static inline __m128 ue4m3_4(const uint8_t *p) {
+    uint32_t u;
+    memcpy(&u, p, 4);
+    const __m128i b = _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)u));
+    const __m128i h = _mm_slli_epi32(_mm_and_si128(b, _mm_set1_epi32(0x7F)), 7);
+    const __m128 d = _mm_mul_ps(_mm_cvtph_ps(_mm_packus_epi32(h, h)), _mm_set1_ps(128.0f));
+    return _mm_andnot_ps(_mm_castsi128_ps(_mm_cmpeq_epi32(b, _mm_set1_epi32(0x7F))), d);
+}
+
+/* one NVFP4 block's 64 values as two 32-byte vectors in element order (the two Q8_0 blocks) */
+AVX2 static inline void nvfp4_vals(const uint8_t *w, __m256i kv, __m256i *a, __m256i *b) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 4));
+    const __m256i lo = _mm256_shuffle_epi8(kv, _mm256_and_si256(q, m4));
+    const __m256i hi = _mm256_shuffle_epi8(kv, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
+    const __m256i v0 = _mm256_unpacklo_epi64(lo, hi), v1 = _mm256_unpackhi_epi64(lo, hi); /* [s0|s2], [s1|s3] */
+    *a = _mm256_permute2x128_si256(v0, v1, 0x20);
+    *b = _mm256_permute2x128_si256(v0, v1, 0x31);
+}
+
+/* per block: 4 sub-block int32 lane groups, each times d_s * dx of its Q8_0 block */
+AVX2 float mf_vd_nvfp4_avx2(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_32 *x = xv;
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1), kv = kv_fp4_256();
+    const __m256i i01 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), i23 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+    for (int64_t b = 0; b < nb; b++, w += 36) {
+        const mf_q8_32 *y = x + 2 * b;
+        const __m128 s = _mm_mul_ps(ue4m3_4(w), _mm_setr_ps(y[0].d, y[0].d, y[1].d, y[1].d));
+        const __m256 s8 = _mm256_castps128_ps256(s);
+        __m256i va, vb;
+        nvfp4_vals(w, kv, &va, &vb);
+        const __m256i pa = _mm256_madd_epi16(fp4_dot(va, _mm256_loadu_si256((const __m256i *)y[0].qs)), ones);
+        const __m256i pb = _mm256_madd_epi16(fp4_dot(vb, _mm256_loadu_si256((const __m256i *)y[1].qs)), ones);
+        acc = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(s8, i01), _mm256_cvtepi32_ps(pa), acc);
+        acc = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(s8, i23), _mm256_cvtepi32_ps(pb), acc);
+    }
+    return hsum_ps(acc);
+}
+
+/* the 256 activation values of a Q8_K block summed into 8 int32 lanes */
+AVX2 static inline __m256i q8k_sum8(const mf_q8_256 *x) {
+    return _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)x->bsums), _mm256_set1_epi16(1));
+}
+/* bytes q -> q * 3 (mod 256) */
+AVX2 static inline __m256i mul3(__m256i q) { return _mm256_add_epi8(q, _mm256_add_epi8(q, q)); }
+/* (q * 3) >> 8 = (q > 85) + (q > 170) for bytes q: the digit 0..2 */
+AVX2 static inline __m256i trit_u8(__m256i q) {
+    const __m256i one = _mm256_set1_epi8(1);
+    const __m256i a = _mm256_min_epu8(_mm256_subs_epu8(q, _mm256_set1_epi8(85)), one);
+    const __m256i b = _mm256_min_epu8(_mm256_subs_epu8(q, _mm256_set1_epi8((char)170)), one);
+    return _mm256_add_epi8(a, b);
+}
+/* qs[32..47] and qh[0..3] as the 3 vectors of the last 96 values (elements 160..255), bytes
+ * before the digit extraction: [q16, 3 q16], [9 q16, 27 q16], [81 q16, qh x 1,3,9,27 by 4] */
+AVX2 static inline void tq1_tail(const uint8_t *w, __m256i *t) {
+    const __m128i q = _mm_loadu_si128((const __m128i *)(w + 32));
+    const __m128i q3 = _mm_add_epi8(q, _mm_add_epi8(q, q)), q9 = _mm_add_epi8(q3, _mm_add_epi8(q3, q3));
+    const __m128i q27 = _mm_add_epi8(q9, _mm_add_epi8(q9, q9)), q81 = _mm_add_epi8(q27, _mm_add_epi8(q27, q27));
+    uint32_t u;
+    memcpy(&u, w + 48, 4);
+    const __m128i h = _mm_set1_epi32((int)u);
+    const __m128i h3 = _mm_add_epi8(h, _mm_add_epi8(h, h)), h9 = _mm_add_epi8(h3, _mm_add_epi8(h3, h3));
+    const __m128i h27 = _mm_add_epi8(h9, _mm_add_epi8(h9, h9));
+    const __m128i hh = _mm_blend_epi32(_mm_blend_epi32(_mm_blend_epi32(h, h3, 2), h9, 4), h27, 8);
+    t[0] = _mm256_set_m128i(q3, q);
+    t[1] = _mm256_set_m128i(q27, q9);
+    t[2] = _mm256_set_m128i(hh, q81);
+}
+
+/* digits 0..2 against Q8_K: sum(digit * y) - sum(y) exact in int32, times d * dx */
+AVX2 float mf_vd_tq1_0_avx2(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_256 *x = xv;
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; b++, w += 54) {
+        const int8_t *y = x[b].qs;
+        __m256i q = _mm256_loadu_si256((const __m256i *)w), s16 = _mm256_setzero_si256();
+        for (int n = 0; n < 5; n++, q = mul3(q)) /* int16 pair sums: |8 x 2 x 2 x 128| < 2^15 */
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(trit_u8(q), _mm256_loadu_si256((const __m256i *)(y + 32 * n))));
+        __m256i t[3];
+        tq1_tail(w, t);
+        for (int k = 0; k < 3; k++)
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(trit_u8(t[k]), _mm256_loadu_si256((const __m256i *)(y + 160 + 32 * k))));
+        const __m256i tot = _mm256_sub_epi32(_mm256_madd_epi16(s16, ones), q8k_sum8(x + b));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(mf_f16(w + 52) * x[b].d), _mm256_cvtepi32_ps(tot), acc);
+    }
+    return hsum_ps(acc);
+}
+AVX2 float mf_vd_tq2_0_avx2(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_256 *x = xv;
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1), m2 = _mm256_set1_epi8(3);
+    for (int64_t b = 0; b < nb; b++, w += 66) {
+        const int8_t *y = x[b].qs;
+        __m256i s16 = _mm256_setzero_si256();
+        for (int j = 0; j < 2; j++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 32 * j));
+            for (int l = 0; l < 4; l++) {
+                const __m256i v = _mm256_and_si256(_mm256_srli_epi16(q, 2 * l), m2);
+                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(v, _mm256_loadu_si256((const __m256i *)(y + 128 * j + 32 * l))));
+            }
+        }
+        const __m256i tot = _mm256_sub_epi32(_mm256_madd_epi16(s16, ones), q8k_sum8(x + b));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(mf_f16(w + 64) * x[b].d), _mm256_cvtepi32_ps(tot), acc);
+    }
+    return hsum_ps(acc);
+}
