@@ -208,3 +208,59 @@ AVX2 float mf_vd_tq2_0_avx2(const uint8_t *w, const void *xv, int64_t nb) {
     }
     return hsum_ps(acc);
 }
+
+/* ---------------- AVX-512 VNNI: 64 values per step, vpdpbusd into one int32 block sum -------
+ * The block's -sum(y) enters the same accumulator by vpdpwssd of the bsums with -1, so one
+ * exact int32 vector per block, then one float FMA (as the AVX2 kernels; the float lanes differ). */
+
+VNNI static inline __m512i neg_ysum(const mf_q8_256 *x) {
+    return _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)x->bsums)),
+                               _mm512_set1_epi16(-1));
+}
+
+VNNI float mf_vd_tq2_0_avx512(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_256 *x = xv;
+    __m512 acc = _mm512_setzero_ps();
+    const __m512i m2 = _mm512_set1_epi8(3);
+    const __m512i sh01 = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0), sh23 = _mm512_set_epi64(6, 6, 6, 6, 4, 4, 4, 4);
+    for (int64_t b = 0; b < nb; b++, w += 66) {
+        const int8_t *y = x[b].qs;
+        __m512i s = neg_ysum(x + b);
+        for (int j = 0; j < 2; j++) { /* 32 bytes in both halves: shifts 0|2, then 4|6 */
+            const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 32 * j)));
+            s = _mm512_dpbusd_epi32(s, _mm512_and_si512(_mm512_srlv_epi64(q, sh01), m2), _mm512_load_si512(y + 128 * j));
+            s = _mm512_dpbusd_epi32(s, _mm512_and_si512(_mm512_srlv_epi64(q, sh23), m2), _mm512_load_si512(y + 128 * j + 64));
+        }
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(mf_f16(w + 64) * x[b].d), _mm512_cvtepi32_ps(s), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* the base-3 digit (q * 3) >> 8 of every byte: 1 above 85, 2 above 170 */
+VNNI static inline __m512i trit512(__m512i q) {
+    const __m512i d1 = _mm512_maskz_mov_epi8(_mm512_cmpgt_epu8_mask(q, _mm512_set1_epi8(85)), _mm512_set1_epi8(1));
+    return _mm512_mask_mov_epi8(d1, _mm512_cmpgt_epu8_mask(q, _mm512_set1_epi8((char)170)), _mm512_set1_epi8(2));
+}
+VNNI static inline __m512i mul3_512(__m512i q) { return _mm512_add_epi8(q, _mm512_add_epi8(q, q)); }
+
+VNNI float mf_vd_tq1_0_avx512(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_256 *x = xv;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += 54) {
+        const int8_t *y = x[b].qs;
+        const __m256i q = _mm256_loadu_si256((const __m256i *)w);
+        const __m512i z01 = _mm512_inserti64x4(_mm512_castsi256_si512(q), mul3(q), 1); /* elements 0..63 */
+        const __m512i z23 = mul3_512(mul3_512(z01));                                     /* 64..127 */
+        __m256i t[3];
+        tq1_tail(w, t);
+        const __m512i z4 = _mm512_inserti64x4(_mm512_castsi256_si512(mul3(_mm512_extracti64x4_epi64(z23, 1))), t[0], 1);
+        const __m512i z6 = _mm512_inserti64x4(_mm512_castsi256_si512(t[1]), t[2], 1);
+        __m512i s = neg_ysum(x + b);
+        s = _mm512_dpbusd_epi32(s, trit512(z01), _mm512_load_si512(y));
+        s = _mm512_dpbusd_epi32(s, trit512(z23), _mm512_load_si512(y + 64));
+        s = _mm512_dpbusd_epi32(s, trit512(z4), _mm512_load_si512(y + 128));
+        s = _mm512_dpbusd_epi32(s, trit512(z6), _mm512_load_si512(y + 192));
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(mf_f16(w + 52) * x[b].d), _mm512_cvtepi32_ps(s), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
