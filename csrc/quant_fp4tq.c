@@ -264,3 +264,34 @@ VNNI float mf_vd_tq1_0_avx512(const uint8_t *w, const void *xv, int64_t nb) {
     }
     return _mm512_reduce_add_ps(acc);
 }
+
+/* NVFP4: one block (64 values, its two Q8_0 blocks) per 512-bit step: the 64 nibbles put in
+ * element order by one vpermb, the kvalues by vpshufb; |w| x (y with w's sign) for vpdpbusd;
+ * the 16 int32 lanes are the 4 sub-blocks (4 lanes each) scaled by d_s * dx */
+static _Alignas(64) const uint8_t nv_perm[64] = { /* e <- (e % 16 < 8 ? 0 : 32) + 8 (e / 16) + e % 8 */
+    0, 1, 2, 3, 4, 5, 6, 7, 32, 33, 34, 35, 36, 37, 38, 39,
+    8, 9, 10, 11, 12, 13, 14, 15, 40, 41, 42, 43, 44, 45, 46, 47,
+    16, 17, 18, 19, 20, 21, 22, 23, 48, 49, 50, 51, 52, 53, 54, 55,
+    24, 25, 26, 27, 28, 29, 30, 31, 56, 57, 58, 59, 60, 61, 62, 63,
+};
+VNNI float mf_vd_nvfp4_avx512(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_32 *x = xv;
+    __m512 acc = _mm512_setzero_ps();
+    const __m512i kv = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)kv_fp4)), m4 = _mm512_set1_epi8(0xF);
+    /* [lo nibbles of qs[0..31] | hi nibbles] -> elements: 16s+j <- lo[8s+j], 16s+8+j <- hi[8s+j] */
+    const __m512i pidx = _mm512_load_si512(nv_perm);
+    const __m512i sidx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    for (int64_t b = 0; b < nb; b++, w += 36) {
+        const mf_q8_32 *y = x + 2 * b;
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 4));
+        const __m512i n = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1), m4);
+        const __m512i v = _mm512_shuffle_epi8(kv, _mm512_permutexvar_epi8(pidx, n));
+        const __m512i yy = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)y[0].qs)),
+                                              _mm256_loadu_si256((const __m256i *)y[1].qs), 1);
+        const __m512i ys = _mm512_mask_sub_epi8(yy, _mm512_movepi8_mask(v), _mm512_setzero_si512(), yy);
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(v), ys);
+        const __m128 s = _mm_mul_ps(ue4m3_4(w), _mm_setr_ps(y[0].d, y[0].d, y[1].d, y[1].d));
+        acc = _mm512_fmadd_ps(_mm512_permutexvar_ps(sidx, _mm512_castps128_ps512(s)), _mm512_cvtepi32_ps(p), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
