@@ -540,13 +540,13 @@ VNNI void mf_kdot2_avx512(const mf_kblk *w0, const mf_kblk *w1, int64_t nb, cons
 mf_vecdot_fn mf_vecdot_avx512[T_MAX] = {
     [T_Q8_0] = vd_q8_0, [T_Q3_K] = vd_q3_k,
     [T_Q4_K] = vd_q4_k, [T_Q5_K] = vd_q5_k, [T_Q6_K] = vd_q6_k,
-    [T_TQ1_0] = mf_vd_tq1_0_avx512, [T_TQ2_0] = mf_vd_tq2_0_avx512, [T_NVFP4] = mf_vd_nvfp4_avx512,
+    [T_TQ1_0] = mf_vd_tq1_0_avx512, [T_TQ2_0] = mf_vd_tq2_0_avx512,
 };
 int mf_xfmt_avx512[T_MAX] = {
     [T_Q4_0] = XF_Q8_32, [T_Q8_0] = XF_Q8_32, [T_Q3_K] = XF_Q8_256, [T_Q5_0] = XF_Q8_32,
     [T_Q4_1] = XF_Q8_32, [T_Q5_1] = XF_Q8_32,
     [T_Q4_K] = XF_Q8_256, [T_Q5_K] = XF_Q8_256, [T_Q6_K] = XF_Q8_256,
-    [T_TQ1_0] = XF_Q8_256, [T_TQ2_0] = XF_Q8_256, [T_NVFP4] = XF_Q8_32,
+    [T_TQ1_0] = XF_Q8_256, [T_TQ2_0] = XF_Q8_256,
 };
 
 /* ---------------- prefill, 32-element types: the AVX2 bdot kernels with vpdpbusd ----------

@@ -74,7 +74,6 @@ float mf_vd_tq1_0_avx2(const uint8_t *w, const void *x, int64_t nb);
 float mf_vd_tq2_0_avx2(const uint8_t *w, const void *x, int64_t nb);
 float mf_vd_tq1_0_avx512(const uint8_t *w, const void *x, int64_t nb);
 float mf_vd_tq2_0_avx512(const uint8_t *w, const void *x, int64_t nb);
-float mf_vd_nvfp4_avx512(const uint8_t *w, const void *x, int64_t nb);
 
 /* AVX2 (quant_avx2.c) */
 void mf_row_f32_avx2(int type, const uint8_t *w, float *dst, int64_t n);

@@ -85,18 +85,26 @@ AVX2 static inline __m256i kv_fp4_256(void) {
     return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kv_fp4));
 }
 
-/* per block: the int32 lanes of the 32-value dot, times 2^(e-128) * dx (one FMA) */
+/* per block: the int32 lanes of the 32-value dot, times 2^(e-128) * dx (one FMA); even and
+ * odd blocks in two accumulators (one FMA chain's latency bounded the loop) */
+AVX2 static inline __m256 mxfp4_block(const uint8_t *w, const mf_q8_32 *x, __m256i kv, __m256 acc) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    const __m128i t = _mm_loadu_si128((const __m128i *)(w + 1));
+    const __m256i q = _mm256_shuffle_epi8(kv, _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), m4));
+    const __m256i p = _mm256_madd_epi16(fp4_dot(q, _mm256_loadu_si256((const __m256i *)x->qs)), _mm256_set1_epi16(1));
+    return _mm256_fmadd_ps(_mm256_set1_ps(e8m0_half(w[0]) * x->d), _mm256_cvtepi32_ps(p), acc);
+}
 AVX2 float mf_vd_mxfp4_avx2(const uint8_t *w, const void *xv, int64_t nb) {
     const mf_q8_32 *x = xv;
-    __m256 acc = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1), kv = kv_fp4_256(), m4 = _mm256_set1_epi8(0xF);
-    for (int64_t b = 0; b < nb; b++, w += 17) {
-        const __m128i t = _mm_loadu_si128((const __m128i *)(w + 1));
-        const __m256i q = _mm256_shuffle_epi8(kv, _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), m4));
-        const __m256i p = _mm256_madd_epi16(fp4_dot(q, _mm256_loadu_si256((const __m256i *)x[b].qs)), ones);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(e8m0_half(w[0]) * x[b].d), _mm256_cvtepi32_ps(p), acc);
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    const __m256i kv = kv_fp4_256();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2, w += 34) {
+        a0 = mxfp4_block(w, x + b, kv, a0);
+        a1 = mxfp4_block(w + 17, x + b + 1, kv, a1);
     }
-    return hsum_ps(acc);
+    if (b < nb) a0 = mxfp4_block(w, x + b, kv, a0);
+    return hsum_ps(_mm256_add_ps(a0, a1));
 }
 
 /* the 4 UE4M3 scales of an NVFP4 block (x 0.5) -> 4 floats (see ue4m3_half) */
@@ -261,37 +269,6 @@ VNNI float mf_vd_tq1_0_avx512(const uint8_t *w, const void *xv, int64_t nb) {
         s = _mm512_dpbusd_epi32(s, trit512(z4), _mm512_load_si512(y + 128));
         s = _mm512_dpbusd_epi32(s, trit512(z6), _mm512_load_si512(y + 192));
         acc = _mm512_fmadd_ps(_mm512_set1_ps(mf_f16(w + 52) * x[b].d), _mm512_cvtepi32_ps(s), acc);
-    }
-    return _mm512_reduce_add_ps(acc);
-}
-
-/* NVFP4: one block (64 values, its two Q8_0 blocks) per 512-bit step: the 64 nibbles put in
- * element order by one vpermb, the kvalues by vpshufb; |w| x (y with w's sign) for vpdpbusd;
- * the 16 int32 lanes are the 4 sub-blocks (4 lanes each) scaled by d_s * dx */
-static _Alignas(64) const uint8_t nv_perm[64] = { /* e <- (e % 16 < 8 ? 0 : 32) + 8 (e / 16) + e % 8 */
-    0, 1, 2, 3, 4, 5, 6, 7, 32, 33, 34, 35, 36, 37, 38, 39,
-    8, 9, 10, 11, 12, 13, 14, 15, 40, 41, 42, 43, 44, 45, 46, 47,
-    16, 17, 18, 19, 20, 21, 22, 23, 48, 49, 50, 51, 52, 53, 54, 55,
-    24, 25, 26, 27, 28, 29, 30, 31, 56, 57, 58, 59, 60, 61, 62, 63,
-};
-VNNI float mf_vd_nvfp4_avx512(const uint8_t *w, const void *xv, int64_t nb) {
-    const mf_q8_32 *x = xv;
-    __m512 acc = _mm512_setzero_ps();
-    const __m512i kv = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)kv_fp4)), m4 = _mm512_set1_epi8(0xF);
-    /* [lo nibbles of qs[0..31] | hi nibbles] -> elements: 16s+j <- lo[8s+j], 16s+8+j <- hi[8s+j] */
-    const __m512i pidx = _mm512_load_si512(nv_perm);
-    const __m512i sidx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    for (int64_t b = 0; b < nb; b++, w += 36) {
-        const mf_q8_32 *y = x + 2 * b;
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 4));
-        const __m512i n = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1), m4);
-        const __m512i v = _mm512_shuffle_epi8(kv, _mm512_permutexvar_epi8(pidx, n));
-        const __m512i yy = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)y[0].qs)),
-                                              _mm256_loadu_si256((const __m256i *)y[1].qs), 1);
-        const __m512i ys = _mm512_mask_sub_epi8(yy, _mm512_movepi8_mask(v), _mm512_setzero_si512(), yy);
-        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(v), ys);
-        const __m128 s = _mm_mul_ps(ue4m3_4(w), _mm_setr_ps(y[0].d, y[0].d, y[1].d, y[1].d));
-        acc = _mm512_fmadd_ps(_mm512_permutexvar_ps(sidx, _mm512_castps128_ps512(s)), _mm512_cvtepi32_ps(p), acc);
     }
     return _mm512_reduce_add_ps(acc);
 }
