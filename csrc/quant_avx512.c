@@ -424,6 +424,7 @@ mf_vecdot4_fn mf_vecdot4_avx512[T_MAX] = {
     [T_Q4_0] = vdz4_q4_0, [T_Q5_0] = vd4_q5_0, [T_Q4_1] = vd4_q4_1, [T_Q5_1] = vd4_q5_1,
     [T_Q8_0] = vd4_q8_0,
     [T_Q4_K] = vd4_q4_k, [T_Q5_K] = vd4_q5_k, [T_Q6_K] = vd4_q6_k,
+    [T_TQ2_0] = mf_vd4_tq2_0_avx512,
 };
 
 /* ---------------- prefill, K-quants: the AVX2 kernels (quant_avx2.c) with vpdpwssd ---------

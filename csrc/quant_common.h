@@ -74,6 +74,7 @@ float mf_vd_tq1_0_avx2(const uint8_t *w, const void *x, int64_t nb);
 float mf_vd_tq2_0_avx2(const uint8_t *w, const void *x, int64_t nb);
 float mf_vd_tq1_0_avx512(const uint8_t *w, const void *x, int64_t nb);
 float mf_vd_tq2_0_avx512(const uint8_t *w, const void *x, int64_t nb);
+void mf_vd4_tq2_0_avx512(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out);
 
 /* AVX2 (quant_avx2.c) */
 void mf_row_f32_avx2(int type, const uint8_t *w, float *dst, int64_t n);

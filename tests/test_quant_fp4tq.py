@@ -97,13 +97,16 @@ def test_matmul_odd_shapes_every_isa(isa, name):
                 assert err < BOUND, f"{name} {isa} cols={cols} n={n} rowwise={rowwise}: {err:.2e}"
 
 
+@pytest.mark.parametrize("cols", [1024, 13056])
 @pytest.mark.parametrize("name", NAMES)
-def test_rows_independent_of_batch_split_and_threads(name):
-    # on the fastest path: a W row alone, an X row alone, 1 or 2 threads, decode or prefill
-    # mode (these types run their vec-dots in both): the same bits
+def test_rows_independent_of_batch_split_and_threads(name, cols):
+    # on the fastest path: a W row alone (the 1-row kernel), an X row alone, 1 or 2 threads,
+    # decode or prefill mode (these types run their vec-dots in both): the same bits. TQ2_0 on
+    # avx512vnni decodes 4 rows at a time: rows a task part apart (short rows, 1024) or
+    # adjacent (13056); 37 rows: 4-row groups and a remainder
     t = BY_NAME[name]
     rng = np.random.default_rng(60 + t.id)
-    rows, cols = 37, 1024
+    rows = 37
     W = random_blocks(t, rows * cols, rng)
     rb = len(W) // rows
     w = QTensor("w", t, (rows, cols), W)
