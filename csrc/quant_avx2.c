@@ -531,6 +531,7 @@ AVX2 static void up_q2_k(const uint8_t *w, mf_kblk *o) {
 
 mf_kunpack_fn mf_kunpack_avx2[T_MAX] = {
     [T_Q2_K] = up_q2_k, [T_Q3_K] = up_q3_k, [T_Q4_K] = up_q4_k, [T_Q5_K] = up_q5_k, [T_Q6_K] = up_q6_k,
+    [T_TQ1_0] = mf_up_tq1_0_avx2, [T_TQ2_0] = mf_up_tq2_0_avx2,
 };
 
 /* unpacked W row (nb blocks) x M prepared X rows (stride xs bytes) -> out[M] */
@@ -673,7 +674,7 @@ AVX2 static void up_iq4_nl(const uint8_t *w, mf_b32 *o) {
 
 mf_b32unpack_fn mf_b32unpack_avx2[T_MAX] = {
     [T_Q4_0] = up_q4_0, [T_Q4_1] = up_q4_1, [T_Q5_0] = up_q5_0, [T_Q5_1] = up_q5_1,
-    [T_Q8_0] = up_q8_0, [T_IQ4_NL] = up_iq4_nl,
+    [T_Q8_0] = up_q8_0, [T_IQ4_NL] = up_iq4_nl, [T_MXFP4] = mf_up_mxfp4_avx2,
 };
 
 /* The unsigned types' offset term c_b * s_{i,b} is summed per (W row, X row) outside the

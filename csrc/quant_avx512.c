@@ -600,7 +600,7 @@ VNNI void mf_bdot_avx512(const mf_b32 *w, int64_t nb, int sgn, const uint8_t *x,
 typedef struct { int8_t q[32]; float d, c; int32_t bias, pad; } b32g_w; /* 48 B */
 
 const int mf_b32gemm_ok[T_MAX] = {[T_Q4_0] = 1, [T_Q4_1] = 1, [T_Q5_0] = 1, [T_Q5_1] = 1,
-                                   [T_Q8_0] = 1, [T_IQ4_NL] = 1};
+                                   [T_Q8_0] = 1, [T_IQ4_NL] = 1, [T_MXFP4] = 1};
 
 /* as mf_quantize_q8_32_avx2 (amax / 127, x * (1 / d) rounded to nearest even, d stored
  * rounded to f16, s = d * sum): the same bits, 16 values per step; the 16 rows' blocks go

@@ -60,6 +60,11 @@ typedef void (*mf_kunpack_fn)(const uint8_t *w, mf_kblk *o);
 typedef struct { float d, c; uint8_t q[32]; } mf_b32;
 typedef void (*mf_b32unpack_fn)(const uint8_t *w, mf_b32 *o);
 
+/* prefill unpacks of MXFP4 (into mf_b32) and TQ1_0 / TQ2_0 (into mf_kblk), quant_fp4tq.c */
+void mf_up_mxfp4_avx2(const uint8_t *w, mf_b32 *o);
+void mf_up_tq1_0_avx2(const uint8_t *w, mf_kblk *o);
+void mf_up_tq2_0_avx2(const uint8_t *w, mf_kblk *o);
+
 /* 4 consecutive W rows (row stride rb bytes) against one prepared X row -> out[4] */
 typedef void (*mf_vecdot4_fn)(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out);
 

@@ -217,6 +217,39 @@ AVX2 float mf_vd_tq2_0_avx2(const uint8_t *w, const void *xv, int64_t nb) {
     return hsum_ps(acc);
 }
 
+/* ---------------- prefill unpacks (the existing batched kernels do the rest) ----------------
+ * MXFP4 -> mf_b32 with the signed kvalues (q = kv, d = 2^(e-128), c = 0), as IQ4_NL.
+ * TQ1_0 / TQ2_0 -> mf_kblk as a K-quant: q = digit 0..2 in element order, every sub-block
+ * scale 1, correction -1 per 16 (cc . bsums = -sum(y)), d = dc = the block's d. */
+AVX2 void mf_up_mxfp4_avx2(const uint8_t *w, mf_b32 *o) {
+    const __m128i t = _mm_loadu_si128((const __m128i *)(w + 1));
+    const __m256i n = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0xF));
+    _mm256_storeu_si256((__m256i *)o->q, _mm256_shuffle_epi8(kv_fp4_256(), n));
+    o->d = e8m0_half(w[0]);
+    o->c = 0;
+}
+AVX2 static inline void tq_kblk_scales(float d, mf_kblk *o) {
+    for (int c = 0; c < 8; c++) _mm256_storeu_si256((__m256i *)o->sv[c], _mm256_set1_epi16(1));
+    for (int i = 0; i < 16; i++) o->cc[i] = -1;
+    o->d = o->dc = d;
+}
+AVX2 void mf_up_tq1_0_avx2(const uint8_t *w, mf_kblk *o) {
+    __m256i q = _mm256_loadu_si256((const __m256i *)w), t[3];
+    for (int n = 0; n < 5; n++, q = mul3(q)) _mm256_storeu_si256((__m256i *)(o->q + 32 * n), trit_u8(q));
+    tq1_tail(w, t);
+    for (int k = 0; k < 3; k++) _mm256_storeu_si256((__m256i *)(o->q + 160 + 32 * k), trit_u8(t[k]));
+    tq_kblk_scales(mf_f16(w + 52), o);
+}
+AVX2 void mf_up_tq2_0_avx2(const uint8_t *w, mf_kblk *o) {
+    const __m256i m2 = _mm256_set1_epi8(3);
+    for (int j = 0; j < 2; j++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 32 * j));
+        for (int l = 0; l < 4; l++)
+            _mm256_storeu_si256((__m256i *)(o->q + 128 * j + 32 * l), _mm256_and_si256(_mm256_srli_epi16(q, 2 * l), m2));
+    }
+    tq_kblk_scales(mf_f16(w + 64), o);
+}
+
 /* ---------------- AVX-512 VNNI: 64 values per step, vpdpbusd into one int32 block sum -------
  * The block's -sum(y) enters the same accumulator by vpdpwssd of the bsums with -1, so one
  * exact int32 vector per block, then one float FMA (as the AVX2 kernels; the float lanes differ). */

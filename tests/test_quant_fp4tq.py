@@ -97,13 +97,18 @@ def test_matmul_odd_shapes_every_isa(isa, name):
                 assert err < BOUND, f"{name} {isa} cols={cols} n={n} rowwise={rowwise}: {err:.2e}"
 
 
+def _bits(a, b, msg):
+    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32), err_msg=msg)
+
+
 @pytest.mark.parametrize("cols", [1024, 13056])
 @pytest.mark.parametrize("name", NAMES)
 def test_rows_independent_of_batch_split_and_threads(name, cols):
-    # on the fastest path: a W row alone (the 1-row kernel), an X row alone, 1 or 2 threads,
-    # decode or prefill mode (these types run their vec-dots in both): the same bits. TQ2_0 on
-    # avx512vnni decodes 4 rows at a time: rows a task part apart (short rows, 1024) or
-    # adjacent (13056); 37 rows: 4-row groups and a remainder
+    # on the fastest path, decode and prefill mode each: a W row alone, X rows alone or in
+    # another batch, 1 or 2 threads give the same bits. Decode: TQ2_0 on avx512vnni takes 4
+    # rows at a time, a task part apart (short rows, 1024) or adjacent (13056). Prefill: MXFP4
+    # runs the b32 GEMM, TQ1_0/TQ2_0 the K-quant GEMM, NVFP4 its vec-dots. 37 rows: 4/8-row
+    # groups and a remainder
     t = BY_NAME[name]
     rng = np.random.default_rng(60 + t.id)
     rows = 37
@@ -111,17 +116,19 @@ def test_rows_independent_of_batch_split_and_threads(name, cols):
     rb = len(W) // rows
     w = QTensor("w", t, (rows, cols), W)
     X = rng.standard_normal((9, cols)).astype(np.float32)
-    full = nat.matmul(X, w, rowwise=True)
+    full = {m: nat.matmul(X, w, rowwise=m) for m in (True, False)}
     threads = _native.get_threads()
     try:
         for nt in (1, 2):
             _native.set_threads(nt)
-            np.testing.assert_array_equal(nat.matmul(X, w, rowwise=False).view(np.uint32), full.view(np.uint32))
-            for i in (0, 8):
-                np.testing.assert_array_equal(nat.matmul(X[i:i + 1], w).view(np.uint32), full[i:i + 1].view(np.uint32))
-            for r in (0, 17, 36):
-                one = nat.matmul(X, QTensor("w", t, (1, cols), W[r * rb:(r + 1) * rb]), rowwise=True)
-                np.testing.assert_array_equal(one[:, 0].view(np.uint32), full[:, r].view(np.uint32))
+            for m in (True, False):
+                what = f"{name} threads={nt} rowwise={m}"
+                _bits(nat.matmul(X, w, rowwise=m), full[m], what)
+                for a, b in ((0, 1), (8, 9), (2, 7)):
+                    _bits(nat.matmul(X[a:b], w, rowwise=m), full[m][a:b], what)
+                for r in (0, 17, 36):
+                    one = nat.matmul(X, QTensor("w", t, (1, cols), W[r * rb:(r + 1) * rb]), rowwise=m)
+                    _bits(one[:, 0], full[m][:, r], what)
     finally:
         _native.set_threads(threads)
 
