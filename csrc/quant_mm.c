@@ -394,7 +394,7 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
                 c.kg = 1;
                 c.g32 = type == T_Q4_K || type == T_Q5_K;
                 p->fn = mm_task_kgemm;
-            } else if (mf_kunpack_avx2[type]) {
+            } else if (mf_kunpack_avx2[type] && type != T_TQ2_0) { /* TQ2_0: its vec-dot beat kblk by 20% */
                 int64_t rk = (192 * 1024) / (c.nb * (int64_t)sizeof(mf_kblk));
                 c.rt = rk < 1 ? 1 : rk > c.rt ? c.rt : rk;
                 p->fn = mm_task_kblk;
