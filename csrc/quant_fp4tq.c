@@ -1,6 +1,7 @@
 /* MXFP4, NVFP4, TQ1_0, TQ2_0 (ggml's block layouts): scalar dequantizers bit-exact with
  * gguf-py (every value is a product of two exact f32 factors, as there), AVX2 integer
- * vec-dots and AVX-512 VNNI forms.
+ * vec-dots, AVX-512 VNNI vec-dots of the ternary types (the FP4 types' measured no faster than
+ * AVX2's, docs/NOTES.md) and the unpacks that feed the existing prefill GEMMs.
  *
  * MXFP4 (17 B / 32): e8m0 e | qs[16]; x = 2^(e-128) * kv[nibble] (ggml_e8m0_to_fp32_half,
  *   kv = kvalues_mxfp4 = 2 * E2M1); element j low nibble of qs[j], j+16 high. x Q8_0.
