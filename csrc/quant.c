@@ -196,6 +196,7 @@ static const dq_fn dq_table[T_MAX] = {
     [T_Q4_K] = dq_q4_k, [T_Q5_K] = dq_q5_k, [T_Q6_K] = dq_q6_k, [T_IQ4_XS] = dq_iq4_xs,
     [T_IQ2_XXS] = mf_dq_iq2_xxs, [T_IQ2_XS] = mf_dq_iq2_xs, [T_IQ2_S] = mf_dq_iq2_s,
     [T_IQ3_XXS] = mf_dq_iq3_xxs, [T_IQ3_S] = mf_dq_iq3_s, [T_IQ1_S] = mf_dq_iq1_s, [T_IQ1_M] = mf_dq_iq1_m,
+    [T_MXFP4] = mf_dq_mxfp4, [T_NVFP4] = mf_dq_nvfp4, [T_TQ1_0] = mf_dq_tq1_0, [T_TQ2_0] = mf_dq_tq2_0,
 };
 
 int mf_type_ok(int type) {

@@ -434,6 +434,7 @@ mf_vecdot_fn mf_vecdot_avx2[T_MAX] = {
     [T_Q4_K] = vd_q4_k, [T_Q5_K] = vd_q5_k, [T_Q6_K] = vd_q6_k, [T_IQ4_XS] = vd_iq4_xs,
     [T_IQ2_XXS] = mf_vd_iq2_xxs_avx2, [T_IQ2_XS] = mf_vd_iq2_xs_avx2, [T_IQ2_S] = mf_vd_iq2_s_avx2,
     [T_IQ3_XXS] = mf_vd_iq3_xxs_avx2, [T_IQ3_S] = mf_vd_iq3_s_avx2, [T_IQ1_S] = mf_vd_iq1_s_avx2, [T_IQ1_M] = mf_vd_iq1_m_avx2,
+    [T_MXFP4] = mf_vd_mxfp4_avx2, [T_NVFP4] = mf_vd_nvfp4_avx2, [T_TQ1_0] = mf_vd_tq1_0_avx2, [T_TQ2_0] = mf_vd_tq2_0_avx2,
 };
 
 /* ---------------- prefill: K-quant rows unpacked once, dotted with 4 X rows at a time ------
@@ -534,6 +535,7 @@ mf_kunpack_fn mf_kunpack_avx2[T_MAX] = {
     [T_Q2_K] = up_q2_k, [T_Q3_K] = up_q3_k, [T_Q4_K] = up_q4_k, [T_Q5_K] = up_q5_k, [T_Q6_K] = up_q6_k,
     [T_IQ2_XXS] = mf_up_iq2_xxs, [T_IQ2_XS] = mf_up_iq2_xs, [T_IQ2_S] = mf_up_iq2_s,
     [T_IQ3_XXS] = mf_up_iq3_xxs, [T_IQ3_S] = mf_up_iq3_s, [T_IQ1_S] = mf_up_iq1_s, [T_IQ1_M] = mf_up_iq1_m,
+    [T_TQ1_0] = mf_up_tq1_0_avx2, [T_TQ2_0] = mf_up_tq2_0_avx2,
 };
 
 /* unpacked W row (nb blocks) x M prepared X rows (stride xs bytes) -> out[M] */
@@ -676,7 +678,7 @@ AVX2 static void up_iq4_nl(const uint8_t *w, mf_b32 *o) {
 
 mf_b32unpack_fn mf_b32unpack_avx2[T_MAX] = {
     [T_Q4_0] = up_q4_0, [T_Q4_1] = up_q4_1, [T_Q5_0] = up_q5_0, [T_Q5_1] = up_q5_1,
-    [T_Q8_0] = up_q8_0, [T_IQ4_NL] = up_iq4_nl,
+    [T_Q8_0] = up_q8_0, [T_IQ4_NL] = up_iq4_nl, [T_MXFP4] = mf_up_mxfp4_avx2,
 };
 
 /* The unsigned types' offset term c_b * s_{i,b} is summed per (W row, X row) outside the

@@ -60,6 +60,11 @@ typedef void (*mf_kunpack_fn)(const uint8_t *w, mf_kblk *o);
 typedef struct { float d, c; uint8_t q[32]; } mf_b32;
 typedef void (*mf_b32unpack_fn)(const uint8_t *w, mf_b32 *o);
 
+/* prefill unpacks of MXFP4 (into mf_b32) and TQ1_0 / TQ2_0 (into mf_kblk), quant_fp4tq.c */
+void mf_up_mxfp4_avx2(const uint8_t *w, mf_b32 *o);
+void mf_up_tq1_0_avx2(const uint8_t *w, mf_kblk *o);
+void mf_up_tq2_0_avx2(const uint8_t *w, mf_kblk *o);
+
 /* 4 consecutive W rows (row stride rb bytes) against one prepared X row -> out[4] */
 typedef void (*mf_vecdot4_fn)(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out);
 
@@ -76,6 +81,18 @@ float mf_vd_iq2_s_avx512(const uint8_t *w, const void *x, int64_t nb);
 void mf_up_iq2_xxs(const uint8_t *w, mf_kblk *o);
 void mf_up_iq2_xs(const uint8_t *w, mf_kblk *o);
 void mf_up_iq2_s(const uint8_t *w, mf_kblk *o);
+/* MXFP4, NVFP4, TQ1_0, TQ2_0 (quant_fp4tq.c): one-block dequantizers and the vec-dots */
+void mf_dq_mxfp4(const uint8_t *b, float *y);
+void mf_dq_nvfp4(const uint8_t *b, float *y);
+void mf_dq_tq1_0(const uint8_t *b, float *y);
+void mf_dq_tq2_0(const uint8_t *b, float *y);
+float mf_vd_mxfp4_avx2(const uint8_t *w, const void *x, int64_t nb);
+float mf_vd_nvfp4_avx2(const uint8_t *w, const void *x, int64_t nb);
+float mf_vd_tq1_0_avx2(const uint8_t *w, const void *x, int64_t nb);
+float mf_vd_tq2_0_avx2(const uint8_t *w, const void *x, int64_t nb);
+float mf_vd_tq1_0_avx512(const uint8_t *w, const void *x, int64_t nb);
+float mf_vd_tq2_0_avx512(const uint8_t *w, const void *x, int64_t nb);
+void mf_vd4_tq2_0_avx512(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out);
 
 /* AVX2 (quant_avx2.c) */
 void mf_row_f32_avx2(int type, const uint8_t *w, float *dst, int64_t n);

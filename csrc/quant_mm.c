@@ -283,7 +283,7 @@ static void mm_task_b32(void *p, int64_t t) {
     mf_b32 *wb = tl_reserve(&tl_bbs, (size_t)((r1 - r0) * c->nb) * sizeof(mf_b32));
     if (!wb) { __atomic_store_n(&c->err, 1, __ATOMIC_RELAXED); return; }
     mf_b32unpack_fn up = mf_b32unpack_avx2[c->type];
-    int bytes = mf_qtypes[c->type].bytes, sgn = c->type == T_Q8_0 || c->type == T_IQ4_NL;
+    int bytes = mf_qtypes[c->type].bytes, sgn = c->type == T_Q8_0 || c->type == T_IQ4_NL || c->type == T_MXFP4;
     for (int64_t r = r0; r < r1; r++)
         for (int64_t b = 0; b < c->nb; b++) up(c->w + r * c->rb + b * bytes, wb + (r - r0) * c->nb + b);
     float *st = sgn ? NULL : scratch_f32((size_t)(c->nb * MF_BST)), corr[MF_BST];
@@ -394,7 +394,7 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
                 c.kg = 1;
                 c.g32 = type == T_Q4_K || type == T_Q5_K;
                 p->fn = mm_task_kgemm;
-            } else if (mf_kunpack_avx2[type]) {
+            } else if (mf_kunpack_avx2[type] && type != T_TQ2_0) { /* TQ2_0: its vec-dot beat kblk by 20% */
                 int64_t rk = (192 * 1024) / (c.nb * (int64_t)sizeof(mf_kblk));
                 c.rt = rk < 1 ? 1 : rk > c.rt ? c.rt : rk;
                 p->fn = mm_task_kblk;

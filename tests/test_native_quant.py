@@ -91,7 +91,7 @@ def test_matmul_shapes(isa, name):
     # rows 1/3/37/129 (not multiples of threads or tiles) x n 1/2/7/64/512, one 3-block width
     t = BY_NAME[name]
     rng = np.random.default_rng(100 + t.id)
-    cols = 3 * (256 if t.block_size == 256 else 32)
+    cols = 3 * max(t.block_size, 32)  # 3 blocks (NVFP4: 64 values)
     rb = t.row_bytes(cols)
     W = random_blocks(t, 129 * cols, rng)
     Wf = _gguf_deq(t, W).reshape(129, cols).astype(np.float64)
@@ -131,7 +131,7 @@ def test_bound_catches_a_zeroed_subblock(name):
     # miss the reference by far more than BOUND on every type (measured >= 6e-2)
     t = BY_NAME[name]
     rng = np.random.default_rng(400 + t.id)
-    rows, cols = 37, 3 * (256 if t.block_size == 256 else 32)
+    rows, cols = 37, 3 * max(t.block_size, 32)
     W = random_blocks(t, rows * cols, rng)
     Wf = _gguf_deq(t, W).reshape(rows, cols).astype(np.float64)
     X = rng.standard_normal((7, cols)).astype(np.float32)

@@ -95,7 +95,9 @@ def test_round_trip_through_gguf_quantize(name):
         rel = {"F32": 0.0, "F16": 2.0 ** -11, "BF16": 2.0 ** -8}[name]
         assert np.all(np.abs(y - x) <= np.abs(x) * rel + 2.0 ** -25)  # + F16 subnormal half-step
     else:  # error bounded by the format's step: 4-bit ~ max/8, 5-bit ~ max/16, 8-bit ~ max/127
-        bits = {"Q4": 4, "Q5": 5, "Q8": 8}[name[:2]]
+        # MXFP4 (E2M1 on a power-of-two scale that may clip the block's max by < 2^-1 of it)
+        # and the ternary TQ1_0/TQ2_0 (d = max, values -d/0/d): error <= max/2
+        bits = {"Q4": 4, "Q5": 5, "Q8": 8, "MX": 2, "NV": 2, "TQ": 2}[name[:2]]
         step = float(np.abs(x).max()) / 2 ** (bits - 1)
         assert float(np.abs(y - x).max()) <= step, (name, step)
 

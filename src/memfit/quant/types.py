@@ -45,5 +45,6 @@ SUPPORTED_NAMES: tuple[str, ...] = (
     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
     "IQ2_XXS", "IQ2_XS", "IQ2_S",
     "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M",
+    "MXFP4", "NVFP4", "TQ1_0", "TQ2_0",
 )
 SUPPORTED = frozenset(BY_NAME[n].id for n in SUPPORTED_NAMES)

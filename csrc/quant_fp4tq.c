@@ -1,0 +1,329 @@
+/* MXFP4, NVFP4, TQ1_0, TQ2_0 (ggml's block layouts): scalar dequantizers bit-exact with
+ * gguf-py (every value is a product of two exact f32 factors, as there), AVX2 integer
+ * vec-dots, AVX-512 VNNI vec-dots of the ternary types (the FP4 types' measured no faster than
+ * AVX2's, docs/NOTES.md) and the unpacks that feed the existing prefill GEMMs.
+ *
+ * MXFP4 (17 B / 32): e8m0 e | qs[16]; x = 2^(e-128) * kv[nibble] (ggml_e8m0_to_fp32_half,
+ *   kv = kvalues_mxfp4 = 2 * E2M1); element j low nibble of qs[j], j+16 high. x Q8_0.
+ * NVFP4 (36 B / 64): d[4] UE4M3 (one per 16, x 0.5) | qs[32]; sub-block s: low nibbles of
+ *   qs[8s..8s+7] are elements 16s..16s+7, high nibbles 16s+8..16s+15. x Q8_0 (two per block).
+ * TQ1_0 (54 B / 256): qs[48] | qh[4] | d f16; base-3 digits: trit n of byte q is
+ *   ((uint8)(q * 3^n) * 3) >> 8; qs[m] (m < 32) -> elements 32n+m (n < 5), qs[32+m] (m < 16)
+ *   -> 160+16n+m (n < 5), qh[m] -> 240+4n+m (n < 4); x = d * (trit - 1). x Q8_K.
+ * TQ2_0 (66 B / 256): qs[64] | d f16; element 128j+32l+m = (qs[32j+m] >> 2l) & 3; x = d*(q-1). */
+#include "quant_common.h"
+#include "simd_x86.h"
+
+#include <immintrin.h>
+#include <string.h>
+
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx512dq,avx2,fma,f16c")))
+
+static const int8_t kv_fp4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* ggml_e8m0_to_fp32_half: 2^(e-128), subnormal for e < 2 */
+static inline float e8m0_half(uint8_t e) {
+    uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+/* ggml_ue4m3_to_fp32 (x 0.5, bit 7 ignored, 0x7F -> 0): the 7 bits placed as an f16's top
+ * exponent/mantissa bits give 2^-7 of the value exactly (normal and subnormal alike) */
+static inline float ue4m3_half(uint8_t x) {
+    if (x == 0x7F) return 0.0f;
+    return mf_f16_table[(uint32_t)(x & 0x7F) << 7] * 128.0f;
+}
+
+/* ---------------- dequantize one block ---------------- */
+
+void mf_dq_mxfp4(const uint8_t *b, float *y) {
+    const float d = e8m0_half(b[0]);
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)kv_fp4[b[1 + j] & 0xF];
+        y[j + 16] = d * (float)kv_fp4[b[1 + j] >> 4];
+    }
+}
+void mf_dq_nvfp4(const uint8_t *b, float *y) {
+    for (int s = 0; s < 4; s++) {
+        const float d = ue4m3_half(b[s]);
+        const uint8_t *q = b + 4 + 8 * s;
+        for (int j = 0; j < 8; j++) {
+            y[16 * s + j] = d * (float)kv_fp4[q[j] & 0xF];
+            y[16 * s + 8 + j] = d * (float)kv_fp4[q[j] >> 4];
+        }
+    }
+}
+static inline int trit(uint8_t q, int n) {
+    static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
+    const uint8_t v = (uint8_t)(q * pow3[n]);
+    return ((v * 3) >> 8) - 1;
+}
+void mf_dq_tq1_0(const uint8_t *b, float *y) {
+    const float d = mf_f16(b + 52);
+    for (int n = 0; n < 5; n++)
+        for (int m = 0; m < 32; m++) y[32 * n + m] = d * (float)trit(b[m], n);
+    for (int n = 0; n < 5; n++)
+        for (int m = 0; m < 16; m++) y[160 + 16 * n + m] = d * (float)trit(b[32 + m], n);
+    for (int n = 0; n < 4; n++)
+        for (int m = 0; m < 4; m++) y[240 + 4 * n + m] = d * (float)trit(b[48 + m], n);
+}
+void mf_dq_tq2_0(const uint8_t *b, float *y) {
+    const float d = mf_f16(b + 64);
+    for (int j = 0; j < 2; j++)
+        for (int l = 0; l < 4; l++)
+            for (int m = 0; m < 32; m++) y[128 * j + 32 * l + m] = d * (float)(((b[32 * j + m] >> (2 * l)) & 3) - 1);
+}
+
+/* ---------------- AVX2 ---------------- */
+
+/* signed x signed bytes -> 16 pair sums via |a| * sign(b, a) (|a| <= 12: no saturation) */
+AVX2 static inline __m256i fp4_dot(__m256i a, __m256i b) {
+    return _mm256_maddubs_epi16(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
+}
+AVX2 static inline __m256i kv_fp4_256(void) {
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kv_fp4));
+}
+
+/* per block: the int32 lanes of the 32-value dot, times 2^(e-128) * dx (one FMA); even and
+ * odd blocks in two accumulators (one FMA chain's latency bounded the loop) */
+AVX2 static inline __m256 mxfp4_block(const uint8_t *w, const mf_q8_32 *x, __m256i kv, __m256 acc) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    const __m128i t = _mm_loadu_si128((const __m128i *)(w + 1));
+    const __m256i q = _mm256_shuffle_epi8(kv, _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), m4));
+    const __m256i p = _mm256_madd_epi16(fp4_dot(q, _mm256_loadu_si256((const __m256i *)x->qs)), _mm256_set1_epi16(1));
+    return _mm256_fmadd_ps(_mm256_set1_ps(e8m0_half(w[0]) * x->d), _mm256_cvtepi32_ps(p), acc);
+}
+AVX2 float mf_vd_mxfp4_avx2(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_32 *x = xv;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    const __m256i kv = kv_fp4_256();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2, w += 34) {
+        a0 = mxfp4_block(w, x + b, kv, a0);
+        a1 = mxfp4_block(w + 17, x + b + 1, kv, a1);
+    }
+    if (b < nb) a0 = mxfp4_block(w, x + b, kv, a0);
+    return hsum_ps(_mm256_add_ps(a0, a1));
+}
+
+/* the 4 UE4M3 scales of an NVFP4 block (x 0.5) -> 4 floats (see ue4m3_half) */
+AVX2 static inline __m128 ue4m3_4(const uint8_t *p) {
+    uint32_t u;
+    memcpy(&u, p, 4);
+    const __m128i b = _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)u));
+    const __m128i h = _mm_slli_epi32(_mm_and_si128(b, _mm_set1_epi32(0x7F)), 7);
+    const __m128 d = _mm_mul_ps(_mm_cvtph_ps(_mm_packus_epi32(h, h)), _mm_set1_ps(128.0f));
+    return _mm_andnot_ps(_mm_castsi128_ps(_mm_cmpeq_epi32(b, _mm_set1_epi32(0x7F))), d);
+}
+
+/* one NVFP4 block's 64 values as two 32-byte vectors in element order (the two Q8_0 blocks) */
+AVX2 static inline void nvfp4_vals(const uint8_t *w, __m256i kv, __m256i *a, __m256i *b) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 4));
+    const __m256i lo = _mm256_shuffle_epi8(kv, _mm256_and_si256(q, m4));
+    const __m256i hi = _mm256_shuffle_epi8(kv, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
+    const __m256i v0 = _mm256_unpacklo_epi64(lo, hi), v1 = _mm256_unpackhi_epi64(lo, hi); /* [s0|s2], [s1|s3] */
+    *a = _mm256_permute2x128_si256(v0, v1, 0x20);
+    *b = _mm256_permute2x128_si256(v0, v1, 0x31);
+}
+
+/* per block: 4 sub-block int32 lane groups, each times d_s * dx of its Q8_0 block */
+AVX2 float mf_vd_nvfp4_avx2(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_32 *x = xv;
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1), kv = kv_fp4_256();
+    const __m256i i01 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), i23 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+    for (int64_t b = 0; b < nb; b++, w += 36) {
+        const mf_q8_32 *y = x + 2 * b;
+        const __m128 s = _mm_mul_ps(ue4m3_4(w), _mm_setr_ps(y[0].d, y[0].d, y[1].d, y[1].d));
+        const __m256 s8 = _mm256_castps128_ps256(s);
+        __m256i va, vb;
+        nvfp4_vals(w, kv, &va, &vb);
+        const __m256i pa = _mm256_madd_epi16(fp4_dot(va, _mm256_loadu_si256((const __m256i *)y[0].qs)), ones);
+        const __m256i pb = _mm256_madd_epi16(fp4_dot(vb, _mm256_loadu_si256((const __m256i *)y[1].qs)), ones);
+        acc = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(s8, i01), _mm256_cvtepi32_ps(pa), acc);
+        acc = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(s8, i23), _mm256_cvtepi32_ps(pb), acc);
+    }
+    return hsum_ps(acc);
+}
+
+/* the 256 activation values of a Q8_K block summed into 8 int32 lanes */
+AVX2 static inline __m256i q8k_sum8(const mf_q8_256 *x) {
+    return _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)x->bsums), _mm256_set1_epi16(1));
+}
+/* bytes q -> q * 3 (mod 256) */
+AVX2 static inline __m256i mul3(__m256i q) { return _mm256_add_epi8(q, _mm256_add_epi8(q, q)); }
+/* (q * 3) >> 8 = (q > 85) + (q > 170) for bytes q: the digit 0..2 */
+AVX2 static inline __m256i trit_u8(__m256i q) {
+    const __m256i one = _mm256_set1_epi8(1);
+    const __m256i a = _mm256_min_epu8(_mm256_subs_epu8(q, _mm256_set1_epi8(85)), one);
+    const __m256i b = _mm256_min_epu8(_mm256_subs_epu8(q, _mm256_set1_epi8((char)170)), one);
+    return _mm256_add_epi8(a, b);
+}
+/* qs[32..47] and qh[0..3] as the 3 vectors of the last 96 values (elements 160..255), bytes
+ * before the digit extraction: [q16, 3 q16], [9 q16, 27 q16], [81 q16, qh x 1,3,9,27 by 4] */
+AVX2 static inline void tq1_tail(const uint8_t *w, __m256i *t) {
+    const __m128i q = _mm_loadu_si128((const __m128i *)(w + 32));
+    const __m128i q3 = _mm_add_epi8(q, _mm_add_epi8(q, q)), q9 = _mm_add_epi8(q3, _mm_add_epi8(q3, q3));
+    const __m128i q27 = _mm_add_epi8(q9, _mm_add_epi8(q9, q9)), q81 = _mm_add_epi8(q27, _mm_add_epi8(q27, q27));
+    uint32_t u;
+    memcpy(&u, w + 48, 4);
+    const __m128i h = _mm_set1_epi32((int)u);
+    const __m128i h3 = _mm_add_epi8(h, _mm_add_epi8(h, h)), h9 = _mm_add_epi8(h3, _mm_add_epi8(h3, h3));
+    const __m128i h27 = _mm_add_epi8(h9, _mm_add_epi8(h9, h9));
+    const __m128i hh = _mm_blend_epi32(_mm_blend_epi32(_mm_blend_epi32(h, h3, 2), h9, 4), h27, 8);
+    t[0] = _mm256_set_m128i(q3, q);
+    t[1] = _mm256_set_m128i(q27, q9);
+    t[2] = _mm256_set_m128i(hh, q81);
+}
+
+/* digits 0..2 against Q8_K: sum(digit * y) - sum(y) exact in int32, times d * dx */
+AVX2 float mf_vd_tq1_0_avx2(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_256 *x = xv;
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; b++, w += 54) {
+        const int8_t *y = x[b].qs;
+        __m256i q = _mm256_loadu_si256((const __m256i *)w), s16 = _mm256_setzero_si256();
+        for (int n = 0; n < 5; n++, q = mul3(q)) /* int16 pair sums: |8 x 2 x 2 x 128| < 2^15 */
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(trit_u8(q), _mm256_loadu_si256((const __m256i *)(y + 32 * n))));
+        __m256i t[3];
+        tq1_tail(w, t);
+        for (int k = 0; k < 3; k++)
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(trit_u8(t[k]), _mm256_loadu_si256((const __m256i *)(y + 160 + 32 * k))));
+        const __m256i tot = _mm256_sub_epi32(_mm256_madd_epi16(s16, ones), q8k_sum8(x + b));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(mf_f16(w + 52) * x[b].d), _mm256_cvtepi32_ps(tot), acc);
+    }
+    return hsum_ps(acc);
+}
+AVX2 float mf_vd_tq2_0_avx2(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_256 *x = xv;
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1), m2 = _mm256_set1_epi8(3);
+    for (int64_t b = 0; b < nb; b++, w += 66) {
+        const int8_t *y = x[b].qs;
+        __m256i s16 = _mm256_setzero_si256();
+        for (int j = 0; j < 2; j++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 32 * j));
+            for (int l = 0; l < 4; l++) {
+                const __m256i v = _mm256_and_si256(_mm256_srli_epi16(q, 2 * l), m2);
+                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(v, _mm256_loadu_si256((const __m256i *)(y + 128 * j + 32 * l))));
+            }
+        }
+        const __m256i tot = _mm256_sub_epi32(_mm256_madd_epi16(s16, ones), q8k_sum8(x + b));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(mf_f16(w + 64) * x[b].d), _mm256_cvtepi32_ps(tot), acc);
+    }
+    return hsum_ps(acc);
+}
+
+/* ---------------- prefill unpacks (the existing batched kernels do the rest) ----------------
+ * MXFP4 -> mf_b32 with the signed kvalues (q = kv, d = 2^(e-128), c = 0), as IQ4_NL.
+ * TQ1_0 / TQ2_0 -> mf_kblk as a K-quant: q = digit 0..2 in element order, every sub-block
+ * scale 1, correction -1 per 16 (cc . bsums = -sum(y)), d = dc = the block's d. */
+AVX2 void mf_up_mxfp4_avx2(const uint8_t *w, mf_b32 *o) {
+    const __m128i t = _mm_loadu_si128((const __m128i *)(w + 1));
+    const __m256i n = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0xF));
+    _mm256_storeu_si256((__m256i *)o->q, _mm256_shuffle_epi8(kv_fp4_256(), n));
+    o->d = e8m0_half(w[0]);
+    o->c = 0;
+}
+AVX2 static inline void tq_kblk_scales(float d, mf_kblk *o) {
+    for (int c = 0; c < 8; c++) _mm256_storeu_si256((__m256i *)o->sv[c], _mm256_set1_epi16(1));
+    for (int i = 0; i < 16; i++) o->cc[i] = -1;
+    o->d = o->dc = d;
+}
+AVX2 void mf_up_tq1_0_avx2(const uint8_t *w, mf_kblk *o) {
+    __m256i q = _mm256_loadu_si256((const __m256i *)w), t[3];
+    for (int n = 0; n < 5; n++, q = mul3(q)) _mm256_storeu_si256((__m256i *)(o->q + 32 * n), trit_u8(q));
+    tq1_tail(w, t);
+    for (int k = 0; k < 3; k++) _mm256_storeu_si256((__m256i *)(o->q + 160 + 32 * k), trit_u8(t[k]));
+    tq_kblk_scales(mf_f16(w + 52), o);
+}
+AVX2 void mf_up_tq2_0_avx2(const uint8_t *w, mf_kblk *o) {
+    const __m256i m2 = _mm256_set1_epi8(3);
+    for (int j = 0; j < 2; j++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 32 * j));
+        for (int l = 0; l < 4; l++)
+            _mm256_storeu_si256((__m256i *)(o->q + 128 * j + 32 * l), _mm256_and_si256(_mm256_srli_epi16(q, 2 * l), m2));
+    }
+    tq_kblk_scales(mf_f16(w + 64), o);
+}
+
+/* ---------------- AVX-512 VNNI: 64 values per step, vpdpbusd into one int32 block sum -------
+ * The block's -sum(y) enters the same accumulator by vpdpwssd of the bsums with -1, so one
+ * exact int32 vector per block, then one float FMA (as the AVX2 kernels; the float lanes differ). */
+
+VNNI static inline __m512i neg_ysum(const mf_q8_256 *x) {
+    return _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)x->bsums)),
+                               _mm512_set1_epi16(-1));
+}
+
+/* one block of one row: acc + d * dx * (the int32 sums from s = -sum(y)) */
+VNNI static inline __m512 tq2_block(const uint8_t *w, const mf_q8_256 *x, __m512i s, __m512 acc) {
+    const __m512i m2 = _mm512_set1_epi8(3);
+    const __m512i sh01 = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0), sh23 = _mm512_set_epi64(6, 6, 6, 6, 4, 4, 4, 4);
+    for (int j = 0; j < 2; j++) { /* 32 bytes in both halves: shifts 0|2, then 4|6 */
+        const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 32 * j)));
+        s = _mm512_dpbusd_epi32(s, _mm512_and_si512(_mm512_srlv_epi64(q, sh01), m2), _mm512_load_si512(x->qs + 128 * j));
+        s = _mm512_dpbusd_epi32(s, _mm512_and_si512(_mm512_srlv_epi64(q, sh23), m2), _mm512_load_si512(x->qs + 128 * j + 64));
+    }
+    return _mm512_fmadd_ps(_mm512_set1_ps(mf_f16(w + 64) * x->d), _mm512_cvtepi32_ps(s), acc);
+}
+VNNI float mf_vd_tq2_0_avx512(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_256 *x = xv;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) acc = tq2_block(w + 66 * b, x + b, neg_ysum(x + b), acc);
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* the base-3 digit (q * 3) >> 8 of every byte: 1 above 85, 2 above 170 */
+VNNI static inline __m512i trit512(__m512i q) {
+    const __m512i d1 = _mm512_maskz_mov_epi8(_mm512_cmpgt_epu8_mask(q, _mm512_set1_epi8(85)), _mm512_set1_epi8(1));
+    return _mm512_mask_mov_epi8(d1, _mm512_cmpgt_epu8_mask(q, _mm512_set1_epi8((char)170)), _mm512_set1_epi8(2));
+}
+VNNI static inline __m512i mul3_512(__m512i q) { return _mm512_add_epi8(q, _mm512_add_epi8(q, q)); }
+
+VNNI static inline __m512 tq1_block(const uint8_t *w, const mf_q8_256 *x, __m512i s, __m512 acc) {
+    const __m256i q = _mm256_loadu_si256((const __m256i *)w);
+    const __m512i z01 = _mm512_inserti64x4(_mm512_castsi256_si512(q), mul3(q), 1); /* elements 0..63 */
+    const __m512i z23 = mul3_512(mul3_512(z01));                                     /* 64..127 */
+    __m256i t[3];
+    tq1_tail(w, t);
+    const __m512i z4 = _mm512_inserti64x4(_mm512_castsi256_si512(mul3(_mm512_extracti64x4_epi64(z23, 1))), t[0], 1);
+    const __m512i z6 = _mm512_inserti64x4(_mm512_castsi256_si512(t[1]), t[2], 1);
+    s = _mm512_dpbusd_epi32(s, trit512(z01), _mm512_load_si512(x->qs));
+    s = _mm512_dpbusd_epi32(s, trit512(z23), _mm512_load_si512(x->qs + 64));
+    s = _mm512_dpbusd_epi32(s, trit512(z4), _mm512_load_si512(x->qs + 128));
+    s = _mm512_dpbusd_epi32(s, trit512(z6), _mm512_load_si512(x->qs + 192));
+    return _mm512_fmadd_ps(_mm512_set1_ps(mf_f16(w + 52) * x->d), _mm512_cvtepi32_ps(s), acc);
+}
+VNNI float mf_vd_tq1_0_avx512(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_256 *x = xv;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) acc = tq1_block(w + 54 * b, x + b, neg_ysum(x + b), acc);
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* 4 rows block by block: per row exactly the 1-row kernel's operations (the same bits); the
+ * X loads and -sum(y) shared. TQ2_0 only: 1 thread from DRAM at 7B shapes +3..17%; TQ1_0's
+ * digit extraction dominates and its 4-row form measured -5..+10% (docs/NOTES.md) */
+#define TQ_VD4(NAME, BLOCK, BYTES)                                                                 \
+    VNNI void NAME(const uint8_t *w, size_t rb, const void *xv, int64_t nb, float *out) {          \
+        const mf_q8_256 *x = xv;                                                                   \
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                \
+        for (int64_t b = 0; b < nb; b++) {                                                         \
+            const __m512i s = neg_ysum(x + b);                                                     \
+            const uint8_t *p = w + BYTES * b;                                                      \
+            a0 = BLOCK(p, x + b, s, a0);                                                           \
+            a1 = BLOCK(p + rb, x + b, s, a1);                                                      \
+            a2 = BLOCK(p + 2 * rb, x + b, s, a2);                                                  \
+            a3 = BLOCK(p + 3 * rb, x + b, s, a3);                                                  \
+        }                                                                                          \
+        out[0] = _mm512_reduce_add_ps(a0);                                                         \
+        out[1] = _mm512_reduce_add_ps(a1);                                                         \
+        out[2] = _mm512_reduce_add_ps(a2);                                                         \
+        out[3] = _mm512_reduce_add_ps(a3);                                                         \
+    }
+TQ_VD4(mf_vd4_tq2_0_avx512, tq2_block, 66)
