@@ -10,6 +10,29 @@ import pytest
 
 from memfit.quant import tables as _tables
 
+ISA_ORDER = ("scalar", "avx2", "avx512", "avx512vnni")
+
+
+def isa_paths() -> list[str]:
+    """The ISA paths with code of their own (the native module says which) that this CPU runs:
+    nothing is parametrized only to be skipped."""
+    from memfit import _native
+    hw = ISA_ORDER.index(_native.isa_hw())
+    return [i for i in _native.isas() if ISA_ORDER.index(i) <= hw]
+
+
+@pytest.fixture(params=isa_paths())
+def isa(request):
+    """Each ISA path in turn (the kernel tests' parameter); the previous ISA and thread count
+    are restored after."""
+    from memfit import _native
+    before, threads = _native.isa(), _native.get_threads()
+    _native.set_isa(request.param)
+    yield request.param
+    _native.set_isa(before)
+    _native.set_threads(threads)
+
+
 # tests call memfit._native directly with every type: its IQ lattice tables, which a model
 # load installs on first need, are installed once for the whole session
 _tables.install()

@@ -21,22 +21,7 @@ from memfit.quant.types import BY_NAME  # noqa: E402
 from memfit.tokenizer import Tokenizer  # noqa: E402
 
 NAMES = ["MXFP4", "NVFP4", "TQ1_0", "TQ2_0"]
-ISAS = ["scalar", "avx2", "avx512", "avx512vnni"]
 BOUND = 1e-5
-
-
-def _isas():
-    own = getattr(_native, "isas", lambda: ("scalar", "avx2"))()
-    hw = ISAS.index(_native.isa_hw())
-    return [i for i in own if ISAS.index(i) <= hw]
-
-
-@pytest.fixture(params=_isas())
-def isa(request):
-    before = _native.isa()
-    _native.set_isa(request.param)
-    yield request.param
-    _native.set_isa(before)
 
 
 def _gguf_deq(t, raw):

@@ -12,6 +12,7 @@ token by token (different kernels, so not the same bits; within 1e-4).
 import gguf
 import numpy as np
 import pytest
+from conftest import isa_paths
 
 _native = pytest.importorskip("memfit._native")
 from memfit.models import load_model  # noqa: E402
@@ -22,21 +23,7 @@ from memfit.quant.activations import round_activations  # noqa: E402
 from memfit.quant.types import BY_NAME  # noqa: E402
 
 NAMES = ["IQ2_XXS", "IQ2_XS", "IQ2_S"]
-ISAS = ["scalar", "avx2", "avx512", "avx512vnni"]
 BOUND = 1e-5
-
-
-def _isas() -> list[str]:
-    hw = ISAS.index(_native.isa_hw())
-    return [i for i in _native.isas() if ISAS.index(i) <= hw]
-
-
-@pytest.fixture(params=_isas())
-def isa(request):
-    before = _native.isa()
-    _native.set_isa(request.param)
-    yield request.param
-    _native.set_isa(before)
 
 
 def _blocks(t, nblocks, rng):
@@ -135,7 +122,7 @@ def test_tiny_model_prefill_equals_token_by_token(tmp_path, name):
 def test_vnni_decode_same_bits_as_avx2(name):
     # the avx512vnni vec-dots only negate x under a mask where avx2 multiplies by a +-1 vector:
     # the same int32 sums and float operations, so the same bits
-    if "avx512vnni" not in _isas():
+    if "avx512vnni" not in isa_paths():
         pytest.skip("CPU lacks avx512vnni")
     t = BY_NAME[name]
     rng = np.random.default_rng(80 + t.id)

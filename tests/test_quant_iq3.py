@@ -24,21 +24,7 @@ from memfit.quant.random import random_blocks  # noqa: E402
 from memfit.quant.types import BY_NAME  # noqa: E402
 
 NAMES = ["IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"]
-ISAS = ["scalar", "avx2", "avx512", "avx512vnni"]
 BOUND = 1e-5
-
-
-def _isas():
-    hw = ISAS.index(_native.isa_hw())
-    return [i for i in _native.isas() if ISAS.index(i) <= hw]
-
-
-@pytest.fixture(params=_isas())
-def isa(request):
-    before = _native.isa()
-    _native.set_isa(request.param)
-    yield request.param
-    _native.set_isa(before)
 
 
 def _deq(t, raw):
