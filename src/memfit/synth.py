@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import RequestError
+from .quant.random import WRITABLE
 from .quant.types import BY_NAME, GGMLType
 
 # name -> hyperparameters (real shapes; vocab as the original tokenizer's embedding rows).
@@ -95,9 +96,7 @@ _DEFAULT = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K", "IQ2_S": "IQ2_XS", "IQ2_M": "IQ2
             "IQ3_M": "IQ3_S", "MXFP4_MOE": "MXFP4"}
 # single-type files (`--quant TYPE`, or `--pure`): every type memfit can write random valid
 # blocks of; general.file_type is the llama_ftype whose default type it is (the _S variant)
-SINGLE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K",
-                "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S",
-                "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4")
+SINGLE_TYPES = WRITABLE
 _SINGLE_FTYPE = {"Q3_K": "Q3_K_S", "Q4_K": "Q4_K_S", "Q5_K": "Q5_K_S", "IQ2_S": "IQ2_M",
                  "MXFP4": "MXFP4_MOE"}
 CHUNK_BYTES = 16 << 20    # generation/write unit; part of the determinism contract

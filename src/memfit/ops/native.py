@@ -31,7 +31,6 @@ import numpy as np
 
 from .. import _native
 from ..errors import UnsupportedError
-from ..quant.tables import LATTICE_TYPES
 from ..quant.tables import ensure as ensure_tables
 from ..quant.types import SUPPORTED, SUPPORTED_NAMES, TYPES
 from . import QTensor
@@ -47,8 +46,7 @@ _BLOCK = {i: TYPES[i].block_size for i in SUPPORTED}
 def _check(w: QTensor) -> None:
     if w.type.id not in _BLOCK:
         _unsupported(w)
-    if w.type.id in LATTICE_TYPES:
-        ensure_tables(w.type.id)
+    ensure_tables(w.type.id)
 
 
 def _unsupported(w: QTensor):

@@ -45,6 +45,8 @@ _SCALES = {
 # types whose scales are not one fp16 field: filled by _fix_scales
 _SPECIAL = ("IQ1_M", "MXFP4", "NVFP4")
 _FLOATS = ("F32", "F16", "BF16")
+# every type random_blocks writes
+WRITABLE: tuple[str, ...] = _FLOATS + tuple(_SCALES) + _SPECIAL
 
 
 def _check(qtype: GGMLType) -> None:
