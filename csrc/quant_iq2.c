@@ -81,15 +81,38 @@ AVX2 static inline __m256i grid32(const int8_t *grid, int i0, int i1, int i2, in
     return _mm256_set_epi64x((long long)grid8(grid, i3), (long long)grid8(grid, i2), (long long)grid8(grid, i1),
                              (long long)grid8(grid, i0));
 }
-static inline uint32_t ksigns4(uint32_t a) { /* 4 x 7-bit sign indices -> 4 sign bytes */
-    const uint8_t *k = mf_ksigns_iq2xs;
-    return (uint32_t)k[a & 127] | (uint32_t)k[(a >> 7) & 127] << 8 | (uint32_t)k[(a >> 14) & 127] << 16 |
-           (uint32_t)k[(a >> 21) & 127] << 24;
-}
 /* grid (u8, <= 43) x signed x: 16 int16 pair sums, then times the lane scales into int32 */
 AVX2 static inline __m256i sdot32(__m256i g, uint32_t signs, const int8_t *x, __m256i sc) {
     __m256i y = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)x), sign_pm1(signs));
     return _mm256_madd_epi16(_mm256_maddubs_epi16(g, y), sc);
+}
+
+/* IQ2_XXS codes of one block with vector ops: the 8 (4 grid bytes, u32 4 x 7-bit sign
+ * indices | ls << 28) pairs split into grid bytes gi[ib] and sign words; each 7-bit field
+ * gets its parity bit (ggml's ksigns_iq2xs[i] = i | parity(i) << 7) from a nibble table, so
+ * sg[ib] holds the 4 sign bytes of sub-block ib and ls[ib] = 2 ls + 1 (as int16). */
+typedef struct { _Alignas(32) uint32_t gi[8]; uint32_t sg[8]; int16_t ls[8]; } iq2xxs_codes;
+
+AVX2 static inline __m256i parity7(__m256i s) { /* s: 7-bit values per lane -> | parity << 7 */
+    const __m256i par = _mm256_set_epi64x((long long)0x0080800080000080, (long long)0x8000008000808000,
+                                          (long long)0x0080800080000080, (long long)0x8000008000808000);
+    return _mm256_or_si256(s, _mm256_shuffle_epi8(par, _mm256_and_si256(_mm256_xor_si256(s, _mm256_srli_epi16(s, 4)),
+                                                                        _mm256_set1_epi16(0xF))));
+}
+AVX2 static inline void xxs_codes(const uint8_t *w, iq2xxs_codes *c) {
+    const __m256 lo = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(w + 2)));
+    const __m256 hi = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(w + 34)));
+    const __m256i g = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(lo, hi, 0x88)), 0xD8);
+    const __m256i a = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(lo, hi, 0xDD)), 0xD8);
+    const __m256i m7 = _mm256_set1_epi32(127);
+    __m256i sg = parity7(_mm256_and_si256(a, m7));
+    sg = _mm256_or_si256(sg, _mm256_slli_epi32(parity7(_mm256_and_si256(_mm256_srli_epi32(a, 7), m7)), 8));
+    sg = _mm256_or_si256(sg, _mm256_slli_epi32(parity7(_mm256_and_si256(_mm256_srli_epi32(a, 14), m7)), 16));
+    sg = _mm256_or_si256(sg, _mm256_slli_epi32(parity7(_mm256_and_si256(_mm256_srli_epi32(a, 21), m7)), 24));
+    _mm256_store_si256((__m256i *)c->gi, g);
+    _mm256_storeu_si256((__m256i *)c->sg, sg);
+    const __m256i ls = _mm256_add_epi32(_mm256_slli_epi32(_mm256_srli_epi32(a, 28), 1), _mm256_set1_epi32(1));
+    _mm_storeu_si128((__m128i *)c->ls, _mm_packs_epi32(_mm256_castsi256_si128(ls), _mm256_extracti128_si256(ls, 1)));
 }
 
 /* The vec-dot bodies, instantiated for AVX2 (sdot32) and AVX-512VL (sdot32m, below) */
@@ -97,74 +120,91 @@ AVX2 static inline __m256i sdot32(__m256i g, uint32_t signs, const int8_t *x, __
     ATTR float NAME(const uint8_t *w, const void *xv, int64_t nb) {                                    \
         const mf_q8_256 *x = xv;                                                                       \
         __m256 acc = _mm256_setzero_ps();                                                              \
+        iq2xxs_codes c;                                                                                \
         for (int64_t b = 0; b < nb; b++, w += 66) {                                                    \
             __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();                          \
+            xxs_codes(w, &c);                                                                          \
             for (int ib = 0; ib < 8; ib += 2) {                                                        \
-                uint32_t a[4];                                                                         \
-                memcpy(a, w + 2 + 8 * ib, 16);                                                         \
-                const uint8_t *i0 = (const uint8_t *)&a[0], *i1 = (const uint8_t *)&a[2];              \
+                const uint8_t *i0 = (const uint8_t *)&c.gi[ib], *i1 = (const uint8_t *)&c.gi[ib + 1];  \
                 __m256i g0 = grid32(mf_grid_iq2xxs, i0[0], i0[1], i0[2], i0[3]);                       \
                 __m256i g1 = grid32(mf_grid_iq2xxs, i1[0], i1[1], i1[2], i1[3]);                       \
-                s0 = _mm256_add_epi32(s0, SDOT(g0, ksigns4(a[1]), x[b].qs + 32 * ib,                   \
-                                               _mm256_set1_epi16((short)(2 * (a[1] >> 28) + 1))));     \
-                s1 = _mm256_add_epi32(s1, SDOT(g1, ksigns4(a[3]), x[b].qs + 32 * ib + 32,              \
-                                               _mm256_set1_epi16((short)(2 * (a[3] >> 28) + 1))));     \
+                s0 = _mm256_add_epi32(s0, SDOT(g0, c.sg[ib], x[b].qs + 32 * ib, _mm256_set1_epi16(c.ls[ib]))); \
+                s1 = _mm256_add_epi32(s1, SDOT(g1, c.sg[ib + 1], x[b].qs + 32 * ib + 32, _mm256_set1_epi16(c.ls[ib + 1]))); \
             }                                                                                          \
             acc = _mm256_fmadd_ps(_mm256_set1_ps(f16c(w) * x[b].d), _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), acc); \
         }                                                                                              \
         return 0.125f * hsum_ps(acc);                                                                  \
     }
 
-/* 2 ls + 1 for the two 16-element halves of a 32-element sub-block (scale byte s) */
-AVX2 static inline __m256i xs_scales(uint8_t s) {
-    return _mm256_set_m128i(_mm_set1_epi16((short)(2 * (s >> 4) + 1)), _mm_set1_epi16((short)(2 * (s & 0xF) + 1)));
+/* IQ2_XS / IQ2_S codes of one block, decoded with vector ops (the scalar form spent ~12
+ * table loads and shifts per 32 weights on the sign bytes and ~6 ops per lattice index):
+ * idx[l] = lattice index of the l-th 8 weights, sg[k] = the 4 sign bytes of weights
+ * 32k..32k+31, sc = (2 ls + 1) per 16 weights as bytes [lo0, hi0, lo1, hi1, ...] in both
+ * 128-bit lanes (chunk_scale picks one chunk's pair). */
+typedef struct { _Alignas(32) uint16_t idx[32]; uint32_t sg[8]; } iq2_codes;
+
+AVX2 static inline __m256i iq2_scales(const uint8_t *s8) {
+    const __m128i s = _mm_loadl_epi64((const __m128i *)s8), m = _mm_set1_epi8(0xF);
+    __m128i v = _mm_unpacklo_epi8(_mm_and_si128(s, m), _mm_and_si128(_mm_srli_epi16(s, 4), m));
+    v = _mm_add_epi8(_mm_add_epi8(v, v), _mm_set1_epi8(1));
+    return _mm256_broadcastsi128_si256(v);
 }
-static inline uint32_t xs_signs4(const uint16_t *a) { /* sign bytes of 4 XS groups */
-    const uint8_t *k = mf_ksigns_iq2xs;
-    return (uint32_t)k[a[0] >> 9] | (uint32_t)k[a[1] >> 9] << 8 | (uint32_t)k[a[2] >> 9] << 16 | (uint32_t)k[a[3] >> 9] << 24;
+/* int16 (2 ls + 1) of chunk k: low 128-bit lane the first 16 weights', high lane the second's */
+AVX2 static inline __m256i chunk_scale(__m256i sc, int k) {
+    const __m256i base = _mm256_set_epi64x((long long)0x8001800180018001, (long long)0x8001800180018001,
+                                           (long long)0x8000800080008000, (long long)0x8000800080008000);
+    return _mm256_shuffle_epi8(sc, _mm256_add_epi16(base, _mm256_set1_epi16((short)(2 * k))));
+}
+/* IQ2_XS: 32 u16 codes = 9-bit index | 7-bit sign index << 9; the 8th sign bit is the parity
+ * of the 7 (ggml's ksigns_iq2xs[i] = i | parity(i) << 7), from a 16-entry nibble table. */
+AVX2 static inline void xs_codes(const uint8_t *w, iq2_codes *c) {
+    const __m256i c0 = _mm256_loadu_si256((const __m256i *)(w + 2)), c1 = _mm256_loadu_si256((const __m256i *)(w + 34));
+    const __m256i m9 = _mm256_set1_epi16(511);
+    _mm256_store_si256((__m256i *)c->idx, _mm256_and_si256(c0, m9));
+    _mm256_store_si256((__m256i *)(c->idx + 16), _mm256_and_si256(c1, m9));
+    const __m256i f0 = parity7(_mm256_srli_epi16(c0, 9)), f1 = parity7(_mm256_srli_epi16(c1, 9));
+    _mm256_storeu_si256((__m256i *)c->sg, _mm256_permute4x64_epi64(_mm256_packus_epi16(f0, f1), 0xD8));
+}
+/* IQ2_S: index = qs[l] | 2 bits of qh[l/4] << 8 (bits 2(l%4)), moved up by a multiply per
+ * lane (AVX2 has no per-lane 16-bit shift); sign bytes are stored as they are. */
+AVX2 static inline void s_codes(const uint8_t *w, iq2_codes *c) {
+    const __m128i qh = _mm_loadl_epi64((const __m128i *)(w + 66));
+    const __m256i rep = _mm256_set_epi64x((long long)0xFF03FF03FF03FF03, (long long)0xFF02FF02FF02FF02,
+                                          (long long)0xFF01FF01FF01FF01, (long long)0xFF00FF00FF00FF00);
+    const __m256i mul = _mm256_set_epi64x(0x0004001000400100, 0x0004001000400100, 0x0004001000400100, 0x0004001000400100);
+    const __m256i m3 = _mm256_set1_epi16(0x300);
+    const __m256i h0 = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(qh), rep);                       /* qh[0..3] */
+    const __m256i h1 = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_srli_si128(qh, 4)), rep);  /* qh[4..7] */
+    const __m256i l0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + 2)));
+    const __m256i l1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + 18)));
+    _mm256_store_si256((__m256i *)c->idx, _mm256_or_si256(l0, _mm256_and_si256(_mm256_mullo_epi16(h0, mul), m3)));
+    _mm256_store_si256((__m256i *)(c->idx + 16), _mm256_or_si256(l1, _mm256_and_si256(_mm256_mullo_epi16(h1, mul), m3)));
+    memcpy(c->sg, w + 34, 32);
 }
 
-#define VD_IQ2_XS(NAME, ATTR, SDOT)                                                                    \
+/* IQ2_XS and IQ2_S share the body once their codes are decoded: 32-weight chunks, scales per 16 */
+#define VD_IQ2_CODES(NAME, ATTR, SDOT, BLOCK, CODES, GRID, SC)                                         \
     ATTR float NAME(const uint8_t *w, const void *xv, int64_t nb) {                                    \
         const mf_q8_256 *x = xv;                                                                       \
         __m256 acc = _mm256_setzero_ps();                                                              \
-        for (int64_t b = 0; b < nb; b++, w += 74) {                                                    \
+        iq2_codes c;                                                                                   \
+        for (int64_t b = 0; b < nb; b++, w += BLOCK) {                                                 \
             __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();                          \
-            uint16_t q[32];                                                                            \
-            memcpy(q, w + 2, 64);                                                                      \
+            CODES(w, &c);                                                                              \
+            const __m256i sc = iq2_scales(w + SC);                                                     \
             for (int ib = 0; ib < 8; ib += 2) {                                                        \
-                const uint16_t *a = q + 4 * ib;                                                        \
-                __m256i g0 = grid32(mf_grid_iq2xs, a[0] & 511, a[1] & 511, a[2] & 511, a[3] & 511);    \
-                __m256i g1 = grid32(mf_grid_iq2xs, a[4] & 511, a[5] & 511, a[6] & 511, a[7] & 511);    \
-                s0 = _mm256_add_epi32(s0, SDOT(g0, xs_signs4(a), x[b].qs + 32 * ib, xs_scales(w[66 + ib]))); \
-                s1 = _mm256_add_epi32(s1, SDOT(g1, xs_signs4(a + 4), x[b].qs + 32 * ib + 32, xs_scales(w[67 + ib]))); \
+                const uint16_t *a = c.idx + 4 * ib;                                                    \
+                __m256i g0 = grid32(GRID, a[0], a[1], a[2], a[3]);                                     \
+                __m256i g1 = grid32(GRID, a[4], a[5], a[6], a[7]);                                     \
+                s0 = _mm256_add_epi32(s0, SDOT(g0, c.sg[ib], x[b].qs + 32 * ib, chunk_scale(sc, ib))); \
+                s1 = _mm256_add_epi32(s1, SDOT(g1, c.sg[ib + 1], x[b].qs + 32 * ib + 32, chunk_scale(sc, ib + 1))); \
             }                                                                                          \
             acc = _mm256_fmadd_ps(_mm256_set1_ps(f16c(w) * x[b].d), _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), acc); \
         }                                                                                              \
         return 0.125f * hsum_ps(acc);                                                                  \
     }
-
-static inline int iq2s_idx(const uint8_t *w, int l) { return w[2 + l] | (((w[66 + l / 4] >> (2 * (l % 4))) & 3) << 8); }
-
-#define VD_IQ2_S(NAME, ATTR, SDOT)                                                                     \
-    ATTR float NAME(const uint8_t *w, const void *xv, int64_t nb) {                                    \
-        const mf_q8_256 *x = xv;                                                                       \
-        __m256 acc = _mm256_setzero_ps();                                                              \
-        for (int64_t b = 0; b < nb; b++, w += 82) {                                                    \
-            __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();                          \
-            for (int ib = 0; ib < 8; ib += 2) {                                                        \
-                const int l = 4 * ib;                                                                  \
-                __m256i g0 = grid32(mf_grid_iq2s, iq2s_idx(w, l), iq2s_idx(w, l + 1), iq2s_idx(w, l + 2), iq2s_idx(w, l + 3)); \
-                __m256i g1 = grid32(mf_grid_iq2s, iq2s_idx(w, l + 4), iq2s_idx(w, l + 5), iq2s_idx(w, l + 6), iq2s_idx(w, l + 7)); \
-                uint32_t sg[2];                                                                        \
-                memcpy(sg, w + 34 + l, 8);                                                             \
-                s0 = _mm256_add_epi32(s0, SDOT(g0, sg[0], x[b].qs + 32 * ib, xs_scales(w[74 + ib])));  \
-                s1 = _mm256_add_epi32(s1, SDOT(g1, sg[1], x[b].qs + 32 * ib + 32, xs_scales(w[75 + ib]))); \
-            }                                                                                          \
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(f16c(w) * x[b].d), _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), acc); \
-        }                                                                                              \
-        return 0.125f * hsum_ps(acc);                                                                  \
-    }
+#define VD_IQ2_XS(NAME, ATTR, SDOT) VD_IQ2_CODES(NAME, ATTR, SDOT, 74, xs_codes, mf_grid_iq2xs, 66)
+#define VD_IQ2_S(NAME, ATTR, SDOT) VD_IQ2_CODES(NAME, ATTR, SDOT, 82, s_codes, mf_grid_iq2s, 74)
 
 VD_IQ2_XXS(mf_vd_iq2_xxs_avx2, AVX2, sdot32)
 VD_IQ2_XS(mf_vd_iq2_xs_avx2, AVX2, sdot32)
@@ -184,37 +224,36 @@ static inline void kblk_scales(mf_kblk *o, int c, int lo, int hi) { /* ls per 16
 }
 
 AVX2 void mf_up_iq2_xxs(const uint8_t *w, mf_kblk *o) {
+    iq2xxs_codes c;
     o->d = o->dc = f16c(w) * 0.125f;
+    xxs_codes(w, &c);
     for (int ib = 0; ib < 8; ib++) {
-        uint32_t a[2];
-        memcpy(a, w + 2 + 8 * ib, 8);
-        const uint8_t *i = (const uint8_t *)&a[0];
-        kblk32(grid32(mf_grid_iq2xxs, i[0], i[1], i[2], i[3]), ksigns4(a[1]), o->q + 32 * ib);
-        int ls = (int)(2 * (a[1] >> 28) + 1);
-        kblk_scales(o, ib, ls, ls);
+        const uint8_t *i = (const uint8_t *)&c.gi[ib];
+        kblk32(grid32(mf_grid_iq2xxs, i[0], i[1], i[2], i[3]), c.sg[ib], o->q + 32 * ib);
+        kblk_scales(o, ib, c.ls[ib], c.ls[ib]);
+    }
+}
+
+AVX2 static inline void up_codes(const iq2_codes *c, const int8_t *grid, const uint8_t *sc, mf_kblk *o) {
+    for (int ib = 0; ib < 8; ib++) {
+        const uint16_t *a = c->idx + 4 * ib;
+        kblk32(grid32(grid, a[0], a[1], a[2], a[3]), c->sg[ib], o->q + 32 * ib);
+        kblk_scales(o, ib, 2 * (sc[ib] & 0xF) + 1, 2 * (sc[ib] >> 4) + 1);
     }
 }
 
 AVX2 void mf_up_iq2_xs(const uint8_t *w, mf_kblk *o) {
+    iq2_codes c;
     o->d = o->dc = f16c(w) * 0.125f;
-    uint16_t q[32];
-    memcpy(q, w + 2, 64);
-    for (int ib = 0; ib < 8; ib++) {
-        const uint16_t *a = q + 4 * ib;
-        kblk32(grid32(mf_grid_iq2xs, a[0] & 511, a[1] & 511, a[2] & 511, a[3] & 511), xs_signs4(a), o->q + 32 * ib);
-        kblk_scales(o, ib, 2 * (w[66 + ib] & 0xF) + 1, 2 * (w[66 + ib] >> 4) + 1);
-    }
+    xs_codes(w, &c);
+    up_codes(&c, mf_grid_iq2xs, w + 66, o);
 }
 
 AVX2 void mf_up_iq2_s(const uint8_t *w, mf_kblk *o) {
+    iq2_codes c;
     o->d = o->dc = f16c(w) * 0.125f;
-    for (int ib = 0; ib < 8; ib++) {
-        const int l = 4 * ib;
-        uint32_t sg;
-        memcpy(&sg, w + 34 + l, 4);
-        kblk32(grid32(mf_grid_iq2s, iq2s_idx(w, l), iq2s_idx(w, l + 1), iq2s_idx(w, l + 2), iq2s_idx(w, l + 3)), sg, o->q + 32 * ib);
-        kblk_scales(o, ib, 2 * (w[74 + ib] & 0xF) + 1, 2 * (w[74 + ib] >> 4) + 1);
-    }
+    s_codes(w, &c);
+    up_codes(&c, mf_grid_iq2s, w + 74, o);
 }
 
 /* ---------------- AVX-512 VNNI path: the same kernels on ymm, signs as a mask ----------------

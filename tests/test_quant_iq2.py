@@ -96,9 +96,6 @@ def test_one_sign_bit_exceeds_bound(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_tiny_model_prefill_equals_token_by_token(tmp_path, name):
     ids = np.array([5, 17, 200, 33, 290, 0, 64, 64, 128, 7, 255, 1], dtype=np.int32)
-    # seed 2: with some seeds (of Q2_K too) one activation lands so near an 8-bit rounding step
-    # that the GEMM's and the vec-dot's float orders round it apart, and every later logit
-    # moves by ~1e-2 (the K/V of that position differ); no such step with this one
     path = write_tiny_model(tmp_path / "m.gguf", "llama", name, seed=2, n_embd=256, n_layer=2, n_head=4,
                             n_head_kv=2, head_dim=64, n_ff=512)
     logits = {}
@@ -106,16 +103,25 @@ def test_tiny_model_prefill_equals_token_by_token(tmp_path, name):
         m = load_model(path, ops=get_ops(backend))
         m.kv_f16 = False
         full = m.forward(ids, m.new_cache(32), all_logits=True)
-        cache = m.new_cache(32)
-        steps = [m.forward(ids[:1], cache)] + [m.forward(np.array([i]), cache) for i in ids[1:]]
-        logits[backend] = (full.astype(np.float64), np.stack(steps).astype(np.float64))
-    full, steps = logits["native"]
-    assert np.std(full) > 0.1
-    assert _relerr(steps, full) < 1e-4
+        logits[backend] = full.astype(np.float64)
+        if backend == "native":
+            # prompt rows one at a time (the prefill kernels, as a prompt chunked to 1 row):
+            # the same bits as the whole prompt in one forward
+            cache = m.new_cache(32)
+            rows = np.concatenate([m.forward(ids[i:i + 1], cache, all_logits=True) for i in range(len(ids))])
+            np.testing.assert_array_equal(rows.view(np.uint32), full.view(np.uint32))
+            # decode steps (the vec-dots): f32 rounding apart from the GEMM, 1e-7 of the largest
+            # logit until a difference flips one 8-bit activation's rounding in a later matmul
+            # (which position depends on the CPU's kernel path; then ~2e-2 from there on, as in
+            # test_quant_iq3); a wrong scale, sign or grid row is O(1)
+            cache = m.new_cache(32)
+            steps = np.stack([m.forward(ids[:1], cache)] + [m.forward(np.array([i]), cache) for i in ids[1:]])
+            assert np.std(full) > 0.1
+            assert _relerr(steps, logits["native"]) < 3e-2
     # native vs numpy (f32 dequantized weights, f32 activations): the 8-bit activations of the
     # integer kernels, measured 3-4e-2 of the largest logit (IQ4_XS: 5e-2) on these random
     # weights; a wrong scale or grid is O(1)
-    assert _relerr(full, logits["numpy"][0]) < 0.1
+    assert _relerr(logits["native"], logits["numpy"]) < 0.1
 
 
 @pytest.mark.parametrize("name", NAMES)
