@@ -90,7 +90,12 @@ def _same(a, b, what):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cold_cached_chunked_batched_preempted(tmp_path, arch, kv):
     model, tok = _tiny(tmp_path, arch)
-    cold = [_alone(model, tok, kv, p) for p in PROMPTS]
+    _battery(model, tok, kv, [_alone(model, tok, kv, p) for p in PROMPTS], f"{arch} {kv}")
+
+
+def _battery(model, tok, kv, cold, what):
+    """cached, chunked, batched and preempted runs of PROMPTS on ``model``, each the same bits
+    as ``cold`` (the prompts run alone, one engine each)"""
     # cached: the prefix's first block is warm, each prompt then computes only its tail
     r = Recorder(_engine(model, tok, kv, n_parallel=2))
     r.add(PREFIX, n=2)
@@ -98,12 +103,12 @@ def test_cold_cached_chunked_batched_preempted(tmp_path, arch, kv):
     for p, c in zip(PROMPTS, cold):
         rid = r.add(p)
         r.drain()
-        _same(r.result(rid), c, f"{arch} {kv} cached, prompt of {len(p)}")
+        _same(r.result(rid), c, f"{what} cached, prompt of {len(p)}")
     assert r.eng.scheduler.prefix_hits >= 5 * 32
     # chunked prefill at several sizes
     for nb in (3, 16, 33):
         for p, c in zip(PROMPTS[4:6], cold[4:6]):
-            _same(_alone(model, tok, kv, p, n_batch=nb), c, f"{arch} {kv} chunks of {nb}")
+            _same(_alone(model, tok, kv, p, n_batch=nb), c, f"{what} chunks of {nb}")
     # batched: the prompts join at random steps next to each other (seeded, several orders)
     for seed in range(3):
         rng = np.random.default_rng(seed)
@@ -116,7 +121,7 @@ def test_cold_cached_chunked_batched_preempted(tmp_path, arch, kv):
                 r.step()
         r.drain()
         for i, rid in rids.items():
-            _same(r.result(rid), cold[i], f"{arch} {kv} batched seed {seed}, prompt {i}")
+            _same(r.result(rid), cold[i], f"{what} batched seed {seed}, prompt {i}")
     # preempted: a pool too small for all, so sequences are evicted and recomputed
     r = Recorder(_engine(model, tok, kv, n_parallel=4, n_blocks=5))
     steps, schedule = [], r.eng.scheduler.schedule
@@ -128,7 +133,33 @@ def test_cold_cached_chunked_batched_preempted(tmp_path, arch, kv):
     assert any(s is not None and s.decode and sum(s.n_tokens) > len(s.seqs) for s in steps)
     long_cold = [_alone(model, tok, kv, p, n=40) for p in PROMPTS[4:8]]
     for rid, c, p in zip(rids, long_cold, PROMPTS[4:8]):
-        _same(r.result(rid), c, f"{arch} {kv} preempted, prompt of {len(p)}")
+        _same(r.result(rid), c, f"{what} preempted, prompt of {len(p)}")
+
+
+@pytest.mark.parametrize("arch, kv", [("llama", "f16"), ("qwen3moe", "q8_0"), ("qwen2moe", "q4_0")])
+def test_exact_under_a_budget(tmp_path, arch, kv):
+    # the weights streamed from the file at the budget's floor (the experts through the
+    # cache's few slots, prefill in expert groups): the same bits as the memory-mapped model
+    from memfit.gguf import open_gguf
+    from memfit.memory.bandwidth import Bandwidth
+    from memfit.memory.ledger import Ledger
+    from memfit.memory.planner import ModelDesc, plan
+    from memfit.memory.store import WeightStore
+    mapped, tok = _tiny(tmp_path, arch)
+    cold = [_alone(mapped, tok, kv, p) for p in PROMPTS]
+    f = open_gguf(tmp_path / f"{arch}.gguf")
+    desc = ModelDesc.from_gguf(f)
+    floor = plan(desc, 1 << 40, 160, 8, Bandwidth(10e9, 1e9, "test"), baseline_bytes=0, n_batch=64).min_budget_bytes
+    p = plan(desc, floor, 160, 8, Bandwidth(10e9, 1e9, "test"), baseline_bytes=0, n_batch=64)
+    store = WeightStore(f, p, Ledger(None, debug=""))
+    try:
+        streamed = load_model(f, weights=store)
+        _battery(streamed, tok, kv, cold, f"{arch} {kv} under a budget")
+        st = store.stats()
+        assert st["bytes_read"] > 0, st  # weights did stream
+    finally:
+        store.close()
+        f.close()
 
 
 @pytest.mark.parametrize("isa", ["scalar", "avx2"])
