@@ -15,6 +15,7 @@ from ..kv.seq import SeqKV as KVCache
 from .batch import Batch
 from ..quant.reference import dequantize
 from .config import ModelConfig
+from .lookahead import RouterLookahead
 from .spec import ArchSpec, check_tensors
 from .weights import expert_views
 
@@ -53,6 +54,8 @@ class Model:
         if config.n_expert:
             self._fused = []  # the fused native decode layer has a dense FFN: op by op instead
         self._bufs: dict[str, np.ndarray] = {}  # prefill scratch reused across layers (_scratch)
+        self._lookahead = RouterLookahead()  # expert prefetch hints (budgeted MoE)
+        self._rows_seq = self._rows_pos = np.zeros(0, np.int32)
         # the kernel family of the forward in flight: decode rows (Batch.decode) take the decode
         # kernels, prompt rows the prefill ones, whatever the row count (ops/native.py), so a
         # row's logits depend only on its own sequence (batch invariance)
@@ -131,6 +134,7 @@ class Model:
         # the fused layer reads K and V of one cache type (BatchKV.fusable)
         fused = self._decode_layers() if b.decode and getattr(b.kv, "fusable", True) else None
         self._decode = b.decode
+        self._rows_seq, self._rows_pos = b.seq, b.pos
         try:
             if fused:
                 # one native call per layer for all rows (csrc/decode.c): the same kernels in
@@ -288,13 +292,18 @@ class Model:
         h = self.ops.silu_mul(g, u) if self.act == "silu" else self.ops.gelu_mul(g, u)
         return self.ops.matmul(h, down, **kw)
 
-    def route(self, il: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def router_logits(self, il: int, x: np.ndarray) -> np.ndarray:
+        """Layer il's router logits [n, n_expert] of x [n, n_embd]."""
+        return self._matmul(x, self.weights.get(f"blk.{il}.ffn_gate_inp.weight"))
+
+    def route(self, il: int, x: np.ndarray, logits: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Router of layer il on x [n, n_embd] -> (experts int64 [n, k], weights f32 [n, k]) as
         llama.cpp's build_moe_ffn: logits, softmax (or sigmoid), top-k by probability (ties:
         the lower expert index), the selected probabilities renormalized to sum 1 where the
         architecture does (expert_weights_norm), then times expert_weights_scale."""
         c = self.config
-        logits = self._matmul(x, self.weights.get(f"blk.{il}.ffn_gate_inp.weight"))
+        if logits is None:
+            logits = self.router_logits(il, x)
         if c.expert_gating_func == "softmax":
             probs = self.ops.softmax(logits)
         else:
@@ -310,18 +319,27 @@ class Model:
             w = w * np.float32(c.expert_weights_scale)
         return sel, w.astype(np.float32, copy=False)
 
-    def moe_ffn(self, il: int, x: np.ndarray) -> np.ndarray:
-        """Routed experts (+ the shared expert) of x [n, n_embd] -> [n, n_embd]. All tokens are
+    def moe_ffn(self, il: int, x: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+        """Routed experts (+ the shared expert) of x [n, n_embd] -> [n, n_embd] (x holds the
+        batch's rows, or those at ``rows`` of it in the last layer). All tokens are
         routed first; the union of their experts is asked of the weights once
         (get_experts); each expert's gate/up/down then runs once on its group of tokens."""
         c, w, p = self.config, self.weights, f"blk.{il}."
         x = np.ascontiguousarray(x, dtype=np.float32)
-        sel, wts = self.route(il, x)
+        logits = self.router_logits(il, x)
+        sel, wts = self.route(il, x, logits)
         experts = np.unique(sel)   # sorted: each row's sum runs in expert order
-        if getattr(w, "wants_expert_prediction", False) and il + 1 < c.n_layer:
-            # layer il+1's router on this hidden state predicts its experts: reads start now
-            nxt, _ = self.route(il + 1, x)
-            w.prefetch_experts(il + 1, np.unique(nxt).tolist())
+        if getattr(w, "wants_expert_prediction", False):
+            # layer il+1's experts predicted from this hidden state (models/lookahead.py):
+            # their reads start now
+            seq, pos = self._rows_seq, self._rows_pos
+            if rows is not None:
+                seq, pos = seq[rows], pos[rows]
+            self._lookahead.observe(il, logits, seq, pos)
+            if il + 1 < c.n_layer:
+                score = self._lookahead.predict(il + 1, self.router_logits(il + 1, x), seq, pos)
+                nxt = np.argsort(-score, axis=1, kind="stable")[:, :c.n_expert_used]
+                w.prefetch_experts(il + 1, np.unique(nxt).tolist())
         get = getattr(w, "get_experts", None)
         # a budgeted store holds at most expert_batch_limit experts at once: ask in groups
         limit = int(getattr(w, "expert_batch_limit", 0) or len(experts))
@@ -372,7 +390,7 @@ class Model:
             h = self.norm(h, p + "post_attention_norm.weight")
         x = (x if last is None else x[last]) + h
         h = self.norm(x, p + "ffn_norm.weight")
-        f = self.moe_ffn(il, h) if self.config.n_expert else self.ffn(il, h)
+        f = self.moe_ffn(il, h, last) if self.config.n_expert else self.ffn(il, h)
         if self.post_norms:
             f = self.norm(f, p + "post_ffw_norm.weight")
         return x + f
