@@ -187,17 +187,20 @@ AVX2 static inline void s_codes(const uint8_t *w, iq2_codes *c) {
     ATTR float NAME(const uint8_t *w, const void *xv, int64_t nb) {                                    \
         const mf_q8_256 *x = xv;                                                                       \
         __m256 acc = _mm256_setzero_ps();                                                              \
-        iq2_codes c;                                                                                   \
+        iq2_codes cc[2];                                                                               \
+        if (nb > 0) CODES(w, &cc[0]);                                                                  \
         for (int64_t b = 0; b < nb; b++, w += BLOCK) {                                                 \
+            /* the next block's codes first: their latency overlaps this block's dots */               \
+            if (b + 1 < nb) CODES(w + BLOCK, &cc[(b + 1) & 1]);                                        \
+            const iq2_codes *c = &cc[b & 1];                                                           \
             __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();                          \
-            CODES(w, &c);                                                                              \
             const __m256i sc = iq2_scales(w + SC);                                                     \
             for (int ib = 0; ib < 8; ib += 2) {                                                        \
-                const uint16_t *a = c.idx + 4 * ib;                                                    \
+                const uint16_t *a = c->idx + 4 * ib;                                                   \
                 __m256i g0 = grid32(GRID, a[0], a[1], a[2], a[3]);                                     \
                 __m256i g1 = grid32(GRID, a[4], a[5], a[6], a[7]);                                     \
-                s0 = _mm256_add_epi32(s0, SDOT(g0, c.sg[ib], x[b].qs + 32 * ib, chunk_scale(sc, ib))); \
-                s1 = _mm256_add_epi32(s1, SDOT(g1, c.sg[ib + 1], x[b].qs + 32 * ib + 32, chunk_scale(sc, ib + 1))); \
+                s0 = _mm256_add_epi32(s0, SDOT(g0, c->sg[ib], x[b].qs + 32 * ib, chunk_scale(sc, ib))); \
+                s1 = _mm256_add_epi32(s1, SDOT(g1, c->sg[ib + 1], x[b].qs + 32 * ib + 32, chunk_scale(sc, ib + 1))); \
             }                                                                                          \
             acc = _mm256_fmadd_ps(_mm256_set1_ps(f16c(w) * x[b].d), _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), acc); \
         }                                                                                              \
