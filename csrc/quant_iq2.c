@@ -93,22 +93,12 @@ AVX2 static inline __m256i sdot32(__m256i g, uint32_t signs, const int8_t *x, __
  * sg[ib] holds the 4 sign bytes of sub-block ib and ls[ib] = 2 ls + 1 (as int16). */
 typedef struct { _Alignas(32) uint32_t gi[8]; uint32_t sg[8]; int16_t ls[8]; } iq2xxs_codes;
 
-AVX2 static inline __m256i parity7(__m256i s) { /* s: 7-bit values per lane -> | parity << 7 */
-    const __m256i par = _mm256_set_epi64x((long long)0x0080800080000080, (long long)0x8000008000808000,
-                                          (long long)0x0080800080000080, (long long)0x8000008000808000);
-    return _mm256_or_si256(s, _mm256_shuffle_epi8(par, _mm256_and_si256(_mm256_xor_si256(s, _mm256_srli_epi16(s, 4)),
-                                                                        _mm256_set1_epi16(0xF))));
-}
 AVX2 static inline void xxs_codes(const uint8_t *w, iq2xxs_codes *c) {
     const __m256 lo = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(w + 2)));
     const __m256 hi = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(w + 34)));
     const __m256i g = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(lo, hi, 0x88)), 0xD8);
     const __m256i a = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(lo, hi, 0xDD)), 0xD8);
-    const __m256i m7 = _mm256_set1_epi32(127);
-    __m256i sg = parity7(_mm256_and_si256(a, m7));
-    sg = _mm256_or_si256(sg, _mm256_slli_epi32(parity7(_mm256_and_si256(_mm256_srli_epi32(a, 7), m7)), 8));
-    sg = _mm256_or_si256(sg, _mm256_slli_epi32(parity7(_mm256_and_si256(_mm256_srli_epi32(a, 14), m7)), 16));
-    sg = _mm256_or_si256(sg, _mm256_slli_epi32(parity7(_mm256_and_si256(_mm256_srli_epi32(a, 21), m7)), 24));
+    const __m256i sg = iq_signs4x7(a);
     _mm256_store_si256((__m256i *)c->gi, g);
     _mm256_storeu_si256((__m256i *)c->sg, sg);
     const __m256i ls = _mm256_add_epi32(_mm256_slli_epi32(_mm256_srli_epi32(a, 28), 1), _mm256_set1_epi32(1));
@@ -162,7 +152,7 @@ AVX2 static inline void xs_codes(const uint8_t *w, iq2_codes *c) {
     const __m256i m9 = _mm256_set1_epi16(511);
     _mm256_store_si256((__m256i *)c->idx, _mm256_and_si256(c0, m9));
     _mm256_store_si256((__m256i *)(c->idx + 16), _mm256_and_si256(c1, m9));
-    const __m256i f0 = parity7(_mm256_srli_epi16(c0, 9)), f1 = parity7(_mm256_srli_epi16(c1, 9));
+    const __m256i f0 = iq_parity7(_mm256_srli_epi16(c0, 9)), f1 = iq_parity7(_mm256_srli_epi16(c1, 9));
     _mm256_storeu_si256((__m256i *)c->sg, _mm256_permute4x64_epi64(_mm256_packus_epi16(f0, f1), 0xD8));
 }
 /* IQ2_S: index = qs[l] | 2 bits of qh[l/4] << 8 (bits 2(l%4)), moved up by a multiply per

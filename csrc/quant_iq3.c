@@ -106,13 +106,13 @@ AVX2 float mf_vd_iq3_xxs_avx2(const uint8_t *w, const void *xv, int64_t nb) {
     for (int64_t b = 0; b < nb; b++, w += 98) {
         const uint8_t *qs = w + 2;
         __m256i sumi = _mm256_setzero_si256();
+        uint32_t sgs[8]; /* the 8 sub-blocks' sign bytes, decoded with vector ops (simd_x86.h) */
+        _mm256_storeu_si256((__m256i *)sgs, iq_signs4x7(_mm256_loadu_si256((const __m256i *)(w + 66))));
         for (int ib = 0; ib < 8; ib++, qs += 8) {
             const uint32_t aux = rd32(w + 66 + 4 * ib);
             const __m256i g = _mm256_i32gather_epi32((const int *)(const void *)mf_grid_iq3xxs,
                                                      _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs)), 4);
-            const uint32_t sg = iq3xxs_signs(aux, 0) | iq3xxs_signs(aux, 1) << 8 | iq3xxs_signs(aux, 2) << 16 |
-                                (uint32_t)iq3xxs_signs(aux, 3) << 24;
-            const __m256i y = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(x[b].qs + 32 * ib)), sign32(sg));
+            const __m256i y = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(x[b].qs + 32 * ib)), sign32(sgs[ib]));
             const __m256i p = _mm256_maddubs_epi16(g, y); /* grid <= 62: pair sums < 2^15 */
             sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, _mm256_set1_epi16((short)(2 * (aux >> 28) + 1))));
         }
@@ -222,14 +222,14 @@ AVX2 static inline void put_scales(mf_kblk *o, const int16_t s16[16], int off) {
 AVX2 void mf_up_iq3_xxs(const uint8_t *w, mf_kblk *o) {
     int16_t s16[16];
     const __m256i off = _mm256_set1_epi8(64);
+    uint32_t sgs[8];
+    _mm256_storeu_si256((__m256i *)sgs, iq_signs4x7(_mm256_loadu_si256((const __m256i *)(w + 66))));
     for (int ib = 0; ib < 8; ib++) {
         const uint32_t aux = rd32(w + 66 + 4 * ib);
         s16[2 * ib] = s16[2 * ib + 1] = (int16_t)(2 * (aux >> 28) + 1);
         const __m256i g = _mm256_i32gather_epi32((const int *)(const void *)mf_grid_iq3xxs,
                                                  _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + 2 + 8 * ib))), 4);
-        const uint32_t sg = iq3xxs_signs(aux, 0) | iq3xxs_signs(aux, 1) << 8 | iq3xxs_signs(aux, 2) << 16 |
-                            (uint32_t)iq3xxs_signs(aux, 3) << 24;
-        _mm256_storeu_si256((__m256i *)(o->q + 32 * ib), _mm256_add_epi8(_mm256_sign_epi8(g, sign32(sg)), off));
+        _mm256_storeu_si256((__m256i *)(o->q + 32 * ib), _mm256_add_epi8(_mm256_sign_epi8(g, sign32(sgs[ib])), off));
     }
     put_scales(o, s16, 64);
     o->d = o->dc = f16s(w) * 0.25f;

@@ -1,4 +1,4 @@
-/* Horizontal reductions of AVX2 vectors, shared by the quant and op kernels.
+/* Horizontal reductions of AVX2 vectors and the IQ sign decoding, shared by the quant and op kernels.
  * target("avx2") only, so callers compiled for avx2+fma(+f16c) can inline them. */
 #ifndef MEMFIT_SIMD_X86_H
 #define MEMFIT_SIMD_X86_H
@@ -22,6 +22,23 @@ __attribute__((target("avx2"))) static inline int hsum_i32(__m256i v) {
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
     return _mm_cvtsi128_si32(s);
+}
+/* ggml's ksigns_iq2xs in vector form: s holds 7-bit sign indices (in 16- or 32-bit lanes, the
+ * rest of each lane zero); returns them with bit 7 set where their parity is odd (ksigns[i] =
+ * i | parity(i) << 7: an even number of negated values), from a 16-entry nibble table. */
+__attribute__((target("avx2"))) static inline __m256i iq_parity7(__m256i s) {
+    const __m256i par = _mm256_set_epi64x((long long)0x0080800080000080, (long long)0x8000008000808000,
+                                          (long long)0x0080800080000080, (long long)0x8000008000808000);
+    return _mm256_or_si256(s, _mm256_shuffle_epi8(par, _mm256_and_si256(_mm256_xor_si256(s, _mm256_srli_epi16(s, 4)),
+                                                                        _mm256_set1_epi16(0xF))));
+}
+/* 8 u32 words of 4 x 7-bit sign indices (IQ2_XXS, IQ3_XXS: | ls << 28) -> per word its 4 sign bytes */
+__attribute__((target("avx2"))) static inline __m256i iq_signs4x7(__m256i a) {
+    const __m256i m7 = _mm256_set1_epi32(127);
+    __m256i sg = iq_parity7(_mm256_and_si256(a, m7));
+    sg = _mm256_or_si256(sg, _mm256_slli_epi32(iq_parity7(_mm256_and_si256(_mm256_srli_epi32(a, 7), m7)), 8));
+    sg = _mm256_or_si256(sg, _mm256_slli_epi32(iq_parity7(_mm256_and_si256(_mm256_srli_epi32(a, 14), m7)), 16));
+    return _mm256_or_si256(sg, _mm256_slli_epi32(iq_parity7(_mm256_and_si256(_mm256_srli_epi32(a, 21), m7)), 24));
 }
 #endif
 #endif
