@@ -9,13 +9,12 @@ A constant prefetch, or one that ignores the hidden state, does not beat that ba
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
-
-import memfit
 
 N_DECODE = 64
 
@@ -34,60 +33,19 @@ def _synth(tmp_path, skew: float):
     return path
 
 
-def _merge_by_layer(calls):
-    """(il, experts) calls -> one entry per layer visit (a budgeted get may come in groups)."""
-    out = []
-    for il, e in calls:
-        if out and out[-1][0] == il:
-            out[-1] = (il, out[-1][1] | e)
-        else:
-            out.append((il, set(e)))
-    return out
-
-
 def recalls(path, tmp_path, monkeypatch) -> tuple[float, float, int]:
     """(look-ahead recall, last-token baseline recall, routed experts counted) over the decode
-    steps of N_DECODE sampled tokens, layers 1.. (layer 0 has no look-ahead)."""
-    monkeypatch.setenv("MEMFIT_CACHE", str(tmp_path / "cache"))  # no routing record: no hot set
-    from memfit.memory.bandwidth import Bandwidth
-    from memfit.memory.budget import measure_baseline
-    from memfit.memory.planner import plan_for_path
-    floor = plan_for_path(path, 1 << 40, n_ctx=128, baseline_bytes=measure_baseline(),
-                          bandwidth=Bandwidth(10e9, 1e9, "test")).min_budget_bytes
-    with memfit.load(path, n_ctx=128, mem_budget=floor + path.stat().st_size // 4) as m:
-        st = m.store
-        assert st.wants_expert_prediction  # experts are cached, so the look-ahead runs
-        routed, hinted = [], []
-        get, hint = st.get_experts, st.prefetch_experts
-
-        def spy_get(il, experts, *a, **k):  # records, then the store does its real work
-            routed.append((il, {int(e) for e in experts}))
-            return get(il, experts, *a, **k)
-
-        def spy_hint(il, experts):
-            hinted.append((il, {int(e) for e in experts}))
-            return hint(il, experts)
-
-        st.get_experts, st.prefetch_experts = spy_get, spy_hint
-        ids = [int(i) for i in np.random.default_rng(0).integers(3, 2000, 8)]
-        r = m.generate(ids, max_tokens=N_DECODE, temperature=1.0, seed=1)
-        assert len(r.ids) == N_DECODE
-        nl, k = m.config.n_layer, m.config.n_expert_used
-    visits, hints = _merge_by_layer(routed), _merge_by_layer(hinted)
-    # a forward per token: the prompt, then every sampled token but the last
-    assert len(visits) == nl * N_DECODE and len(hints) == (nl - 1) * N_DECODE
-    fwd = [visits[i:i + nl] for i in range(0, len(visits), nl)]
-    pred = [hints[i:i + nl - 1] for i in range(0, len(hints), nl - 1)]
-    hit = base = n = 0
-    for t in range(2, len(fwd)):  # decode forwards with a decode forward before them
-        for l in range(1, nl):
-            real = fwd[t][l][1]
-            assert fwd[t][l][0] == l and pred[t][l - 1][0] == l and len(real) == k
-            n += len(real)
-            assert len(pred[t][l - 1][1]) == k  # one sequence: as many hints as routed experts
-            hit += len(real & pred[t][l - 1][1])
-            base += len(real & fwd[t - 1][l][1])
-    return hit / n, base / n, n
+    steps of N_DECODE sampled tokens, layers 1.. (layer 0 has no look-ahead), measured in a
+    fresh process (tests/_lookahead_recall.py) under a budget a quarter of the file above
+    its floor, with no routing record (no hot set)."""
+    env = {**os.environ, "MEMFIT_CACHE": str(tmp_path / "cache")}
+    env.pop("MEMFIT_MEM_BUDGET", None)
+    p = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "_lookahead_recall.py"),
+                        str(path), str(N_DECODE)], capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["hint_sizes"] == [r["k"]]  # one sequence: as many hints as routed experts
+    return r["look"], r["base"], r["n"]
 
 
 def test_lookahead_beats_last_token_baseline_on_uniform_routing(tmp_path, monkeypatch):

@@ -296,14 +296,13 @@ class Model:
         """Layer il's router logits [n, n_expert] of x [n, n_embd]."""
         return self._matmul(x, self.weights.get(f"blk.{il}.ffn_gate_inp.weight"))
 
-    def route(self, il: int, x: np.ndarray, logits: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def route(self, il: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Router of layer il on x [n, n_embd] -> (experts int64 [n, k], weights f32 [n, k]) as
         llama.cpp's build_moe_ffn: logits, softmax (or sigmoid), top-k by probability (ties:
         the lower expert index), the selected probabilities renormalized to sum 1 where the
         architecture does (expert_weights_norm), then times expert_weights_scale."""
         c = self.config
-        if logits is None:
-            logits = self.router_logits(il, x)
+        logits = self.router_logits(il, x)
         if c.expert_gating_func == "softmax":
             probs = self.ops.softmax(logits)
         else:
@@ -326,16 +325,16 @@ class Model:
         (get_experts); each expert's gate/up/down then runs once on its group of tokens."""
         c, w, p = self.config, self.weights, f"blk.{il}."
         x = np.ascontiguousarray(x, dtype=np.float32)
-        logits = self.router_logits(il, x)
-        sel, wts = self.route(il, x, logits)
+        sel, wts = self.route(il, x)
         experts = np.unique(sel)   # sorted: each row's sum runs in expert order
         if getattr(w, "wants_expert_prediction", False):
             # layer il+1's experts predicted from this hidden state (models/lookahead.py):
-            # their reads start now
+            # their reads start now. (The router's logits again: n_embd x n_expert per row,
+            # against the experts' 3 n_embd x n_ff_exp x k.)
             seq, pos = self._rows_seq, self._rows_pos
             if rows is not None:
                 seq, pos = seq[rows], pos[rows]
-            self._lookahead.observe(il, logits, seq, pos)
+            self._lookahead.observe(il, self.router_logits(il, x), seq, pos)
             if il + 1 < c.n_layer:
                 score = self._lookahead.predict(il + 1, self.router_logits(il + 1, x), seq, pos)
                 nxt = np.argsort(-score, axis=1, kind="stable")[:, :c.n_expert_used]
