@@ -50,6 +50,26 @@ static int detect_isa(void) {
 #endif
 }
 
+/* AVX2 gathers that this CPU runs slower than scalar loads + inserts: AMD Zen 1-3 (family
+ * 0x17, and 0x19 below model 0x10). Measured on Zen 3 (docs/NOTES.md session 8): IQ2 lattice
+ * rows by vpgatherqq 0.61-0.76x, IQ3_XXS rows by vpgatherdd 1.2x slower; on the Xeon session 7
+ * measured gathers faster. Both forms compute the same integers. MEMFIT_GATHER=0/1 overrides. */
+int mf_slow_gather;
+
+static int detect_slow_gather(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return 0;
+    int amd = b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163; /* "AuthenticAMD" */
+    if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    unsigned fam = (a >> 8) & 0xF, model = ((a >> 4) & 0xF) | (((a >> 16) & 0xF) << 4);
+    if (fam == 0xF) fam += (a >> 20) & 0xFF;
+    return fam == 0x17 || (fam == 0x19 && model < 0x10);
+#else
+    return 0;
+#endif
+}
+
 static const char *isa_names[] = {"scalar", "avx2", "avx512", "avx512vnni"};
 
 static int isa_from_name(const char *s) {
@@ -64,6 +84,8 @@ void mf_init_isa(void) {
     mf_quant_init();
     mf_isa_hw = detect_isa();
     mf_isa = mf_isa_hw;
+    const char *g = getenv("MEMFIT_GATHER");
+    mf_slow_gather = g && (*g == '0' || *g == '1') ? *g == '0' : detect_slow_gather();
     const char *env = getenv("MEMFIT_ISA");
     if (env && *env) {
         int want = isa_from_name(env);

@@ -98,6 +98,16 @@ AVX2 static inline __m256i g1x4(uint32_t q4, __m128i hi) {
     const __m128i idx = _mm_or_si128(_mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)q4)), hi);
     return _mm256_i32gather_epi64((const long long *)(const void *)mf_grid_iq1s, idx, 8);
 }
+/* IQ3_XXS: 8 grid rows of 4 values from 8 byte indices, gathered, or loaded one by one where
+ * gathers are slow (Zen 3: 1.19x; IQ1_S/IQ1_M's 64-bit rows measured level both ways and keep
+ * the gather) */
+AVX2 static inline __m256i g3x8(const uint8_t *qs) {
+    const uint32_t *G = (const uint32_t *)(const void *)mf_grid_iq3xxs;
+    if (mf_slow_gather)
+        return _mm256_setr_epi32((int)G[qs[0]], (int)G[qs[1]], (int)G[qs[2]], (int)G[qs[3]],
+                                 (int)G[qs[4]], (int)G[qs[5]], (int)G[qs[6]], (int)G[qs[7]]);
+    return _mm256_i32gather_epi32((const int *)G, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs)), 4);
+}
 
 /* sum over sub-blocks of (2 ls + 1) * (unsigned grid . signed q8) in int32 lanes; x 0.25 d dx */
 AVX2 float mf_vd_iq3_xxs_avx2(const uint8_t *w, const void *xv, int64_t nb) {
@@ -110,8 +120,7 @@ AVX2 float mf_vd_iq3_xxs_avx2(const uint8_t *w, const void *xv, int64_t nb) {
         _mm256_storeu_si256((__m256i *)sgs, iq_signs4x7(_mm256_loadu_si256((const __m256i *)(w + 66))));
         for (int ib = 0; ib < 8; ib++, qs += 8) {
             const uint32_t aux = rd32(w + 66 + 4 * ib);
-            const __m256i g = _mm256_i32gather_epi32((const int *)(const void *)mf_grid_iq3xxs,
-                                                     _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs)), 4);
+            const __m256i g = g3x8(qs);
             const __m256i y = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(x[b].qs + 32 * ib)), sign32(sgs[ib]));
             const __m256i p = _mm256_maddubs_epi16(g, y); /* grid <= 62: pair sums < 2^15 */
             sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, _mm256_set1_epi16((short)(2 * (aux >> 28) + 1))));
@@ -227,8 +236,7 @@ AVX2 void mf_up_iq3_xxs(const uint8_t *w, mf_kblk *o) {
     for (int ib = 0; ib < 8; ib++) {
         const uint32_t aux = rd32(w + 66 + 4 * ib);
         s16[2 * ib] = s16[2 * ib + 1] = (int16_t)(2 * (aux >> 28) + 1);
-        const __m256i g = _mm256_i32gather_epi32((const int *)(const void *)mf_grid_iq3xxs,
-                                                 _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + 2 + 8 * ib))), 4);
+        const __m256i g = g3x8(w + 2 + 8 * ib);
         _mm256_storeu_si256((__m256i *)(o->q + 32 * ib), _mm256_add_epi8(_mm256_sign_epi8(g, sign32(sgs[ib])), off));
     }
     put_scales(o, s16, 64);
