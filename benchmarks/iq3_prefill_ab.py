@@ -14,6 +14,8 @@ import time
 
 import numpy as np
 
+from ab_tables import install_iq_tables  # noqa: E402  (the base build gets the IQ tables too)
+
 sys.path.insert(0, "/tmp/iq3_abpkg")
 from memfit_base.ops import QTensor as QB  # noqa: E402
 from memfit_base.ops import native as natb  # noqa: E402
@@ -23,15 +25,9 @@ from memfit.ops import native as nat  # noqa: E402
 from memfit.quant.random import random_blocks  # noqa: E402
 from memfit.quant.types import BY_NAME  # noqa: E402
 
-# memfit.quant.tables installs the IQ tables once per process into memfit._native only: the
-# base build's module needs its own, so both get them here
 from memfit import _native as _nn  # noqa: E402
-from memfit.quant import tables as _tb  # noqa: E402
 from memfit_base import _native as _nb  # noqa: E402
-for _m in (_nn, _nb):
-    for _g in _tb._GRIDS:
-        _m.set_quant_table(_g, _tb.grid(_g))
-    _m.set_quant_table("ksigns", _tb.ksigns())
+install_iq_tables(_nn, _nb)
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 opt = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--"))

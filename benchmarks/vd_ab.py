@@ -15,6 +15,8 @@ import time
 
 import numpy as np
 
+from ab_tables import install_iq_tables  # noqa: E402
+
 sys.path.insert(0, "/tmp/abpkg")
 from memfit_base import _native as _nb  # noqa: E402
 from memfit_base.ops import QTensor as QB  # noqa: E402
@@ -24,14 +26,10 @@ from memfit_base.quant.types import BY_NAME as BB  # noqa: E402
 from memfit import _native as _nn  # noqa: E402
 from memfit.ops import QTensor  # noqa: E402
 from memfit.ops import native as nat  # noqa: E402
-from memfit.quant import tables as _tb  # noqa: E402
 from memfit.quant.random import random_blocks  # noqa: E402
 from memfit.quant.types import BY_NAME  # noqa: E402
 
-for _m in (_nn, _nb):  # the IQ tables are installed once per process, into memfit._native only
-    for _g in _tb._GRIDS:
-        _m.set_quant_table(_g, _tb.grid(_g))
-    _m.set_quant_table("ksigns", _tb.ksigns())
+install_iq_tables(_nn, _nb)
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 opt = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--"))
