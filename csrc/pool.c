@@ -85,7 +85,7 @@ void mf_init_isa(void) {
     mf_isa_hw = detect_isa();
     mf_isa = mf_isa_hw;
     const char *g = getenv("MEMFIT_GATHER");
-    mf_slow_gather = g && (*g == '0' || *g == '1') ? *g == '0' : detect_slow_gather();
+    mf_slow_gather = g && (!strcmp(g, "0") || !strcmp(g, "1")) ? !strcmp(g, "0") : detect_slow_gather();
     const char *env = getenv("MEMFIT_ISA");
     if (env && *env) {
         int want = isa_from_name(env);
