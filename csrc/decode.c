@@ -371,7 +371,33 @@ static PyObject *py_decode_batch(PyObject *self, PyObject *const *a, Py_ssize_t 
     return finish(bad, rc, w, got);
 }
 
+/* decode_layer_fields() -> (ints, floats, weights, vecs): the names of decode_layer_new's tuple
+ * slots and of decode_batch's weight arguments, in order (models/fused.py packs by them) */
+static PyObject *names_tuple(const char *const *names, int n) {
+    PyObject *t = PyTuple_New(n);
+    for (int i = 0; t && i < n; i++) {
+        PyObject *s = PyUnicode_FromString(names[i]);
+        if (!s) { Py_DECREF(t); return NULL; }
+        PyTuple_SET_ITEM(t, i, s);
+    }
+    return t;
+}
+
+static PyObject *py_decode_layer_fields(PyObject *self, PyObject *unused) {
+    static const char *const ints[10] = {"n_embd", "n_head", "n_head_kv", "head_dim_k", "head_dim_v",
+                                         "n_ff", "n_rot", "window", "rope_neox", "gelu"};
+    static const char *const floats[5] = {"rope_base", "rope_freq_scale", "rms_eps", "attn_scale",
+                                          "attn_softcap"};
+    PyObject *a = names_tuple(ints, 10), *b = names_tuple(floats, 5), *c = names_tuple(w_names, NW),
+             *d = names_tuple(vec_names, NV), *r = NULL;
+    if (a && b && c && d) r = PyTuple_Pack(4, a, b, c, d);
+    Py_XDECREF(a); Py_XDECREF(b); Py_XDECREF(c); Py_XDECREF(d);
+    return r;
+}
+
 PyMethodDef mf_decode_methods[] = {
+    {"decode_layer_fields", py_decode_layer_fields, METH_NOARGS,
+     "decode_layer_fields() -> (ints, floats, weights, vecs): names of decode_layer_new's slots, in order"},
     {"decode_layer_new", (PyCFunction)(void (*)(void))py_decode_layer_new, METH_FASTCALL,
      "decode_layer_new(ints, floats, vecs) -> layer: a prepared decoder layer (see csrc/decode.c)"},
     {"decode_layer", (PyCFunction)(void (*)(void))py_decode_layer, METH_FASTCALL,

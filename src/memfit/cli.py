@@ -657,7 +657,7 @@ def cmd_bench(a) -> int:
     n_par = max(parallel) if parallel else 1
     n_ctx = a.n_prompt + a.n_gen + 8 + (n_par if parallel else 0)
     with _load(a, n_ctx=n_ctx, n_parallel=n_par) as m:
-        threads = a.threads or (m.ops.get_threads() if hasattr(m.ops, "get_threads") else 1)
+        threads = a.threads or m.ops.get_threads()
         name = m.path.name
 
         last = [m.store.stats() if m.store is not None else None]
@@ -690,7 +690,7 @@ def cmd_bench(a) -> int:
                             a.repetitions, threads, progress=not a.json, on_result=emit,
                             pool=m.engine.pool)
         if not a.json:
-            print(markdown_table(res, "native" if "native" in m.ops.__name__ else "numpy"))
+            print(markdown_table(res, m.ops.name))
     return 0
 
 

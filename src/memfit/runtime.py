@@ -212,7 +212,7 @@ class Runtime:
                 self.store = WeightStore(self.file, p, self.ledger, routing=routing)
             self.tokenizer = Tokenizer.from_metadata(self.file.metadata)
             self.ops = get_ops(self.backend)
-            if self.threads is not None and hasattr(self.ops, "set_threads"):
+            if self.threads is not None:
                 self.ops.set_threads(self.threads)
             self.model = load_model(self.file, weights=self.store, ops=self.ops)
             self.config = self.model.config

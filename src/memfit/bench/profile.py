@@ -33,8 +33,7 @@ def profile_decode(model, n_gen: int = 32, n_prompt: int = 0, seed: int = 0,
     """The profile as a dict (see the module docstring); times in ms per token. The sequence
     runs in blocks of ``pool`` (the engine's KV pool) when given."""
     from .. import _native
-    from ..ops import native
-    if model.ops is not native:
+    if model.ops.name != "native":
         from ..errors import RequestError
         raise RequestError("--profile needs the native backend (--backend native)")
     c = model.config
@@ -47,14 +46,15 @@ def profile_decode(model, n_gen: int = 32, n_prompt: int = 0, seed: int = 0,
     model.forward(ids[n_prompt:n_prompt + 1], cache)  # warm-up: scratch, fused layers built
 
     layer_ns = [0]
-    real = native.decode_batch  # the fused layer the model calls for decode rows
+    ops = model.ops
+    real = ops.decode_batch  # the fused layer the model calls for decode rows
 
     def timed(*a):
         t0 = time.perf_counter_ns()
         real(*a)
         layer_ns[0] += time.perf_counter_ns() - t0
 
-    native.decode_batch = timed
+    ops.decode_batch = timed
     _native.profile(True)
     try:
         t0 = time.perf_counter_ns()
@@ -63,7 +63,7 @@ def profile_decode(model, n_gen: int = 32, n_prompt: int = 0, seed: int = 0,
         total_ns = time.perf_counter_ns() - t0
     finally:
         _native.profile(False)
-        native.decode_batch = real
+        ops.decode_batch = real
     st = _native.profile_stats()
     per = 1e-6 / n_gen  # ns summed over the run -> ms per token
     mats, out_ms, layer_mat_ms, out_bytes, layer_bytes = [], 0.0, 0.0, 0, 0

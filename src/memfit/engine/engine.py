@@ -60,7 +60,7 @@ class Engine:
                            cache_type_v=cache_type_v)
         # prompt chunks of several sequences share a forward: on the native backend no row's
         # result depends on the others (ops/native.py); numpy's matmul gives no such promise
-        pack = getattr(model.ops, "BATCH_INVARIANT", False)
+        pack = model.ops.has("batch_invariant")
         self.scheduler = Scheduler(self.pool, n_parallel, n_batch, n_ctx, pack=pack)
         self.runner = Runner(model, self.pool, n_parallel, n_batch, n_ctx)
         self.seqs: dict[str, Sequence] = {}

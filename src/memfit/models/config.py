@@ -41,9 +41,14 @@ class ModelConfig:
     n_expert_used: int = 0         # top-k
     n_ff_exp: int = 0              # rows of each routed expert's gate/up
     n_ff_shexp: int = 0            # shared expert (qwen2moe)
-    expert_gating_func: str = "softmax"   # softmax | sigmoid over the router logits
+    expert_gating_func: str = "softmax"   # softmax | sigmoid | softmax_weight (ops/backend.py)
     expert_weights_norm: bool = False     # top-k weights renormalized to sum 1
     expert_weights_scale: float = 1.0     # top-k weights multiplied by this
+    expert_group_count: int = 0           # group-limited routing: groups of experts (0: none)
+    expert_group_used_count: int = 0      # ... of which the best this many are eligible
+    n_layer_dense_lead: int = 0           # leading_dense_block_count: layers 0.. have a dense FFN
+    n_layer_nextn: int = 0                # NextN/MTP layers after the n_layer computed ones
+                                          # (in the file, never in the forward pass)
 
     def __post_init__(self):
         def bad(k, v, why):
@@ -80,11 +85,34 @@ class ModelConfig:
                 bad("expert_feed_forward_length", self.n_ff_exp, "must be positive")
             if self.n_ff_shexp < 0:
                 bad("expert_shared_feed_forward_length", self.n_ff_shexp, "must not be negative")
-            if self.expert_gating_func not in ("softmax", "sigmoid"):
+            if self.expert_gating_func not in ("softmax", "sigmoid", "softmax_weight"):
                 raise UnsupportedError(f"{self.arch}: expert_gating_func {self.expert_gating_func!r}"
-                                       f" is not supported (supported: softmax, sigmoid)")
+                                       f" is not supported (supported: softmax, sigmoid, "
+                                       f"softmax_weight)")
             if not (self.expert_weights_scale > 0 and math.isfinite(self.expert_weights_scale)):
                 bad("expert_weights_scale", self.expert_weights_scale, "must be positive")
+            G, Gu = self.expert_group_count, self.expert_group_used_count
+            if G < 0 or Gu < 0:
+                bad("expert_group_count", G, "and expert_group_used_count must not be negative")
+            if G > 1:
+                if self.n_expert % G:
+                    bad("expert_group_count", G, f"does not divide expert_count {self.n_expert}")
+                if not 1 <= Gu <= G:
+                    bad("expert_group_used_count", Gu, f"must be between 1 and expert_group_count {G}")
+                if Gu * (self.n_expert // G) < self.n_expert_used:
+                    bad("expert_group_used_count", Gu, f"leaves fewer experts than expert_used_count "
+                        f"{self.n_expert_used}")
+        if not 0 <= self.n_layer_dense_lead <= self.n_layer:
+            bad("leading_dense_block_count", self.n_layer_dense_lead,
+                f"must be between 0 and block_count {self.n_layer}")
+        if self.n_layer_dense_lead and self.n_ff <= 0:
+            bad("feed_forward_length", self.n_ff, "must be positive for the leading dense layers")
+        if self.n_layer_nextn < 0:
+            bad("nextn_predict_layers", self.n_layer_nextn, "must not be negative")
+
+    def is_moe(self, il: int) -> bool:
+        """Whether layer il's FFN is routed experts (else a dense gated FFN)."""
+        return self.n_expert > 0 and il >= self.n_layer_dense_lead
 
     def is_swa(self, il: int) -> bool:
         return self.sliding_window > 0 and self.swa_pattern > 0 and (il + 1) % self.swa_pattern != 0
@@ -177,10 +205,10 @@ class ModelConfig:
             ff_exp = (num("expert_feed_forward_length", 0) or n_ff // max(used, 1)) \
                 if spec.n_ff_exp_key else n_ff
             gating = num("expert_gating_func", 0)
-            names = {0: "softmax", 1: "softmax", 2: "sigmoid"}
+            names = {0: spec.gating_default, 1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
             if gating not in names:
                 raise UnsupportedError(f"{arch}: expert_gating_func {gating} is not supported "
-                                       f"(1: softmax, 2: sigmoid)")
+                                       f"(1: softmax, 2: sigmoid, 3: softmax_weight)")
             kw.update(n_expert=n_expert, n_expert_used=used, n_ff_exp=ff_exp,
                       n_ff_shexp=(num("expert_shared_feed_forward_length", 0) or n_ff)
                       if spec.shared_expert else 0,
@@ -189,7 +217,10 @@ class ModelConfig:
                 kw.update(expert_gating_func=names[gating],
                           expert_weights_norm=bool(scalar("expert_weights_norm",
                                                           spec.expert_weights_norm)),
-                          expert_weights_scale=num("expert_weights_scale", 0.0, float) or 1.0)
+                          expert_weights_scale=num("expert_weights_scale", 0.0, float) or 1.0,
+                          expert_group_count=num("expert_group_count", 0),
+                          expert_group_used_count=num("expert_group_used_count", 0),
+                          n_layer_dense_lead=num("leading_dense_block_count", 0))
             if spec.shared_expert and kw["n_ff_shexp"] <= 0:
                 raise ModelError(f"{arch}: expert_shared_feed_forward_length (or "
                                  f"feed_forward_length) must be positive for the shared expert")

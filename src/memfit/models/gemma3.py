@@ -30,6 +30,14 @@ SPEC = ArchSpec("gemma3", act="gelu", rope_neox=True, qk_norm="head", post_norms
 
 class Gemma3(Model):
     spec = SPEC
+    fused_decode = True   # csrc/decode.c computes this block for decode rows
+
+    def block(self, il, x, pos, cache, last):
+        p = f"blk.{il}."
+        h = self.attention(il, self.norm(x, p + "attn_norm.weight"), pos, cache, last)
+        x = (x if last is None else x[last]) + self.norm(h, p + "post_attention_norm.weight")
+        f = self.ffn(il, self.norm(x, p + "ffn_norm.weight"))
+        return x + self.norm(f, p + "post_ffw_norm.weight")
 
     def rope_params(self, il):
         c = self.config

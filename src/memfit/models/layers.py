@@ -17,7 +17,8 @@ from ..quant.reference import dequantize
 from .config import ModelConfig
 from .lookahead import RouterLookahead
 from .spec import ArchSpec, check_tensors
-from .weights import expert_views
+from ..ops.backend import RouteSpec
+from ..ops.fused import DenseLayerParams
 
 
 class Model:
@@ -40,7 +41,7 @@ class Model:
         from ..ops import get_ops
         self.config = config
         self.weights = weights
-        self.ops = ops if ops is not None else get_ops()
+        self.ops = ops if ops is not None else get_ops()   # a Backend (ops/backend.py)
         self.specs = self.tensor_specs()
         self._check_tensors()
         # small 1-D tensors (norms, biases, rope factors) are kept as float32 for the whole run
@@ -51,8 +52,6 @@ class Model:
                 self.vec[name] = dequantize(q.type.id, q.data.reshape(-1), shape[0]).copy()
         self.output = "output.weight" if weights.has("output.weight") else "token_embd.weight"
         self._fused: list | None = None  # prepared native decode layers, built on first use
-        if config.n_expert:
-            self._fused = []  # the fused native decode layer has a dense FFN: op by op instead
         self._bufs: dict[str, np.ndarray] = {}  # prefill scratch reused across layers (_scratch)
         self._lookahead = RouterLookahead()  # expert prefetch hints (budgeted MoE)
         self._rows_seq = self._rows_pos = np.zeros(0, np.int32)
@@ -60,6 +59,15 @@ class Model:
         # kernels, prompt rows the prefill ones, whatever the row count (ops/native.py), so a
         # row's logits depend only on its own sequence (batch invariance)
         self._decode = False
+
+    @property
+    def ops(self):
+        return self._ops
+
+    @ops.setter
+    def ops(self, backend) -> None:
+        from ..ops.backend import as_backend
+        self._ops = as_backend(backend)
 
     # --- tensors -------------------------------------------------------------------------
     def layer_tensors(self, il: int) -> dict[str, tuple[tuple[int, ...], bool]]:
@@ -132,7 +140,7 @@ class Model:
         if c.embd_scale != 1.0:
             x = x * np.float32(c.embd_scale)
         # the fused layer reads K and V of one cache type (BatchKV.fusable)
-        fused = self._decode_layers() if b.decode and getattr(b.kv, "fusable", True) else None
+        fused = self._decode_layers() if b.decode and b.kv.fusable else None
         self._decode = b.decode
         self._rows_seq, self._rows_pos = b.seq, b.pos
         try:
@@ -177,39 +185,44 @@ class Model:
         c = self.config
         return c.rope_base, c.rope_freq_scale, 0
 
-    _LAYER_MATS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-    _LAYER_VECS = ("attn_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight",
-                   "post_attention_norm.weight", "ffn_norm.weight", "post_ffw_norm.weight",
-                   "attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias")
+    # the architecture's block is the dense pre-norm layer csrc/decode.c computes (declared by
+    # llama, qwen2, qwen3, gemma3); used for decode when no layer has experts
+    fused_decode = False
+
+    def dense_layer_params(self, il: int) -> DenseLayerParams:
+        """Layer il as the fused decode layer's named parameters (ops/fused.py)."""
+        c, p = self.config, f"blk.{il}."
+        base, fs, window = self.rope_params(il)
+        mats = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+        vecs = {"attn_norm": "attn_norm.weight", "ffn_norm": "ffn_norm.weight",
+                "bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias", "bo": "attn_output.bias"}
+        if self.qk_norm:
+            vecs.update(q_norm="attn_q_norm.weight", k_norm="attn_k_norm.weight")
+        if self.post_norms:
+            vecs.update(post_attention_norm="post_attention_norm.weight",
+                        post_ffw_norm="post_ffw_norm.weight")
+        v = {k: self.vec[p + nm] for k, nm in vecs.items() if p + nm in self.vec}
+        if "rope_freqs.weight" in self.vec:
+            v["freq_factors"] = self.vec["rope_freqs.weight"]
+        return DenseLayerParams(
+            n_embd=c.n_embd, n_head=c.n_head, n_head_kv=c.n_head_kv, head_dim_k=c.head_dim_k,
+            head_dim_v=c.head_dim_v, n_ff=c.n_ff, n_rot=c.n_rot, window=window,
+            rope_neox=c.rope_neox, gelu=self.act == "gelu", rope_base=base, rope_freq_scale=fs,
+            rms_eps=c.rms_eps, attn_scale=c.attn_scale, attn_softcap=c.attn_softcap,
+            weights={m: p + m + ".weight" for m in mats},
+            types={m: self.weights.info(p + m + ".weight")[1].id for m in mats}, vecs=v)
 
     def _decode_layers(self) -> list | None:
         """[(native layer, its 7 matrix names)] for one-token decode when the backend has the
-        fused layer (ops.decode_layer) and the block is the standard pre-norm one this file
-        composes (llama/qwen2/qwen3/gemma3 flags above); else None: block() runs op by op."""
+        fused layer (cap dense_decode) and the architecture declares its block to be that
+        layer (fused_decode) with no expert layers; else None: block() runs op by op."""
         if self._fused is None:
             self._fused = []
-            new = getattr(self.ops, "decode_layer_new", None)
-            # the fused layer is the dense block; layers with experts run op by op
-            if new is not None and type(self).block is Model.standard_block \
-                    and not self.config.n_expert:
-                c = self.config
-                ff = self.vec.get("rope_freqs.weight")
+            c = self.config
+            if self.ops.has("dense_decode") and self.fused_decode and not c.n_expert:
                 try:
                     for il in range(c.n_layer):
-                        p = f"blk.{il}."
-                        base, fs, window = self.rope_params(il)
-                        types = [self.weights.info(p + m + ".weight")[1].id for m in self._LAYER_MATS]
-                        vecs = [self.vec.get(p + v) for v in self._LAYER_VECS]
-                        if not self.qk_norm:
-                            vecs[1] = vecs[2] = None
-                        if not self.post_norms:
-                            vecs[3] = vecs[5] = None
-                        layer = new((c.n_embd, c.n_head, c.n_head_kv, c.head_dim_k, c.head_dim_v,
-                                     c.n_ff, c.n_rot, window, int(c.rope_neox),
-                                     int(self.act == "gelu"), *types),
-                                    (base, fs, c.rms_eps, c.attn_scale, c.attn_softcap),
-                                    (*vecs, ff))
-                        self._fused.append((layer, [p + m + ".weight" for m in self._LAYER_MATS]))
+                        self._fused.append(self.ops.dense_layer(self.dense_layer_params(il)))
                 except ValueError:  # a shape the fused kernel does not take: op by op instead
                     self._fused = []
         return self._fused or None
@@ -234,10 +247,8 @@ class Model:
     def linears(self, x: np.ndarray, names: tuple[str, ...], outs=None) -> list[np.ndarray]:
         """[linear(x, name) for name in names], as one backend call when it has matmul_multi
         (weights sharing x: Q/K/V, gate/up), into ``outs`` when given (native backend)."""
-        mm = getattr(self.ops, "matmul_multi", None)
-        if mm is None:
-            return [self.linear(x, nm) for nm in names]
-        ys = mm(x, [self.weights.get(nm + ".weight") for nm in names], outs, **self._rows_kw(x))
+        ys = self.ops.matmul_multi(x, [self.weights.get(nm + ".weight") for nm in names], outs,
+                                   **self._rows_kw(x))
         for i, nm in enumerate(names):
             b = self.vec.get(nm + ".bias")
             if b is not None:
@@ -252,6 +263,9 @@ class Model:
         base, fs, window = self.rope_params(il)
         n = x.shape[0]
         q, k, v = self.linears(x, (p + "attn_q", p + "attn_k", p + "attn_v"))
+        if self.spec.qk_norm == "full":   # olmoe: over the whole projection, before the heads
+            q = self.norm(q, p + "attn_q_norm.weight")
+            k = self.norm(k, p + "attn_k_norm.weight")
         q = q.reshape(n, c.n_head, c.head_dim_k)
         k = k.reshape(n, c.n_head_kv, c.head_dim_k)
         v = v.reshape(n, c.n_head_kv, c.head_dim_v)
@@ -266,57 +280,54 @@ class Model:
         o = cache.attend(il, ops, q, k, v, last, c.attn_scale, window, c.attn_softcap)
         return self.linear(o.reshape(o.shape[0], c.n_head * c.head_dim_v), p + "attn_output")
 
-    def ffn(self, il: int, x: np.ndarray) -> np.ndarray:
-        # gated FFN: down(act(gate x) * up x)
+    def ffn(self, il: int, x: np.ndarray, suffix: str = "") -> np.ndarray:
+        # gated FFN: down(act(gate x) * up x) of ffn_{gate,up,down}{suffix} ("_shexp": the
+        # shared expert)
         p = f"blk.{il}."
-        n, F = x.shape[0], self.config.n_ff
-        if n > 1 and hasattr(self.ops, "matmul_multi"):
+        n, F = x.shape[0], self.weights.info(f"{p}ffn_gate{suffix}.weight")[0][0]
+        if n > 1 and self.ops.has("matmul_multi"):
             # prefill on the native backend: gate, up and the activation (in place in gate) go
             # to buffers reused by every layer. Fresh [n, n_ff] arrays are new pages each
             # time: ~7-25 ms of page faults per 40 MB array here, ~3% of a 7B prefill.
-            g, u = self.linears(x, (p + "ffn_gate", p + "ffn_up"),
+            g, u = self.linears(x, (p + "ffn_gate" + suffix, p + "ffn_up" + suffix),
                                 [self._scratch(k, n * F).reshape(n, F) for k in ("gate", "up")])
             act = self.ops.silu_mul if self.act == "silu" else self.ops.gelu_mul
             h = act(g, u, out=g)
         else:
-            g, u = self.linears(x, (p + "ffn_gate", p + "ffn_up"))
+            g, u = self.linears(x, (p + "ffn_gate" + suffix, p + "ffn_up" + suffix))
             h = self.ops.silu_mul(g, u) if self.act == "silu" else self.ops.gelu_mul(g, u)
-        return self.linear(h, p + "ffn_down")
+        return self.linear(h, p + "ffn_down" + suffix)
 
     def _glu(self, x: np.ndarray, gate, up, down) -> np.ndarray:
         # down(act(gate x) * up x) for QTensors (one expert, or the shared expert)
         kw = self._rows_kw(x)
-        mm = getattr(self.ops, "matmul_multi", None)
-        g, u = mm(x, [gate, up], **kw) if mm is not None else \
-            (self.ops.matmul(x, gate, **kw), self.ops.matmul(x, up, **kw))
+        g, u = self.ops.matmul_multi(x, [gate, up], **kw)
         h = self.ops.silu_mul(g, u) if self.act == "silu" else self.ops.gelu_mul(g, u)
         return self.ops.matmul(h, down, **kw)
 
     def router_logits(self, il: int, x: np.ndarray) -> np.ndarray:
         """Layer il's router logits [n, n_expert] of x [n, n_embd]."""
-        return self._matmul(x, self.weights.get(f"blk.{il}.ffn_gate_inp.weight"))
+        return self.linear(x, f"blk.{il}.ffn_gate_inp")
+
+    @property
+    def route_spec(self) -> RouteSpec:
+        """How this model's routers choose and weigh experts (the backend's route)."""
+        rs = self.__dict__.get("_route_spec")
+        if rs is None:
+            c = self.config
+            rs = self.__dict__["_route_spec"] = RouteSpec(
+                k=c.n_expert_used, gating=c.expert_gating_func, norm=c.expert_weights_norm,
+                scale=c.expert_weights_scale, n_group=c.expert_group_count,
+                n_group_used=c.expert_group_used_count)
+        return rs
 
     def route(self, il: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Router of layer il on x [n, n_embd] -> (experts int64 [n, k], weights f32 [n, k]) as
-        llama.cpp's build_moe_ffn: logits, softmax (or sigmoid), top-k by probability (ties:
-        the lower expert index), the selected probabilities renormalized to sum 1 where the
-        architecture does (expert_weights_norm), then times expert_weights_scale."""
-        c = self.config
+        llama.cpp's build_moe_ffn (ops/backend.py route): logits (+ the router's bias), gating,
+        the selection bias exp_probs_b where the file has one, group-limited top-k (ties: the
+        lower expert index), renormalization and scale as the architecture says."""
         logits = self.router_logits(il, x)
-        if c.expert_gating_func == "softmax":
-            probs = self.ops.softmax(logits)
-        else:
-            with np.errstate(over="ignore"):   # exp overflow -> inf -> probability 0
-                probs = (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
-        k = c.n_expert_used
-        sel = np.argsort(-probs, axis=1, kind="stable")[:, :k]
-        w = np.take_along_axis(probs, sel, axis=1)
-        if c.expert_weights_norm:
-            # llama.cpp clamps the sum at 2^-14 (sigmoid weights may all be ~0)
-            w = w / np.maximum(w.sum(axis=1, keepdims=True), np.float32(6.103515625e-5))
-        if c.expert_weights_scale != 1.0:
-            w = w * np.float32(c.expert_weights_scale)
-        return sel, w.astype(np.float32, copy=False)
+        return self.ops.route(logits, self.route_spec, self.vec.get(f"blk.{il}.exp_probs_b.bias"))
 
     def moe_ffn(self, il: int, x: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
         """Routed experts (+ the shared expert) of x [n, n_embd] -> [n, n_embd] (x holds the
@@ -326,8 +337,9 @@ class Model:
         c, w, p = self.config, self.weights, f"blk.{il}."
         x = np.ascontiguousarray(x, dtype=np.float32)
         sel, wts = self.route(il, x)
-        experts = np.unique(sel)   # sorted: each row's sum runs in expert order
-        if getattr(w, "wants_expert_prediction", False):
+        # sorted by expert: each row's sum runs in expert order
+        experts, starts, rows_all, wts_all = self.ops.group_rows(sel, wts)
+        if w.wants_expert_prediction:
             # layer il+1's experts predicted from this hidden state (models/lookahead.py):
             # their reads start now. (The router's logits again: n_embd x n_expert per row,
             # against the experts' 3 n_embd x n_ff_exp x k.)
@@ -335,33 +347,27 @@ class Model:
             if rows is not None:
                 seq, pos = seq[rows], pos[rows]
             self._lookahead.observe(il, self.router_logits(il, x), seq, pos)
-            if il + 1 < c.n_layer:
+            if il + 1 < c.n_layer and c.is_moe(il + 1):
                 score = self._lookahead.predict(il + 1, self.router_logits(il + 1, x), seq, pos)
                 nxt = np.argsort(-score, axis=1, kind="stable")[:, :c.n_expert_used]
                 w.prefetch_experts(il + 1, np.unique(nxt).tolist())
-        get = getattr(w, "get_experts", None)
         # a budgeted store holds at most expert_batch_limit experts at once: ask in groups
-        limit = int(getattr(w, "expert_batch_limit", 0) or len(experts))
+        limit = int(w.expert_batch_limit or len(experts))
         out = np.zeros_like(x)
-        fused = getattr(self.ops, "moe_ffn", None)
-        if fused is not None:
-            # (token, slot) picks sorted by expert, then token: each expert's rows and weights
-            k = sel.shape[1]
-            order = np.argsort(sel.reshape(-1), kind="stable")
-            rows_all, wts_all = order // k, np.ascontiguousarray(wts.reshape(-1)[order])
-            starts = np.concatenate([[0], np.cumsum(np.bincount(sel.reshape(-1))[experts])])
+        fused = self.ops.has("moe_ffn")
         for i in range(0, len(experts), limit):
             group = experts[i:i + limit].tolist()
-            mats = get(il, group) if get is not None else expert_views(w, il, group)
-            if fused is not None:
+            mats = w.get_experts(il, group)
+            if fused:
                 a, b = starts[i], starts[i + len(group)]
-                fused(x, mats, starts[i:i + len(group) + 1] - a, rows_all[a:b], wts_all[a:b],
-                      self.act == "gelu", out, **self._rows_kw(x))
+                self.ops.moe_ffn(x, mats, starts[i:i + len(group) + 1] - a, rows_all[a:b],
+                                 wts_all[a:b], self.act == "gelu", out, **self._rows_kw(x))
                 continue
-            for e, (gate, up, down) in zip(group, mats):
-                rows, slot = np.nonzero(sel == e)   # a token picks an expert at most once
+            for j, (gate, up, down) in enumerate(mats):
+                a, b = starts[i + j], starts[i + j + 1]
+                rows = rows_all[a:b]            # a token picks an expert at most once
                 y = self._glu(np.ascontiguousarray(x[rows]), gate, up, down)
-                out[rows] += y * wts[rows, slot][:, None]
+                out[rows] += y * wts_all[a:b][:, None]
         if self.spec.shared_expert:
             # [n]: one logit per token; a per-row sum (BLAS's x @ v may group rows differently
             # for different n)
@@ -389,7 +395,7 @@ class Model:
             h = self.norm(h, p + "post_attention_norm.weight")
         x = (x if last is None else x[last]) + h
         h = self.norm(x, p + "ffn_norm.weight")
-        f = self.moe_ffn(il, h, last) if self.config.n_expert else self.ffn(il, h)
+        f = self.moe_ffn(il, h, last) if self.config.is_moe(il) else self.ffn(il, h)
         if self.post_norms:
             f = self.norm(f, p + "post_ffw_norm.weight")
         return x + f

@@ -13,3 +13,11 @@ SPEC = ArchSpec("llama", rope_freqs=True, moe="optional", expert_weights_norm=Tr
 
 class Llama(Model):
     spec = SPEC
+    fused_decode = True   # dense files: csrc/decode.c computes this block for decode rows
+
+    def block(self, il, x, pos, cache, last):
+        p = f"blk.{il}."
+        h = self.attention(il, self.norm(x, p + "attn_norm.weight"), pos, cache, last)
+        x = (x if last is None else x[last]) + h
+        h = self.norm(x, p + "ffn_norm.weight")
+        return x + (self.moe_ffn(il, h, last) if self.config.is_moe(il) else self.ffn(il, h))

@@ -12,12 +12,9 @@ SPEC = ArchSpec("olmoe", rope_neox=True, qk_norm="full", moe="always")
 class Olmoe(Model):
     spec = SPEC
 
-    def linears(self, x, names, outs=None):
-        # the Q and K projections are followed by their full-vector norm (before the per-head
-        # reshape in attention): done here so the shared attention stays one function
-        ys = super().linears(x, names, outs)
-        if len(names) == 3 and names[0].endswith(".attn_q"):
-            p = names[0][: -len("attn_q")]
-            ys[0] = self.norm(ys[0], p + "attn_q_norm.weight")
-            ys[1] = self.norm(ys[1], p + "attn_k_norm.weight")
-        return ys
+    def block(self, il, x, pos, cache, last):
+        p = f"blk.{il}."
+        # attention(): Q and K RMS-normed over the whole projection (spec qk_norm="full")
+        h = self.attention(il, self.norm(x, p + "attn_norm.weight"), pos, cache, last)
+        x = (x if last is None else x[last]) + h
+        return x + self.moe_ffn(il, self.norm(x, p + "ffn_norm.weight"), last)

@@ -13,3 +13,10 @@ SPEC = ArchSpec("qwen2moe", rope_neox=True, qkv_bias=True, moe="always", shared_
 
 class Qwen2Moe(Model):
     spec = SPEC
+
+    def block(self, il, x, pos, cache, last):
+        p = f"blk.{il}."
+        h = self.attention(il, self.norm(x, p + "attn_norm.weight"), pos, cache, last)
+        x = (x if last is None else x[last]) + h
+        # moe_ffn(): the routed experts plus the sigmoid-gated shared expert (spec shared_expert)
+        return x + self.moe_ffn(il, self.norm(x, p + "ffn_norm.weight"), last)

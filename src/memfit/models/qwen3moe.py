@@ -12,3 +12,9 @@ SPEC = ArchSpec("qwen3moe", rope_neox=True, qk_norm="head", moe="always",
 
 class Qwen3Moe(Model):
     spec = SPEC
+
+    def block(self, il, x, pos, cache, last):
+        p = f"blk.{il}."
+        h = self.attention(il, self.norm(x, p + "attn_norm.weight"), pos, cache, last)
+        x = (x if last is None else x[last]) + h
+        return x + self.moe_ffn(il, self.norm(x, p + "ffn_norm.weight"), last)

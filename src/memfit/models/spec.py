@@ -61,10 +61,15 @@ class ArchSpec:
     n_ff_exp_key: bool = False    # experts' rows from expert_feed_forward_length (else n_ff /
                                   # n_expert_used); without it they are feed_forward_length
                                   # (llama.cpp's llama and olmoe loaders ignore the key)
+    gating_default: str = "softmax"     # expert_gating_func 0 (absent): the arch's router
     hparams: Callable | None = None     # extra metadata rules: (md, arch, kw) -> kw
+    layer_table: Callable | None = None  # (config, il) -> [Tensor]: the arch's own layer
+                                         # table (else the flag table below)
 
     # --- tensors -------------------------------------------------------------------------
     def layer_tensors(self, c: "ModelConfig", il: int) -> list[Tensor]:
+        if self.layer_table is not None:
+            return self.layer_table(c, il)
         p, E = f"blk.{il}.", c.n_embd
         q_dim, k_dim, v_dim = c.n_head * c.head_dim_k, c.n_head_kv * c.head_dim_k, c.n_head_kv * c.head_dim_v
         T = Tensor
@@ -82,7 +87,7 @@ class ArchSpec:
         if self.post_norms:
             t.append(T(p + "post_attention_norm.weight", (E,)))
         t.append(T(p + "ffn_norm.weight", (E,)))
-        if c.n_expert:
+        if c.is_moe(il):
             X, F = c.n_expert, c.n_ff_exp
             t += [T(p + "ffn_gate_inp.weight", (X, E), role=ROUTER),
                   T(p + "ffn_gate_exps.weight", (X, F, E), role=EXPERT),

@@ -11,6 +11,8 @@ knows whether a weight was resident or paged in.
                                                                   # valid until the next call
     prefetch_experts(il, experts) -> None                         # a hint; may do nothing
     wants_expert_prediction: bool                                 # router look-ahead wanted
+    expert_batch_limit: int                                       # experts per get_experts
+                                                                  # call (0: any number)
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class WeightSource(Protocol):
     def get_experts(self, il: int, experts: Sequence[int]) -> list[tuple[QTensor, QTensor, QTensor]]: ...
     def prefetch_experts(self, il: int, experts: Sequence[int]) -> None: ...
     wants_expert_prediction: bool
+    expert_batch_limit: int
 
 
 def expert_slice(stacked: QTensor, e: int) -> QTensor:
@@ -50,6 +53,7 @@ class GGUFWeights:
     """Zero-copy views into an open GGUF file (the OS pages them in on use)."""
 
     wants_expert_prediction = False   # the OS pages experts in on use: nothing to prefetch
+    expert_batch_limit = 0            # experts per get_experts call: 0, any number
 
     def __init__(self, gguf_file):
         self.file = gguf_file

@@ -2,7 +2,8 @@
 
 ``numpy`` (ops/reference.py) is the readable oracle; ``native`` (ops/native.py, over the C
 extension memfit._native) is the fast default once built. Model code calls
-``ops = get_ops(name)`` and then only the functions below, so it never knows which runs.
+``ops = get_ops(name)`` (a backend object, ops/backend.py: these functions, the capabilities
+the backend declares, routing) and then only those, so it never knows which runs.
 
 All activations are float32, C-contiguous numpy arrays. Weights arrive as QTensor (raw
 GGUF bytes + type + numpy-order shape); a backend dequantizes per use, never the whole model.
@@ -47,20 +48,21 @@ class QTensor:
 
 
 def get_ops(name: str | None = None):
-    """Backend module by name: 'numpy' or 'native'; default from MEMFIT_BACKEND, else native
-    when the extension is importable, else numpy."""
+    """The backend object (ops/backend.py) by name: 'numpy' or 'native'; default from
+    MEMFIT_BACKEND, else native when the extension is importable, else numpy."""
+    from .backend import as_backend
     name = name or os.environ.get("MEMFIT_BACKEND") or "auto"
     if name == "numpy":
         from . import reference
-        return reference
+        return as_backend(reference)
     if name in ("native", "auto"):
         try:
             from . import native
-            return native
+            return as_backend(native)
         except ImportError:
             if name == "native":
                 raise
             from . import reference
-            return reference
+            return as_backend(reference)
     from ..errors import RequestError
     raise RequestError(f"unknown backend {name!r}; use 'numpy' or 'native'")

@@ -184,6 +184,7 @@ def _dv(v, t: int) -> int:
 
 # One decoder layer for one token (csrc/decode.c); models/layers.py uses it for decode.
 decode_layer_new = _native.decode_layer_new
+decode_layer_fields = _native.decode_layer_fields
 decode_layer = _native.decode_layer
 
 # Batches of decode rows through one layer over a paged KV pool; attention and KV stores over

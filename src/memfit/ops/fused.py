@@ -1,0 +1,54 @@
+"""The fused one-token decoder layer (csrc/decode.c) as a named parameter struct.
+
+An architecture whose block is the dense pre-norm layer that csrc/decode.c computes (llama,
+qwen2, qwen3, gemma3 without experts) declares ``fused_decode = True`` and builds one
+``DenseLayerParams`` per layer (``Model.dense_layer_params``). The backend (``dense_layer``) packs it into the C
+call by the slot names the extension exports (``_native.decode_layer_fields()``), so a field
+is named once on each side and a mismatch is an error at build time, not a wrong number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class DenseLayerParams:
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim_k: int
+    head_dim_v: int
+    n_ff: int
+    n_rot: int
+    window: int                 # sliding-window size, 0: full attention
+    rope_neox: bool
+    gelu: bool                  # FFN activation gelu-tanh (else silu)
+    rope_base: float
+    rope_freq_scale: float
+    rms_eps: float
+    attn_scale: float
+    attn_softcap: float
+    # matrix slot (attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up, ffn_down) -> tensor
+    weights: dict[str, str] = field(default_factory=dict)
+    types: dict[str, int] = field(default_factory=dict)       # slot -> GGML type id
+    # vector slot (attn_norm, q_norm, k_norm, post_attention_norm, ffn_norm, post_ffw_norm,
+    # bq, bk, bv, bo, freq_factors) -> float32 values; absent: not in this layer
+    vecs: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def pack(p: DenseLayerParams, fields) -> tuple[tuple, tuple, tuple, list[str]]:
+    """(ints, floats, vecs) for decode_layer_new and the weight names in decode_batch's order,
+    from ``fields`` = decode_layer_fields()."""
+    ints, floats, wslots, vslots = fields
+    known = set(p.weights) | set(p.vecs)
+    unknown = known - set(wslots) - set(vslots)
+    if unknown or set(p.weights) != set(wslots):
+        raise ValueError(f"dense layer slots {sorted(unknown or set(wslots) ^ set(p.weights))} "
+                         f"do not match the native layer's {wslots + vslots}")
+    iv = tuple(int(getattr(p, k)) for k in ints) + tuple(int(p.types[w]) for w in wslots)
+    fv = tuple(float(getattr(p, k)) for k in floats)
+    vv = tuple(p.vecs.get(v) for v in vslots)
+    return iv, fv, vv, [p.weights[w] for w in wslots]
