@@ -90,6 +90,7 @@ class ModelDesc:
     name: str = ""
     tokenizer_model: str = ""   # tokenizer.ggml.model: 'gpt2' (BPE), 'llama' (SPM), ...
     n_merges: int = 0
+    skipped_bytes: int = 0      # tensors in the file never computed (role skip: NextN layers)
 
     @property
     def runtime_bytes(self) -> int:
@@ -121,22 +122,26 @@ class ModelDesc:
     @staticmethod
     def from_gguf(f, name: str = "") -> "ModelDesc":
         """Description from an open GGUFFile (memfit.gguf.open_gguf)."""
-        from ..models.spec import config_from_gguf
+        from ..models.spec import SKIP, config_from_gguf, tensor_roles
         COUNTS["describe"] += 1
         md = f.metadata
         c = config_from_gguf(f)   # the models' hyperparameter rules (models/spec.py)
         n_expert, n_used = c.n_expert, c.n_expert_used
         n_ff = c.n_ff or c.n_ff_exp * max(n_used, 1)
         tied = "output.weight" not in f.tensors
-        ts = []
+        roles = tensor_roles(f)   # the architecture file's table (models/spec.py)
+        ts, skipped = [], 0
         for ti in f.tensors.values():
+            if roles[ti.name] == SKIP:   # never loaded nor read: not in the plan
+                skipped += ti.nbytes
+                continue
             ts.append(describe_tensor(ti.name, ti.nbytes, ti.shape, tied, n_expert, n_used))
         merges = md.get("tokenizer.ggml.merges")
         return ModelDesc(c.arch, c.n_layer, c.n_embd, c.n_head, c.n_head_kv, c.head_dim_k,
                          c.head_dim_v, c.n_vocab, n_ff, tuple(ts), n_expert, n_used, tied,
                          int(getattr(f, "file_size", 0) or 0), name or str(md.get("general.name", "")),
                          str(md.get("tokenizer.ggml.model", "") or ""),
-                         len(merges) if isinstance(merges, list) else 0)
+                         len(merges) if isinstance(merges, list) else 0, skipped)
 
 
 def tensor_kind(name: str) -> str:
@@ -151,7 +156,8 @@ def tensor_kind(name: str) -> str:
     if m:
         role = base[m.end():]
         if role.endswith("_exps"):
-            return "expert"
+            # the stacked experts; their biases (gpt-oss) are small and read every token
+            return "expert" if name.endswith(".weight") else "ffn"
         if role == "ffn_gate_inp" or role.startswith("ffn_gate_inp"):
             return "router"
         if role.startswith("attn"):

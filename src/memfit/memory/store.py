@@ -322,8 +322,8 @@ class WeightStore:
         self.n_expert = int(getattr(plan, "n_expert", 0) or 0)
         self.routing = routing
         self._x_tensors: dict[int, tuple] = {}   # layer -> (gate, up, down) TensorInfo
-        layers = sorted({int(n.split(".")[1]) for n in self.tensors
-                         if n.startswith("blk.") and "_exps." in n})
+        layers = sorted({int(n.split(".")[1]) for n in plan.tensor_bytes
+                         if n.startswith("blk.") and n.endswith("_exps.weight")})
         for il in layers:
             names = expert_tensor_names(il)
             if all(n in self.tensors for n in names):

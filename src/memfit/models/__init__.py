@@ -12,6 +12,7 @@ from pathlib import Path
 from ..errors import UnsupportedError
 from .config import ModelConfig
 from .gemma3 import Gemma3
+from .glm4moe import Glm4Moe
 from .layers import Model
 from .llama import Llama
 from .olmoe import Olmoe
@@ -25,7 +26,7 @@ from .weights import GGUFWeights, WeightSource
 # general.architecture -> Model class (its ``spec`` is the ArchSpec); Mixtral is "llama"
 REGISTRY: dict[str, type[Model]] = {
     "llama": Llama, "qwen2": Qwen2, "qwen3": Qwen3, "gemma3": Gemma3,
-    "qwen2moe": Qwen2Moe, "qwen3moe": Qwen3Moe, "olmoe": Olmoe,
+    "qwen2moe": Qwen2Moe, "qwen3moe": Qwen3Moe, "olmoe": Olmoe, "glm4moe": Glm4Moe,
 }
 
 

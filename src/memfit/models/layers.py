@@ -269,7 +269,7 @@ class Model:
         q = q.reshape(n, c.n_head, c.head_dim_k)
         k = k.reshape(n, c.n_head_kv, c.head_dim_k)
         v = v.reshape(n, c.n_head_kv, c.head_dim_v)
-        if self.qk_norm:
+        if self.qk_norm and p + "attn_q_norm.weight" in self.vec:   # (optional in glm4moe)
             q = self.norm(q, p + "attn_q_norm.weight")
             k = self.norm(k, p + "attn_k_norm.weight")
         ff = self.vec.get("rope_freqs.weight")  # llama3-style per-dim frequency factors

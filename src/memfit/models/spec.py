@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from .config import ModelConfig
 
 TRUNK, ROUTER, EXPERT, SHEXP = "trunk", "router", "expert", "shexp"
+SKIP = "skip"   # in the file, never computed (NextN/MTP layers): not loaded, not in the plan
 EXPERT_MATS = ("gate", "up", "down")   # blk.{il}.ffn_{m}_exps.weight, stacked over experts
 
 
@@ -35,7 +36,7 @@ class Tensor:
     name: str
     shape: tuple[int, ...]   # numpy order (GGUF ne reversed)
     required: bool = True
-    role: str = TRUNK        # trunk | router | expert (stacked routed experts) | shexp
+    role: str = TRUNK        # trunk | router | expert (stacked routed experts) | shexp | skip
 
     @property
     def layer(self) -> int | None:
@@ -64,22 +65,18 @@ class ArchSpec:
     gating_default: str = "softmax"     # expert_gating_func 0 (absent): the arch's router
     hparams: Callable | None = None     # extra metadata rules: (md, arch, kw) -> kw
     layer_table: Callable | None = None  # (config, il) -> [Tensor]: the arch's own layer
-                                         # table (else the flag table below)
+                                         # table (else the flag table below); il runs over
+                                         # the NextN layers too (n_layer..)
+    write_extra: Callable | None = None  # (gguf writer, config): the arch's own metadata keys
 
     # --- tensors -------------------------------------------------------------------------
     def layer_tensors(self, c: "ModelConfig", il: int) -> list[Tensor]:
         if self.layer_table is not None:
             return self.layer_table(c, il)
         p, E = f"blk.{il}.", c.n_embd
-        q_dim, k_dim, v_dim = c.n_head * c.head_dim_k, c.n_head_kv * c.head_dim_k, c.n_head_kv * c.head_dim_v
+        q_dim, k_dim = c.n_head * c.head_dim_k, c.n_head_kv * c.head_dim_k
         T = Tensor
-        t = [T(p + "attn_norm.weight", (E,)),
-             T(p + "attn_q.weight", (q_dim, E)), T(p + "attn_k.weight", (k_dim, E)),
-             T(p + "attn_v.weight", (v_dim, E)),
-             T(p + "attn_q.bias", (q_dim,), self.qkv_bias), T(p + "attn_k.bias", (k_dim,), self.qkv_bias),
-             T(p + "attn_v.bias", (v_dim,), self.qkv_bias),
-             T(p + "attn_output.weight", (E, c.n_head * c.head_dim_v)),
-             T(p + "attn_output.bias", (E,), False)]
+        t = [T(p + "attn_norm.weight", (E,))] + attn_tensors(c, il, self.qkv_bias)
         if self.qk_norm == "head":
             t += [T(p + "attn_q_norm.weight", (c.head_dim_k,)), T(p + "attn_k_norm.weight", (c.head_dim_k,))]
         elif self.qk_norm == "full":
@@ -88,20 +85,12 @@ class ArchSpec:
             t.append(T(p + "post_attention_norm.weight", (E,)))
         t.append(T(p + "ffn_norm.weight", (E,)))
         if c.is_moe(il):
-            X, F = c.n_expert, c.n_ff_exp
-            t += [T(p + "ffn_gate_inp.weight", (X, E), role=ROUTER),
-                  T(p + "ffn_gate_exps.weight", (X, F, E), role=EXPERT),
-                  T(p + "ffn_up_exps.weight", (X, F, E), role=EXPERT),
-                  T(p + "ffn_down_exps.weight", (X, E, F), role=EXPERT)]
+            t += moe_tensors(c, il)
             if self.shared_expert:
-                S = c.n_ff_shexp
                 t += [T(p + "ffn_gate_inp_shexp.weight", (E,), role=SHEXP),
-                      T(p + "ffn_gate_shexp.weight", (S, E), role=SHEXP),
-                      T(p + "ffn_up_shexp.weight", (S, E), role=SHEXP),
-                      T(p + "ffn_down_shexp.weight", (E, S), role=SHEXP)]
+                      *ffn_tensors(c, il, "_shexp", c.n_ff_shexp, SHEXP)]
         else:
-            t += [T(p + "ffn_gate.weight", (c.n_ff, E)), T(p + "ffn_up.weight", (c.n_ff, E)),
-                  T(p + "ffn_down.weight", (E, c.n_ff))]
+            t += ffn_tensors(c, il)
         if self.post_norms:
             t.append(T(p + "post_ffw_norm.weight", (E,)))
         return t
@@ -111,7 +100,7 @@ class ArchSpec:
         t = [Tensor("token_embd.weight", (c.n_vocab, c.n_embd))]
         if self.rope_freqs:
             t.append(Tensor("rope_freqs.weight", (c.n_rot // 2,), False))
-        for il in range(c.n_layer):
+        for il in range(c.n_layer + c.n_layer_nextn):
             t += self.layer_tensors(c, il)
         t += [Tensor("output_norm.weight", (c.n_embd,)),
               Tensor("output.weight", (c.n_vocab, c.n_embd), False)]
@@ -179,7 +168,7 @@ def tensor_roles(f) -> dict[str, str]:
 def write_hparams(w, c: "ModelConfig", tied: bool = True) -> None:
     """Write the metadata keys ModelConfig.from_metadata reads for config c (gguf.GGUFWriter)."""
     a = c.arch
-    w.add_uint32(f"{a}.block_count", c.n_layer)
+    w.add_uint32(f"{a}.block_count", c.n_layer + c.n_layer_nextn)
     w.add_uint32(f"{a}.context_length", c.n_ctx_train)
     w.add_uint32(f"{a}.embedding_length", c.n_embd)
     w.add_uint32(f"{a}.feed_forward_length", c.n_ff)
@@ -212,10 +201,57 @@ def write_hparams(w, c: "ModelConfig", tied: bool = True) -> None:
             w.add_bool(f"{a}.expert_weights_norm", c.expert_weights_norm)
             if c.expert_weights_scale != 1.0:
                 w.add_float32(f"{a}.expert_weights_scale", c.expert_weights_scale)
+            if c.expert_group_count:
+                w.add_uint32(f"{a}.expert_group_count", c.expert_group_count)
+                w.add_uint32(f"{a}.expert_group_used_count", c.expert_group_used_count)
+            if c.n_layer_dense_lead:
+                w.add_uint32(f"{a}.leading_dense_block_count", c.n_layer_dense_lead)
+    spec = get_spec(a)
+    if spec is not None and spec.write_extra is not None:
+        spec.write_extra(w, c)
 
 
 # llama.cpp's llama_expert_gating_func_type (0: none, the architecture's default)
-GATING_IDS = {"softmax": 1, "sigmoid": 2}
+GATING_IDS = {"softmax": 1, "sigmoid": 2, "softmax_weight": 3}
+
+
+# --- pieces of layer tables (architecture files compose theirs from these) -----------------
+def attn_tensors(c: "ModelConfig", il: int, bias: bool = False) -> list[Tensor]:
+    """Q/K/V projections (+ biases, required when ``bias``) and the output projection (its
+    bias optional)."""
+    p, E = f"blk.{il}.", c.n_embd
+    q, k, v = c.n_head * c.head_dim_k, c.n_head_kv * c.head_dim_k, c.n_head_kv * c.head_dim_v
+    return [Tensor(p + "attn_q.weight", (q, E)), Tensor(p + "attn_k.weight", (k, E)),
+            Tensor(p + "attn_v.weight", (v, E)),
+            Tensor(p + "attn_q.bias", (q,), bias), Tensor(p + "attn_k.bias", (k,), bias),
+            Tensor(p + "attn_v.bias", (v,), bias),
+            Tensor(p + "attn_output.weight", (E, c.n_head * c.head_dim_v)),
+            Tensor(p + "attn_output.bias", (E,), False)]
+
+
+def ffn_tensors(c: "ModelConfig", il: int, suffix: str = "", n_ff: int | None = None,
+                role: str = TRUNK) -> list[Tensor]:
+    """A gated FFN's ffn_{gate,up,down}{suffix} (suffix "_shexp": a shared expert)."""
+    p, E, F = f"blk.{il}.", c.n_embd, n_ff or c.n_ff
+    return [Tensor(p + f"ffn_gate{suffix}.weight", (F, E), role=role),
+            Tensor(p + f"ffn_up{suffix}.weight", (F, E), role=role),
+            Tensor(p + f"ffn_down{suffix}.weight", (E, F), role=role)]
+
+
+def moe_tensors(c: "ModelConfig", il: int, probs_bias: bool = False) -> list[Tensor]:
+    """The router (+ the selection bias exp_probs_b, required when ``probs_bias``) and the
+    stacked routed experts."""
+    p, E, X, F = f"blk.{il}.", c.n_embd, c.n_expert, c.n_ff_exp
+    t = [Tensor(p + "ffn_gate_inp.weight", (X, E), role=ROUTER)]
+    if probs_bias:
+        t.append(Tensor(p + "exp_probs_b.bias", (X,), role=ROUTER))
+    return t + [Tensor(p + "ffn_gate_exps.weight", (X, F, E), role=EXPERT),
+                Tensor(p + "ffn_up_exps.weight", (X, F, E), role=EXPERT),
+                Tensor(p + "ffn_down_exps.weight", (X, E, F), role=EXPERT)]
+
+
+def as_skipped(ts: list[Tensor]) -> list[Tensor]:
+    return [Tensor(t.name, t.shape, t.required, SKIP) for t in ts]
 
 
 def _registry():
@@ -223,5 +259,6 @@ def _registry():
     return REGISTRY
 
 
-__all__ = ["ArchSpec", "Tensor", "TRUNK", "ROUTER", "EXPERT", "SHEXP", "get_spec",
+__all__ = ["ArchSpec", "Tensor", "TRUNK", "ROUTER", "EXPERT", "SHEXP", "SKIP", "get_spec",
+           "attn_tensors", "ffn_tensors", "moe_tensors", "as_skipped",
            "check_tensors", "config_from_gguf", "tensor_roles", "write_hparams", "GATING_IDS"]

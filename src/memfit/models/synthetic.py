@@ -10,7 +10,8 @@ and a small gpt2 byte-level BPE tokenizer (256 byte tokens + a few merges + Chat
 so the tokenizer can load it too.
 Overrides: n_embd, n_layer, n_head, n_head_kv, head_dim, n_ff, n_ctx, rope_base,
 rope_scale (linear factor), sliding_window, final_softcap, tied (bool), skip (tensor names to
-leave out), shapes ({name: shape} to write instead), types ({name: type name}), arrays
+leave out), optional (name suffixes of optional tensors to write too), the ModelConfig fields
+in _CONFIG_KEYS (n_rot, n_layer_dense_lead, n_layer_nextn, expert_group_*), shapes ({name: shape} to write instead), types ({name: type name}), arrays
 ({name: float32 array} written as F32 as given); experts: n_expert, n_expert_used, n_ff_exp,
 n_ff_shexp, gating ("softmax" | "sigmoid"), expert_weights_norm (None: the arch's rule),
 expert_weights_scale (the last three for architectures whose spec reads them, routing_keys),
@@ -39,7 +40,14 @@ _ARCH_DEFAULTS = {
     "qwen2moe": dict(_MOE, n_ff_shexp=256, rope_base=1e6),
     "olmoe": dict(_MOE),
     "mixtral": dict(_MOE, n_expert=4),
+    # a dense first layer, two routed ones, one NextN layer; partial rotary (32 of 64)
+    "glm4moe": dict(_MOE, n_layer=3, n_layer_dense_lead=1, n_layer_nextn=1, n_rot=32,
+                    n_ff_shexp=256, gating="sigmoid", expert_weights_norm=True,
+                    expert_weights_scale=1.5, rope_base=1e6),
 }
+# ModelConfig fields a writer override may set directly
+_CONFIG_KEYS = ("n_rot", "n_layer_dense_lead", "n_layer_nextn", "expert_group_count",
+                "expert_group_used_count")
 _WORDS = ["Ġthe", "Ġand", "Ġof", "Ġto", "Ġa", "Ġin", "Ġis", "Ġit", "Ġhello", "Ġworld",
           "ing", "er", "on", "Ġthat", "Ġfor", "Ġwith", "Ġas", "Ġwas", "Ġhe", "Ġon"]
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -87,7 +95,7 @@ def tiny_config(arch: str, n_vocab: int, p: dict):
     keys = spec.routing_keys   # else the architecture's fixed routing rule
     # llama (Mixtral) and olmoe experts have feed_forward_length rows
     n_ff = p["n_ff_exp"] if n_expert and not spec.n_ff_exp_key else p["n_ff"]
-    return spec, ModelConfig(
+    kw = dict(
         arch=arch, n_layer=p["n_layer"], n_embd=p["n_embd"], n_head=p["n_head"],
         n_head_kv=p["n_head_kv"], n_ff=n_ff, n_vocab=n_vocab, rms_eps=1e-6,
         head_dim_k=p["head_dim"], head_dim_v=p["head_dim"], n_rot=p["head_dim"],
@@ -96,10 +104,12 @@ def tiny_config(arch: str, n_vocab: int, p: dict):
         sliding_window=p["sliding_window"], final_softcap=p["final_softcap"],
         n_expert=n_expert, n_expert_used=p["n_expert_used"] if n_expert else 0,
         n_ff_exp=p["n_ff_exp"] if n_expert else 0,
-        n_ff_shexp=p["n_ff_shexp"] if n_expert and spec.shared_expert else 0,
+        n_ff_shexp=p["n_ff_shexp"] if n_expert else 0,
         expert_gating_func=p["gating"] if keys else "softmax",
         expert_weights_norm=spec.expert_weights_norm if norm is None or not keys else bool(norm),
         expert_weights_scale=p["expert_weights_scale"] if keys else 1.0)
+    kw.update({k: p[k] for k in _CONFIG_KEYS if k in p})
+    return spec, ModelConfig(**kw)
 
 
 def write_tensor_data(w, name: str, shape: tuple[int, ...], qt, rng, scale: float | None = None):
@@ -133,6 +143,7 @@ def write_tiny_model(path, arch: str, qtype_name: str, seed: int = 0, **override
     if arch == "mixtral":
         arch = "llama"
     skip = set(p.pop("skip", ()) or ())
+    optional = tuple(p.pop("optional", ()) or ())   # name suffixes of optional tensors to write
     shapes = dict(p.pop("shapes", {}) or {})
     types = dict(p.pop("types", {}) or {})
     arrays = dict(p.pop("arrays", {}) or {})
@@ -166,7 +177,8 @@ def write_tiny_model(path, arch: str, qtype_name: str, seed: int = 0, **override
     w.add_chat_template(CHAT_TEMPLATE)
 
     for t in spec.tensors(cfg):
-        if t.name in skip or not (t.required or (t.name == "output.weight" and not p["tied"])):
+        if t.name in skip or not (t.required or (t.name == "output.weight" and not p["tied"])
+                                  or (optional and t.name.endswith(optional))):
             continue
         if t.name in arrays:
             w.add_tensor(t.name, np.ascontiguousarray(arrays[t.name], np.float32))
