@@ -614,7 +614,8 @@ def cmd_plan(a) -> int:
 def cmd_synth(a) -> int:
     from .synth import synth
     r = synth(a.output, arch=a.arch, size=a.size, quant=a.quant, seed=a.seed,
-              progress=not a.json, routing_skew=a.routing_skew, force=a.force, pure=a.pure)
+              progress=not a.json, routing_skew=a.routing_skew, force=a.force, pure=a.pure,
+              layers=a.layers)
     if a.json:
         print(json.dumps({"path": str(r.path), "bytes": r.nbytes, "tensors": r.n_tensors,
                           "seconds": round(r.seconds, 3)}))
@@ -833,8 +834,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sy = sub.add_parser("synth", help="write a synthetic GGUF with real shapes and random valid blocks (for budget tests)")
     sy.add_argument("output", help="output .gguf path (an existing file is kept unless --force)")
-    sy.add_argument("--arch", default="llama", help="llama | qwen2 | qwen3moe | mixtral | qwen2moe | olmoe (default llama)")
-    sy.add_argument("--size", default="7b", help="tiny | 1b | 1.5b | 7b; MoE: tiny | 2gb | 30b-a3b (qwen3moe) (default 7b)")
+    sy.add_argument("--arch", default="llama", help="llama | qwen2 | qwen3moe | mixtral | qwen2moe | olmoe | glm4moe (default llama)")
+    sy.add_argument("--size", default="7b", help="tiny | 1b | 1.5b | 7b; MoE: tiny | 2gb | 30b-a3b (qwen3moe) | 4.5-air (glm4moe) (default 7b)")
+    sy.add_argument("--layers", type=_int_at_least(1), default=None, metavar="N",
+                    help="write only the first N layers of the shape (leading dense layers kept, NextN layers dropped)")
     sy.add_argument("--quant", default="Q4_K_M",
                     help="a llama-quantize mix (Q4_K_M Q5_K_M Q4_0 Q8_0 ...; low-bit: IQ1_S IQ1_M IQ2_XXS IQ2_XS IQ2_S IQ2_M IQ3_XXS IQ3_S IQ3_M MXFP4_MOE) or one GGML type for every matrix (Q2_K IQ4_XS TQ1_0 NVFP4 ...) (default Q4_K_M)")
     sy.add_argument("--pure", action="store_true",

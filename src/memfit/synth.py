@@ -42,6 +42,12 @@ from .quant.types import BY_NAME, GGMLType
 _TINY_MOE = dict(n_embd=512, n_layer=4, n_head=8, n_head_kv=4, n_ff=1536, n_vocab=2048,
                  n_ctx=2048, rope_base=1e6, tied=False, n_expert=16, n_expert_used=4,
                  n_ff_exp=256)
+# DeepSeek-V3-style routing: sigmoid, exp_probs_b, renormalized
+_SIGMOID = dict(expert_gating_func="sigmoid", expert_weights_norm=True)
+# CONFIGS keys that are ModelConfig fields as they are
+_CONFIG_KEYS = ("n_rot", "n_layer_dense_lead", "n_layer_nextn", "expert_gating_func",
+                "expert_weights_norm", "expert_weights_scale", "expert_group_count",
+                "expert_group_used_count", "rms_eps")
 CONFIGS: dict[tuple[str, str], dict] = {
     ("llama", "tiny"): dict(n_embd=512, n_layer=4, n_head=8, n_head_kv=4, n_ff=1536,
                             n_vocab=2048, n_ctx=2048, rope_base=10000.0, tied=False),
@@ -75,6 +81,17 @@ CONFIGS: dict[tuple[str, str], dict] = {
     ("qwen3moe", "30b-a3b"): dict(n_embd=2048, n_layer=48, n_head=32, n_head_kv=4, head_dim=128,
                                   n_ff=6144, n_vocab=151936, n_ctx=40960, rope_base=1e6,
                                   tied=False, n_expert=128, n_expert_used=8, n_ff_exp=768),
+    # the routed families below also set ModelConfig fields directly (_CONFIG_KEYS)
+    ("glm4moe", "tiny"): dict(_TINY_MOE, head_dim=64, n_rot=32, n_ff_shexp=256,
+                              n_layer_dense_lead=1, n_layer_nextn=1, **_SIGMOID),
+    # GLM-4.5-Air (config.json): 46 layers + 1 NextN, 96/8 heads of 128, half of each rotated,
+    # one dense layer (10944), 128 experts of 1408 (top 8) + 1 shared, QKV biases (~66 GB at
+    # Q4_K_M)
+    ("glm4moe", "4.5-air"): dict(n_embd=4096, n_layer=46, n_head=96, n_head_kv=8, head_dim=128,
+                                 n_rot=64, n_ff=10944, n_vocab=151552, n_ctx=131072,
+                                 rope_base=1e6, tied=False, n_expert=128, n_expert_used=8,
+                                 n_ff_exp=1408, n_ff_shexp=1408, n_layer_dense_lead=1,
+                                 n_layer_nextn=1, rms_eps=1e-5, **_SIGMOID),
 }
 # llama_ftype ids (llama.h LLAMA_FTYPE_MOSTLY_*), written as general.file_type
 LLAMA_FTYPES = {
@@ -302,7 +319,7 @@ def model_config(arch: str, cfg: dict):
     E, H = cfg["n_embd"], cfg["n_head"]
     hd = cfg.get("head_dim", E // H)
     n_expert = cfg.get("n_expert", 0)
-    return ModelConfig(
+    kw = dict(
         arch=file_arch, n_layer=cfg["n_layer"], n_embd=E, n_head=H, n_head_kv=cfg["n_head_kv"],
         # llama (Mixtral) and olmoe experts have feed_forward_length rows
         n_ff=cfg["n_ff"] if not n_expert or spec.n_ff_exp_key else cfg["n_ff_exp"],
@@ -313,6 +330,19 @@ def model_config(arch: str, cfg: dict):
         n_expert_used=cfg.get("n_expert_used", 0), n_ff_exp=cfg.get("n_ff_exp", 0),
         n_ff_shexp=cfg.get("n_ff_shexp", 0),
         expert_weights_norm=bool(n_expert) and spec.expert_weights_norm)
+    kw.update({k: cfg[k] for k in _CONFIG_KEYS if k in cfg})
+    return ModelConfig(**kw)
+
+
+def first_layers(cfg: dict, n: int | None) -> dict:
+    """A CONFIGS entry cut to its first n layers (``--layers``): the leading dense layers that
+    fit, no NextN layers; the rest of the shapes as they are."""
+    if n is None:
+        return cfg
+    if not 1 <= n <= cfg["n_layer"]:
+        raise RequestError(f"--layers {n} must be between 1 and the config's {cfg['n_layer']} layers")
+    return {**cfg, "n_layer": n, "n_layer_nextn": 0,
+            "n_layer_dense_lead": min(cfg.get("n_layer_dense_lead", 0), n)}
 
 
 def model_tensors(arch: str, cfg: dict) -> list[tuple[str, tuple[int, ...], int | None]]:
@@ -408,14 +438,15 @@ def check_output(path, force: bool = False) -> Path:
 
 def synth(path, arch: str = "llama", size: str = "7b", quant: str = "Q4_K_M", seed: int = 0,
           progress: bool = True, routing_skew: float = 0.0, force: bool = False,
-          pure: bool = False) -> SynthResult:
+          pure: bool = False, layers: int | None = None) -> SynthResult:
     """Write a synthetic GGUF; returns its size and write speed. See the module doc.
+    ``layers``: only the first N layers of the shape (a file the disk can hold).
     An existing file is refused unless ``force``; a non-regular one always (check_output).
     A failed or interrupted write leaves no ``*.partial`` behind."""
     path = check_output(path, force)
     tmp = path.with_name(path.name + ".partial")
     try:
-        return _write(path, arch, size, quant, seed, progress, routing_skew, pure)
+        return _write(path, arch, size, quant, seed, progress, routing_skew, pure, layers)
     except OSError as e:
         raise RequestError(f"cannot write {tmp}: {e.strerror or e}") from None
     finally:
@@ -423,7 +454,7 @@ def synth(path, arch: str = "llama", size: str = "7b", quant: str = "Q4_K_M", se
 
 
 def _write(path: Path, arch: str, size: str, quant: str, seed: int, progress: bool,
-           routing_skew: float, pure: bool) -> SynthResult:
+           routing_skew: float, pure: bool, layers: int | None = None) -> SynthResult:
     import gguf
 
     key = (arch, size.lower())
@@ -431,7 +462,7 @@ def _write(path: Path, arch: str, size: str, quant: str, seed: int, progress: bo
         raise RequestError(f"no synthetic config {arch}-{size}; available: "
                            + ", ".join(f"{a}-{s}" for a, s in CONFIGS))
     _, _, ftype = resolve_quant(quant, pure)
-    cfg = CONFIGS[key]
+    cfg = first_layers(CONFIGS[key], layers)
     if not (routing_skew >= 0.0 and np.isfinite(routing_skew)):
         raise RequestError(f"--routing-skew {routing_skew} must be >= 0 (0: random routing)")
     if routing_skew and not cfg.get("n_expert"):
@@ -452,7 +483,8 @@ def _write(path: Path, arch: str, size: str, quant: str, seed: int, progress: bo
     tmp = path.with_name(path.name + ".partial")
     from .models.spec import write_hparams
     w = gguf.GGUFWriter(str(tmp), mc.arch)
-    w.add_name(f"synthetic {arch}-{size} {quant}{' pure' if pure else ''}")
+    w.add_name(f"synthetic {arch}-{size} {quant}{' pure' if pure else ''}"
+               + (f" first {layers} layers" if layers else ""))
     w.add_file_type(ftype)
     write_hparams(w, mc)
     if routing_skew:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..errors import UnsupportedError
 from .config import ModelConfig
+from .deepseek2 import Deepseek2
 from .gemma3 import Gemma3
 from .glm4moe import Glm4Moe
 from .layers import Model
@@ -27,6 +28,7 @@ from .weights import GGUFWeights, WeightSource
 REGISTRY: dict[str, type[Model]] = {
     "llama": Llama, "qwen2": Qwen2, "qwen3": Qwen3, "gemma3": Gemma3,
     "qwen2moe": Qwen2Moe, "qwen3moe": Qwen3Moe, "olmoe": Olmoe, "glm4moe": Glm4Moe,
+    "deepseek2": Deepseek2,
 }
 
 

@@ -27,7 +27,13 @@ class ModelConfig:
     rope_base: float = 10000.0
     rope_base_swa: float = 10000.0  # gemma3 sliding-window layers
     rope_freq_scale: float = 1.0   # 1 / linear scaling factor
-    rope_scaling: str = "none"
+    rope_scaling: str = "none"     # none | linear | yarn
+    # YaRN (rope_scaling "yarn"), as llama.cpp's context applies it: rope.scaling.*
+    n_ctx_orig: int = 0            # rope.scaling.original_context_length
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_attn_factor: float = 1.0  # the rope's magnitude factor after llama.cpp's adjustment
+    yarn_log_mul: float = 0.0      # rope.scaling.yarn_log_multiplier (deepseek2: mscale_all_dim)
     rope_neox: bool = False
     n_ctx_train: int = 0
     sliding_window: int = 0        # 0: no sliding-window layers
@@ -49,6 +55,12 @@ class ModelConfig:
     n_layer_dense_lead: int = 0           # leading_dense_block_count: layers 0.. have a dense FFN
     n_layer_nextn: int = 0                # NextN/MTP layers after the n_layer computed ones
                                           # (in the file, never in the forward pass)
+    # multi-head latent attention (deepseek2): low-rank q (0: a plain attn_q) and kv; the
+    # per-head K/V sizes "decompressed" (key_length_mla = nope + rope dims, value_length_mla)
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    head_dim_k_mla: int = 0
+    head_dim_v_mla: int = 0
 
     def __post_init__(self):
         def bad(k, v, why):
@@ -117,6 +129,10 @@ class ModelConfig:
     def is_swa(self, il: int) -> bool:
         return self.sliding_window > 0 and self.swa_pattern > 0 and (il + 1) % self.swa_pattern != 0
 
+    @property
+    def yarn(self) -> bool:
+        return self.rope_scaling == "yarn"
+
     @classmethod
     def from_metadata(cls, md: dict[str, Any]) -> "ModelConfig":
         """The one parser of hyperparameters (models, planner, synth all use it): keys as
@@ -182,15 +198,19 @@ class ModelConfig:
         if f"{arch}.rope.dimension_count" in md and kw["n_rot"] <= 0:
             raise ModelError(f"{arch}: rope.dimension_count = {kw['n_rot']} must be positive; "
                              f"the file's metadata is invalid")
-        # rope scaling: linear only (yarn / longrope change the rotation itself)
+        # rope scaling: linear, or yarn for the architectures whose graph applies it
         stype = str(get("rope.scaling.type", "none") or "none")
         factor = float(get("rope.scaling.factor", 0.0) or get("rope.scale_linear", 0.0) or 0.0)
-        if stype not in ("none", "linear") and not (stype == "yarn" and factor <= 1.0):
+        if stype not in ("none", "linear") and not (stype == "yarn" and (factor <= 1.0 or spec.yarn)):
             raise UnsupportedError(f"{arch}: rope scaling type {stype!r} is not supported "
-                                   f"(supported: none, linear)")
+                                   f"(supported: none, linear{', yarn' if spec.yarn else ''})")
+        if stype == "yarn" and factor <= 1.0:
+            stype = "none"
         kw["rope_scaling"] = stype
         if factor > 0.0 and stype != "none":
             kw["rope_freq_scale"] = 1.0 / factor
+        if stype == "yarn":
+            kw.update(_yarn(get, num, arch, factor, kw))
         if n_expert and spec.moe == "never":
             raise UnsupportedError(f"{arch}: expert_count {n_expert} > 0, but memfit runs {arch} "
                                    f"only dense; mixture-of-experts architectures: "
@@ -227,3 +247,41 @@ class ModelConfig:
         if spec.hparams is not None:
             kw = spec.hparams(md, arch, kw)
         return cls(**kw)
+
+
+def _yarn(get, num, arch: str, factor: float, kw: dict) -> dict:
+    """YaRN's parameters as llama.cpp's context sets them (llama-context.cpp, and the
+    yarn_attn_factor adjustment of llama_hparams): the rope's magnitude factor is chosen so
+    that ggml's rope_yarn, which multiplies by 1 + 0.1 ln(factor), ends at the model's mscale."""
+    n_orig = num("rope.scaling.original_context_length", 0) or kw.get("n_ctx_train", 0)
+    if n_orig <= 0:
+        raise ModelError(f"{arch}: yarn rope scaling needs rope.scaling.original_context_length")
+    beta_fast = num("rope.scaling.yarn_beta_fast", 32.0, float) or 32.0
+    beta_slow = num("rope.scaling.yarn_beta_slow", 1.0, float) or 1.0
+    ext = num("rope.scaling.yarn_ext_factor", -1.0, float)
+    if ext not in (-1.0, 1.0):
+        raise UnsupportedError(f"{arch}: rope.scaling.yarn_ext_factor {ext} is not supported (1)")
+    log_mul = num("rope.scaling.yarn_log_multiplier", 0.0, float)
+    if arch == "deepseek2":   # the converter stores 0.1 * mscale_all_dim
+        log_mul /= 0.1
+
+    def g(s, m):
+        return 1.0 if s <= 1.0 else 1.0 + 0.1 * m * math.log(s)
+    if log_mul != 0.0:
+        m = log_mul if arch == "deepseek2" and log_mul != 1.0 else 1.0
+        attn = g(factor, m) / g(factor, log_mul)
+    else:
+        attn = g(factor, 1.0)
+    attn /= 1.0 + 0.1 * math.log(factor)
+    attn *= num("rope.scaling.attn_factor", 1.0, float) or 1.0
+    return dict(n_ctx_orig=n_orig, yarn_beta_fast=beta_fast, yarn_beta_slow=beta_slow,
+                yarn_attn_factor=attn, yarn_log_mul=log_mul)
+
+
+def yarn_corr_dims(n_rot: int, n_ctx_orig: int, base: float, beta_fast: float,
+                   beta_slow: float) -> tuple[float, float]:
+    """The dims where YaRN's ramp runs between extrapolation and interpolation (ggml's
+    ggml_rope_yarn_corr_dims): floor of the fast one, ceil of the slow one, within the dims."""
+    def dim(b):
+        return n_rot * math.log(n_ctx_orig / (b * 2 * math.pi)) / (2 * math.log(base))
+    return max(0.0, math.floor(dim(beta_fast))), min(n_rot - 1.0, math.ceil(dim(beta_slow)))

@@ -12,13 +12,13 @@ import numpy as np
 
 from ..errors import RequestError
 from ..kv.seq import SeqKV as KVCache
-from .batch import Batch
-from ..quant.reference import dequantize
-from .config import ModelConfig
-from .lookahead import RouterLookahead
-from .spec import ArchSpec, check_tensors
 from ..ops.backend import RouteSpec
 from ..ops.fused import DenseLayerParams
+from ..quant.reference import dequantize
+from .batch import Batch
+from .config import ModelConfig, yarn_corr_dims
+from .lookahead import RouterLookahead
+from .spec import ArchSpec, check_tensors
 
 
 class Model:
@@ -227,6 +227,22 @@ class Model:
                     self._fused = []
         return self._fused or None
 
+    def rope(self, x: np.ndarray, pos: np.ndarray, il: int, neox: bool | None = None) -> np.ndarray:
+        """RoPE of x [n, heads, head_dim] on its first n_rot dims at layer il (rope_params),
+        with the file's frequency factors (rope_freqs) and YaRN as llama.cpp applies them."""
+        c = self.config
+        base, fs, _ = self.rope_params(il)
+        kw = {}
+        ff = self.vec.get("rope_freqs.weight")  # llama3-style per-dim frequency factors
+        if ff is not None:
+            kw["freq_factors"] = ff
+        if c.yarn:
+            kw.update(ext_factor=1.0, attn_factor=c.yarn_attn_factor,
+                      corr_dims=yarn_corr_dims(c.n_rot, c.n_ctx_orig, base, c.yarn_beta_fast,
+                                               c.yarn_beta_slow))
+        return self.ops.rope(np.ascontiguousarray(x), pos, c.n_rot, base, fs,
+                             c.rope_neox if neox is None else neox, **kw)
+
     # --- shared pieces -------------------------------------------------------------------
     def _rows_kw(self, x: np.ndarray) -> dict:
         # the forward's kernel family (see __init__): never chosen by the row count
@@ -272,10 +288,7 @@ class Model:
         if self.qk_norm and p + "attn_q_norm.weight" in self.vec:   # (optional in glm4moe)
             q = self.norm(q, p + "attn_q_norm.weight")
             k = self.norm(k, p + "attn_k_norm.weight")
-        ff = self.vec.get("rope_freqs.weight")  # llama3-style per-dim frequency factors
-        kw = {} if ff is None else {"freq_factors": ff}
-        q = ops.rope(q, pos, c.n_rot, base, fs, c.rope_neox, **kw)
-        k = ops.rope(k, pos, c.n_rot, base, fs, c.rope_neox, **kw)
+        q, k = self.rope(q, pos, il), self.rope(k, pos, il)
         # the cache stores k/v and attends (q rows ``last`` only): its layout and type stay there
         o = cache.attend(il, ops, q, k, v, last, c.attn_scale, window, c.attn_softcap)
         return self.linear(o.reshape(o.shape[0], c.n_head * c.head_dim_v), p + "attn_output")

@@ -63,6 +63,7 @@ class ArchSpec:
                                   # n_expert_used); without it they are feed_forward_length
                                   # (llama.cpp's llama and olmoe loaders ignore the key)
     gating_default: str = "softmax"     # expert_gating_func 0 (absent): the arch's router
+    yarn: bool = False                  # the graph applies YaRN rope scaling (factor > 1)
     hparams: Callable | None = None     # extra metadata rules: (md, arch, kw) -> kw
     layer_table: Callable | None = None  # (config, il) -> [Tensor]: the arch's own layer
                                          # table (else the flag table below); il runs over

@@ -44,10 +44,18 @@ _ARCH_DEFAULTS = {
     "glm4moe": dict(_MOE, n_layer=3, n_layer_dense_lead=1, n_layer_nextn=1, n_rot=32,
                     n_ff_shexp=256, gating="sigmoid", expert_weights_norm=True,
                     expert_weights_scale=1.5, rope_base=1e6),
+    # MLA: latent 256 + rope 32 in one KV head; per head nope 64, values 64; q rank 256;
+    # 8 experts in 4 groups (2 used), 1 shared, one dense leading layer
+    "deepseek2": dict(_MOE, n_layer=3, n_head_kv=1, head_dim=64, head_dim_k=288, head_dim_v=256,
+                      n_rot=32, q_lora_rank=256, kv_lora_rank=256, head_dim_k_mla=96,
+                      head_dim_v_mla=64, n_layer_dense_lead=1, n_ff_shexp=256,
+                      expert_group_count=4, expert_group_used_count=2, gating="sigmoid",
+                      expert_weights_norm=True, expert_weights_scale=2.5),
 }
 # ModelConfig fields a writer override may set directly
 _CONFIG_KEYS = ("n_rot", "n_layer_dense_lead", "n_layer_nextn", "expert_group_count",
-                "expert_group_used_count")
+                "expert_group_used_count", "q_lora_rank", "kv_lora_rank", "head_dim_k_mla",
+                "head_dim_v_mla", "head_dim_k", "head_dim_v")
 _WORDS = ["Ġthe", "Ġand", "Ġof", "Ġto", "Ġa", "Ġin", "Ġis", "Ġit", "Ġhello", "Ġworld",
           "ing", "er", "on", "Ġthat", "Ġfor", "Ġwith", "Ġas", "Ġwas", "Ġhe", "Ġon"]
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -186,6 +194,8 @@ def write_tiny_model(path, arch: str, qtype_name: str, seed: int = 0, **override
         shape = tuple(shapes.get(t.name, t.shape))
         default = "F32" if len(t.shape) == 1 or t.role == ROUTER else qtype_name
         qt = BY_NAME[types.get(t.name, default)]
+        if shape[-1] % qt.block_size:   # rows the type cannot hold (MLA's attn_k_b): Q8_0
+            qt = BY_NAME["Q8_0" if shape[-1] % 32 == 0 else "F16"]
         write_tensor_data(w, t.name, shape, qt, rng)
     w.write_header_to_file()
     w.write_kv_data_to_file()
