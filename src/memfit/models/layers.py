@@ -18,7 +18,7 @@ from ..quant.reference import dequantize
 from .batch import Batch
 from .config import ModelConfig, yarn_corr_dims
 from .lookahead import RouterLookahead
-from .spec import ArchSpec, check_tensors
+from .spec import SKIP, ArchSpec, check_tensors
 
 
 class Model:
@@ -75,7 +75,9 @@ class Model:
         return {t.name: (t.shape, t.required) for t in self.spec.layer_tensors(self.config, il)}
 
     def tensor_specs(self) -> dict[str, tuple[tuple[int, ...], bool]]:
-        return {t.name: (t.shape, t.required) for t in self.spec.tensors(self.config)}
+        """The tensors the forward reads (role skip -- NextN layers -- left out)."""
+        return {t.name: (t.shape, t.required) for t in self.spec.tensors(self.config)
+                if t.role != SKIP}
 
     def _check_tensors(self) -> None:
         w = self.weights
