@@ -113,8 +113,9 @@ def _tiny(tmp_path, qtype="F32", seed=0, **kw):
     return write_tiny_model(tmp_path / "glm.gguf", "glm4moe", qtype, seed=seed, **{**CFG, **kw})
 
 
+# (quantized types on the native backend: see test_deepseek2's note; checked by test_exact)
 @pytest.mark.parametrize("backend,qtype,tol", [("numpy", "F32", 1e-4), ("numpy", "Q8_0", 1e-4),
-                                               ("native", "F32", 1e-4), ("native", "Q4_K", 4e-2)])
+                                               ("native", "F32", 1e-4)])
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_glm4moe_matches_float64(tmp_path, backend, qtype, tol, qk_norm):
     extra = {"optional": ("attn_q_norm.weight", "attn_k_norm.weight")} if qk_norm else {}

@@ -64,20 +64,21 @@ class Runtime:
         if int(n_parallel) < 1:
             raise RequestError(f"n_parallel must be >= 1, got {n_parallel}")
         self.threads, self.n_parallel = threads, int(n_parallel)
-        check_ctx(self.file, n_ctx)  # the training context, before the planner sizes KV
-        # KV cache types (llama.cpp's -ctk/-ctv): checked before the planner counts them
-        self.cache_type_k = NAMES[cache_type(cache_type_k)]
-        self.cache_type_v = NAMES[cache_type(cache_type_v)]
         # architecture, hyperparameters and every tensor's shape and type, from the header
         # only: a file the model cannot run is refused before the store reads any weights
         cfg = config_from_gguf(self.file, check=True)
+        # the training context (and the architecture's limit), before the planner sizes KV
+        check_ctx(self.file, n_ctx, cfg.max_ctx, cfg.max_ctx_why)
+        # KV cache types (llama.cpp's -ctk/-ctv): checked before the planner counts them
+        self.cache_type_k = NAMES[cache_type(cache_type_k)]
+        self.cache_type_v = NAMES[cache_type(cache_type_v)]
         check_head_dims(cache_type(self.cache_type_k), cfg.head_dim_k)
         check_head_dims(cache_type(self.cache_type_v), cfg.head_dim_v)
         self.notes: list[str] = []
         self.plan = None
         self.budget, self.budget_why = self._budget(mem_budget)
         explicit = mem_budget is not None or bool(os.environ.get("MEMFIT_MEM_BUDGET"))
-        default = default_ctx(self.file)
+        default = default_ctx(self.file, cfg.max_ctx)
         if self.budget is None:  # nothing to plan for (no /proc/meminfo): map the model whole
             self.n_ctx, self.use_store = int(n_ctx) if n_ctx is not None else default, False
         else:

@@ -47,7 +47,15 @@ _SIGMOID = dict(expert_gating_func="sigmoid", expert_weights_norm=True)
 # CONFIGS keys that are ModelConfig fields as they are
 _CONFIG_KEYS = ("n_rot", "n_layer_dense_lead", "n_layer_nextn", "expert_gating_func",
                 "expert_weights_norm", "expert_weights_scale", "expert_group_count",
-                "expert_group_used_count", "rms_eps")
+                "expert_group_used_count", "rms_eps", "q_lora_rank", "kv_lora_rank",
+                "head_dim_k_mla", "head_dim_v_mla", "head_dim_k", "head_dim_v", "indexer",
+                "rope_scaling", "rope_freq_scale", "n_ctx_orig", "yarn_log_mul")
+
+
+def _mla(C: int, R: int, Dn: int, Dv: int, Q: int) -> dict:
+    """The MLA keys of a CONFIGS entry: one KV head of latent C + rope R per token."""
+    return dict(n_head_kv=1, head_dim=C + R, head_dim_k=C + R, head_dim_v=C, n_rot=R,
+                kv_lora_rank=C, q_lora_rank=Q, head_dim_k_mla=Dn + R, head_dim_v_mla=Dv)
 CONFIGS: dict[tuple[str, str], dict] = {
     ("llama", "tiny"): dict(n_embd=512, n_layer=4, n_head=8, n_head_kv=4, n_ff=1536,
                             n_vocab=2048, n_ctx=2048, rope_base=10000.0, tied=False),
@@ -92,6 +100,39 @@ CONFIGS: dict[tuple[str, str], dict] = {
                                  rope_base=1e6, tied=False, n_expert=128, n_expert_used=8,
                                  n_ff_exp=1408, n_ff_shexp=1408, n_layer_dense_lead=1,
                                  n_layer_nextn=1, rms_eps=1e-5, **_SIGMOID),
+    ("deepseek2", "tiny"): dict(_TINY_MOE, **_mla(256, 64, 64, 64, 256), n_ff_shexp=256,
+                                n_layer_dense_lead=1, expert_group_count=4,
+                                expert_group_used_count=2, expert_weights_scale=2.5, **_SIGMOID),
+    # DeepSeek-V3 / R1 (config.json): 61 layers (3 dense), 128 heads, q rank 1536, latent 512
+    # + rope 64, 256 experts of 2048 in 8 groups (4 used), top 8, 1 shared, scale 2.5, YaRN x40
+    # (~380 GiB at Q4_K_M: write it with --layers)
+    ("deepseek2", "v3"): dict(n_embd=7168, n_layer=61, n_head=128, **_mla(512, 64, 128, 128, 1536),
+                              n_ff=18432, n_vocab=129280, n_ctx=163840, rope_base=10000.0,
+                              tied=False, n_expert=256, n_expert_used=8, n_ff_exp=2048,
+                              n_ff_shexp=2048, n_layer_dense_lead=3, expert_group_count=8,
+                              expert_group_used_count=4, expert_weights_scale=2.5,
+                              rope_scaling="yarn", rope_freq_scale=1 / 40, n_ctx_orig=4096,
+                              yarn_log_mul=1.0, **_SIGMOID),
+    # Kimi K2 (config.json): the V3 layer with 64 heads, 384 experts, one group, one dense
+    # layer, scale 2.827, rope base 50000, YaRN x32 (~560 GiB at Q4_K_M)
+    ("deepseek2", "kimi-k2"): dict(n_embd=7168, n_layer=61, n_head=64, **_mla(512, 64, 128, 128, 1536),
+                                   n_ff=18432, n_vocab=163840, n_ctx=131072, rope_base=50000.0,
+                                   tied=False, n_expert=384, n_expert_used=8, n_ff_exp=2048,
+                                   n_ff_shexp=2048, n_layer_dense_lead=1,
+                                   expert_weights_scale=2.827, rope_scaling="yarn",
+                                   rope_freq_scale=1 / 32, n_ctx_orig=4096, yarn_log_mul=1.0,
+                                   **_SIGMOID),
+    ("glm-dsa", "tiny"): dict(_TINY_MOE, **_mla(256, 64, 64, 64, 256), n_ff_shexp=256,
+                              n_layer_dense_lead=1, n_layer_nextn=1, indexer=(4, 128, 2048),
+                              **_SIGMOID),
+    # GLM-5 (744B-A40B; shapes as recalled from its config.json, not checked against a file):
+    # 78 layers + 1 NextN (3 dense), 64 heads, q rank 2048, latent 512 + rope 64, nope 192,
+    # values 256, 256 experts of 2048, top 8, 1 shared, indexer 32 heads of 128, top 2048
+    ("glm-dsa", "5"): dict(n_embd=6144, n_layer=78, n_head=64, **_mla(512, 64, 192, 256, 2048),
+                           n_ff=12288, n_vocab=154880, n_ctx=202752, rope_base=1e6, tied=False,
+                           n_expert=256, n_expert_used=8, n_ff_exp=2048, n_ff_shexp=2048,
+                           n_layer_dense_lead=3, n_layer_nextn=1, expert_weights_scale=2.5,
+                           indexer=(32, 128, 2048), rms_eps=1e-5, **_SIGMOID),
 }
 # llama_ftype ids (llama.h LLAMA_FTYPE_MOSTLY_*), written as general.file_type
 LLAMA_FTYPES = {

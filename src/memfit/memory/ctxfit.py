@@ -25,17 +25,22 @@ def train_ctx(f) -> int:
     return int(f.metadata.get(f"{f.arch}.context_length", 0) or 4096)
 
 
-def default_ctx(f) -> int:
-    """The context when the user sets none: min(training context, 4096)."""
-    return min(train_ctx(f), 4096)
+def default_ctx(f, limit: int = 0) -> int:
+    """The context when the user sets none: min(training context, 4096, the architecture's
+    limit when it has one)."""
+    return min(train_ctx(f), 4096, limit or 4096)
 
 
-def check_ctx(f, n_ctx: int | None) -> None:
-    """Refuse a context above the training context before the planner sizes its KV cache."""
+def check_ctx(f, n_ctx: int | None, limit: int = 0, why: str = "") -> None:
+    """Refuse a context above the training context (or the architecture's own ``limit``,
+    because ``why``) before the planner sizes its KV cache."""
     t = train_ctx(f)
     if n_ctx is not None and int(n_ctx) > t:
         raise RequestError(f"context size {n_ctx} exceeds the model's training context {t}; "
                            f"use --ctx-size {t} or less")
+    if n_ctx is not None and limit and int(n_ctx) > limit:
+        raise RequestError(f"context size {n_ctx} is above {limit}: {why}; use --ctx-size "
+                           f"{limit} or less")
 
 
 def _plan_or_none(plan_at, n_ctx, **kv):

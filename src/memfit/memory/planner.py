@@ -91,6 +91,7 @@ class ModelDesc:
     tokenizer_model: str = ""   # tokenizer.ggml.model: 'gpt2' (BPE), 'llama' (SPM), ...
     n_merges: int = 0
     skipped_bytes: int = 0      # tensors in the file never computed (role skip: NextN layers)
+    act_extra: int = 0          # f32 activations per token beyond the standard block's (MLA)
 
     @property
     def runtime_bytes(self) -> int:
@@ -141,7 +142,16 @@ class ModelDesc:
                          c.head_dim_v, c.n_vocab, n_ff, tuple(ts), n_expert, n_used, tied,
                          int(getattr(f, "file_size", 0) or 0), name or str(md.get("general.name", "")),
                          str(md.get("tokenizer.ggml.model", "") or ""),
-                         len(merges) if isinstance(merges, list) else 0, skipped)
+                         len(merges) if isinstance(merges, list) else 0, skipped,
+                         _act_extra(c))
+
+
+def _act_extra(c) -> int:
+    """Per-token f32 values an architecture's block holds beyond Q/K/V, the FFN and the
+    residual rows: MLA's q, its absorbed form and the per-head latent output (deepseek2)."""
+    if not c.head_dim_k_mla:
+        return 0
+    return c.n_head * (c.head_dim_k_mla + 2 * c.kv_lora_rank + c.head_dim_v_mla) + c.q_lora_rank
 
 
 def tensor_kind(name: str) -> str:
@@ -361,7 +371,7 @@ def scratch_bytes(m: ModelDesc, n_batch: int, n_ctx: int, threads: int,
     # per row: the FFN's gate and up (buffers reused by every layer), Q/K/V and 4 rows of
     # n_embd (residual, norm, attention and FFN outputs); measured peaks of a 512-row
     # prefill: SmolLM2 7.7 MiB of the 12.4 this gives, Gemma-3 14.3 of 16
-    per_tok = 2 * m.n_ff + 4 * m.n_embd + q_dim + kv_dim
+    per_tok = 2 * m.n_ff + 4 * m.n_embd + q_dim + kv_dim + m.act_extra
     # attention scores [rows, heads, n_ctx] for a block of at most ATTN_Q_BLOCK query rows
     scores = min(n_batch, ATTN_Q_BLOCK) * m.n_head * n_ctx
     logits = m.n_vocab * (4 * n_batch if logits_all else 16 * LOGITS_SLICE_ROWS)

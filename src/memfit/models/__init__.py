@@ -14,6 +14,7 @@ from .config import ModelConfig
 from .deepseek2 import Deepseek2
 from .gemma3 import Gemma3
 from .glm4moe import Glm4Moe
+from .glmdsa import GlmDsa
 from .layers import Model
 from .llama import Llama
 from .olmoe import Olmoe
@@ -28,7 +29,7 @@ from .weights import GGUFWeights, WeightSource
 REGISTRY: dict[str, type[Model]] = {
     "llama": Llama, "qwen2": Qwen2, "qwen3": Qwen3, "gemma3": Gemma3,
     "qwen2moe": Qwen2Moe, "qwen3moe": Qwen3Moe, "olmoe": Olmoe, "glm4moe": Glm4Moe,
-    "deepseek2": Deepseek2,
+    "deepseek2": Deepseek2, "glm-dsa": GlmDsa,
 }
 
 

@@ -58,6 +58,9 @@ class ModelConfig:
     # multi-head latent attention (deepseek2): low-rank q (0: a plain attn_q) and kv; the
     # per-head K/V sizes "decompressed" (key_length_mla = nope + rope dims, value_length_mla)
     q_lora_rank: int = 0
+    indexer: tuple = (0, 0, 0)     # glm-dsa's sparse-attention indexer: heads, key length, top-k
+    max_ctx: int = 0               # the architecture computes contexts up to this (0: any)
+    max_ctx_why: str = ""
     kv_lora_rank: int = 0
     head_dim_k_mla: int = 0
     head_dim_v_mla: int = 0

@@ -43,8 +43,9 @@ def _hparams(md, arch, kw):
         raise UnsupportedError(f"{arch}: attention temperature tuning (Mistral-Large 3) is not "
                                f"supported")
     # llama.cpp reads no q_lora_rank for 26/27-layer files (DeepSeek-V2-Lite: a plain attn_q)
-    kw["q_lora_rank"] = 0 if kw["n_layer"] in (26, 27) else int(key("attention.q_lora_rank"))
-    if f"{arch}.expert_gating_func" not in md and kw["n_layer"] in (47, 48) \
+    lite = arch == "deepseek2" and kw["n_layer"] in (26, 27)
+    kw["q_lora_rank"] = 0 if lite else int(key("attention.q_lora_rank"))
+    if arch == "deepseek2" and f"{arch}.expert_gating_func" not in md and kw["n_layer"] in (47, 48) \
             and kw["n_vocab"] == 154880:
         kw["expert_gating_func"] = "sigmoid"   # llama.cpp: GLM-4.7-Flash files
     kw["kv_lora_rank"] = C = int(key("attention.kv_lora_rank"))

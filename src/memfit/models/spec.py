@@ -184,9 +184,14 @@ def write_hparams(w, c: "ModelConfig", tied: bool = True) -> None:
         w.add_uint32(f"{a}.attention.value_length", c.head_dim_v)
     if c.sliding_window:
         w.add_uint32(f"{a}.attention.sliding_window", c.sliding_window)
-    if c.rope_scaling == "linear":
-        w.add_string(f"{a}.rope.scaling.type", "linear")
+    if c.rope_scaling in ("linear", "yarn"):
+        w.add_string(f"{a}.rope.scaling.type", c.rope_scaling)
         w.add_float32(f"{a}.rope.scaling.factor", 1.0 / c.rope_freq_scale)
+    if c.rope_scaling == "yarn":
+        w.add_uint32(f"{a}.rope.scaling.original_context_length", c.n_ctx_orig)
+        if c.yarn_log_mul:   # deepseek2's converter stores 0.1 * mscale_all_dim
+            w.add_float32(f"{a}.rope.scaling.yarn_log_multiplier",
+                          c.yarn_log_mul * (0.1 if a == "deepseek2" else 1.0))
     if c.final_softcap:
         w.add_float32(f"{a}.final_logit_softcapping", c.final_softcap)
     if c.n_expert:

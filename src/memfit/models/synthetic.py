@@ -52,10 +52,14 @@ _ARCH_DEFAULTS = {
                       expert_group_count=4, expert_group_used_count=2, gating="sigmoid",
                       expert_weights_norm=True, expert_weights_scale=2.5),
 }
+# GLM-5: deepseek2's layer with glm4moe's NextN layer and an indexer (2 heads of 64, top 64)
+_ARCH_DEFAULTS["glm-dsa"] = dict(_ARCH_DEFAULTS["deepseek2"], n_layer_nextn=1, expert_group_count=0,
+                                 expert_group_used_count=0, expert_weights_scale=1.0,
+                                 indexer=(2, 64, 64))
 # ModelConfig fields a writer override may set directly
 _CONFIG_KEYS = ("n_rot", "n_layer_dense_lead", "n_layer_nextn", "expert_group_count",
                 "expert_group_used_count", "q_lora_rank", "kv_lora_rank", "head_dim_k_mla",
-                "head_dim_v_mla", "head_dim_k", "head_dim_v")
+                "head_dim_v_mla", "head_dim_k", "head_dim_v", "indexer")
 _WORDS = ["Ġthe", "Ġand", "Ġof", "Ġto", "Ġa", "Ġin", "Ġis", "Ġit", "Ġhello", "Ġworld",
           "ing", "er", "on", "Ġthat", "Ġfor", "Ġwith", "Ġas", "Ġwas", "Ġhe", "Ġon"]
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
