@@ -239,22 +239,38 @@ done:
     return NULL;
 }
 
-/* ---- rope(x, pos, n_rot, theta_base, freq_scale, neox, freq_factors=None, out=None) ------ */
+/* ---- rope(x, pos, n_rot, theta_base, freq_scale, neox, freq_factors=None, out=None,
+ *           ext_factor=0.0, attn_factor=1.0, corr_dims=(0.0, 0.0)) ----------------------- */
 
 static PyObject *py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kw) {
     static const char *const names[] = {"x", "pos", "n_rot", "theta_base", "freq_scale", "neox",
-                                        "freq_factors", "out"};
+                                        "freq_factors", "out", "ext_factor", "attn_factor", "corr_dims"};
     const char *fn = "rope";
-    PyObject *a[8], *res = NULL;
+    PyObject *a[11], *res = NULL;
     bufs bs = {.n = 0};
     long long n_rot;
-    double base, fscale;
+    double base, fscale, ext = 0.0, attn = 1.0, corr[2] = {0.0, 0.0};
     int neox;
-    if (parse_args(fn, args, nargs, kw, names, 6, 8, a) < 0) return NULL;
+    if (parse_args(fn, args, nargs, kw, names, 6, 11, a) < 0) return NULL;
     if (get_int(a[2], fn, "n_rot", &n_rot) < 0 || get_double(a[3], fn, "theta_base", &base) < 0 ||
         get_double(a[4], fn, "freq_scale", &fscale) < 0)
         return NULL;
     if ((neox = PyObject_IsTrue(a[5])) < 0) return NULL;
+    if ((a[8] && get_double(a[8], fn, "ext_factor", &ext) < 0) ||
+        (a[9] && get_double(a[9], fn, "attn_factor", &attn) < 0))
+        return NULL;
+    if (a[10]) {
+        PyObject *cd = PySequence_Fast(a[10], "rope: corr_dims must be a pair (lo, hi)");
+        if (!cd) return NULL;
+        const int ok = PySequence_Fast_GET_SIZE(cd) == 2 &&
+                       get_double(PySequence_Fast_GET_ITEM(cd, 0), fn, "corr_dims[0]", &corr[0]) == 0 &&
+                       get_double(PySequence_Fast_GET_ITEM(cd, 1), fn, "corr_dims[1]", &corr[1]) == 0;
+        Py_DECREF(cd);
+        if (!ok) {
+            if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "%s: corr_dims must be a pair (lo, hi)", fn);
+            return NULL;
+        }
+    }
     Py_buffer *x = get_buf(&bs, a[0], fn, "x", 'f', 0, 3, 3), *pos, *ff = NULL, *o;
     if (!x) goto done;
     if (!(pos = get_buf(&bs, a[1], fn, "pos", 'i', 0, 1, 1))) goto done;
@@ -287,7 +303,7 @@ static PyObject *py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         const int32_t *pp = pos->buf;
         float *op = o->buf;
         Py_BEGIN_ALLOW_THREADS
-        mf_rope_f32(xp, op, pp, n, heads, hd, n_rot, base, fscale, neox, ffp);
+        mf_rope_yarn_f32(xp, op, pp, n, heads, hd, n_rot, base, fscale, neox, ffp, ext, attn, corr[0], corr[1]);
         Py_END_ALLOW_THREADS
     }
     release(&bs);
@@ -527,8 +543,11 @@ PyMethodDef mf_ops_methods[] = {
      "rmsnorm(x[..., d] f32, weight[d] f32 | None, eps, out=None) -> out: x / sqrt(mean(x^2) + eps) * weight"},
     {"rope", (PyCFunction)(void (*)(void))py_rope, FC,
      "rope(x[n, heads, head_dim] f32, pos[n] i32, n_rot, theta_base, freq_scale, neox, freq_factors=None, "
-     "out=None) -> out\ntheta_i = pos * freq_scale * theta_base^(-2i/n_rot) / freq_factors[i]; "
-     "normal rotates (2i, 2i+1), neox (i, i + n_rot/2); dims >= n_rot pass through. out may be x."},
+     "out=None, ext_factor=0.0, attn_factor=1.0, corr_dims=(0.0, 0.0)) -> out\ntheta_i = pos * freq_scale * "
+     "theta_base^(-2i/n_rot) / freq_factors[i]; normal rotates (2i, 2i+1), neox (i, i + n_rot/2); dims >= n_rot "
+     "pass through. out may be x. ext_factor != 0: YaRN (ggml's rope_yarn) mixes in the unscaled angle by "
+     "ramp_i = (1 - clamp((i - lo) / max(0.001, hi - lo), 0, 1)) * ext_factor and scales cos/sin by "
+     "attn_factor * (1 + 0.1 ln(1/freq_scale)); else by attn_factor."},
     {"softmax", (PyCFunction)(void (*)(void))py_softmax, FC,
      "softmax(x[..., k] f32, out=None) -> out: softmax over the last axis. out may be x."},
     {"round_f16", (PyCFunction)(void (*)(void))py_round_f16, FC,

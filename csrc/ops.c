@@ -136,6 +136,9 @@ typedef struct {
     double base, freq_scale;
     int neox;
     const double *inv; /* [n_rot/2] base^(-2k/n_rot) / ff[k], computed once per call */
+    /* YaRN: ramp[k] mixes in the extrapolated angle (NULL: none); cos/sin times mscale */
+    const double *ramp;
+    double mscale;
 } rope_ctx;
 
 static void rope_task(void *p, int64_t i) {
@@ -144,10 +147,20 @@ static void rope_task(void *p, int64_t i) {
     float cs[MF_ROPE_MAX_ROT / 2], sn[MF_ROPE_MAX_ROT / 2];
     /* angles in double: pos * scale reaches ~1e5 rad, where float loses ~1e-2 rad */
     const double pf = (double)c->pos[i] * c->freq_scale;
-    for (int64_t k = 0; k < half; k++) {
-        const double th = pf * c->inv[k];
-        cs[k] = (float)cos(th);
-        sn[k] = (float)sin(th);
+    if (c->ramp || c->mscale != 1.0) {
+        const double p = (double)c->pos[i], ms = c->mscale;
+        for (int64_t k = 0; k < half; k++) {
+            const double ti = pf * c->inv[k], r = c->ramp ? c->ramp[k] : 0.0;
+            const double th = c->ramp ? ti * (1.0 - r) + p * c->inv[k] * r : ti;
+            cs[k] = (float)(cos(th) * ms);
+            sn[k] = (float)(sin(th) * ms);
+        }
+    } else {
+        for (int64_t k = 0; k < half; k++) {
+            const double th = pf * c->inv[k];
+            cs[k] = (float)cos(th);
+            sn[k] = (float)sin(th);
+        }
     }
     for (int64_t h = 0; h < c->heads; h++) {
         const float *x = c->x + (i * c->heads + h) * hd;
@@ -169,19 +182,38 @@ static void rope_task(void *p, int64_t i) {
     }
 }
 
-void mf_rope_f32(const float *x, float *out, const int32_t *pos, int64_t n, int64_t heads,
-                 int64_t head_dim, int64_t n_rot, double base, double freq_scale, int neox,
-                 const float *freq_factors) {
-    double inv[MF_ROPE_MAX_ROT / 2];
+void mf_rope_yarn_f32(const float *x, float *out, const int32_t *pos, int64_t n, int64_t heads,
+                      int64_t head_dim, int64_t n_rot, double base, double freq_scale, int neox,
+                      const float *freq_factors, double ext_factor, double attn_factor,
+                      double corr_lo, double corr_hi) {
+    double inv[MF_ROPE_MAX_ROT / 2], ramp[MF_ROPE_MAX_ROT / 2];
     for (int64_t k = 0; k < n_rot / 2; k++) {
         inv[k] = pow(base, -2.0 * (double)k / (double)n_rot);
         if (freq_factors) inv[k] /= (double)freq_factors[k];
     }
-    rope_ctx c = {x, out, pos, heads, head_dim, n_rot, base, freq_scale, neox, inv};
+    double mscale = attn_factor;
+    if (ext_factor != 0.0) {
+        /* pair k is ggml's i0 = 2k: its ramp is at i0 / 2 = k */
+        const double w = corr_hi - corr_lo > 0.001 ? corr_hi - corr_lo : 0.001;
+        for (int64_t k = 0; k < n_rot / 2; k++) {
+            const double y = ((double)k - corr_lo) / w;
+            ramp[k] = (1.0 - (y < 0.0 ? 0.0 : y > 1.0 ? 1.0 : y)) * ext_factor;
+        }
+        mscale *= 1.0 + 0.1 * log(1.0 / freq_scale);
+    }
+    rope_ctx c = {x, out, pos, heads, head_dim, n_rot, base, freq_scale, neox, inv,
+                  ext_factor != 0.0 ? ramp : NULL, mscale};
     if (n >= 4 && n * heads * head_dim >= PAR_MIN / 4)
         mf_parallel_for(n, rope_task, &c);
     else
         for (int64_t i = 0; i < n; i++) rope_task(&c, i);
+}
+
+void mf_rope_f32(const float *x, float *out, const int32_t *pos, int64_t n, int64_t heads,
+                 int64_t head_dim, int64_t n_rot, double base, double freq_scale, int neox,
+                 const float *freq_factors) {
+    mf_rope_yarn_f32(x, out, pos, n, heads, head_dim, n_rot, base, freq_scale, neox, freq_factors, 0.0, 1.0,
+                     0.0, 0.0);
 }
 
 /* ------------------------------------------------------------------------------------------ */

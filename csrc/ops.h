@@ -19,6 +19,17 @@ void mf_rope_f32(const float *x, float *out, const int32_t *pos, int64_t n, int6
                  int64_t head_dim, int64_t n_rot, double base, double freq_scale, int neox,
                  const float *freq_factors);
 
+/* mf_rope_f32 with YaRN (ggml's rope_yarn): theta_extrap = pos * base^(-2i/n_rot) / ff[i],
+ * theta_interp = freq_scale * theta_extrap. ext_factor != 0: ramp = (1 - clamp((i - lo) /
+ * max(0.001, hi - lo), 0, 1)) * ext_factor, theta = theta_interp (1 - ramp) + theta_extrap ramp,
+ * mscale = attn_factor (1 + 0.1 ln(1 / freq_scale)); else theta = theta_interp, mscale =
+ * attn_factor. cos and sin are times mscale. ext_factor 0, attn_factor 1 is mf_rope_f32 bit
+ * for bit. */
+void mf_rope_yarn_f32(const float *x, float *out, const int32_t *pos, int64_t n, int64_t heads,
+                      int64_t head_dim, int64_t n_rot, double base, double freq_scale, int neox,
+                      const float *freq_factors, double ext_factor, double attn_factor,
+                      double corr_lo, double corr_hi);
+
 /* Row-wise softmax over the last axis k (max-subtracted). */
 void mf_softmax_f32(const float *x, float *out, int64_t rows, int64_t k);
 

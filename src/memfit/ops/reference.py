@@ -51,16 +51,34 @@ def rmsnorm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
 
 
 def rope(x: np.ndarray, pos: np.ndarray, n_rot: int, theta_base: float, freq_scale: float,
-         neox: bool, freq_factors: np.ndarray | None = None) -> np.ndarray:
+         neox: bool, freq_factors: np.ndarray | None = None, *, ext_factor: float = 0.0,
+         attn_factor: float = 1.0, corr_dims: tuple[float, float] = (0.0, 0.0)) -> np.ndarray:
     """x[n, heads, head_dim]; dims >= n_rot pass through. theta_i = pos * freq_scale *
-    base^(-2i/n_rot) / freq_factors[i] (freq_factors: llama3-style rope_freqs, optional)."""
+    base^(-2i/n_rot) / freq_factors[i] (freq_factors: llama3-style rope_freqs, optional).
+
+    YaRN (ggml's rope_yarn; corr_dims from memfit.ops.rope.yarn_corr_dims): with ext_factor
+    != 0, pair i mixes in the unscaled angle pos * base^(-2i/n_rot) / ff[i] by ramp_i = (1 -
+    clamp((i - lo) / max(0.001, hi - lo), 0, 1)) * ext_factor, and cos/sin are scaled by
+    attn_factor * (1 + 0.1 ln(1 / freq_scale)); with ext_factor 0 by attn_factor alone."""
     half = n_rot // 2
     inv = theta_base ** (-np.arange(half, dtype=np.float64) * 2.0 / n_rot)
     if freq_factors is not None:
         inv = inv / np.asarray(freq_factors, dtype=np.float64)
-    ang = np.asarray(pos, dtype=np.float64)[:, None] * (freq_scale * inv)[None, :]  # [n, half]
-    cos = np.cos(ang).astype(np.float32)[:, None, :]
-    sin = np.sin(ang).astype(np.float32)[:, None, :]
+    p = np.asarray(pos, dtype=np.float64)[:, None]
+    ang = p * (freq_scale * inv)[None, :]  # [n, half]
+    if ext_factor == 0.0 and attn_factor == 1.0:
+        cos = np.cos(ang).astype(np.float32)[:, None, :]
+        sin = np.sin(ang).astype(np.float32)[:, None, :]
+    else:
+        mscale = float(attn_factor)
+        if ext_factor != 0.0:
+            lo, hi = (float(c) for c in corr_dims)
+            y = (np.arange(half, dtype=np.float64) - lo) / max(0.001, hi - lo)
+            ramp = (1.0 - np.clip(y, 0.0, 1.0)) * ext_factor
+            ang = ang * (1.0 - ramp) + (p * inv[None, :]) * ramp
+            mscale *= 1.0 + 0.1 * np.log(1.0 / freq_scale)
+        cos = (np.cos(ang) * mscale).astype(np.float32)[:, None, :]
+        sin = (np.sin(ang) * mscale).astype(np.float32)[:, None, :]
     out = np.array(x, dtype=np.float32, copy=True)
     if neox:
         a, b = x[..., :half], x[..., half:n_rot]
