@@ -467,17 +467,18 @@ done:
     return NULL;
 }
 
-/* ---- attention(q, k, v, q_pos, kv_pos, scale, window=0, softcap=0.0, out=None) ---------- */
+/* ---- attention(q, k, v, q_pos, kv_pos, scale, window=0, softcap=0.0, out=None, sinks=None) */
 
 static PyObject *py_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kw) {
-    static const char *const names[] = {"q", "k", "v", "q_pos", "kv_pos", "scale", "window", "softcap", "out"};
+    static const char *const names[] = {"q", "k", "v", "q_pos", "kv_pos", "scale", "window", "softcap", "out",
+                                        "sinks"};
     const char *fn = "attention";
-    PyObject *a[9], *res = NULL;
+    PyObject *a[10], *res = NULL;
     bufs bs = {.n = 0};
     double scale, softcap = 0.0;
     long long window = 0;
     char s1[128], s2[128];
-    if (parse_args(fn, args, nargs, kw, names, 6, 9, a) < 0) return NULL;
+    if (parse_args(fn, args, nargs, kw, names, 6, 10, a) < 0) return NULL;
     if (get_double(a[5], fn, "scale", &scale) < 0) return NULL;
     if (a[6] && get_int(a[6], fn, "window", &window) < 0) return NULL;
     if (a[7] && get_double(a[7], fn, "softcap", &softcap) < 0) return NULL;
@@ -486,7 +487,7 @@ static PyObject *py_attention(PyObject *self, PyObject *const *args, Py_ssize_t 
                      softcap);
         return NULL;
     }
-    Py_buffer *q = get_buf(&bs, a[0], fn, "q", 'f', 0, 3, 3), *k, *v, *qp, *kp, *o;
+    Py_buffer *q = get_buf(&bs, a[0], fn, "q", 'f', 0, 3, 3), *k, *v, *qp, *kp, *o, *sk = NULL;
     if (!q) goto done;
     if (!(k = get_buf(&bs, a[1], fn, "k", 'k', 0, 3, 3))) goto done;
     if (!(v = get_buf(&bs, a[2], fn, "v", 'k', 0, 3, 3))) goto done;
@@ -518,13 +519,21 @@ static PyObject *py_attention(PyObject *self, PyObject *const *args, Py_ssize_t 
                      (long long)n, (long long)T, qp->shape[0], kp->shape[0]);
         goto done;
     }
+    if (a[9]) {
+        if (!(sk = get_buf(&bs, a[9], fn, "sinks", 'f', 0, 1, 1))) goto done;
+        if (sk->shape[0] != Hq) {
+            PyErr_Format(PyExc_ValueError, "%s: sinks must have one value per q head (%lld), got %zd", fn,
+                         (long long)Hq, sk->shape[0]);
+            goto done;
+        }
+    }
     Py_ssize_t oshape[3] = {n, Hq, Dv};
     if (!(o = get_out(&bs, a[8], fn, 3, oshape, &res))) goto done;
     {
         mf_attn_args at = {.q = q->buf, .k = k->buf, .v = v->buf, .out = o->buf, .q_pos = qp->buf,
                            .kv_pos = kp->buf, .n = n, .T = T, .Hq = Hq, .Hkv = Hkv, .D = D, .Dv = Dv,
                            .scale = (float)scale, .softcap = (float)softcap, .window = window,
-                           .kv_f16 = k->itemsize == 2};
+                           .kv_f16 = k->itemsize == 2, .sinks = sk ? sk->buf : NULL};
         Py_BEGIN_ALLOW_THREADS
         mf_attention_f32(&at);
         Py_END_ALLOW_THREADS
@@ -564,9 +573,10 @@ PyMethodDef mf_ops_methods[] = {
     {"attention", (PyCFunction)(void (*)(void))py_attention, FC,
      "attention(q[n, Hq, D], k[T, Hkv, D], v[T, Hkv, Dv] (k, v: both float32 or both float16), "
      "q_pos[n] i32, kv_pos[T] i32, scale, window=0, "
-     "softcap=0.0, out=None) -> out[n, Hq, Dv]\nkey t visible to query i iff kv_pos[t] <= q_pos[i] and "
+     "softcap=0.0, out=None, sinks=None) -> out[n, Hq, Dv]\nkey t visible to query i iff kv_pos[t] <= q_pos[i] and "
      "(window == 0 or q_pos[i] - kv_pos[t] < window); score = scale * q.k, softcap * tanh(score / softcap) "
-     "when softcap > 0; GQA: q head h uses kv head h // (Hq // Hkv). A query with no visible key gets 0. "
+     "when softcap > 0; GQA: q head h uses kv head h // (Hq // Hkv). sinks f32[Hq]: a logit per q head in the "
+     "softmax denominator only (not scaled, not capped, no value). A query with no visible key gets 0. "
      "out must not overlap the inputs."},
     {NULL, NULL, 0, NULL},
 };

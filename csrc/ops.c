@@ -572,7 +572,7 @@ int mf_attention_paged(const mf_paged_args *pa) {
                                   .q_tab = pa->q_tab, .tables = pa->tables, .bs = pa->bs, .n = pa->n,
                                   .Hq = pa->Hq, .Hkv = pa->Hkv, .D = pa->D, .Dv = pa->Dv, .scale = pa->scale,
                                   .softcap = pa->softcap, .window = pa->window, .type_k = pa->kv_type,
-                                  .type_v = pa->kv_type};
+                                  .type_v = pa->kv_type, .sinks = pa->sinks};
         mf_attention_kvq(&qa);
         return 0;
     }
@@ -585,7 +585,8 @@ int mf_attention_paged(const mf_paged_args *pa) {
     while (hc > 1 && pa->n * pa->Hkv * ((G + hc - 1) / hc) < want) hc--;
     paged_ctx c = {.pa = pa,
                    .a = {.q = pa->q, .out = pa->out, .n = pa->n, .Hq = pa->Hq, .Hkv = pa->Hkv, .D = pa->D,
-                         .Dv = pa->Dv, .scale = pa->scale, .softcap = pa->softcap, .window = pa->window},
+                         .Dv = pa->Dv, .scale = pa->scale, .softcap = pa->softcap, .window = pa->window,
+                         .sinks = pa->sinks},
                    .hc = hc, .cpg = (G + hc - 1) / hc};
     const int64_t tasks = pa->n * pa->Hkv * c.cpg;
     int64_t T = 1;

@@ -50,7 +50,9 @@ void mf_round_f16_f32(const float *x, float *out, int64_t n);
  * with kv_f16 (converted exactly on load: the result equals that of the same values as f32).
  * Key t is visible to query i iff kv_pos[t] <= q_pos[i] and (window == 0 or q_pos[i] - kv_pos[t] < window). Score =
  * scale * q.k, then softcap * tanh(score / softcap) when softcap > 0. A query that sees no key
- * gets zeros. */
+ * gets zeros. sinks (gpt-oss; NULL: none): one logit per q head that joins the softmax
+ * denominator only, neither scaled nor capped: the online softmax starts from m = sinks[h],
+ * l = 1 (exactly e^(sinks[h] - m) added to the sum) and no value row. */
 typedef struct {
     const float *q;
     const void *k, *v; /* float32, or float16 bits (uint16) when kv_f16 */
@@ -61,6 +63,7 @@ typedef struct {
     float scale, softcap;
     int64_t window;
     int kv_f16;
+    const float *sinks; /* [Hq] or NULL */
 } mf_attn_args;
 void mf_attention_f32(const mf_attn_args *a);
 
@@ -83,6 +86,7 @@ typedef struct {
     float scale, softcap;
     int64_t window;
     int kv_type;
+    const float *sinks; /* [Hq] attention sinks (as mf_attn_args) or NULL */
 } mf_paged_args;
 /* 0, or -1 for a kv_type without a kernel. */
 int mf_attention_paged(const mf_paged_args *a);

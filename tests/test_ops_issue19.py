@@ -148,3 +148,179 @@ def test_rope_yarn_argument_errors():
         N.rope(x, p, 8, 1e4, 1.0, False, ext_factor="a")
 
 
+# ------------------------------------------------------------------------- attention sinks
+
+def attn64(q, k, v, q_pos, kv_pos, scale, window=0, softcap=0.0, sinks=None):
+    """softmax over the visible keys and the head's sink (raw: neither scaled nor capped), in
+    float64; the sink has no value row. A query that sees nothing gets zeros."""
+    n, hq, _ = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    out = np.zeros((n, hq, v.shape[2]))
+    for i in range(n):
+        vis = kv_pos <= q_pos[i]
+        if window > 0:
+            vis &= (q_pos[i] - kv_pos) < window
+        if not vis.any():
+            continue
+        for h in range(hq):
+            s = k[vis, h // g].astype(np.float64) @ q[i, h].astype(np.float64) * scale
+            if softcap > 0:
+                s = softcap * np.tanh(s / softcap)
+            m = s.max() if sinks is None else max(s.max(), float(sinks[h]))
+            e = np.exp(s - m)
+            den = e.sum() + (0.0 if sinks is None else math.exp(float(sinks[h]) - m))
+            out[i, h] = (e / den) @ v[vis, h // g].astype(np.float64)
+    return out
+
+
+# n, T, Hq, Hkv, D, Dv, window, softcap
+SINK_CASES = [
+    (1, 1, 3, 1, 32, 32, 0, 0.0),
+    (3, 70, 6, 2, 64, 64, 0, 0.0),
+    (7, 133, 5, 5, 40, 24, 0, 30.0),       # Dv != D, odd dims (tails past the 8-lane loops)
+    (7, 150, 9, 3, 64, 64, 48, 0.0),       # sliding window (gpt-oss's even layers)
+    (3, 90, 6, 3, 64, 64, 17, 20.0),       # window and softcap
+]
+
+
+def _sink_inputs(n, T, Hq, Hkv, D, Dv, seed):
+    rng = np.random.default_rng(seed)
+    q, k, v = rnd(rng, n, Hq, D), rnd(rng, T, Hkv, D), rnd(rng, T, Hkv, Dv)
+    q_pos = np.sort(rng.choice(np.arange(T), n, replace=False)).astype(np.int32)
+    q_pos[-1] = T - 1
+    kv_pos = np.arange(T, dtype=np.int32)
+    # sinks from well below to well above the scores: both branches of m = max(scores, sink)
+    sinks = np.linspace(-6.0, 8.0, Hq).astype(np.float32)
+    return q, k, v, q_pos, kv_pos, sinks
+
+
+@pytest.mark.parametrize("n,T,Hq,Hkv,D,Dv,window,softcap", SINK_CASES)
+def test_attention_sinks_float64(isa, n, T, Hq, Hkv, D, Dv, window, softcap):
+    q, k, v, qp, kp, sk = _sink_inputs(n, T, Hq, Hkv, D, Dv, T + D)
+    scale = 1.0 / math.sqrt(D)
+    ref = attn64(q, k, v, qp, kp, scale, window, softcap, sk)
+    assert np.abs(ref - attn64(q, k, v, qp, kp, scale, window, softcap)).max() > 1e-3  # sinks matter
+    close(N.attention(q, k, v, qp, kp, scale, window, softcap, sinks=sk), ref)
+    close(R.attention(q, k, v, qp, kp, scale, window, softcap, sinks=sk), ref)
+    # f16 rows: the values the cache holds
+    k16, v16 = k.astype(np.float16), v.astype(np.float16)
+    ref16 = attn64(q, k16, v16, qp, kp, scale, window, softcap, sk)
+    close(N.attention(q, k16, v16, qp, kp, scale, window, softcap, sinks=sk), ref16)
+    # kv cache rows (f32, f16): llama.cpp's loop with the sink after the keys
+    for t, kk, vv, r in ((kq.F32, k, v, ref), (kq.F16, k16, v16, None)):
+        kr, vr = kq.quantize_ref(t, kk), kq.quantize_ref(t, vv)
+        if r is None:  # f16 K: q read as f16, as llama.cpp
+            r = attn64(q.astype(np.float16), k16, v16, qp, kp, scale, window, softcap, sk)
+        close(NV.attention_kvq(q, kr, vr, qp, kp, scale, window, softcap, t, t, sinks=sk), r)
+        close(R.attention_kvq(q, kr, vr, qp, kp, scale, window, softcap, t, t, sinks=sk), r)
+
+
+@pytest.mark.parametrize("n,T,Hq,Hkv,D,Dv,window,softcap",
+                         [c for c in SINK_CASES if c[1] > 1 and c[4] % 32 == 0 and c[5] % 32 == 0])
+def test_attention_kvq_quantized_sinks(isa, n, T, Hq, Hkv, D, Dv, window, softcap):
+    # q8_0 / q4_0 K and V: the native loop against the numpy reference of llama.cpp's scores
+    # (float64 softmax), and the float64 recomputation over the dequantized rows with q in q8_0
+    q, k, v, qp, kp, sk = _sink_inputs(n, T, Hq, Hkv, D, Dv, 3 * T)
+    scale = 1.0 / math.sqrt(D)
+    for tk, tv in ((kq.Q8_0, kq.Q8_0), (kq.Q4_0, kq.Q8_0), (kq.Q8_0, kq.F16)):
+        kr, vr = kq.quantize_ref(tk, k), kq.quantize_ref(tv, v)
+        got = NV.attention_kvq(q, kr, vr, qp, kp, scale, window, softcap, tk, tv, sinks=sk)
+        close(got, R.attention_kvq(q, kr, vr, qp, kp, scale, window, softcap, tk, tv, sinks=sk))
+        qr = kq.dequantize_ref(kq.Q8_0, kq.quantize_ref(kq.Q8_0, q), D)
+        r64 = attn64(qr, kq.dequantize_ref(tk, kr, D), kq.dequantize_ref(tv, vr, Dv), qp, kp, scale,
+                     window, softcap, sk)
+        close(got, r64, 1e-4)
+
+
+def test_sinks_none_is_todays_bits(isa):
+    q, k, v, qp, kp, _ = _sink_inputs(5, 80, 6, 2, 64, 64, 9)
+    for args in ((0.125,), (0.125, 20, 30.0)):
+        a = N.attention(q, k, v, qp, kp, *args)
+        np.testing.assert_array_equal(N.attention(q, k, v, qp, kp, *args, sinks=None), a)
+        b = R.attention(q, k, v, qp, kp, *args)
+        np.testing.assert_array_equal(R.attention(q, k, v, qp, kp, *args, sinks=None), b)
+    for t in (kq.F16, kq.Q8_0):
+        kr, vr = kq.quantize_ref(t, k), kq.quantize_ref(t, v)
+        a = NV.attention_kvq(q, kr, vr, qp, kp, 0.125, 0, 0.0, t, t)
+        np.testing.assert_array_equal(NV.attention_kvq(q, kr, vr, qp, kp, 0.125, 0, 0.0, t, t, sinks=None), a)
+
+
+def test_sink_by_hand(isa):
+    # one visible key with score s and V = 1: the output is e^s / (e^s + e^sink) = sigmoid(s -
+    # sink); the sink is taken as given (scale and softcap touch only the score)
+    q = np.full((1, 2, 8), 0.5, np.float32)
+    k = np.ones((1, 1, 8), np.float32)
+    v = np.ones((1, 1, 8), np.float32)
+    sinks = np.array([0.3, -1.0], np.float32)
+    p0 = np.zeros(1, np.int32)
+    for scale, cap in ((1.0, 0.0), (0.25, 0.0), (1.0, 2.0)):
+        s = 4.0 * scale
+        s = cap * math.tanh(s / cap) if cap else s
+        want = [1.0 / (1.0 + math.exp(float(sk) - s)) for sk in sinks]
+        for got in (N.attention(q, k, v, p0, p0, scale, 0, cap, sinks=sinks),
+                    R.attention(q, k, v, p0, p0, scale, 0, cap, sinks=sinks)):
+            np.testing.assert_allclose(got[0, :, 0], want, rtol=1e-6)
+    # no visible key: zeros, with or without a sink
+    got = N.attention(q, k, v, p0, np.array([1], np.int32), 1.0, sinks=sinks)
+    assert not got.any()
+
+
+@pytest.mark.parametrize("cache", ["f16", "q8_0"])
+def test_batchkv_attend_sinks(isa, cache):
+    # the engine's path: SeqKV blocks (paged pool), two forwards (a prompt, then one token),
+    # native and numpy backends against the float64 recomputation over the rows given (f16:
+    # the values stored; q8_0: within its quantization, rotation and all)
+    rng = np.random.default_rng(11)
+    Hq, Hkv, D = 6, 2, 64
+    sinks = rng.uniform(-3, 3, Hq).astype(np.float32)
+    outs = {}
+    for name, ops in (("native", NV), ("numpy", R)):
+        rng = np.random.default_rng(12)
+        cache_kv = SeqKV.new(1, 96, Hkv, D, cache_type=cache)
+        ks, vs, res = [], [], []
+        for n in (37, 1):
+            q, k, v = rnd(rng, n, Hq, D), rnd(rng, n, Hkv, D), rnd(rng, n, Hkv, D)
+            ks.append(k)
+            vs.append(v)
+            view = cache_kv.view(n)
+            o = view.attend(0, ops, q.copy(), k, v, None, 0.125, 0, 0.0, sinks=sinks)
+            o0 = view.attend(0, ops, q.copy(), k, v, None, 0.125, 0, 0.0)  # rewrite: same rows
+            assert np.abs(o - o0).max() > 1e-3
+            cache_kv.advance(n)
+            K, V = np.concatenate(ks), np.concatenate(vs)
+            T = K.shape[0]
+            qq = q.astype(np.float16).astype(np.float32) if cache == "f16" else q
+            if cache == "f16":
+                K, V = K.astype(np.float16), V.astype(np.float16)
+            ref = attn64(qq, K, V, np.arange(T - n, T, dtype=np.int32), np.arange(T, dtype=np.int32),
+                         0.125, 0, 0.0, sinks)
+            close(o, ref, TOL if cache != "q8_0" else 3e-2)
+            res.append(o)
+        outs[name] = res
+        cache_kv.close()
+    for a, b in zip(outs["native"], outs["numpy"]):
+        close(a, b.astype(np.float64), TOL if cache == "f16" else 1e-4)
+
+
+def test_attention_paged_sinks_identity_table_is_contiguous(isa):
+    # the paged kernel with an identity table gives the contiguous kernel's bits, sinks too;
+    # a bad sinks length is an error
+    q, k, v, qp, kp, sk = _sink_inputs(5, 64, 6, 2, 32, 32, 21)
+    out = np.empty((5, 6, 32), np.float32)
+    tables = np.arange(2, dtype=np.int32)
+    N.attention_paged(q.copy(), k, v, 0, qp, np.zeros(5, np.int32), tables, 32, 0.2, 0, 0.0, out, sinks=sk)
+    np.testing.assert_array_equal(out, N.attention(q, k, v, qp, kp, 0.2, sinks=sk))
+    out2 = np.empty_like(out)
+    N.attention_paged(q.copy(), k, v, 0, qp, np.zeros(5, np.int32), tables, 32, 0.2, 0, 0.0, out2, sk)
+    np.testing.assert_array_equal(out2, out)
+    with pytest.raises(ValueError, match="sinks"):
+        N.attention_paged(q.copy(), k, v, 0, qp, np.zeros(5, np.int32), tables, 32, 0.2, 0, 0.0, out,
+                          sinks=sk[:3])
+    with pytest.raises(ValueError, match="sinks"):
+        N.attention(q, k, v, qp, kp, 0.2, sinks=sk[:5])
+    with pytest.raises(TypeError):
+        N.attention_paged(q.copy(), k, v, 0, qp, np.zeros(5, np.int32), tables, 32, 0.2, 0, 0.0, out,
+                          sink=sk)
+
+

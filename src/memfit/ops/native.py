@@ -162,19 +162,23 @@ if hasattr(_native, "moe_ffn"):
 
 
 def attention_kvq(q, k, v, q_pos, kv_pos, scale, window=0, softcap=0.0, type_k=1, type_v=1,
-                  table=None, out=None, q_tab=None, bs=32):
-    """ops.attention over K/V rows in KV cache types (csrc/kv_quant.c; see ops/__init__)."""
+                  table=None, out=None, q_tab=None, bs=32, sinks=None):
+    """ops.attention over K/V rows in KV cache types (csrc/kv_quant.c; see ops/__init__);
+    sinks f32[Hq] enter after the keys, as in ggml's flash attention."""
     if out is None:
         out = np.empty((q.shape[0], q.shape[1], _dv(v, type_v)), np.float32)
     q_pos = np.ascontiguousarray(q_pos, np.int32)
+    if sinks is not None:
+        sinks = np.ascontiguousarray(sinks, np.float32)
     if q_tab is not None:  # paged, the engine's addressing (kv/view.py)
         return _native.attention_paged_kvq(q, k, v, int(type_k), int(type_v), q_pos,
                                            np.ascontiguousarray(q_tab, np.int32),
                                            np.ascontiguousarray(table, np.int32), int(bs),
-                                           float(scale), int(window), float(softcap), out)
+                                           float(scale), int(window), float(softcap), out, sinks)
     return _native.attention_kvq(q, k, v, q_pos, np.ascontiguousarray(kv_pos, np.int32),
                                  float(scale), int(window), float(softcap), int(type_k), int(type_v),
-                                 None if table is None else np.ascontiguousarray(table, np.int32), out)
+                                 None if table is None else np.ascontiguousarray(table, np.int32), out,
+                                 sinks)
 
 
 def _dv(v, t: int) -> int:
@@ -188,6 +192,9 @@ decode_layer = _native.decode_layer
 
 # Batches of decode rows through one layer over a paged KV pool; attention and KV stores over
 # such a pool (csrc/decode.c, csrc/bind_kv.c). kv/view.py BatchKV uses them.
+# attention_paged(q, K, V, kv_type, q_pos, q_tab, tables, bs, scale, window, softcap, out,
+#                 sinks=None); the fused decode layers have no sinks (a model with them attends
+#                 through BatchKV.attend).
 decode_batch = _native.decode_batch
 attention_paged = _native.attention_paged
 kv_store = _native.kv_store

@@ -111,8 +111,9 @@ def gelu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
               kv_pos: np.ndarray, scale: float, window: int = 0,
-              softcap: float = 0.0) -> np.ndarray:
-    # q[n, Hq, D], k[T, Hkv, D], v[T, Hkv, Dv] -> [n, Hq, Dv]; q head h uses kv head h // G
+              softcap: float = 0.0, sinks: np.ndarray | None = None) -> np.ndarray:
+    # q[n, Hq, D], k[T, Hkv, D], v[T, Hkv, Dv] -> [n, Hq, Dv]; q head h uses kv head h // G;
+    # sinks f32[Hq]: one more logit per q head in the softmax denominator (no value row)
     n, hq, d = q.shape
     t, hkv, dv = v.shape
     g = hq // hkv
@@ -129,7 +130,15 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
     if window > 0:
         allowed &= (qp - kp) < window   # llama.cpp: masked when q_pos - kv_pos >= n_swa
     s = np.where(allowed[None, None], s, np.float32(-np.inf))
-    p = softmax(s).reshape(hkv, g * n, t)
+    if sinks is None:
+        p = softmax(s).reshape(hkv, g * n, t)
+    else:
+        # max over the scores and the sink (neither scaled nor capped), as ggml's soft_max
+        sk = np.asarray(sinks, dtype=np.float32).reshape(hkv, g, 1, 1)
+        m = np.maximum(np.max(s, axis=-1, keepdims=True), sk)
+        e = np.exp(s - m)
+        p = (e / (np.sum(e, axis=-1, keepdims=True) + np.exp(sk - m)))
+        p = p.astype(np.float32, copy=False).reshape(hkv, g * n, t)
     o = p @ v.transpose(1, 0, 2)                                      # [Hkv, G*n, Dv]
     return np.ascontiguousarray(o.reshape(hkv, g, n, dv).transpose(2, 0, 1, 3).reshape(n, hq, dv),
                                 dtype=np.float32)
@@ -138,15 +147,17 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
 def attention_kvq(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
                   kv_pos: np.ndarray, scale: float, window: int = 0, softcap: float = 0.0,
                   type_k: int = 1, type_v: int = 1, table=None, out=None, q_tab=None,
-                  bs: int = 32) -> np.ndarray:
+                  bs: int = 32, sinks: np.ndarray | None = None) -> np.ndarray:
     """attention over K/V rows in KV cache types (uint8 rows [..., Hkv, row_bytes], contiguous
-    or a paged pool with a block table): llama.cpp's scores (kv/quant.py), float64 softmax."""
+    or a paged pool with a block table): llama.cpp's scores (kv/quant.py), float64 softmax
+    (sinks as in attention)."""
     from ..kv.quant import attention_paged_ref, attention_ref
     if q_tab is not None:
         r = attention_paged_ref(q, k, v, q_pos, q_tab, table, bs, scale, window, softcap,
-                                type_k, type_v)
+                                type_k, type_v, sinks=sinks)
     else:
-        r = attention_ref(q, k, v, q_pos, kv_pos, scale, window, softcap, type_k, type_v, table)
+        r = attention_ref(q, k, v, q_pos, kv_pos, scale, window, softcap, type_k, type_v, table,
+                          sinks=sinks)
     if out is None:
         return r
     out[...] = r
