@@ -374,6 +374,38 @@ done:
     return NULL;
 }
 
+/* ---- swiglu_oai(gate, up, alpha=1.702, limit=7.0, out=None) ----------------------------- */
+
+static PyObject *py_swiglu_oai(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kw) {
+    static const char *const names[] = {"gate", "up", "alpha", "limit", "out"};
+    const char *fn = "swiglu_oai";
+    PyObject *a[5], *res = NULL;
+    bufs bs = {.n = 0};
+    double alpha = 1.702, limit = 7.0;
+    if (parse_args(fn, args, nargs, kw, names, 2, 5, a) < 0) return NULL;
+    if ((a[2] && get_double(a[2], fn, "alpha", &alpha) < 0) || (a[3] && get_double(a[3], fn, "limit", &limit) < 0))
+        return NULL;
+    Py_buffer *g = get_buf(&bs, a[0], fn, "gate", 'f', 0, 1, 64), *u, *o;
+    if (!g) goto done;
+    if (!(u = get_buf(&bs, a[1], fn, "up", 'f', 0, 1, 64))) goto done;
+    if (check_same(g, u, fn, "gate", "up") < 0) goto done;
+    if (!(o = get_out(&bs, a[4], fn, g->ndim, g->shape, &res))) goto done;
+    {
+        const float *gp = g->buf, *up = u->buf;
+        float *op = o->buf;
+        const int64_t n = numel(g);
+        Py_BEGIN_ALLOW_THREADS
+        mf_swiglu_oai_f32(gp, up, op, n, (float)alpha, (float)limit);
+        Py_END_ALLOW_THREADS
+    }
+    release(&bs);
+    return res;
+done:
+    release(&bs);
+    Py_XDECREF(res);
+    return NULL;
+}
+
 static PyObject *py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kw) {
     return gated("silu_mul", 0, args, nargs, kw);
 }
@@ -565,6 +597,9 @@ PyMethodDef mf_ops_methods[] = {
      "silu_mul(gate f32, up f32 (same shape), out=None) -> silu(gate) * up"},
     {"gelu_mul", (PyCFunction)(void (*)(void))py_gelu_mul, FC,
      "gelu_mul(gate f32, up f32 (same shape), out=None) -> gelu_tanh(gate) * up"},
+    {"swiglu_oai", (PyCFunction)(void (*)(void))py_swiglu_oai, FC,
+     "swiglu_oai(gate f32, up f32 (same shape), alpha=1.702, limit=7.0, out=None) -> gpt-oss's clamped SwiGLU: "
+     "x = min(gate, limit), y = clip(up, -limit, limit), x / (1 + exp(-alpha x)) * (y + 1). out may be gate."},
     {"fwht", (PyCFunction)(void (*)(void))py_fwht, FC,
      "fwht(x f32, n, scale, out=None) -> each row of n values (a power of two) scaled, then times "
      "the Sylvester Walsh-Hadamard matrix (butterflies; a row's bits never depend on the others)"},

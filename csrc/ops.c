@@ -1,4 +1,5 @@
-/* Forward-pass kernels: rmsnorm, rope, softmax, gated activations, attention.
+/* Forward-pass kernels: rmsnorm, rope (+ YaRN), softmax, gated activations (silu, gelu,
+ * swiglu_oai), attention (+ sinks).
  * Each has a portable scalar path and an AVX2+FMA path chosen at run time through mf_isa
  * (the AVX-512 machines run the AVX2 path: these ops are a small share of a forward). */
 #include "memfit.h"
@@ -291,12 +292,23 @@ void mf_softmax_f32(const float *x, float *out, int64_t rows, int64_t k) {
 #define GELU_C 0.7978845608028654f
 #define GELU_A 0.044715f
 
+enum { ACT_SILU = 0, ACT_GELU = 1, ACT_SWIGLU_OAI = 2 };
+
 typedef struct {
     const float *g, *u;
     float *out;
     int64_t n;
-    int gelu;
+    int gelu; /* ACT_* */
+    float alpha, limit; /* ACT_SWIGLU_OAI */
 } gate_ctx;
+
+static void swiglu_oai_scalar(const float *g, const float *u, float *y, int64_t n, float alpha, float limit) {
+    for (int64_t j = 0; j < n; j++) {
+        const float x = limit < g[j] ? limit : g[j]; /* std::min and std::clamp: NaN stays NaN */
+        const float c = u[j] < -limit ? -limit : limit < u[j] ? limit : u[j];
+        y[j] = x / (1.0f + expf(alpha * -x)) * (c + 1.0f);
+    }
+}
 
 static void gate_scalar(const float *g, const float *u, float *y, int64_t n, int gelu) {
     if (gelu) {
@@ -333,6 +345,21 @@ MF_AVX2 static void gate_avx2(const float *g, const float *u, float *y, int64_t 
     }
     gate_scalar(g + j, u + j, y + j, n - j, gelu);
 }
+
+/* min_ps / max_ps return their second operand on NaN: with the input second, a NaN gate or up
+ * stays NaN, as in the scalar form */
+MF_AVX2 static void swiglu_oai_avx2(const float *g, const float *u, float *y, int64_t n, float alpha, float limit) {
+    const __m256 one = _mm256_set1_ps(1.0f), na = _mm256_set1_ps(-alpha);
+    const __m256 hi = _mm256_set1_ps(limit), lo = _mm256_set1_ps(-limit);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 x = _mm256_min_ps(hi, _mm256_loadu_ps(g + j));
+        const __m256 c = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_loadu_ps(u + j)));
+        const __m256 glu = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_mul_ps(na, x))));
+        _mm256_storeu_ps(y + j, _mm256_mul_ps(glu, _mm256_add_ps(c, one)));
+    }
+    swiglu_oai_scalar(g + j, u + j, y + j, n - j, alpha, limit);
+}
 #endif
 
 static void gate_task(void *p, int64_t ci) {
@@ -340,20 +367,30 @@ static void gate_task(void *p, int64_t ci) {
     const int64_t j0 = ci * CHUNK, len = c->n - j0 < CHUNK ? c->n - j0 : CHUNK;
 #ifdef MF_X86
     if (use_avx2()) {
-        gate_avx2(c->g + j0, c->u + j0, c->out + j0, len, c->gelu);
+        if (c->gelu == ACT_SWIGLU_OAI) swiglu_oai_avx2(c->g + j0, c->u + j0, c->out + j0, len, c->alpha, c->limit);
+        else gate_avx2(c->g + j0, c->u + j0, c->out + j0, len, c->gelu);
         return;
     }
 #endif
-    gate_scalar(c->g + j0, c->u + j0, c->out + j0, len, c->gelu);
+    if (c->gelu == ACT_SWIGLU_OAI) swiglu_oai_scalar(c->g + j0, c->u + j0, c->out + j0, len, c->alpha, c->limit);
+    else gate_scalar(c->g + j0, c->u + j0, c->out + j0, len, c->gelu);
 }
 
-static void gate_run(const float *g, const float *u, float *out, int64_t n, int gelu) {
-    gate_ctx c = {g, u, out, n, gelu};
+static void gate_run_ex(const float *g, const float *u, float *out, int64_t n, int act, float alpha, float limit) {
+    gate_ctx c = {g, u, out, n, act, alpha, limit};
     const int64_t chunks = (n + CHUNK - 1) / CHUNK;
     if (n >= PAR_MIN)
         mf_parallel_for(chunks, gate_task, &c);
     else
         for (int64_t i = 0; i < chunks; i++) gate_task(&c, i);
+}
+
+static void gate_run(const float *g, const float *u, float *out, int64_t n, int gelu) {
+    gate_run_ex(g, u, out, n, gelu, 0.0f, 0.0f);
+}
+
+void mf_swiglu_oai_f32(const float *g, const float *u, float *out, int64_t n, float alpha, float limit) {
+    gate_run_ex(g, u, out, n, ACT_SWIGLU_OAI, alpha, limit);
 }
 
 void mf_silu_mul_f32(const float *g, const float *u, float *out, int64_t n) { gate_run(g, u, out, n, 0); }

@@ -37,6 +37,9 @@ void mf_softmax_f32(const float *x, float *out, int64_t rows, int64_t k);
 void mf_silu_mul_f32(const float *g, const float *u, float *out, int64_t n);
 void mf_fwht_f32(const float *x, float *out, int64_t rows, int64_t n, float scale);
 void mf_gelu_mul_f32(const float *g, const float *u, float *out, int64_t n);
+/* gpt-oss's clamped SwiGLU (ggml's swiglu_oai): x = min(g, limit), y = clamp(u, -limit, limit),
+ * out = x / (1 + exp(-alpha x)) * (y + 1). */
+void mf_swiglu_oai_f32(const float *g, const float *u, float *out, int64_t n, float alpha, float limit);
 
 /* out[i] = float16 bits of x[i] (round to nearest even, IEEE overflow/subnormals), as numpy's
  * x.astype(float16). */

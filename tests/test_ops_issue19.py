@@ -324,3 +324,186 @@ def test_attention_paged_sinks_identity_table_is_contiguous(isa):
                           sink=sk)
 
 
+# ------------------------------------------------------------------------------ swiglu_oai
+
+def swiglu64(g, u, alpha=1.702, limit=7.0):
+    x = np.minimum(g.astype(np.float64), limit)
+    y = np.clip(u.astype(np.float64), -limit, limit)
+    return x / (1.0 + np.exp(-alpha * x)) * (y + 1.0)
+
+
+@pytest.mark.parametrize("shape", [(1,), (7,), (3, 33), (5, 2880), (70001,)])
+def test_swiglu_oai_float64(isa, shape):
+    rng = np.random.default_rng(len(shape) + shape[-1])
+    g, u = rnd(rng, *shape, s=6.0), rnd(rng, *shape, s=6.0)  # both clamps in play
+    assert (g > 7).any() or g.size < 8
+    for alpha, limit in ((1.702, 7.0), (1.0, 3.0)):
+        ref = swiglu64(g, u, alpha, limit)
+        close(N.swiglu_oai(g, u, alpha, limit), ref)
+        close(R.swiglu_oai(g, u, alpha, limit), ref)
+    ref = swiglu64(g, u)
+    close(N.swiglu_oai(g, u), ref)
+    gg = g.copy()
+    assert N.swiglu_oai(gg, u, out=gg) is gg  # in place into gate, as the FFN scratch
+    close(gg, ref)
+    out = np.empty_like(g)
+    assert R.swiglu_oai(g, u, out=out) is out
+    close(out, ref)
+
+
+def test_swiglu_oai_edges(isa):
+    g = np.array([-200.0, -50.0, 0.0, 7.0, 7.5, 1e30, np.nan, 1.0, 2.0], np.float32)
+    u = np.array([0.0, 1.0, -9.0, 9.0, -7.0, 2.0, 1.0, np.nan, -1.0], np.float32)
+    got = N.swiglu_oai(g, u)
+    with np.errstate(over="ignore"):
+        ref = swiglu64(g, u)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
+    ok = ~np.isnan(ref)
+    np.testing.assert_allclose(got[ok], ref[ok], rtol=2e-6, atol=1e-30)
+    np.testing.assert_array_equal(np.isnan(R.swiglu_oai(g, u)), np.isnan(ref))
+
+
+# ------------------------------------------------------------- moe_ffn: act id and biases
+
+def _qt(name, tname, shape, rng):
+    t = BY_NAME[tname]
+    return QTensor(name, t, shape, random_weight(t, shape, rng, scale=0.1).reshape(-1))
+
+
+def _act_np(g, u, act):
+    return (R.silu_mul, R.gelu_mul, R.swiglu_oai)[act](g, u)
+
+
+def _act64(g, u, act):
+    if act == 2:
+        return swiglu64(g, u)
+    if act == 1:
+        return 0.5 * g * (1.0 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3))) * u
+    return g / (1.0 + np.exp(-g)) * u
+
+
+def _xr(x, t, isa):
+    # the activations the kernel dots with (tests/test_native_quant.py _xref)
+    if isa == "scalar" or t.block_size == 1:
+        return x.astype(np.float64)
+    return round_activations(x.astype(np.float32), 256 if t.block_size == 256 else 32).astype(np.float64)
+
+
+def _moe_setup(tg, td, n_embd, n_ff, n, G, k, seed):
+    rng = np.random.default_rng(seed)
+    mats = [(_qt("g", tg, (n_ff, n_embd), rng), _qt("u", tg, (n_ff, n_embd), rng),
+             _qt("d", td, (n_embd, n_ff), rng)) for _ in range(G)]
+    biases = [(rnd(rng, n_ff, s=0.5), rnd(rng, n_ff, s=0.5), rnd(rng, n_embd, s=0.5)) for _ in range(G)]
+    biases[1 % G] = (None, biases[1 % G][1], None)  # a group without some biases
+    x = rnd(rng, n, n_embd)
+    # each row picks k of the G groups; groups in index order, rows ascending within one
+    sel = np.stack([rng.choice(G, k, replace=False) for _ in range(n)])
+    w = rng.random((n, k)).astype(np.float32)
+    order = np.argsort(sel.reshape(-1), kind="stable")
+    rows, wts = order // k, np.ascontiguousarray(w.reshape(-1)[order])
+    off = np.concatenate([[0], np.cumsum(np.bincount(sel.reshape(-1), minlength=G))]).astype(np.int64)
+    return mats, biases, x, off, rows.astype(np.int64), wts
+
+
+def _moe_ops(x, mats, biases, off, rows, wts, act, rowwise):
+    # the same sums op by op on the native backend: kernels and order of the fused call
+    out = np.zeros_like(x)
+    for g, (wg, wu, wd) in enumerate(mats):
+        r, s = rows[off[g]:off[g + 1]], wts[off[g]:off[g + 1]]
+        if r.size == 0:
+            continue
+        xg = np.ascontiguousarray(x[r])
+        gg, uu = NV.matmul_multi(xg, [wg, wu], rowwise=rowwise)
+        bg, bu, bd = biases[g] if biases is not None else (None, None, None)
+        if bg is not None:
+            gg = gg + bg
+        if bu is not None:
+            uu = uu + bu
+        h = (NV.silu_mul, NV.gelu_mul, NV.swiglu_oai)[act](gg, uu)
+        y = NV.matmul(h, wd, rowwise=rowwise)
+        if bd is not None:
+            y = y + bd
+        for i, row in enumerate(r):
+            out[row] += s[i] * y[i]
+    return out
+
+
+def _moe64(x, mats, biases, off, rows, wts, act, isa):
+    out = np.zeros(x.shape)
+    for g, (wg, wu, wd) in enumerate(mats):
+        r, s = rows[off[g]:off[g + 1]], wts[off[g]:off[g + 1]]
+        if r.size == 0:
+            continue
+        xg = _xr(x[r], wg.type, isa)
+        gg, uu = xg @ deq(wg).T.astype(np.float64), xg @ deq(wu).T.astype(np.float64)
+        bg, bu, bd = biases[g]
+        gg = gg + (0 if bg is None else bg)
+        uu = uu + (0 if bu is None else bu)
+        h = _act64(gg, uu, act)
+        y = _xr(h.astype(np.float32), wd.type, isa) @ deq(wd).T.astype(np.float64)
+        y = y + (0 if bd is None else bd)
+        np.add.at(out, r, s[:, None].astype(np.float64) * y)
+    return out
+
+
+# gate/up type, down type, n_embd, n_ff: gpt-oss ships MXFP4 experts (2880 = 90 blocks of 32)
+MOE = [("MXFP4", "MXFP4", 96, 160), ("Q8_0", "Q4_0", 64, 96), ("F16", "F16", 48, 40),
+       ("Q4_K", "Q6_K", 256, 512)]
+
+
+@pytest.mark.parametrize("tg,td,n_embd,n_ff", MOE)
+@pytest.mark.parametrize("act", [0, 1, 2])
+def test_moe_ffn_act_biases(isa, tg, td, n_embd, n_ff, act):
+    for n, rowwise in ((1, True), (3, True), (7, False), (13, False)):
+        mats, biases, x, off, rows, wts = _moe_setup(tg, td, n_embd, n_ff, n, 5, min(3, n + 2), n + act)
+        got = NV.moe_ffn(x, mats, off, rows, wts, act, np.zeros_like(x), rowwise=rowwise, biases=biases)
+        np.testing.assert_array_equal(got, _moe_ops(x, mats, biases, off, rows, wts, act, rowwise))
+        close(got, _moe64(x, mats, biases, off, rows, wts, act, isa), 1e-5)
+        if n == 7:  # the other kernel family: the same sums within float32
+            other = NV.moe_ffn(x, mats, off, rows, wts, act, np.zeros_like(x), rowwise=True, biases=biases)
+            close(other, got.astype(np.float64), 1e-5)
+
+
+def test_moe_ffn_old_arguments_keep_their_bits(isa):
+    mats, _, x, off, rows, wts = _moe_setup("Q8_0", "Q8_0", 64, 96, 9, 4, 2, 3)
+    for gelu in (False, True):
+        for rowwise in (False, True):
+            a = NV.moe_ffn(x, mats, off, rows, wts, gelu, np.zeros_like(x), rowwise=rowwise)
+            np.testing.assert_array_equal(a, _moe_ops(x, mats, None, off, rows, wts, int(gelu), rowwise))
+            for act in (int(gelu), np.bool_(gelu), "gelu" if gelu else "silu"):
+                np.testing.assert_array_equal(
+                    NV.moe_ffn(x, mats, off, rows, wts, act, np.zeros_like(x), rowwise, None), a)
+            # the raw binding's 13-argument form (no decode flag, no biases)
+            if not rowwise:
+                g0, u0, d0 = mats[0]
+                out = np.zeros_like(x)
+                N.moe_ffn(x, 9, 64, 96, g0.type.id, u0.type.id, d0.type.id,
+                          [q.data for m in mats for q in m], off, rows, wts, gelu, out)
+                np.testing.assert_array_equal(out, a)
+
+
+def test_moe_ffn_bias_and_act_errors():
+    mats, biases, x, off, rows, wts = _moe_setup("Q8_0", "Q8_0", 64, 96, 3, 2, 1, 0)
+    out = np.zeros_like(x)
+    with pytest.raises(ValueError, match="activation"):
+        NV.moe_ffn(x, mats, off, rows, wts, 3, out)
+    with pytest.raises(ValueError, match="activation"):
+        NV.moe_ffn(x, mats, off, rows, wts, "relu", out)
+    bad = [(b[0], b[1], b[2]) for b in biases]
+    bad[0] = (biases[0][0][:10], None, None)
+    with pytest.raises(ValueError, match="bias 0 has 10 values, needs 96"):
+        NV.moe_ffn(x, mats, off, rows, wts, 2, out, biases=bad)
+    bad[0] = (None, None, np.zeros(96, np.float32))
+    with pytest.raises(ValueError, match="needs 64"):
+        NV.moe_ffn(x, mats, off, rows, wts, 2, out, biases=bad)
+    g0, u0, d0 = mats[0]
+    args = (x, 3, 64, 96, g0.type.id, u0.type.id, d0.type.id, [q.data for m in mats for q in m], off,
+            rows, wts, 2, out, False)
+    with pytest.raises(ValueError, match="per group"):
+        N.moe_ffn(*args, [None] * 5)
+    with pytest.raises(TypeError, match="float32"):
+        N.moe_ffn(*args, [np.zeros(96, np.float64)] + [None] * 5)
+    N.moe_ffn(*args, None)  # None: no biases
+    N.moe_ffn(*args, [None] * 6)
+
+

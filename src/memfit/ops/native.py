@@ -144,20 +144,45 @@ rope = _pick("rope")
 softmax = _pick("softmax")
 silu_mul = _pick("silu_mul")
 gelu_mul = _pick("gelu_mul")
+swiglu_oai = _pick("swiglu_oai")
 attention = _pick("attention")
+
+# moe_ffn activations: 0 silu, 1 gelu (the bool of before: gelu or not), 2 swiglu_oai
+MOE_ACTS = {"silu": 0, "gelu": 1, "swiglu_oai": 2}
+
+
+def _moe_act(act) -> int:
+    if isinstance(act, str):
+        a = MOE_ACTS.get(act, -1)
+    elif isinstance(act, (bool, np.bool_)):
+        a = int(bool(act))
+    else:
+        a = int(act)
+    if a not in (0, 1, 2):
+        raise ValueError(f"moe_ffn: activation {act!r} is not one of {sorted(MOE_ACTS)} (0, 1, 2)")
+    return a
+
 
 if hasattr(_native, "moe_ffn"):
     def moe_ffn(x: np.ndarray, mats, off: np.ndarray, rows: np.ndarray, wts: np.ndarray,
-                gelu: bool, out: np.ndarray, rowwise: bool = False) -> np.ndarray:
+                act, out: np.ndarray, rowwise: bool = False, biases=None) -> np.ndarray:
         """The routed experts of one layer in one native call (csrc/moe.c): for expert group g
         (mats[g] = its gate, up, down QTensors), rows[off[g]:off[g+1]] of x[n, n_embd] get
-        out[row] += wts[i] * down(act(gate x) * up x); groups in the order given; rowwise: the
-        decode kernels (as matmul)."""
+        out[row] += wts[i] * (down(act(gate x + bg, up x + bu)) + bd); groups in the order
+        given; rowwise: the decode kernels (as matmul). act: 0 / 'silu', 1 / 'gelu', 2 /
+        'swiglu_oai' (gpt-oss: alpha 1.702, limit 7.0); a bool reads as gelu or not (the
+        argument of before). biases: None, or per group a (gate f32[n_ff] | None, up f32[n_ff]
+        | None, down f32[n_embd] | None) triple (llama.cpp's ffn_*_exps.bias rows)."""
         g0, u0, d0 = mats[0]
         n_ff, n_embd = g0.shape
         assert x.dtype == np.float32 and x.flags.c_contiguous and out.shape == x.shape
-        _native.moe_ffn(x, x.shape[0], n_embd, n_ff, g0.type.id, u0.type.id, d0.type.id,
-                        [q.data for m in mats for q in m], off, rows, wts, gelu, out, bool(rowwise))
+        args = [x, x.shape[0], n_embd, n_ff, g0.type.id, u0.type.id, d0.type.id,
+                [q.data for m in mats for q in m], off, rows, wts, _moe_act(act), out, bool(rowwise)]
+        if biases is not None:
+            assert len(biases) == len(mats), (len(biases), len(mats))
+            args.append([None if b is None else np.ascontiguousarray(b, np.float32)
+                         for trip in biases for b in trip])
+        _native.moe_ffn(*args)
         return out
 
 

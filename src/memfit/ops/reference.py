@@ -109,6 +109,19 @@ def gelu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return (g * up).astype(np.float32, copy=False)
 
 
+def swiglu_oai(gate: np.ndarray, up: np.ndarray, alpha: float = 1.702, limit: float = 7.0,
+               out: np.ndarray | None = None) -> np.ndarray:
+    # gpt-oss's clamped SwiGLU (ggml's swiglu_oai): the gate capped above, up clipped both ways
+    x = np.minimum(gate, np.float32(limit))
+    y = np.clip(up, np.float32(-limit), np.float32(limit))
+    with np.errstate(over="ignore"):   # exp overflow -> inf -> x / inf = -0, as expf
+        r = x / (np.float32(1) + np.exp(np.float32(-alpha) * x)) * (y + np.float32(1))
+    if out is None:
+        return r.astype(np.float32, copy=False)
+    out[...] = r
+    return out
+
+
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
               kv_pos: np.ndarray, scale: float, window: int = 0,
               softcap: float = 0.0, sinks: np.ndarray | None = None) -> np.ndarray:
