@@ -507,3 +507,56 @@ def test_moe_ffn_bias_and_act_errors():
     N.moe_ffn(*args, [None] * 6)
 
 
+# ---------------------------------------------------------------------------- matmul_heads
+
+# (type, cols): MLA's 128 / 512 columns; K-quants only where cols is a multiple of 256
+HEADS = [("F32", 128), ("F16", 512), ("BF16", 128), ("Q8_0", 128), ("Q8_0", 512), ("Q4_0", 128),
+         ("MXFP4", 128), ("Q4_K", 512), ("Q6_K", 512)]
+
+
+@pytest.mark.parametrize("tname,cols", HEADS)
+def test_matmul_heads(isa, tname, cols):
+    t = BY_NAME[tname]
+    rng = np.random.default_rng(cols + t.id)
+    H, rows = 5, 48
+    w = QTensor("k_b", t, (H, rows, cols), random_weight(t, (H * rows, cols), rng).reshape(-1))
+    W = deq(w).astype(np.float64)
+    rb = t.row_bytes(cols)
+    heads = [QTensor(f"k_b.{h}", t, (rows, cols), w.data[h * rows * rb:(h + 1) * rows * rb]) for h in range(H)]
+    for n in (1, 3, 7, 33):
+        x = rnd(rng, n, H, cols)
+        ref = np.stack([_xr(x[:, h], t, isa) @ W[h].T for h in range(H)], axis=1)
+        for rowwise in (None, True, False):
+            y = NV.matmul_heads(x, w, rowwise=rowwise)
+            assert y.shape == (n, H, rows) and y.dtype == np.float32
+            for h in range(H):  # one head as matmul runs it alone, bit for bit
+                np.testing.assert_array_equal(
+                    y[:, h], NV.matmul(np.ascontiguousarray(x[:, h]), heads[h], rowwise=rowwise))
+            close(y, ref, 1e-5)
+        out = np.full((n, H, rows), np.nan, np.float32)
+        assert NV.matmul_heads(x, w, out=out) is out
+        np.testing.assert_array_equal(out, NV.matmul_heads(x, w))
+        plain = np.einsum("nhc,hrc->nhr", x.astype(np.float64), W)
+        close(R.matmul_heads(x, w), plain, 1e-5)
+
+
+def test_matmul_heads_threads_and_errors():
+    rng = np.random.default_rng(3)
+    t = BY_NAME["Q8_0"]
+    H, rows, cols = 3, 20, 128
+    w = QTensor("v_b", t, (H, rows, cols), random_weight(t, (H * rows, cols), rng).reshape(-1))
+    x = rnd(rng, 6, H, cols)
+    a = NV.matmul_heads(x, w, rowwise=False)
+    old = NV.get_threads()
+    try:
+        NV.set_threads(1)
+        np.testing.assert_array_equal(NV.matmul_heads(x, w, rowwise=False), a)
+    finally:
+        NV.set_threads(old)
+    np.testing.assert_array_equal(NV.matmul_heads(x[:0], w), np.zeros((0, H, rows), np.float32))
+    with pytest.raises(AssertionError):
+        NV.matmul_heads(x[:, :2], w)
+    with pytest.raises(ValueError, match="too small"):
+        N.matmul_heads(t.id, w.data[:100], H, rows, cols, x, 6, np.empty((6, H, rows), np.float32), False)
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        N.matmul_heads(t.id, w.data, H, rows, 100, x, 6, np.empty((6, H, rows), np.float32), False)

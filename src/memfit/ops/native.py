@@ -1,8 +1,8 @@
 """The native backend: the ops of memfit.ops over the C extension memfit._native.
 
-matmul and get_rows run the quant kernels (csrc/quant*.c); rmsnorm, rope, softmax, silu_mul,
-gelu_mul and attention come from csrc/ops.c when the extension has them (else the numpy
-reference stands in, so get_ops('native') always works end to end).
+matmul, matmul_heads and get_rows run the quant kernels (csrc/quant*.c); rmsnorm, rope,
+softmax, silu_mul, gelu_mul, swiglu_oai and attention come from csrc/ops.c when the extension
+has them (else the numpy reference stands in, so get_ops('native') always works end to end).
 
 Tolerance. On AVX2 and AVX-512 VNNI the quantized matmul quantizes each activation row to
 8 bits per block as llama.cpp's vec_dot_type does (Q8_0-style per 32 values with an f16-rounded
@@ -98,6 +98,26 @@ def matmul_multi(x: np.ndarray, ws: list[QTensor], outs: list[np.ndarray] | None
     dec = n <= 1 if rowwise is None else rowwise
     (_native.matmul_rows if dec else _native.matmul_multi)(*args)
     return ys
+
+
+def matmul_heads(x: np.ndarray, w: QTensor, rowwise: bool | None = None,
+                 out: np.ndarray | None = None) -> np.ndarray:
+    """x[n, H, cols] -> y[n, H, rows] with y[:, h] = x[:, h] @ W[h]^T, w of numpy shape (H, rows,
+    cols) (one matrix per head, consecutive: DeepSeek MLA's absorbed k_b / v_b). One native call,
+    one pool job over the heads; head h equals matmul(x[:, h], W[h], rowwise=...) bit for bit
+    (rowwise as in matmul)."""
+    H, rows, cols = w.shape
+    if x.dtype != np.float32 or not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+    assert x.ndim == 3 and x.shape[1:] == (H, cols), (x.shape, w.name, w.shape)
+    n = x.shape[0]
+    if out is None:
+        out = np.empty((n, H, rows), dtype=np.float32)
+    assert out.shape == (n, H, rows) and out.dtype == np.float32 and out.flags.c_contiguous
+    _check(w)
+    dec = n <= 1 if rowwise is None else rowwise
+    _native.matmul_heads(w.type.id, w.data, H, rows, cols, x, n, out, bool(dec))
+    return out
 
 
 def get_rows(w: QTensor, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

@@ -32,6 +32,19 @@ def matmul(x: np.ndarray, w: QTensor, rowwise: bool = False) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=np.float32) @ dequant(w).T
 
 
+def matmul_heads(x: np.ndarray, w: QTensor, rowwise: bool | None = None,
+                 out: np.ndarray | None = None) -> np.ndarray:
+    # x[n, H, cols], W(H, rows, cols): y[n, H, rows] with y[:, h] = x[:, h] @ W[h]^T (one
+    # matrix per head: DeepSeek MLA's absorbed projections); rowwise as in matmul
+    H, rows, cols = w.shape
+    assert x.ndim == 3 and x.shape[1:] == (H, cols), (x.shape, w.name, w.shape)
+    y = np.einsum("nhc,hrc->nhr", np.asarray(x, dtype=np.float32), dequant(w)).astype(np.float32)
+    if out is None:
+        return y
+    out[...] = y
+    return out
+
+
 def get_rows(w: QTensor, ids: np.ndarray) -> np.ndarray:
     # W(vocab, dim): gather the raw bytes of the requested rows, dequantize only those
     rows, cols = w.shape
