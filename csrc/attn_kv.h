@@ -8,7 +8,7 @@ static void KV_FN(attn_task_scalar)(const mf_attn_args *a, int64_t i, int64_t h)
     const float *q = a->q + (i * a->Hq + h) * D;
     float *o = a->out + (i * a->Hq + h) * Dv;
     float acc[MF_ATTN_MAX_DIM], s[KB];
-    float m = -INFINITY, l = 0.0f;
+    float m = a->sinks ? a->sinks[h] : -INFINITY, l = a->sinks ? 1.0f : 0.0f; /* the sink: e^(s_h - m) */
     memset(acc, 0, (size_t)Dv * sizeof(float));
     for (int64_t t0 = 0; t0 < a->T; t0 += KB) {
         const int64_t nb = a->T - t0 < KB ? a->T - t0 : KB;
@@ -56,7 +56,7 @@ static void KV_FN(paged_task_scalar)(const mf_paged_args *pa, int64_t i, int64_t
     float *o = pa->out + (i * pa->Hq + h) * Dv;
     float acc[MF_ATTN_MAX_DIM], s[KB];
     int64_t row[KB];
-    float m = -INFINITY, l = 0.0f;
+    float m = pa->sinks ? pa->sinks[h] : -INFINITY, l = pa->sinks ? 1.0f : 0.0f;
     memset(acc, 0, (size_t)Dv * sizeof(float));
     for (int64_t t0 = lo / KB * KB; t0 <= qp; t0 += KB) {
         const int64_t nb = qp + 1 - t0 < KB ? qp + 1 - t0 : KB;
@@ -204,8 +204,8 @@ MF_AVX2 static void KV_FN(attn_task_avx2)(const mf_attn_args *a, int64_t i, int6
     float acc[HG][MF_ATTN_MAX_DIM], s[KB], m[HG], l[HG];
     int32_t idx[KB];
     for (int64_t hh = 0; hh < nh; hh++) {
-        m[hh] = -INFINITY;
-        l[hh] = 0.0f;
+        m[hh] = a->sinks ? a->sinks[h0 + hh] : -INFINITY;
+        l[hh] = a->sinks ? 1.0f : 0.0f;
         memset(acc[hh], 0, (size_t)Dv * sizeof(float));
     }
     for (int64_t t0 = 0; t0 < a->T; t0 += KB) {
@@ -237,8 +237,8 @@ MF_AVX2 static void KV_FN(paged_task_avx2)(const mf_paged_args *pa, const mf_att
     float acc[HG][MF_ATTN_MAX_DIM], s[KB], m[HG], l[HG];
     int32_t idx[KB];
     for (int64_t hh = 0; hh < nh; hh++) {
-        m[hh] = -INFINITY;
-        l[hh] = 0.0f;
+        m[hh] = pa->sinks ? pa->sinks[h0 + hh] : -INFINITY;
+        l[hh] = pa->sinks ? 1.0f : 0.0f;
         memset(acc[hh], 0, (size_t)Dv * sizeof(float));
     }
     for (int64_t t0 = lo / KB * KB; t0 <= qp; t0 += KB) {

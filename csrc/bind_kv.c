@@ -2,7 +2,7 @@
  *
  *   attention_paged(q[n, Hq, D] f32 (rounded in place for the cache type), K, V (pools of
  *                   physical rows), kv_type, q_pos, q_tab, tables (int32), bs, scale, window,
- *                   softcap, out[n, Hq, Dv] f32)
+ *                   softcap, out[n, Hq, Dv] f32, sinks=None (f32 [Hq]))
  *   kv_store(kv_type, pool, rows int32[n], x[n, elems] f32)
  * Shapes are checked here; the kernels trust them. */
 #include "memfit.h"
@@ -27,10 +27,29 @@ static int get(PyObject *o, Py_buffer *b, int writable, char fmt, const char *wh
     return 0;
 }
 
-static PyObject *py_attention_paged(PyObject *self, PyObject *const *a, Py_ssize_t na) {
-    if (na != 12)
+/* sinks: the 13th positional or the keyword `sinks`; None or float32 [Hq] */
+static int sinks_arg(PyObject *const *a, Py_ssize_t na, PyObject *kw, PyObject **sinks) {
+    *sinks = na == 13 ? a[12] : NULL;
+    const Py_ssize_t nkw = kw ? PyTuple_GET_SIZE(kw) : 0;
+    for (Py_ssize_t i = 0; i < nkw; i++) {
+        const char *key = PyUnicode_AsUTF8(PyTuple_GET_ITEM(kw, i));
+        if (!key) return -1;
+        if (strcmp(key, "sinks") != 0 || *sinks) {
+            PyErr_Format(PyExc_TypeError, "attention_paged: unexpected keyword or repeated argument '%s'", key);
+            return -1;
+        }
+        *sinks = a[na + i];
+    }
+    if (*sinks == Py_None) *sinks = NULL;
+    return 0;
+}
+
+static PyObject *py_attention_paged(PyObject *self, PyObject *const *a, Py_ssize_t na, PyObject *kw) {
+    if (na != 12 && na != 13)
         return PyErr_Format(PyExc_TypeError, "attention_paged(q, K, V, kv_type, q_pos, q_tab, tables, bs, scale, "
-                            "window, softcap, out)");
+                            "window, softcap, out, sinks=None)");
+    PyObject *so;
+    if (sinks_arg(a, na, kw, &so) < 0) return NULL;
     Py_buffer b[8];
     int nb = 0;
     const char *bad = NULL;
@@ -38,11 +57,12 @@ static PyObject *py_attention_paged(PyObject *self, PyObject *const *a, Py_ssize
     double scale = PyFloat_AsDouble(a[8]), softcap = PyFloat_AsDouble(a[10]);
     if (PyErr_Occurred()) return NULL;
     static const int idx[8] = {0, 1, 2, 4, 5, 6, 11, -1};
-    static const char fmts[7] = {'f', 'b', 'b', 'i', 'i', 'i', 'f'};
-    static const int wr[7] = {1, 0, 0, 0, 0, 0, 1};
-    static const char *names[7] = {"q", "K", "V", "q_pos", "q_tab", "tables", "out"};
-    for (; nb < 7; nb++)
-        if (get(a[idx[nb]], &b[nb], wr[nb], fmts[nb], names[nb]) < 0) { bad = ""; break; }
+    static const char fmts[8] = {'f', 'b', 'b', 'i', 'i', 'i', 'f', 'f'};
+    static const int wr[8] = {1, 0, 0, 0, 0, 0, 1, 0};
+    static const char *names[8] = {"q", "K", "V", "q_pos", "q_tab", "tables", "out", "sinks"};
+    const int nbuf = so ? 8 : 7;
+    for (; nb < nbuf; nb++)
+        if (get(nb == 7 ? so : a[idx[nb]], &b[nb], wr[nb], fmts[nb], names[nb]) < 0) { bad = ""; break; }
     if (!bad) {
         Py_buffer *q = &b[0], *K = &b[1], *V = &b[2], *qp = &b[3], *qt = &b[4], *tab = &b[5], *out = &b[6];
         if (q->ndim != 3 || out->ndim != 3 || K->ndim != 3 || V->ndim != 3) bad = "q, K, V and out must be 3-D";
@@ -58,6 +78,7 @@ static PyObject *py_attention_paged(PyObject *self, PyObject *const *a, Py_ssize
             else if (out->shape[0] != n || out->shape[1] != Hq || out->shape[2] != Dv) bad = "out must be [n, Hq, Dv]";
             else if (qp->len != n * 4 || qt->len != n * 4) bad = "q_pos and q_tab need n values";
             else if (bs < 1 || rows % bs || window < 0 || softcap < 0) bad = "bad bs, window or softcap";
+            else if (so && b[7].len != Hq * 4) bad = "sinks must be float32 [Hq]";
             for (int64_t i = 0; !bad && i < nt; i++)
                 if (tb[i] < 0 || tb[i] >= rows / bs) bad = "a block table entry is outside the pool";
             for (int64_t i = 0; !bad && i < n; i++)
@@ -66,7 +87,7 @@ static PyObject *py_attention_paged(PyObject *self, PyObject *const *a, Py_ssize
                 mf_paged_args at = {.q = q->buf, .k = K->buf, .v = V->buf, .out = out->buf, .q_pos = p, .q_tab = t,
                                     .tables = tb, .n = n, .Hq = Hq, .Hkv = Hkv, .D = D, .Dv = Dv, .bs = bs,
                                     .scale = (float)scale, .softcap = (float)softcap, .window = window,
-                                    .kv_type = (int)kv_type};
+                                    .kv_type = (int)kv_type, .sinks = so ? b[7].buf : NULL};
                 Py_BEGIN_ALLOW_THREADS
                 mf_attention_paged(&at);
                 Py_END_ALLOW_THREADS
@@ -106,9 +127,10 @@ static PyObject *py_kv_store(PyObject *self, PyObject *const *a, Py_ssize_t na) 
 }
 
 PyMethodDef mf_kv_methods[] = {
-    {"attention_paged", (PyCFunction)(void (*)(void))py_attention_paged, METH_FASTCALL,
-     "attention_paged(q, K, V, kv_type, q_pos, q_tab, tables, bs, scale, window, softcap, out): causal attention "
-     "over a paged KV pool (see csrc/ops.h mf_paged_args); q is rounded in place for the cache type"},
+    {"attention_paged", (PyCFunction)(void (*)(void))py_attention_paged, METH_FASTCALL | METH_KEYWORDS,
+     "attention_paged(q, K, V, kv_type, q_pos, q_tab, tables, bs, scale, window, softcap, out, sinks=None): causal "
+     "attention over a paged KV pool (see csrc/ops.h mf_paged_args); q is rounded in place for the cache type; "
+     "sinks f32[Hq]: a logit per q head in the softmax denominator only"},
     {"kv_store", (PyCFunction)(void (*)(void))py_kv_store, METH_FASTCALL,
      "kv_store(kv_type, pool, rows int32[n], x f32[n, row]): x converted to the cache type into pool rows"},
     {NULL, NULL, 0, NULL},

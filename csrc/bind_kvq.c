@@ -80,18 +80,33 @@ static PyObject *py_kv_dequantize(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* attention_kvq(q, k, v, q_pos, kv_pos, scale, window, softcap, type_k, type_v, table, out) */
+/* sinks: None or float32 [Hq] into b (returns its pointer, NULL for None; -1 on error) */
+static int get_sinks(PyObject *o, Py_buffer *b, const char *fn, int64_t Hq, const float **p) {
+    *p = NULL;
+    if (!o || o == Py_None) return 0;
+    if (getb(o, b, fn, "sinks", 'f', 0) < 0) return -1;
+    if (b->len != Hq * 4) {
+        PyErr_Format(PyExc_ValueError, "%s: sinks must have one value per q head (%lld), got %zd", fn,
+                     (long long)Hq, b->len / 4);
+        PyBuffer_Release(b);
+        return -1;
+    }
+    *p = b->buf;
+    return 1;
+}
+
+/* attention_kvq(q, k, v, q_pos, kv_pos, scale, window, softcap, type_k, type_v, table, out, sinks=None) */
 static PyObject *py_attention_kvq(PyObject *self, PyObject *args) {
-    PyObject *qo, *ko, *vo, *qpo, *kpo, *to, *oo;
+    PyObject *qo, *ko, *vo, *qpo, *kpo, *to, *oo, *so = NULL;
     double scale, softcap;
     long long window;
     long tk, tv;
-    if (!PyArg_ParseTuple(args, "OOOOOdLdllOO:attention_kvq", &qo, &ko, &vo, &qpo, &kpo, &scale, &window,
-                          &softcap, &tk, &tv, &to, &oo))
+    if (!PyArg_ParseTuple(args, "OOOOOdLdllOO|O:attention_kvq", &qo, &ko, &vo, &qpo, &kpo, &scale, &window,
+                          &softcap, &tk, &tv, &to, &oo, &so))
         return NULL;
     if (!kv_type_ok(tk) || !kv_type_ok(tv))
         return PyErr_Format(PyExc_ValueError, "attention_kvq: unknown kv types %ld, %ld", tk, tv);
-    Py_buffer b[7];
+    Py_buffer b[8];
     int nb = 0;
     const char *fn = "attention_kvq";
 #define GET(o, name, fmt, w) do { if (getb(o, &b[nb], fn, name, fmt, w) < 0) goto fail; nb++; } while (0)
@@ -153,10 +168,14 @@ static PyObject *py_attention_kvq(PyObject *self, PyObject *args) {
         goto fail;
     }
     {
+        const float *sp;
+        const int got = get_sinks(so, &b[nb], fn, Hq, &sp);
+        if (got < 0) goto fail;
+        nb += got;
         mf_attnq_args a = {.q = q->buf, .k = k->buf, .v = v->buf, .out = o->buf, .q_pos = qp->buf,
                            .kv_pos = kp->buf, .tables = tb ? tb->buf : NULL, .q_tab = NULL, .bs = MF_KV_QK, .n = n, .T = T, .Hq = Hq,
                            .Hkv = Hkv, .D = D, .Dv = Dv, .scale = (float)scale, .softcap = (float)softcap,
-                           .window = window, .type_k = (int)tk, .type_v = (int)tv};
+                           .window = window, .type_k = (int)tk, .type_v = (int)tv, .sinks = sp};
         Py_BEGIN_ALLOW_THREADS
         mf_attention_kvq(&a);
         Py_END_ALLOW_THREADS
@@ -170,18 +189,18 @@ fail:
 }
 
 /* attention_paged_kvq(q, K, V, type_k, type_v, q_pos, q_tab, tables, bs, scale, window, softcap,
- * out): csrc/bind_kv.c's attention_paged with a cache type for K and one for V */
+ * out, sinks=None): csrc/bind_kv.c's attention_paged with a cache type for K and one for V */
 static PyObject *py_attention_paged_kvq(PyObject *self, PyObject *args) {
-    PyObject *qo, *ko, *vo, *qpo, *qto, *tbo, *oo;
+    PyObject *qo, *ko, *vo, *qpo, *qto, *tbo, *oo, *so = NULL;
     long tk, tv;
     long long bs, window;
     double scale, softcap;
-    if (!PyArg_ParseTuple(args, "OOOllOOOLdLdO:attention_paged_kvq", &qo, &ko, &vo, &tk, &tv, &qpo, &qto, &tbo,
-                          &bs, &scale, &window, &softcap, &oo))
+    if (!PyArg_ParseTuple(args, "OOOllOOOLdLdO|O:attention_paged_kvq", &qo, &ko, &vo, &tk, &tv, &qpo, &qto, &tbo,
+                          &bs, &scale, &window, &softcap, &oo, &so))
         return NULL;
     if (!kv_type_ok(tk) || !kv_type_ok(tv))
         return PyErr_Format(PyExc_ValueError, "attention_paged_kvq: unknown kv types %ld, %ld", tk, tv);
-    Py_buffer b[7];
+    Py_buffer b[8];
     int nb = 0;
     const char *fn = "attention_paged_kvq";
     PyObject *objs[7] = {qo, ko, vo, qpo, qto, tbo, oo};
@@ -222,10 +241,14 @@ static PyObject *py_attention_paged_kvq(PyObject *self, PyObject *args) {
                 PyErr_Format(PyExc_ValueError, "%s: a row's position or table is outside tables", fn);
                 goto fail;
             }
+        const float *sp;
+        const int got = get_sinks(so, &b[nb], fn, Hq, &sp);
+        if (got < 0) goto fail;
+        nb += got;
         mf_attnq_args a = {.q = q->buf, .k = k->buf, .v = v->buf, .out = o->buf, .q_pos = p, .q_tab = t,
                            .tables = tab, .bs = bs, .n = n, .Hq = Hq, .Hkv = Hkv, .D = D, .Dv = Dv,
                            .scale = (float)scale, .softcap = (float)softcap, .window = window,
-                           .type_k = (int)tk, .type_v = (int)tv};
+                           .type_k = (int)tk, .type_v = (int)tv, .sinks = sp};
         Py_BEGIN_ALLOW_THREADS
         mf_attention_kvq(&a);
         Py_END_ALLOW_THREADS
@@ -240,16 +263,17 @@ fail:
 
 PyMethodDef mf_kvq_methods[] = {
     {"attention_paged_kvq", py_attention_paged_kvq, METH_VARARGS,
-     "attention_paged_kvq(q, K, V, type_k, type_v, q_pos, q_tab, tables, bs, scale, window, softcap, out) -> out: "
-     "attention_paged with separate K and V cache types (f16, q8_0, q4_0), llama.cpp's numerics"},
+     "attention_paged_kvq(q, K, V, type_k, type_v, q_pos, q_tab, tables, bs, scale, window, softcap, out, "
+     "sinks=None) -> out: attention_paged with separate K and V cache types (f16, q8_0, q4_0), llama.cpp's numerics"},
     {"kv_quantize", py_kv_quantize, METH_VARARGS,
      "kv_quantize(x f32 [..., n], type, out u8): rows of x in KV cache type (1 f16, 8 q8_0, 2 q4_0) as llama.cpp stores them"},
     {"kv_dequantize", py_kv_dequantize, METH_VARARGS,
      "kv_dequantize(raw u8, type, out f32 [..., n]): rows of a KV cache type back to float32"},
     {"attention_kvq", py_attention_kvq, METH_VARARGS,
      "attention_kvq(q[n,Hq,D] f32, k u8[..., Hkv, rbk], v u8[..., Hkv, rbv], q_pos i32[n], kv_pos i32[T], scale, "
-     "window, softcap, type_k, type_v, table i32 | None, out f32[n,Hq,Dv]) -> out: llama.cpp's CPU flash attention "
-     "over K/V rows of the given cache types; with a table (one sequence in a pool of 32-row blocks), query i sees "
-     "logical keys 0..q_pos[i], key t at row table[t//32]*32 + t%32 (kv_pos unused)"},
+     "window, softcap, type_k, type_v, table i32 | None, out f32[n,Hq,Dv], sinks=None) -> out: llama.cpp's CPU "
+     "flash attention over K/V rows of the given cache types; with a table (one sequence in a pool of 32-row "
+     "blocks), query i sees logical keys 0..q_pos[i], key t at row table[t//32]*32 + t%32 (kv_pos unused); "
+     "sinks f32[Hq]: a logit per q head in the softmax denominator only (after the keys, as ggml)"},
     {NULL, NULL, 0, NULL},
 };

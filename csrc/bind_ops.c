@@ -239,22 +239,38 @@ done:
     return NULL;
 }
 
-/* ---- rope(x, pos, n_rot, theta_base, freq_scale, neox, freq_factors=None, out=None) ------ */
+/* ---- rope(x, pos, n_rot, theta_base, freq_scale, neox, freq_factors=None, out=None,
+ *           ext_factor=0.0, attn_factor=1.0, corr_dims=(0.0, 0.0)) ----------------------- */
 
 static PyObject *py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kw) {
     static const char *const names[] = {"x", "pos", "n_rot", "theta_base", "freq_scale", "neox",
-                                        "freq_factors", "out"};
+                                        "freq_factors", "out", "ext_factor", "attn_factor", "corr_dims"};
     const char *fn = "rope";
-    PyObject *a[8], *res = NULL;
+    PyObject *a[11], *res = NULL;
     bufs bs = {.n = 0};
     long long n_rot;
-    double base, fscale;
+    double base, fscale, ext = 0.0, attn = 1.0, corr[2] = {0.0, 0.0};
     int neox;
-    if (parse_args(fn, args, nargs, kw, names, 6, 8, a) < 0) return NULL;
+    if (parse_args(fn, args, nargs, kw, names, 6, 11, a) < 0) return NULL;
     if (get_int(a[2], fn, "n_rot", &n_rot) < 0 || get_double(a[3], fn, "theta_base", &base) < 0 ||
         get_double(a[4], fn, "freq_scale", &fscale) < 0)
         return NULL;
     if ((neox = PyObject_IsTrue(a[5])) < 0) return NULL;
+    if ((a[8] && get_double(a[8], fn, "ext_factor", &ext) < 0) ||
+        (a[9] && get_double(a[9], fn, "attn_factor", &attn) < 0))
+        return NULL;
+    if (a[10]) {
+        PyObject *cd = PySequence_Fast(a[10], "rope: corr_dims must be a pair (lo, hi)");
+        if (!cd) return NULL;
+        const int ok = PySequence_Fast_GET_SIZE(cd) == 2 &&
+                       get_double(PySequence_Fast_GET_ITEM(cd, 0), fn, "corr_dims[0]", &corr[0]) == 0 &&
+                       get_double(PySequence_Fast_GET_ITEM(cd, 1), fn, "corr_dims[1]", &corr[1]) == 0;
+        Py_DECREF(cd);
+        if (!ok) {
+            if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "%s: corr_dims must be a pair (lo, hi)", fn);
+            return NULL;
+        }
+    }
     Py_buffer *x = get_buf(&bs, a[0], fn, "x", 'f', 0, 3, 3), *pos, *ff = NULL, *o;
     if (!x) goto done;
     if (!(pos = get_buf(&bs, a[1], fn, "pos", 'i', 0, 1, 1))) goto done;
@@ -287,7 +303,7 @@ static PyObject *py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         const int32_t *pp = pos->buf;
         float *op = o->buf;
         Py_BEGIN_ALLOW_THREADS
-        mf_rope_f32(xp, op, pp, n, heads, hd, n_rot, base, fscale, neox, ffp);
+        mf_rope_yarn_f32(xp, op, pp, n, heads, hd, n_rot, base, fscale, neox, ffp, ext, attn, corr[0], corr[1]);
         Py_END_ALLOW_THREADS
     }
     release(&bs);
@@ -348,6 +364,38 @@ static PyObject *gated(const char *fn, int gelu, PyObject *const *args, Py_ssize
             mf_gelu_mul_f32(gp, up, op, n);
         else
             mf_silu_mul_f32(gp, up, op, n);
+        Py_END_ALLOW_THREADS
+    }
+    release(&bs);
+    return res;
+done:
+    release(&bs);
+    Py_XDECREF(res);
+    return NULL;
+}
+
+/* ---- swiglu_oai(gate, up, alpha=1.702, limit=7.0, out=None) ----------------------------- */
+
+static PyObject *py_swiglu_oai(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kw) {
+    static const char *const names[] = {"gate", "up", "alpha", "limit", "out"};
+    const char *fn = "swiglu_oai";
+    PyObject *a[5], *res = NULL;
+    bufs bs = {.n = 0};
+    double alpha = 1.702, limit = 7.0;
+    if (parse_args(fn, args, nargs, kw, names, 2, 5, a) < 0) return NULL;
+    if ((a[2] && get_double(a[2], fn, "alpha", &alpha) < 0) || (a[3] && get_double(a[3], fn, "limit", &limit) < 0))
+        return NULL;
+    Py_buffer *g = get_buf(&bs, a[0], fn, "gate", 'f', 0, 1, 64), *u, *o;
+    if (!g) goto done;
+    if (!(u = get_buf(&bs, a[1], fn, "up", 'f', 0, 1, 64))) goto done;
+    if (check_same(g, u, fn, "gate", "up") < 0) goto done;
+    if (!(o = get_out(&bs, a[4], fn, g->ndim, g->shape, &res))) goto done;
+    {
+        const float *gp = g->buf, *up = u->buf;
+        float *op = o->buf;
+        const int64_t n = numel(g);
+        Py_BEGIN_ALLOW_THREADS
+        mf_swiglu_oai_f32(gp, up, op, n, (float)alpha, (float)limit);
         Py_END_ALLOW_THREADS
     }
     release(&bs);
@@ -451,17 +499,18 @@ done:
     return NULL;
 }
 
-/* ---- attention(q, k, v, q_pos, kv_pos, scale, window=0, softcap=0.0, out=None) ---------- */
+/* ---- attention(q, k, v, q_pos, kv_pos, scale, window=0, softcap=0.0, out=None, sinks=None) */
 
 static PyObject *py_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kw) {
-    static const char *const names[] = {"q", "k", "v", "q_pos", "kv_pos", "scale", "window", "softcap", "out"};
+    static const char *const names[] = {"q", "k", "v", "q_pos", "kv_pos", "scale", "window", "softcap", "out",
+                                        "sinks"};
     const char *fn = "attention";
-    PyObject *a[9], *res = NULL;
+    PyObject *a[10], *res = NULL;
     bufs bs = {.n = 0};
     double scale, softcap = 0.0;
     long long window = 0;
     char s1[128], s2[128];
-    if (parse_args(fn, args, nargs, kw, names, 6, 9, a) < 0) return NULL;
+    if (parse_args(fn, args, nargs, kw, names, 6, 10, a) < 0) return NULL;
     if (get_double(a[5], fn, "scale", &scale) < 0) return NULL;
     if (a[6] && get_int(a[6], fn, "window", &window) < 0) return NULL;
     if (a[7] && get_double(a[7], fn, "softcap", &softcap) < 0) return NULL;
@@ -470,7 +519,7 @@ static PyObject *py_attention(PyObject *self, PyObject *const *args, Py_ssize_t 
                      softcap);
         return NULL;
     }
-    Py_buffer *q = get_buf(&bs, a[0], fn, "q", 'f', 0, 3, 3), *k, *v, *qp, *kp, *o;
+    Py_buffer *q = get_buf(&bs, a[0], fn, "q", 'f', 0, 3, 3), *k, *v, *qp, *kp, *o, *sk = NULL;
     if (!q) goto done;
     if (!(k = get_buf(&bs, a[1], fn, "k", 'k', 0, 3, 3))) goto done;
     if (!(v = get_buf(&bs, a[2], fn, "v", 'k', 0, 3, 3))) goto done;
@@ -502,13 +551,21 @@ static PyObject *py_attention(PyObject *self, PyObject *const *args, Py_ssize_t 
                      (long long)n, (long long)T, qp->shape[0], kp->shape[0]);
         goto done;
     }
+    if (a[9]) {
+        if (!(sk = get_buf(&bs, a[9], fn, "sinks", 'f', 0, 1, 1))) goto done;
+        if (sk->shape[0] != Hq) {
+            PyErr_Format(PyExc_ValueError, "%s: sinks must have one value per q head (%lld), got %zd", fn,
+                         (long long)Hq, sk->shape[0]);
+            goto done;
+        }
+    }
     Py_ssize_t oshape[3] = {n, Hq, Dv};
     if (!(o = get_out(&bs, a[8], fn, 3, oshape, &res))) goto done;
     {
         mf_attn_args at = {.q = q->buf, .k = k->buf, .v = v->buf, .out = o->buf, .q_pos = qp->buf,
                            .kv_pos = kp->buf, .n = n, .T = T, .Hq = Hq, .Hkv = Hkv, .D = D, .Dv = Dv,
                            .scale = (float)scale, .softcap = (float)softcap, .window = window,
-                           .kv_f16 = k->itemsize == 2};
+                           .kv_f16 = k->itemsize == 2, .sinks = sk ? sk->buf : NULL};
         Py_BEGIN_ALLOW_THREADS
         mf_attention_f32(&at);
         Py_END_ALLOW_THREADS
@@ -527,8 +584,11 @@ PyMethodDef mf_ops_methods[] = {
      "rmsnorm(x[..., d] f32, weight[d] f32 | None, eps, out=None) -> out: x / sqrt(mean(x^2) + eps) * weight"},
     {"rope", (PyCFunction)(void (*)(void))py_rope, FC,
      "rope(x[n, heads, head_dim] f32, pos[n] i32, n_rot, theta_base, freq_scale, neox, freq_factors=None, "
-     "out=None) -> out\ntheta_i = pos * freq_scale * theta_base^(-2i/n_rot) / freq_factors[i]; "
-     "normal rotates (2i, 2i+1), neox (i, i + n_rot/2); dims >= n_rot pass through. out may be x."},
+     "out=None, ext_factor=0.0, attn_factor=1.0, corr_dims=(0.0, 0.0)) -> out\ntheta_i = pos * freq_scale * "
+     "theta_base^(-2i/n_rot) / freq_factors[i]; normal rotates (2i, 2i+1), neox (i, i + n_rot/2); dims >= n_rot "
+     "pass through. out may be x. ext_factor != 0: YaRN (ggml's rope_yarn) mixes in the unscaled angle by "
+     "ramp_i = (1 - clamp((i - lo) / max(0.001, hi - lo), 0, 1)) * ext_factor and scales cos/sin by "
+     "attn_factor * (1 + 0.1 ln(1/freq_scale)); else by attn_factor."},
     {"softmax", (PyCFunction)(void (*)(void))py_softmax, FC,
      "softmax(x[..., k] f32, out=None) -> out: softmax over the last axis. out may be x."},
     {"round_f16", (PyCFunction)(void (*)(void))py_round_f16, FC,
@@ -537,6 +597,9 @@ PyMethodDef mf_ops_methods[] = {
      "silu_mul(gate f32, up f32 (same shape), out=None) -> silu(gate) * up"},
     {"gelu_mul", (PyCFunction)(void (*)(void))py_gelu_mul, FC,
      "gelu_mul(gate f32, up f32 (same shape), out=None) -> gelu_tanh(gate) * up"},
+    {"swiglu_oai", (PyCFunction)(void (*)(void))py_swiglu_oai, FC,
+     "swiglu_oai(gate f32, up f32 (same shape), alpha=1.702, limit=7.0, out=None) -> gpt-oss's clamped SwiGLU: "
+     "x = min(gate, limit), y = clip(up, -limit, limit), x / (1 + exp(-alpha x)) * (y + 1). out may be gate."},
     {"fwht", (PyCFunction)(void (*)(void))py_fwht, FC,
      "fwht(x f32, n, scale, out=None) -> each row of n values (a power of two) scaled, then times "
      "the Sylvester Walsh-Hadamard matrix (butterflies; a row's bits never depend on the others)"},
@@ -545,9 +608,10 @@ PyMethodDef mf_ops_methods[] = {
     {"attention", (PyCFunction)(void (*)(void))py_attention, FC,
      "attention(q[n, Hq, D], k[T, Hkv, D], v[T, Hkv, Dv] (k, v: both float32 or both float16), "
      "q_pos[n] i32, kv_pos[T] i32, scale, window=0, "
-     "softcap=0.0, out=None) -> out[n, Hq, Dv]\nkey t visible to query i iff kv_pos[t] <= q_pos[i] and "
+     "softcap=0.0, out=None, sinks=None) -> out[n, Hq, Dv]\nkey t visible to query i iff kv_pos[t] <= q_pos[i] and "
      "(window == 0 or q_pos[i] - kv_pos[t] < window); score = scale * q.k, softcap * tanh(score / softcap) "
-     "when softcap > 0; GQA: q head h uses kv head h // (Hq // Hkv). A query with no visible key gets 0. "
+     "when softcap > 0; GQA: q head h uses kv head h // (Hq // Hkv). sinks f32[Hq]: a logit per q head in the "
+     "softmax denominator only (not scaled, not capped, no value). A query with no visible key gets 0. "
      "out must not overlap the inputs."},
     {NULL, NULL, 0, NULL},
 };

@@ -5,6 +5,8 @@
  *   get_rows(type, w, rows, cols, ids, out)         ids: int64[k], out: f32[k, cols]
  *   matmul_multi(x, n, cols, type1, w1, rows1, out1, ...)  1..4 weights sharing x (prefill)
  *   matmul_rows(same as matmul_multi)              the decode kernels (one-row vec-dots) for any n
+ *   matmul_heads(type, w, H, rows, cols, x, n, out, decode)  x: f32[n, H, cols], out: f32[n, H, rows],
+ *                                                  head h by the h-th (rows, cols) matrix of w
  * In both modes a row of out depends only on its x row (batch invariance). */
 #include "memfit.h"
 #include "quant_common.h"
@@ -16,6 +18,8 @@ int mf_matmul_multi(int k, const int *types, const uint8_t *const *ws, const int
                     int64_t cols, const float *x, int64_t n, float *const *ys);
 int mf_matmul_multi_ex(int k, const int *types, const uint8_t *const *ws, const int64_t *rows,
                        int64_t cols, const float *x, int64_t n, float *const *ys, int vec_only);
+int mf_matmul_heads(int type, const uint8_t *w, int64_t H, int64_t rows, int64_t cols, const float *x,
+                    int64_t n, float *y, int mode);
 int mf_get_rows(int type, const uint8_t *w, int64_t cols, const int64_t *ids, int64_t n, float *out);
 int mf_dequantize(int type, const uint8_t *src, int64_t n, float *dst);
 
@@ -102,6 +106,37 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     PyBuffer_Release(&x);
     PyBuffer_Release(&out);
     if (rc == -4) return PyErr_Format(PyExc_ValueError, "matmul: w, x or out buffer too small for rows=%lld cols=%lld n=%lld", rows, cols, n);
+    if (rc) return raise_rc(rc, type, cols);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_matmul_heads(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    if (na != 9) return PyErr_Format(PyExc_TypeError, "matmul_heads(type, w, H, rows, cols, x, n, out, decode)");
+    long type = PyLong_AsLong(a[0]);
+    long long H = PyLong_AsLongLong(a[2]), rows = PyLong_AsLongLong(a[3]), cols = PyLong_AsLongLong(a[4]),
+              n = PyLong_AsLongLong(a[6]);
+    int decode = PyObject_IsTrue(a[8]);
+    if (PyErr_Occurred() || decode < 0 || check_type(type) < 0) return NULL;
+    if (H < 0 || rows < 0 || cols <= 0 || n < 0)
+        return PyErr_Format(PyExc_ValueError, "bad matmul_heads shape H=%lld rows=%lld cols=%lld n=%lld", H, rows, cols, n);
+    if (cols % mf_qtypes[type].block) return raise_rc(-2, type, cols);
+    Py_buffer w, x, out;
+    if (get_buf(a[1], &w, 0, "w") < 0) return NULL;
+    if (get_f32(a[5], &x, 0, "x") < 0) { PyBuffer_Release(&w); return NULL; }
+    if (get_f32(a[7], &out, 1, "out") < 0) { PyBuffer_Release(&w); PyBuffer_Release(&x); return NULL; }
+    int rc = 0;
+    if (w.len < H * rows * type_bytes((int)type, cols) || x.len < n * H * cols * 4 || out.len < n * H * rows * 4) rc = -4;
+    else {
+        Py_BEGIN_ALLOW_THREADS
+        rc = mf_matmul_heads((int)type, w.buf, H, rows, cols, x.buf, n, out.buf, decode ? MF_MM_DECODE : MF_MM_PREFILL);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&out);
+    if (rc == -4)
+        return PyErr_Format(PyExc_ValueError, "matmul_heads: w, x or out buffer too small for H=%lld rows=%lld "
+                            "cols=%lld n=%lld", H, rows, cols, n);
     if (rc) return raise_rc(rc, type, cols);
     Py_RETURN_NONE;
 }
@@ -199,6 +234,10 @@ PyMethodDef mf_quant_methods[] = {
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "matmul(type, w, rows, cols, x, n, out): out[n, rows] = x[n, cols] @ W^T (prefill kernels)"},
     {"matmul_multi", (PyCFunction)(void (*)(void))py_matmul_multi, METH_FASTCALL, "matmul_multi(x, n, cols, type, w, rows, out, ...): out_j = x @ W_j^T for 1..4 weights (prefill kernels)"},
     {"matmul_rows", (PyCFunction)(void (*)(void))py_matmul_rows, METH_FASTCALL, "matmul_rows(x, n, cols, type, w, rows, out, ...): matmul_multi with the decode kernels"},
+    {"matmul_heads", (PyCFunction)(void (*)(void))py_matmul_heads, METH_FASTCALL,
+     "matmul_heads(type, w, H, rows, cols, x, n, out, decode): out[n, H, rows] = per head h x[:, h] @ W_h^T, "
+     "W_h the h-th of H consecutive (rows, cols) matrices of w; each head's bits are matmul's (decode: matmul_rows') "
+     "of x[:, h] alone; one pool job over the heads"},
     {"get_rows", (PyCFunction)(void (*)(void))py_get_rows, METH_FASTCALL, "get_rows(type, w, rows, cols, ids int64, out)"},
     {NULL, NULL, 0, NULL},
 };

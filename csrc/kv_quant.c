@@ -252,6 +252,17 @@ static inline __attribute__((always_inline)) void attnq_body(const mf_attnq_args
         for (int64_t j = 0; j < Dv; j++) acc[j] = fmaf(vr[j], vs, acc[j]);
         S = S * ms + vs;
     }
+    if (a->sinks) { /* after the keys, as ggml: one more term of the sum, no value row */
+        const float sk = a->sinks[h];
+        float ms = 1.0f, vs = 1.0f;
+        if (sk > M) {
+            ms = expf(M - sk); /* 0 when no key was visible */
+            for (int64_t j = 0; j < Dv; j++) acc[j] *= ms;
+        } else {
+            vs = expf(sk - M);
+        }
+        S = S * ms + vs;
+    }
     const float inv = S == 0.0f ? 0.0f : 1.0f / S;
     for (int64_t j = 0; j < Dv; j++) o[j] = acc[j] * inv;
 }

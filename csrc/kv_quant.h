@@ -31,7 +31,9 @@ void mf_kv_dequantize(int type, const void *src, float *y, int64_t rows, int64_t
  * Contiguous (tables NULL): keys t = 0..T-1 at row(t) = t, visible to query i when
  * kv_pos[t] <= q_pos[i] (and q_pos[i] - kv_pos[t] < window when window > 0).
  * Paged (as ops.h mf_paged_args): query i sees logical keys 0..q_pos[i] of its sequence (the
- * last `window` of them with a window), row(t) = tables[q_tab[i] + t / bs] * bs + t % bs. */
+ * last `window` of them with a window), row(t) = tables[q_tab[i] + t / bs] * bs + t % bs.
+ * sinks [Hq] (or NULL): per q head a logit in the softmax sum only, applied after the keys as
+ * ggml's flash attention does (its M, S and accumulator corrected once). */
 typedef struct {
     const float *q;            /* [n, Hq, D] */
     const void *k, *v;         /* rows as above */
@@ -43,6 +45,7 @@ typedef struct {
     float scale, softcap;
     int64_t window;
     int type_k, type_v;
+    const float *sinks;        /* [Hq] or NULL */
 } mf_attnq_args;
 void mf_attention_kvq(const mf_attnq_args *a);
 

@@ -1,9 +1,10 @@
 /* The routed-expert FFN of one MoE layer in one call (models/layers.py Model.moe_ffn): tokens
  * grouped by expert; per group the rows of x are gathered, gate and up run as one
- * multi-matmul, then SiLU (or GELU) * up and down, and each row's result times its routing
- * weight is added to out[row]. Groups run in the order given (the model gives experts in
- * index order), so a row's sum is independent of the other rows and equals the op-by-op path
- * (same kernels, same order) bit for bit. */
+ * multi-matmul (+ their biases), then SiLU, GELU or gpt-oss's SwiGLU of gate and up, down
+ * (+ its bias), and each row's result times its routing weight is added to out[row]. Groups
+ * run in the order given (the model gives experts in index order), so a row's sum is
+ * independent of the other rows and equals the op-by-op path (same kernels, same order) bit
+ * for bit. */
 #include "memfit.h"
 #include "ops.h"
 #include "quant_common.h"
@@ -15,14 +16,31 @@
 int mf_matmul_multi_ex(int k, const int *types, const uint8_t *const *ws, const int64_t *rows,
                        int64_t cols, const float *x, int64_t n, float *const *ys, int vec_only);
 
+/* activations of the gated FFN (act): 0 silu, 1 gelu, 2 swiglu_oai with gpt-oss's alpha and
+ * limit (ggml's LLM_FFN_SWIGLU_OAI_MOE) */
+#define MF_ACT_SILU 0
+#define MF_ACT_GELU 1
+#define MF_ACT_SWIGLU_OAI 2
+#define OAI_ALPHA 1.702f
+#define OAI_LIMIT 7.0f
+
+/* y[m, d] += b[d] per row */
+static void add_bias(float *y, const float *b, int64_t m, int64_t d) {
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t c = 0; c < d; c++) y[i * d + c] += b[c];
+}
+
 /* x[n, n_embd]; w[3 * g + {0, 1, 2}]: expert g's gate (n_ff, n_embd), up (n_ff, n_embd), down
  * (n_embd, n_ff) bytes of types[0..2]; group g is rows[off[g] .. off[g + 1]) with weights
- * wts[same]; out[n, n_embd] accumulates. decode: the decode kernels, else the prefill ones
- * (quant_mm.c: either way a row's result does not depend on how many rows share its group).
- * Returns 0, or the matmul's error (-1 type, -2 cols, -3 out of memory). Call without the GIL. */
+ * wts[same]; out[n, n_embd] accumulates. bias (NULL: none) holds 3 per group as w does: gate and
+ * up f32[n_ff] added before the activation, down f32[n_embd] before the routing weight
+ * (out[row] += wt * (down(h) + b)), each NULL where absent. act: MF_ACT_*. decode: the decode
+ * kernels, else the prefill ones (quant_mm.c: either way a row's result does not depend on how
+ * many rows share its group). Returns 0, or the matmul's error (-1 type, -2 cols, -3 out of
+ * memory). Call without the GIL. */
 int mf_moe_ffn(const float *x, int64_t n_embd, int64_t n_ff, const int *types, int64_t n_groups,
-               const uint8_t *const *w, const int64_t *off, const int64_t *rows, const float *wts,
-               int gelu, float *out, int decode) {
+               const uint8_t *const *w, const float *const *bias, const int64_t *off, const int64_t *rows,
+               const float *wts, int act, float *out, int decode) {
     int64_t maxg = 0;
     for (int64_t g = 0; g < n_groups; g++)
         if (off[g + 1] - off[g] > maxg) maxg = off[g + 1] - off[g];
@@ -46,11 +64,16 @@ int mf_moe_ffn(const float *x, int64_t n_embd, int64_t n_ff, const int *types, i
         float *ys[2] = {ga, up};
         rc = mf_matmul_multi_ex(2, types, gu, nr, n_embd, xg, m, ys, mode);
         if (rc) break;
-        if (gelu)
+        if (bias && bias[3 * g]) add_bias(ga, bias[3 * g], m, n_ff);
+        if (bias && bias[3 * g + 1]) add_bias(up, bias[3 * g + 1], m, n_ff);
+        if (act == MF_ACT_SWIGLU_OAI)
+            mf_swiglu_oai_f32(ga, up, ga, m * n_ff, OAI_ALPHA, OAI_LIMIT);
+        else if (act == MF_ACT_GELU)
             mf_gelu_mul_f32(ga, up, ga, m * n_ff);
         else
             mf_silu_mul_f32(ga, up, ga, m * n_ff);
         rc = mf_matmul_multi_ex(1, &types[2], &w[3 * g + 2], &n_embd, n_ff, ga, m, &y, mode);
+        if (rc == 0 && bias && bias[3 * g + 2]) add_bias(y, bias[3 * g + 2], m, n_embd);
         for (int64_t i = 0; i < m && rc == 0; i++) {
             const float s = wts[off[g] + i], *yi = y + i * n_embd;
             float *o = out + r[i] * n_embd;
@@ -61,7 +84,7 @@ int mf_moe_ffn(const float *x, int64_t n_embd, int64_t n_ff, const int *types, i
     return rc;
 }
 
-/* ---- moe_ffn(x, n, n_embd, n_ff, tg, tu, td, ws, off, rows, wts, gelu, out) -------------- */
+/* ---- moe_ffn(x, n, n_embd, n_ff, tg, tu, td, ws, off, rows, wts, act, out[, decode[, bs]]) - */
 static int buf_of(PyObject *o, Py_buffer *v, int writable, const char *fmt, const char *what) {
     if (PyObject_GetBuffer(o, v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0) {
         PyErr_Format(PyExc_TypeError, "moe_ffn: %s must be a C-contiguous%s buffer", what,
@@ -84,13 +107,19 @@ static int buf_of(PyObject *o, Py_buffer *v, int writable, const char *fmt, cons
 }
 
 static PyObject *py_moe_ffn(PyObject *self, PyObject *const *a, Py_ssize_t na) {
-    if (na != 13 && na != 14)
-        return PyErr_Format(PyExc_TypeError, "moe_ffn(x, n, n_embd, n_ff, tg, tu, td, ws, off, rows, wts, gelu, out[, decode])");
+    if (na < 13 || na > 15)
+        return PyErr_Format(PyExc_TypeError, "moe_ffn(x, n, n_embd, n_ff, tg, tu, td, ws, off, rows, wts, act, out"
+                            "[, decode[, biases]])");
     long long n = PyLong_AsLongLong(a[1]), E = PyLong_AsLongLong(a[2]), F = PyLong_AsLongLong(a[3]);
     int types[3];
     for (int j = 0; j < 3; j++) types[j] = (int)PyLong_AsLong(a[4 + j]);
-    int gelu = PyObject_IsTrue(a[11]), decode = na == 14 ? PyObject_IsTrue(a[13]) : 0;
-    if (PyErr_Occurred() || gelu < 0 || decode < 0) return NULL;
+    /* act: 0 silu, 1 gelu, 2 swiglu_oai; the bool of before (gelu) reads as 0 / 1 */
+    const long act = PyLong_AsLong(a[11]);
+    int decode = na >= 14 ? PyObject_IsTrue(a[13]) : 0;
+    if (PyErr_Occurred() || decode < 0) return NULL;
+    if (act < MF_ACT_SILU || act > MF_ACT_SWIGLU_OAI)
+        return PyErr_Format(PyExc_ValueError, "moe_ffn: act %ld is not 0 (silu), 1 (gelu) or 2 (swiglu_oai)", act);
+    PyObject *bo = na == 15 && a[14] != Py_None ? a[14] : NULL;
     for (int j = 0; j < 3; j++)
         if (types[j] < 0 || types[j] >= T_MAX || !mf_type_ok(types[j]))
             return PyErr_Format(PyExc_ValueError, "ggml type %d is not supported by the native kernels", types[j]);
@@ -99,14 +128,25 @@ static PyObject *py_moe_ffn(PyObject *self, PyObject *const *a, Py_ssize_t na) {
         return PyErr_Format(PyExc_ValueError, "moe_ffn: bad shape n=%lld n_embd=%lld n_ff=%lld", n, E, F);
     PyObject *seq = PySequence_Fast(a[7], "moe_ffn: ws must be a sequence of buffers");
     if (!seq) return NULL;
+    PyObject *bseq = bo ? PySequence_Fast(bo, "moe_ffn: biases must be a sequence of float32 arrays or None") : NULL;
+    if (bo && !bseq) { Py_DECREF(seq); return NULL; }
     const Py_ssize_t nw = PySequence_Fast_GET_SIZE(seq);
     const int64_t G = nw / 3;
     Py_buffer x, offb, rowsb, wtsb, outb;
     Py_buffer *wb = PyMem_Calloc((size_t)nw + 1, sizeof(Py_buffer));
     const uint8_t **wp = PyMem_Calloc((size_t)nw + 1, sizeof(uint8_t *));
-    int have = 0, held = 0, bad = !wb || !wp || nw % 3;
-    if (bad && (wb && wp)) PyErr_Format(PyExc_ValueError, "moe_ffn: ws must hold gate, up, down per group");
-    if (!wb || !wp) PyErr_NoMemory();
+    Py_buffer *bb = bseq ? PyMem_Calloc((size_t)nw + 1, sizeof(Py_buffer)) : NULL;
+    const float **bp = bseq ? PyMem_Calloc((size_t)nw + 1, sizeof(float *)) : NULL;
+    int have = 0, held = 0, bheld = 0, bad = 1;
+    if (!wb || !wp || (bseq && (!bb || !bp)))
+        PyErr_NoMemory();
+    else if (nw % 3)
+        PyErr_Format(PyExc_ValueError, "moe_ffn: ws must hold gate, up, down per group");
+    else if (bseq && PySequence_Fast_GET_SIZE(bseq) != nw)
+        PyErr_Format(PyExc_ValueError, "moe_ffn: biases must hold gate, up, down (or None) per group: %zd for %zd "
+                     "weights", PySequence_Fast_GET_SIZE(bseq), nw);
+    else
+        bad = 0;
     if (!bad) {
         if (buf_of(a[0], &x, 0, "f", "x") == 0) have = 1;
         if (have == 1 && buf_of(a[8], &offb, 0, "q", "off") == 0) have = 2;
@@ -131,6 +171,23 @@ static PyObject *py_moe_ffn(PyObject *self, PyObject *const *a, Py_ssize_t na) {
             bad = 1;
         }
     }
+    /* biases: float32 [n_ff] (gate, up) or [n_embd] (down), None where absent */
+    for (Py_ssize_t i = 0; !bad && bseq && i < nw; i++) {
+        PyObject *o = PySequence_Fast_GET_ITEM(bseq, i);
+        if (o == Py_None) continue;
+        if (buf_of(o, &bb[i], 0, "f", "a bias") < 0) {
+            bad = 1;
+            break;
+        }
+        bheld = (int)i + 1; /* released below: every held entry up to here (None ones have no buffer) */
+        bp[i] = bb[i].buf;
+        const int64_t need = i % 3 < 2 ? F : E;
+        if (bb[i].len != need * 4) {
+            PyErr_Format(PyExc_ValueError, "moe_ffn: bias %zd has %zd values, needs %lld", i, bb[i].len / 4,
+                         (long long)need);
+            bad = 1;
+        }
+    }
     int rc = 0;
     if (!bad) {
         const int64_t *off = offb.buf, *rows = rowsb.buf;
@@ -144,12 +201,14 @@ static PyObject *py_moe_ffn(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     }
     if (!bad) {
         Py_BEGIN_ALLOW_THREADS
-        rc = mf_moe_ffn(x.buf, E, F, types, G, wp, offb.buf, rowsb.buf, wtsb.buf, gelu, outb.buf, decode);
+        rc = mf_moe_ffn(x.buf, E, F, types, G, wp, bp, offb.buf, rowsb.buf, wtsb.buf, (int)act, outb.buf, decode);
         Py_END_ALLOW_THREADS
         if (rc == -3) PyErr_NoMemory();
         else if (rc) PyErr_Format(PyExc_ValueError, "moe_ffn: native kernel failed (%d)", rc);
     }
     for (int i = 0; i < held; i++) PyBuffer_Release(&wb[i]);
+    for (int i = 0; i < bheld; i++)
+        if (bp[i]) PyBuffer_Release(&bb[i]);
     if (have >= 5) PyBuffer_Release(&outb);
     if (have >= 4) PyBuffer_Release(&wtsb);
     if (have >= 3) PyBuffer_Release(&rowsb);
@@ -157,14 +216,19 @@ static PyObject *py_moe_ffn(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     if (have >= 1) PyBuffer_Release(&x);
     PyMem_Free(wb);
     PyMem_Free((void *)wp);
+    PyMem_Free(bb);
+    PyMem_Free((void *)bp);
     Py_DECREF(seq);
+    Py_XDECREF(bseq);
     if (bad || rc) return NULL;
     Py_RETURN_NONE;
 }
 
 PyMethodDef mf_moe_methods[] = {
     {"moe_ffn", (PyCFunction)(void (*)(void))py_moe_ffn, METH_FASTCALL,
-     "moe_ffn(x, n, n_embd, n_ff, tg, tu, td, ws, off int64, rows int64, wts f32, gelu, out[, decode]): "
-     "out[rows] += wts * down(act(gate x) * up x) per expert group (decode: the decode kernels)"},
+     "moe_ffn(x, n, n_embd, n_ff, tg, tu, td, ws, off int64, rows int64, wts f32, act, out[, decode[, biases]]): "
+     "out[rows] += wts * (down(act(gate x + bg, up x + bu)) + bd) per expert group; act 0 silu, 1 gelu (a bool "
+     "reads as these), 2 swiglu_oai (alpha 1.702, limit 7); biases: None or one f32 array or None per weight in "
+     "ws (gate and up [n_ff], down [n_embd]); decode: the decode kernels"},
     {NULL, NULL, 0, NULL},
 };

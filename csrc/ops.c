@@ -1,4 +1,5 @@
-/* Forward-pass kernels: rmsnorm, rope, softmax, gated activations, attention.
+/* Forward-pass kernels: rmsnorm, rope (+ YaRN), softmax, gated activations (silu, gelu,
+ * swiglu_oai), attention (+ sinks).
  * Each has a portable scalar path and an AVX2+FMA path chosen at run time through mf_isa
  * (the AVX-512 machines run the AVX2 path: these ops are a small share of a forward). */
 #include "memfit.h"
@@ -136,6 +137,9 @@ typedef struct {
     double base, freq_scale;
     int neox;
     const double *inv; /* [n_rot/2] base^(-2k/n_rot) / ff[k], computed once per call */
+    /* YaRN: ramp[k] mixes in the extrapolated angle (NULL: none); cos/sin times mscale */
+    const double *ramp;
+    double mscale;
 } rope_ctx;
 
 static void rope_task(void *p, int64_t i) {
@@ -144,10 +148,20 @@ static void rope_task(void *p, int64_t i) {
     float cs[MF_ROPE_MAX_ROT / 2], sn[MF_ROPE_MAX_ROT / 2];
     /* angles in double: pos * scale reaches ~1e5 rad, where float loses ~1e-2 rad */
     const double pf = (double)c->pos[i] * c->freq_scale;
-    for (int64_t k = 0; k < half; k++) {
-        const double th = pf * c->inv[k];
-        cs[k] = (float)cos(th);
-        sn[k] = (float)sin(th);
+    if (c->ramp || c->mscale != 1.0) {
+        const double p = (double)c->pos[i], ms = c->mscale;
+        for (int64_t k = 0; k < half; k++) {
+            const double ti = pf * c->inv[k], r = c->ramp ? c->ramp[k] : 0.0;
+            const double th = c->ramp ? ti * (1.0 - r) + p * c->inv[k] * r : ti;
+            cs[k] = (float)(cos(th) * ms);
+            sn[k] = (float)(sin(th) * ms);
+        }
+    } else {
+        for (int64_t k = 0; k < half; k++) {
+            const double th = pf * c->inv[k];
+            cs[k] = (float)cos(th);
+            sn[k] = (float)sin(th);
+        }
     }
     for (int64_t h = 0; h < c->heads; h++) {
         const float *x = c->x + (i * c->heads + h) * hd;
@@ -169,19 +183,38 @@ static void rope_task(void *p, int64_t i) {
     }
 }
 
-void mf_rope_f32(const float *x, float *out, const int32_t *pos, int64_t n, int64_t heads,
-                 int64_t head_dim, int64_t n_rot, double base, double freq_scale, int neox,
-                 const float *freq_factors) {
-    double inv[MF_ROPE_MAX_ROT / 2];
+void mf_rope_yarn_f32(const float *x, float *out, const int32_t *pos, int64_t n, int64_t heads,
+                      int64_t head_dim, int64_t n_rot, double base, double freq_scale, int neox,
+                      const float *freq_factors, double ext_factor, double attn_factor,
+                      double corr_lo, double corr_hi) {
+    double inv[MF_ROPE_MAX_ROT / 2], ramp[MF_ROPE_MAX_ROT / 2];
     for (int64_t k = 0; k < n_rot / 2; k++) {
         inv[k] = pow(base, -2.0 * (double)k / (double)n_rot);
         if (freq_factors) inv[k] /= (double)freq_factors[k];
     }
-    rope_ctx c = {x, out, pos, heads, head_dim, n_rot, base, freq_scale, neox, inv};
+    double mscale = attn_factor;
+    if (ext_factor != 0.0) {
+        /* pair k is ggml's i0 = 2k: its ramp is at i0 / 2 = k */
+        const double w = corr_hi - corr_lo > 0.001 ? corr_hi - corr_lo : 0.001;
+        for (int64_t k = 0; k < n_rot / 2; k++) {
+            const double y = ((double)k - corr_lo) / w;
+            ramp[k] = (1.0 - (y < 0.0 ? 0.0 : y > 1.0 ? 1.0 : y)) * ext_factor;
+        }
+        mscale *= 1.0 + 0.1 * log(1.0 / freq_scale);
+    }
+    rope_ctx c = {x, out, pos, heads, head_dim, n_rot, base, freq_scale, neox, inv,
+                  ext_factor != 0.0 ? ramp : NULL, mscale};
     if (n >= 4 && n * heads * head_dim >= PAR_MIN / 4)
         mf_parallel_for(n, rope_task, &c);
     else
         for (int64_t i = 0; i < n; i++) rope_task(&c, i);
+}
+
+void mf_rope_f32(const float *x, float *out, const int32_t *pos, int64_t n, int64_t heads,
+                 int64_t head_dim, int64_t n_rot, double base, double freq_scale, int neox,
+                 const float *freq_factors) {
+    mf_rope_yarn_f32(x, out, pos, n, heads, head_dim, n_rot, base, freq_scale, neox, freq_factors, 0.0, 1.0,
+                     0.0, 0.0);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -259,12 +292,23 @@ void mf_softmax_f32(const float *x, float *out, int64_t rows, int64_t k) {
 #define GELU_C 0.7978845608028654f
 #define GELU_A 0.044715f
 
+enum { ACT_SILU = 0, ACT_GELU = 1, ACT_SWIGLU_OAI = 2 };
+
 typedef struct {
     const float *g, *u;
     float *out;
     int64_t n;
-    int gelu;
+    int gelu; /* ACT_* */
+    float alpha, limit; /* ACT_SWIGLU_OAI */
 } gate_ctx;
+
+static void swiglu_oai_scalar(const float *g, const float *u, float *y, int64_t n, float alpha, float limit) {
+    for (int64_t j = 0; j < n; j++) {
+        const float x = limit < g[j] ? limit : g[j]; /* std::min and std::clamp: NaN stays NaN */
+        const float c = u[j] < -limit ? -limit : limit < u[j] ? limit : u[j];
+        y[j] = x / (1.0f + expf(alpha * -x)) * (c + 1.0f);
+    }
+}
 
 static void gate_scalar(const float *g, const float *u, float *y, int64_t n, int gelu) {
     if (gelu) {
@@ -301,6 +345,21 @@ MF_AVX2 static void gate_avx2(const float *g, const float *u, float *y, int64_t 
     }
     gate_scalar(g + j, u + j, y + j, n - j, gelu);
 }
+
+/* min_ps / max_ps return their second operand on NaN: with the input second, a NaN gate or up
+ * stays NaN, as in the scalar form */
+MF_AVX2 static void swiglu_oai_avx2(const float *g, const float *u, float *y, int64_t n, float alpha, float limit) {
+    const __m256 one = _mm256_set1_ps(1.0f), na = _mm256_set1_ps(-alpha);
+    const __m256 hi = _mm256_set1_ps(limit), lo = _mm256_set1_ps(-limit);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 x = _mm256_min_ps(hi, _mm256_loadu_ps(g + j));
+        const __m256 c = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_loadu_ps(u + j)));
+        const __m256 glu = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_mul_ps(na, x))));
+        _mm256_storeu_ps(y + j, _mm256_mul_ps(glu, _mm256_add_ps(c, one)));
+    }
+    swiglu_oai_scalar(g + j, u + j, y + j, n - j, alpha, limit);
+}
 #endif
 
 static void gate_task(void *p, int64_t ci) {
@@ -308,20 +367,30 @@ static void gate_task(void *p, int64_t ci) {
     const int64_t j0 = ci * CHUNK, len = c->n - j0 < CHUNK ? c->n - j0 : CHUNK;
 #ifdef MF_X86
     if (use_avx2()) {
-        gate_avx2(c->g + j0, c->u + j0, c->out + j0, len, c->gelu);
+        if (c->gelu == ACT_SWIGLU_OAI) swiglu_oai_avx2(c->g + j0, c->u + j0, c->out + j0, len, c->alpha, c->limit);
+        else gate_avx2(c->g + j0, c->u + j0, c->out + j0, len, c->gelu);
         return;
     }
 #endif
-    gate_scalar(c->g + j0, c->u + j0, c->out + j0, len, c->gelu);
+    if (c->gelu == ACT_SWIGLU_OAI) swiglu_oai_scalar(c->g + j0, c->u + j0, c->out + j0, len, c->alpha, c->limit);
+    else gate_scalar(c->g + j0, c->u + j0, c->out + j0, len, c->gelu);
 }
 
-static void gate_run(const float *g, const float *u, float *out, int64_t n, int gelu) {
-    gate_ctx c = {g, u, out, n, gelu};
+static void gate_run_ex(const float *g, const float *u, float *out, int64_t n, int act, float alpha, float limit) {
+    gate_ctx c = {g, u, out, n, act, alpha, limit};
     const int64_t chunks = (n + CHUNK - 1) / CHUNK;
     if (n >= PAR_MIN)
         mf_parallel_for(chunks, gate_task, &c);
     else
         for (int64_t i = 0; i < chunks; i++) gate_task(&c, i);
+}
+
+static void gate_run(const float *g, const float *u, float *out, int64_t n, int gelu) {
+    gate_run_ex(g, u, out, n, gelu, 0.0f, 0.0f);
+}
+
+void mf_swiglu_oai_f32(const float *g, const float *u, float *out, int64_t n, float alpha, float limit) {
+    gate_run_ex(g, u, out, n, ACT_SWIGLU_OAI, alpha, limit);
 }
 
 void mf_silu_mul_f32(const float *g, const float *u, float *out, int64_t n) { gate_run(g, u, out, n, 0); }
@@ -540,7 +609,7 @@ int mf_attention_paged(const mf_paged_args *pa) {
                                   .q_tab = pa->q_tab, .tables = pa->tables, .bs = pa->bs, .n = pa->n,
                                   .Hq = pa->Hq, .Hkv = pa->Hkv, .D = pa->D, .Dv = pa->Dv, .scale = pa->scale,
                                   .softcap = pa->softcap, .window = pa->window, .type_k = pa->kv_type,
-                                  .type_v = pa->kv_type};
+                                  .type_v = pa->kv_type, .sinks = pa->sinks};
         mf_attention_kvq(&qa);
         return 0;
     }
@@ -553,7 +622,8 @@ int mf_attention_paged(const mf_paged_args *pa) {
     while (hc > 1 && pa->n * pa->Hkv * ((G + hc - 1) / hc) < want) hc--;
     paged_ctx c = {.pa = pa,
                    .a = {.q = pa->q, .out = pa->out, .n = pa->n, .Hq = pa->Hq, .Hkv = pa->Hkv, .D = pa->D,
-                         .Dv = pa->Dv, .scale = pa->scale, .softcap = pa->softcap, .window = pa->window},
+                         .Dv = pa->Dv, .scale = pa->scale, .softcap = pa->softcap, .window = pa->window,
+                         .sinks = pa->sinks},
                    .hc = hc, .cpg = (G + hc - 1) / hc};
     const int64_t tasks = pa->n * pa->Hkv * c.cpg;
     int64_t T = 1;

@@ -19,6 +19,17 @@ void mf_rope_f32(const float *x, float *out, const int32_t *pos, int64_t n, int6
                  int64_t head_dim, int64_t n_rot, double base, double freq_scale, int neox,
                  const float *freq_factors);
 
+/* mf_rope_f32 with YaRN (ggml's rope_yarn): theta_extrap = pos * base^(-2i/n_rot) / ff[i],
+ * theta_interp = freq_scale * theta_extrap. ext_factor != 0: ramp = (1 - clamp((i - lo) /
+ * max(0.001, hi - lo), 0, 1)) * ext_factor, theta = theta_interp (1 - ramp) + theta_extrap ramp,
+ * mscale = attn_factor (1 + 0.1 ln(1 / freq_scale)); else theta = theta_interp, mscale =
+ * attn_factor. cos and sin are times mscale. ext_factor 0, attn_factor 1 is mf_rope_f32 bit
+ * for bit. */
+void mf_rope_yarn_f32(const float *x, float *out, const int32_t *pos, int64_t n, int64_t heads,
+                      int64_t head_dim, int64_t n_rot, double base, double freq_scale, int neox,
+                      const float *freq_factors, double ext_factor, double attn_factor,
+                      double corr_lo, double corr_hi);
+
 /* Row-wise softmax over the last axis k (max-subtracted). */
 void mf_softmax_f32(const float *x, float *out, int64_t rows, int64_t k);
 
@@ -26,6 +37,9 @@ void mf_softmax_f32(const float *x, float *out, int64_t rows, int64_t k);
 void mf_silu_mul_f32(const float *g, const float *u, float *out, int64_t n);
 void mf_fwht_f32(const float *x, float *out, int64_t rows, int64_t n, float scale);
 void mf_gelu_mul_f32(const float *g, const float *u, float *out, int64_t n);
+/* gpt-oss's clamped SwiGLU (ggml's swiglu_oai): x = min(g, limit), y = clamp(u, -limit, limit),
+ * out = x / (1 + exp(-alpha x)) * (y + 1). */
+void mf_swiglu_oai_f32(const float *g, const float *u, float *out, int64_t n, float alpha, float limit);
 
 /* out[i] = float16 bits of x[i] (round to nearest even, IEEE overflow/subnormals), as numpy's
  * x.astype(float16). */
@@ -39,7 +53,9 @@ void mf_round_f16_f32(const float *x, float *out, int64_t n);
  * with kv_f16 (converted exactly on load: the result equals that of the same values as f32).
  * Key t is visible to query i iff kv_pos[t] <= q_pos[i] and (window == 0 or q_pos[i] - kv_pos[t] < window). Score =
  * scale * q.k, then softcap * tanh(score / softcap) when softcap > 0. A query that sees no key
- * gets zeros. */
+ * gets zeros. sinks (gpt-oss; NULL: none): one logit per q head that joins the softmax
+ * denominator only, neither scaled nor capped: the online softmax starts from m = sinks[h],
+ * l = 1 (exactly e^(sinks[h] - m) added to the sum) and no value row. */
 typedef struct {
     const float *q;
     const void *k, *v; /* float32, or float16 bits (uint16) when kv_f16 */
@@ -50,6 +66,7 @@ typedef struct {
     float scale, softcap;
     int64_t window;
     int kv_f16;
+    const float *sinks; /* [Hq] or NULL */
 } mf_attn_args;
 void mf_attention_f32(const mf_attn_args *a);
 
@@ -72,6 +89,7 @@ typedef struct {
     float scale, softcap;
     int64_t window;
     int kv_type;
+    const float *sinks; /* [Hq] attention sinks (as mf_attn_args) or NULL */
 } mf_paged_args;
 /* 0, or -1 for a kv_type without a kernel. */
 int mf_attention_paged(const mf_paged_args *a);

@@ -613,6 +613,127 @@ int mf_matmul(int type, const uint8_t *w, int64_t rows, int64_t cols, const floa
     return mf_matmul_multi(1, &type, &w, &rows, cols, x, n, &y);
 }
 
+/* ---- per-head matmuls (DeepSeek MLA's absorbed projections) ------------------------------ */
+
+/* One plan per head; every head has the same shape, so the same task count and activation
+ * layout: head h's share of a pool job is tasks [h * per, (h + 1) * per). */
+typedef struct {
+    mm_plan *p;
+    int64_t per;                   /* tasks per head */
+    const float *x;                /* gather: x[n, H, cols] -> xh[H, n, cols]; scatter back */
+    float *xh, *yh, *y;
+    int64_t H, n, rows, cols;
+} heads_ctx;
+
+static void heads_gather_task(void *v, int64_t h) {
+    const heads_ctx *c = v;
+    for (int64_t i = 0; i < c->n; i++)
+        memcpy(c->xh + (h * c->n + i) * c->cols, c->x + (i * c->H + h) * c->cols, sizeof(float) * (size_t)c->cols);
+}
+
+static void heads_scatter_task(void *v, int64_t h) {
+    const heads_ctx *c = v;
+    for (int64_t i = 0; i < c->n; i++)
+        memcpy(c->y + (i * c->H + h) * c->rows, c->yh + (h * c->n + i) * c->rows, sizeof(float) * (size_t)c->rows);
+}
+
+static void heads_quant_task(void *v, int64_t t) {
+    const heads_ctx *c = v;
+    quant_x_task(&c->p[t / c->per].c, t % c->per);
+}
+
+static void heads_xband_task(void *v, int64_t t) {
+    const heads_ctx *c = v;
+    xband_task(&c->p[t / c->per].c, t % c->per);
+}
+
+static void heads_mm_task(void *v, int64_t t) {
+    const heads_ctx *c = v;
+    const mm_plan *p = &c->p[t / c->per];
+    p->fn((void *)&p->c, t % c->per);
+}
+
+static size_t align64(size_t b) { return (b + 63) & ~(size_t)63; }
+
+/* y[n, H, rows] = per head h: x[n, h, :] . W_h^T, W_h the h-th of H consecutive (rows, cols)
+ * matrices of w. Each head gets the plan that mf_matmul_multi_ex(1, ..) makes for x[:, h]
+ * alone (same kernels, same task split), and all heads' tasks run as one pool job, so head h
+ * equals that call bit for bit (batch invariance as ever: mode picks the family, not n). The
+ * heads are gathered to contiguous [n, cols] blocks first and the results scattered back.
+ * Returns 0, or -1 unknown type / -2 bad cols / -3 out of memory. Call without the GIL. */
+int mf_matmul_heads(int type, const uint8_t *w, int64_t H, int64_t rows, int64_t cols, const float *x,
+                    int64_t n, float *y, int mode) {
+    if (type < 0 || type >= T_MAX || !mf_type_ok(type)) return -1;
+    if (cols % mf_qtypes[type].block) return -2;
+    if (n == 0 || H == 0 || rows == 0) return 0;
+    const int64_t t0 = mf_prof_on ? mf_now_ns() : 0;
+    const int64_t rb = cols / mf_qtypes[type].block * mf_qtypes[type].bytes;
+    mm_plan *p = malloc(sizeof(mm_plan) * (size_t)H);
+    if (!p) return -3;
+    /* one buffer: xh [H, n, cols], yh [H, n, rows], then per head its prepared activations */
+    const size_t bx = align64(sizeof(float) * (size_t)(H * n * cols)), by = align64(sizeof(float) * (size_t)(H * n * rows));
+    pthread_mutex_lock(&xq_lock);
+    int rc = 0;
+    heads_ctx c = {.p = p, .x = x, .y = y, .H = H, .n = n, .rows = rows, .cols = cols};
+    size_t per_q = 0, need = bx + by;
+    for (int64_t h = 0; h < H && rc == 0; h++) {
+        /* x and y pointers are set once the buffer exists; the plan does not depend on them */
+        rc = mm_plan_init(&p[h], type, w + h * rows * rb, rows, cols, NULL, n, NULL, mode);
+    }
+    if (rc == 0) {
+        const mm_ctx *c0 = &p[0].c;
+        if (c0->kg) per_q = (size_t)((n + MF_XB_ROWS - 1) / MF_XB_ROWS) * (size_t)(cols / 256) * sizeof(mf_xband);
+        else if (c0->xfmt == XF_B32BAND) per_q = c0->xs * (size_t)((n + 15) / 16);
+        else if (c0->xfmt != XF_F32) per_q = c0->xs * (size_t)n;
+        per_q = align64(per_q);
+        need += per_q * (size_t)H;
+        if (need > xq_cap) {
+            free(xq_buf);
+            xq_buf = aligned_alloc(64, need);
+            xq_cap = xq_buf ? need : 0;
+            if (!xq_buf) rc = -3;
+        }
+    }
+    if (rc == 0) {
+        c.xh = (float *)(void *)xq_buf;
+        c.yh = (float *)(void *)(xq_buf + bx);
+        for (int64_t h = 0; h < H; h++) {
+            mm_ctx *ch = &p[h].c;
+            ch->x = c.xh + h * n * cols;
+            ch->y = c.yh + h * n * rows;
+            uint8_t *q = xq_buf + bx + by + (size_t)h * per_q;
+            if (ch->kg) ch->xb = (const mf_xband *)(void *)q;
+            else if (ch->xfmt != XF_F32) ch->xq = q;
+            else ch->xq = (const uint8_t *)ch->x; /* float weights (and scalar) read x itself */
+        }
+        mf_parallel_for(H, heads_gather_task, &c);
+        const mm_ctx *c0 = &p[0].c;
+        if (c0->kg) {
+            c.per = (n + MF_XB_ROWS - 1) / MF_XB_ROWS;
+            mf_parallel_for(H * c.per, heads_xband_task, &c);
+        } else if (c0->xfmt != XF_F32) {
+            c.per = c0->xfmt == XF_B32BAND ? (n + 15) / 16 : n;
+            mf_parallel_for(H * c.per, heads_quant_task, &c);
+        }
+        for (int64_t h = 0; h < H; h++)
+            if (p[h].c.err) rc = -3;
+    }
+    if (rc == 0 && p[0].ntasks > 0) {
+        c.per = p[0].ntasks;
+        (p[0].fn == mm_task_vec ? mf_parallel_for_ranged : mf_parallel_for)(H * c.per, heads_mm_task, &c);
+        for (int64_t h = 0; h < H; h++)
+            if (p[h].c.err) rc = -3;
+        if (rc == 0) mf_parallel_for(H, heads_scatter_task, &c);
+    }
+    pthread_mutex_unlock(&xq_lock);
+    free(p);
+    if (rc == 0 && mf_prof_on) {
+        const int64_t all = rows * H;
+        prof_record(1, &type, &all, cols, n, mf_now_ns() - t0);
+    }
+    return rc;
+}
+
 typedef struct {
     int type;
     const uint8_t *w;

@@ -224,7 +224,8 @@ def dot_ref(tk: int, k_raw: np.ndarray, q_raw: np.ndarray) -> np.ndarray:
     return (r[:, 0] + r[:, 2]) + (r[:, 1] + r[:, 3])
 
 
-def attention_paged_ref(q, k, v, q_pos, q_tab, tables, bs, scale, window, softcap, tk, tv):
+def attention_paged_ref(q, k, v, q_pos, q_tab, tables, bs, scale, window, softcap, tk, tv,
+                        sinks=None):
     """attention_ref over a paged pool: query row i sees logical keys 0..q_pos[i] of its
     sequence, key t at row tables[q_tab[i] + t // bs] * bs + t % bs."""
     n, hq, _ = q.shape
@@ -238,17 +239,19 @@ def attention_paged_ref(q, k, v, q_pos, q_tab, tables, bs, scale, window, softca
         t = np.arange(T)
         phys = np.asarray(tables)[tab + t // bs].astype(np.int64) * bs + t % bs
         o = attention_ref(np.ascontiguousarray(q[sel]), kr[phys], vr[phys], np.asarray(q_pos)[sel],
-                          t.astype(np.int32), scale, window, softcap, tk, tv)
+                          t.astype(np.int32), scale, window, softcap, tk, tv, sinks=sinks)
         if out is None:
             out = np.zeros((n, hq, o.shape[-1]), np.float32)
         out[sel] = o
     return out
 
 
-def attention_ref(q, k, v, q_pos, kv_pos, scale, window, softcap, tk, tv, table=None):
+def attention_ref(q, k, v, q_pos, kv_pos, scale, window, softcap, tk, tv, table=None,
+                  sinks=None):
     """The reference of ops.attention_kvq: q f32[n, Hq, D]; k, v uint8 rows [..., Hkv, rb]
     (contiguous [T, ...] or a pool [n_blocks, 32, ...] with a block table). Scores as llama.cpp
-    computes them (dot_ref for block K, f16-rounded q for f16 K), softmax in float64."""
+    computes them (dot_ref for block K, f16-rounded q for f16 K), softmax in float64; sinks
+    f32[Hq] (or None): one more logit per q head in the denominator, not scaled or capped."""
     n, hq, dd = q.shape
     hkv = k.shape[-2]
     kr = np.ascontiguousarray(k).view(np.uint8).reshape(-1, hkv, row_bytes(tk, dd))
@@ -281,6 +284,11 @@ def attention_ref(q, k, v, q_pos, kv_pos, scale, window, softcap, tk, tv, table=
             if softcap > 0:
                 s = softcap * np.tanh(s)
             s = np.where(vis, s, -np.inf)
-            p = np.exp(s - s.max())
-            out[i, h] = (p / p.sum()) @ V[:, h // g].astype(np.float64)
+            m, extra = s.max(), 0.0
+            if sinks is not None:
+                sk = float(np.float32(sinks[h]))
+                m = max(m, sk)
+                extra = np.exp(sk - m)
+            p = np.exp(s - m)
+            out[i, h] = (p / (p.sum() + extra)) @ V[:, h // g].astype(np.float64)
     return out

@@ -39,27 +39,32 @@ class BatchKV:
                 self.k[il], self.v[il])
 
     def attend(self, il: int, ops, q: np.ndarray, k: np.ndarray, v: np.ndarray, rows,
-               scale: float, window: int, softcap: float) -> np.ndarray:
+               scale: float, window: int, softcap: float,
+               sinks: np.ndarray | None = None) -> np.ndarray:
         """Store k[n, Hkv, Dk], v[n, Hkv, Dv] of the batch's tokens, then causal attention of
         q[n, Hq, Dk] (only the query rows ``rows`` when given) -> [n_rows, Hq, Dv]. q is the
-        caller's own scratch: it may be rounded in place for the cache type."""
+        caller's own scratch: it may be rounded in place for the cache type. sinks: float32
+        [Hq] attention sinks (gpt-oss; ops.attention), or None."""
         K, V = self.k[il], self.v[il]
         pos, q_tab = self.pos, self.q_tab
         if rows is not None:
             q, pos, q_tab = q[rows], pos[rows], q_tab[rows]
         q = np.ascontiguousarray(q, dtype=np.float32)
+        # only a call with sinks passes the keyword (an ops object of before them still works)
+        kw = {} if sinks is None else {"sinks": np.ascontiguousarray(sinks, np.float32)}
         if self.kv_type in _BLOCK or self.kv_type_v in _BLOCK:
-            return self._attend_quantized(ops, K, V, q, k, v, pos, q_tab, scale, window, softcap)
+            return self._attend_quantized(ops, K, V, q, k, v, pos, q_tab, scale, window, softcap, kw)
         paged = getattr(ops, "attention_paged", None)
         if paged is not None:
             ops.kv_store(self.kv_type, K, self.slots, np.ascontiguousarray(k, np.float32))
             ops.kv_store(self.kv_type, V, self.slots, np.ascontiguousarray(v, np.float32))
             out = np.empty((q.shape[0], q.shape[1], V.shape[2]), np.float32)
-            paged(q, K, V, self.kv_type, pos, q_tab, self.tables, self.bs, scale, window, softcap, out)
+            paged(q, K, V, self.kv_type, pos, q_tab, self.tables, self.bs, scale, window, softcap, out,
+                  **kw)
             return out
-        return self._attend_reference(ops, K, V, q, k, v, pos, q_tab, scale, window, softcap)
+        return self._attend_reference(ops, K, V, q, k, v, pos, q_tab, scale, window, softcap, kw)
 
-    def _attend_quantized(self, ops, K, V, q, k, v, pos, q_tab, scale, window, softcap):
+    def _attend_quantized(self, ops, K, V, q, k, v, pos, q_tab, scale, window, softcap, kw):
         # q8_0 / q4_0 rows (llama.cpp's -ctk/-ctv): quantized as llama.cpp stores them, attended
         # with its numerics (csrc/kv_quant.c; ops.attention_kvq, the numpy reference stands in)
         # with llama.cpp's Hadamard rotation of quantized K / V (kv/quant.py rotate)
@@ -70,10 +75,11 @@ class BatchKV:
         kq.store_rows(tk, K, self.slots, kq.rotate(k, rk).reshape(n, -1))
         kq.store_rows(tv, V, self.slots, kq.rotate(v, rv).reshape(n, -1))
         o = ops.attention_kvq(np.ascontiguousarray(kq.rotate(q, rk)), K, V, pos, None, scale,
-                              window, softcap, tk, tv, table=self.tables, q_tab=q_tab, bs=self.bs)
+                              window, softcap, tk, tv, table=self.tables, q_tab=q_tab, bs=self.bs,
+                              **kw)
         return kq.rotate(o, rv)
 
-    def _attend_reference(self, ops, K, V, q, k, v, pos, q_tab, scale, window, softcap):
+    def _attend_reference(self, ops, K, V, q, k, v, pos, q_tab, scale, window, softcap, kw):
         # numpy backend: write through numpy's rounding, gather each sequence's keys, attend
         assert self.kv_type in _NP, "the numpy backend has f32 and f16 caches only"
         K[self.slots] = k
@@ -88,5 +94,5 @@ class BatchKV:
             t = np.arange(T)
             phys = self.tables[tab + t // bs].astype(np.int64) * bs + t % bs
             out[sel] = ops.attention(np.ascontiguousarray(q[sel]), K[phys], V[phys], pos[sel],
-                                     t.astype(np.int32), scale, window, softcap)
+                                     t.astype(np.int32), scale, window, softcap, **kw)
         return out

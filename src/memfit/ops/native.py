@@ -1,8 +1,8 @@
 """The native backend: the ops of memfit.ops over the C extension memfit._native.
 
-matmul and get_rows run the quant kernels (csrc/quant*.c); rmsnorm, rope, softmax, silu_mul,
-gelu_mul and attention come from csrc/ops.c when the extension has them (else the numpy
-reference stands in, so get_ops('native') always works end to end).
+matmul, matmul_heads and get_rows run the quant kernels (csrc/quant*.c); rmsnorm, rope,
+softmax, silu_mul, gelu_mul, swiglu_oai and attention come from csrc/ops.c when the extension
+has them (else the numpy reference stands in, so get_ops('native') always works end to end).
 
 Tolerance. On AVX2 and AVX-512 VNNI the quantized matmul quantizes each activation row to
 8 bits per block as llama.cpp's vec_dot_type does (Q8_0-style per 32 values with an f16-rounded
@@ -100,6 +100,26 @@ def matmul_multi(x: np.ndarray, ws: list[QTensor], outs: list[np.ndarray] | None
     return ys
 
 
+def matmul_heads(x: np.ndarray, w: QTensor, rowwise: bool | None = None,
+                 out: np.ndarray | None = None) -> np.ndarray:
+    """x[n, H, cols] -> y[n, H, rows] with y[:, h] = x[:, h] @ W[h]^T, w of numpy shape (H, rows,
+    cols) (one matrix per head, consecutive: DeepSeek MLA's absorbed k_b / v_b). One native call,
+    one pool job over the heads; head h equals matmul(x[:, h], W[h], rowwise=...) bit for bit
+    (rowwise as in matmul)."""
+    H, rows, cols = w.shape
+    if x.dtype != np.float32 or not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+    assert x.ndim == 3 and x.shape[1:] == (H, cols), (x.shape, w.name, w.shape)
+    n = x.shape[0]
+    if out is None:
+        out = np.empty((n, H, rows), dtype=np.float32)
+    assert out.shape == (n, H, rows) and out.dtype == np.float32 and out.flags.c_contiguous
+    _check(w)
+    dec = n <= 1 if rowwise is None else rowwise
+    _native.matmul_heads(w.type.id, w.data, H, rows, cols, x, n, out, bool(dec))
+    return out
+
+
 def get_rows(w: QTensor, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     # W(vocab, dim)[ids] -> [n, dim] f32
     rows, cols = w.shape
@@ -144,37 +164,66 @@ rope = _pick("rope")
 softmax = _pick("softmax")
 silu_mul = _pick("silu_mul")
 gelu_mul = _pick("gelu_mul")
+swiglu_oai = _pick("swiglu_oai")
 attention = _pick("attention")
+
+# moe_ffn activations: 0 silu, 1 gelu (the bool of before: gelu or not), 2 swiglu_oai
+MOE_ACTS = {"silu": 0, "gelu": 1, "swiglu_oai": 2}
+
+
+def _moe_act(act) -> int:
+    if isinstance(act, str):
+        a = MOE_ACTS.get(act, -1)
+    elif isinstance(act, (bool, np.bool_)):
+        a = int(bool(act))
+    else:
+        a = int(act)
+    if a not in (0, 1, 2):
+        raise ValueError(f"moe_ffn: activation {act!r} is not one of {sorted(MOE_ACTS)} (0, 1, 2)")
+    return a
+
 
 if hasattr(_native, "moe_ffn"):
     def moe_ffn(x: np.ndarray, mats, off: np.ndarray, rows: np.ndarray, wts: np.ndarray,
-                gelu: bool, out: np.ndarray, rowwise: bool = False) -> np.ndarray:
+                act, out: np.ndarray, rowwise: bool = False, biases=None) -> np.ndarray:
         """The routed experts of one layer in one native call (csrc/moe.c): for expert group g
         (mats[g] = its gate, up, down QTensors), rows[off[g]:off[g+1]] of x[n, n_embd] get
-        out[row] += wts[i] * down(act(gate x) * up x); groups in the order given; rowwise: the
-        decode kernels (as matmul)."""
+        out[row] += wts[i] * (down(act(gate x + bg, up x + bu)) + bd); groups in the order
+        given; rowwise: the decode kernels (as matmul). act: 0 / 'silu', 1 / 'gelu', 2 /
+        'swiglu_oai' (gpt-oss: alpha 1.702, limit 7.0); a bool reads as gelu or not (the
+        argument of before). biases: None, or per group a (gate f32[n_ff] | None, up f32[n_ff]
+        | None, down f32[n_embd] | None) triple (llama.cpp's ffn_*_exps.bias rows)."""
         g0, u0, d0 = mats[0]
         n_ff, n_embd = g0.shape
         assert x.dtype == np.float32 and x.flags.c_contiguous and out.shape == x.shape
-        _native.moe_ffn(x, x.shape[0], n_embd, n_ff, g0.type.id, u0.type.id, d0.type.id,
-                        [q.data for m in mats for q in m], off, rows, wts, gelu, out, bool(rowwise))
+        args = [x, x.shape[0], n_embd, n_ff, g0.type.id, u0.type.id, d0.type.id,
+                [q.data for m in mats for q in m], off, rows, wts, _moe_act(act), out, bool(rowwise)]
+        if biases is not None:
+            assert len(biases) == len(mats), (len(biases), len(mats))
+            args.append([None if b is None else np.ascontiguousarray(b, np.float32)
+                         for trip in biases for b in trip])
+        _native.moe_ffn(*args)
         return out
 
 
 def attention_kvq(q, k, v, q_pos, kv_pos, scale, window=0, softcap=0.0, type_k=1, type_v=1,
-                  table=None, out=None, q_tab=None, bs=32):
-    """ops.attention over K/V rows in KV cache types (csrc/kv_quant.c; see ops/__init__)."""
+                  table=None, out=None, q_tab=None, bs=32, sinks=None):
+    """ops.attention over K/V rows in KV cache types (csrc/kv_quant.c; see ops/__init__);
+    sinks f32[Hq] enter after the keys, as in ggml's flash attention."""
     if out is None:
         out = np.empty((q.shape[0], q.shape[1], _dv(v, type_v)), np.float32)
     q_pos = np.ascontiguousarray(q_pos, np.int32)
+    if sinks is not None:
+        sinks = np.ascontiguousarray(sinks, np.float32)
     if q_tab is not None:  # paged, the engine's addressing (kv/view.py)
         return _native.attention_paged_kvq(q, k, v, int(type_k), int(type_v), q_pos,
                                            np.ascontiguousarray(q_tab, np.int32),
                                            np.ascontiguousarray(table, np.int32), int(bs),
-                                           float(scale), int(window), float(softcap), out)
+                                           float(scale), int(window), float(softcap), out, sinks)
     return _native.attention_kvq(q, k, v, q_pos, np.ascontiguousarray(kv_pos, np.int32),
                                  float(scale), int(window), float(softcap), int(type_k), int(type_v),
-                                 None if table is None else np.ascontiguousarray(table, np.int32), out)
+                                 None if table is None else np.ascontiguousarray(table, np.int32), out,
+                                 sinks)
 
 
 def _dv(v, t: int) -> int:
@@ -189,6 +238,9 @@ decode_layer = _native.decode_layer
 
 # Batches of decode rows through one layer over a paged KV pool; attention and KV stores over
 # such a pool (csrc/decode.c, csrc/bind_kv.c). kv/view.py BatchKV uses them.
+# attention_paged(q, K, V, kv_type, q_pos, q_tab, tables, bs, scale, window, softcap, out,
+#                 sinks=None); the fused decode layers have no sinks (a model with them attends
+#                 through BatchKV.attend).
 decode_batch = _native.decode_batch
 attention_paged = _native.attention_paged
 kv_store = _native.kv_store

@@ -32,6 +32,19 @@ def matmul(x: np.ndarray, w: QTensor, rowwise: bool = False) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=np.float32) @ dequant(w).T
 
 
+def matmul_heads(x: np.ndarray, w: QTensor, rowwise: bool | None = None,
+                 out: np.ndarray | None = None) -> np.ndarray:
+    # x[n, H, cols], W(H, rows, cols): y[n, H, rows] with y[:, h] = x[:, h] @ W[h]^T (one
+    # matrix per head: DeepSeek MLA's absorbed projections); rowwise as in matmul
+    H, rows, cols = w.shape
+    assert x.ndim == 3 and x.shape[1:] == (H, cols), (x.shape, w.name, w.shape)
+    y = np.einsum("nhc,hrc->nhr", np.asarray(x, dtype=np.float32), dequant(w)).astype(np.float32)
+    if out is None:
+        return y
+    out[...] = y
+    return out
+
+
 def get_rows(w: QTensor, ids: np.ndarray) -> np.ndarray:
     # W(vocab, dim): gather the raw bytes of the requested rows, dequantize only those
     rows, cols = w.shape
@@ -51,16 +64,34 @@ def rmsnorm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
 
 
 def rope(x: np.ndarray, pos: np.ndarray, n_rot: int, theta_base: float, freq_scale: float,
-         neox: bool, freq_factors: np.ndarray | None = None) -> np.ndarray:
+         neox: bool, freq_factors: np.ndarray | None = None, *, ext_factor: float = 0.0,
+         attn_factor: float = 1.0, corr_dims: tuple[float, float] = (0.0, 0.0)) -> np.ndarray:
     """x[n, heads, head_dim]; dims >= n_rot pass through. theta_i = pos * freq_scale *
-    base^(-2i/n_rot) / freq_factors[i] (freq_factors: llama3-style rope_freqs, optional)."""
+    base^(-2i/n_rot) / freq_factors[i] (freq_factors: llama3-style rope_freqs, optional).
+
+    YaRN (ggml's rope_yarn; corr_dims from memfit.ops.rope.yarn_corr_dims): with ext_factor
+    != 0, pair i mixes in the unscaled angle pos * base^(-2i/n_rot) / ff[i] by ramp_i = (1 -
+    clamp((i - lo) / max(0.001, hi - lo), 0, 1)) * ext_factor, and cos/sin are scaled by
+    attn_factor * (1 + 0.1 ln(1 / freq_scale)); with ext_factor 0 by attn_factor alone."""
     half = n_rot // 2
     inv = theta_base ** (-np.arange(half, dtype=np.float64) * 2.0 / n_rot)
     if freq_factors is not None:
         inv = inv / np.asarray(freq_factors, dtype=np.float64)
-    ang = np.asarray(pos, dtype=np.float64)[:, None] * (freq_scale * inv)[None, :]  # [n, half]
-    cos = np.cos(ang).astype(np.float32)[:, None, :]
-    sin = np.sin(ang).astype(np.float32)[:, None, :]
+    p = np.asarray(pos, dtype=np.float64)[:, None]
+    ang = p * (freq_scale * inv)[None, :]  # [n, half]
+    if ext_factor == 0.0 and attn_factor == 1.0:
+        cos = np.cos(ang).astype(np.float32)[:, None, :]
+        sin = np.sin(ang).astype(np.float32)[:, None, :]
+    else:
+        mscale = float(attn_factor)
+        if ext_factor != 0.0:
+            lo, hi = (float(c) for c in corr_dims)
+            y = (np.arange(half, dtype=np.float64) - lo) / max(0.001, hi - lo)
+            ramp = (1.0 - np.clip(y, 0.0, 1.0)) * ext_factor
+            ang = ang * (1.0 - ramp) + (p * inv[None, :]) * ramp
+            mscale *= 1.0 + 0.1 * np.log(1.0 / freq_scale)
+        cos = (np.cos(ang) * mscale).astype(np.float32)[:, None, :]
+        sin = (np.sin(ang) * mscale).astype(np.float32)[:, None, :]
     out = np.array(x, dtype=np.float32, copy=True)
     if neox:
         a, b = x[..., :half], x[..., half:n_rot]
@@ -91,10 +122,24 @@ def gelu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return (g * up).astype(np.float32, copy=False)
 
 
+def swiglu_oai(gate: np.ndarray, up: np.ndarray, alpha: float = 1.702, limit: float = 7.0,
+               out: np.ndarray | None = None) -> np.ndarray:
+    # gpt-oss's clamped SwiGLU (ggml's swiglu_oai): the gate capped above, up clipped both ways
+    x = np.minimum(gate, np.float32(limit))
+    y = np.clip(up, np.float32(-limit), np.float32(limit))
+    with np.errstate(over="ignore"):   # exp overflow -> inf -> x / inf = -0, as expf
+        r = x / (np.float32(1) + np.exp(np.float32(-alpha) * x)) * (y + np.float32(1))
+    if out is None:
+        return r.astype(np.float32, copy=False)
+    out[...] = r
+    return out
+
+
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
               kv_pos: np.ndarray, scale: float, window: int = 0,
-              softcap: float = 0.0) -> np.ndarray:
-    # q[n, Hq, D], k[T, Hkv, D], v[T, Hkv, Dv] -> [n, Hq, Dv]; q head h uses kv head h // G
+              softcap: float = 0.0, sinks: np.ndarray | None = None) -> np.ndarray:
+    # q[n, Hq, D], k[T, Hkv, D], v[T, Hkv, Dv] -> [n, Hq, Dv]; q head h uses kv head h // G;
+    # sinks f32[Hq]: one more logit per q head in the softmax denominator (no value row)
     n, hq, d = q.shape
     t, hkv, dv = v.shape
     g = hq // hkv
@@ -111,7 +156,15 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
     if window > 0:
         allowed &= (qp - kp) < window   # llama.cpp: masked when q_pos - kv_pos >= n_swa
     s = np.where(allowed[None, None], s, np.float32(-np.inf))
-    p = softmax(s).reshape(hkv, g * n, t)
+    if sinks is None:
+        p = softmax(s).reshape(hkv, g * n, t)
+    else:
+        # max over the scores and the sink (neither scaled nor capped), as ggml's soft_max
+        sk = np.asarray(sinks, dtype=np.float32).reshape(hkv, g, 1, 1)
+        m = np.maximum(np.max(s, axis=-1, keepdims=True), sk)
+        e = np.exp(s - m)
+        p = (e / (np.sum(e, axis=-1, keepdims=True) + np.exp(sk - m)))
+        p = p.astype(np.float32, copy=False).reshape(hkv, g * n, t)
     o = p @ v.transpose(1, 0, 2)                                      # [Hkv, G*n, Dv]
     return np.ascontiguousarray(o.reshape(hkv, g, n, dv).transpose(2, 0, 1, 3).reshape(n, hq, dv),
                                 dtype=np.float32)
@@ -120,15 +173,17 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
 def attention_kvq(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
                   kv_pos: np.ndarray, scale: float, window: int = 0, softcap: float = 0.0,
                   type_k: int = 1, type_v: int = 1, table=None, out=None, q_tab=None,
-                  bs: int = 32) -> np.ndarray:
+                  bs: int = 32, sinks: np.ndarray | None = None) -> np.ndarray:
     """attention over K/V rows in KV cache types (uint8 rows [..., Hkv, row_bytes], contiguous
-    or a paged pool with a block table): llama.cpp's scores (kv/quant.py), float64 softmax."""
+    or a paged pool with a block table): llama.cpp's scores (kv/quant.py), float64 softmax
+    (sinks as in attention)."""
     from ..kv.quant import attention_paged_ref, attention_ref
     if q_tab is not None:
         r = attention_paged_ref(q, k, v, q_pos, q_tab, table, bs, scale, window, softcap,
-                                type_k, type_v)
+                                type_k, type_v, sinks=sinks)
     else:
-        r = attention_ref(q, k, v, q_pos, kv_pos, scale, window, softcap, type_k, type_v, table)
+        r = attention_ref(q, k, v, q_pos, kv_pos, scale, window, softcap, type_k, type_v, table,
+                          sinks=sinks)
     if out is None:
         return r
     out[...] = r
