@@ -280,11 +280,3 @@ def _yarn(get, num, arch: str, factor: float, kw: dict) -> dict:
     return dict(n_ctx_orig=n_orig, yarn_beta_fast=beta_fast, yarn_beta_slow=beta_slow,
                 yarn_attn_factor=attn, yarn_log_mul=log_mul)
 
-
-def yarn_corr_dims(n_rot: int, n_ctx_orig: int, base: float, beta_fast: float,
-                   beta_slow: float) -> tuple[float, float]:
-    """The dims where YaRN's ramp runs between extrapolation and interpolation (ggml's
-    ggml_rope_yarn_corr_dims): floor of the fast one, ceil of the slow one, within the dims."""
-    def dim(b):
-        return n_rot * math.log(n_ctx_orig / (b * 2 * math.pi)) / (2 * math.log(base))
-    return max(0.0, math.floor(dim(beta_fast))), min(n_rot - 1.0, math.ceil(dim(beta_slow)))

@@ -14,9 +14,10 @@ from ..errors import RequestError
 from ..kv.seq import SeqKV as KVCache
 from ..ops.backend import RouteSpec
 from ..ops.fused import DenseLayerParams
+from ..ops.rope import yarn_corr_dims
 from ..quant.reference import dequantize
 from .batch import Batch
-from .config import ModelConfig, yarn_corr_dims
+from .config import ModelConfig
 from .lookahead import RouterLookahead
 from .spec import SKIP, ArchSpec, check_tensors
 

@@ -76,22 +76,6 @@ class Backend:
             return self.module.matmul_multi(x, ws, outs, rowwise=rowwise)
         return [self.matmul(x, w, rowwise=bool(rowwise)) for w in ws]
 
-    def matmul_heads(self, x, w, rowwise=None):
-        """x [n, H, cols] and w (H, rows, cols), one matrix per head -> [n, H, rows]: each
-        head's rows through matmul (the module's own call where it has one)."""
-        own = getattr(self.module, "matmul_heads", None)
-        if own is not None:
-            return own(x, w, rowwise=rowwise)
-        from . import QTensor
-        n, H, cols = x.shape
-        rows = w.shape[1]
-        nb = rows * w.type.row_bytes(cols)
-        out = np.empty((n, H, rows), np.float32)
-        for h in range(H):
-            wh = QTensor(f"{w.name}[{h}]", w.type, (rows, cols), w.data[h * nb:(h + 1) * nb])
-            out[:, h] = self.matmul(np.ascontiguousarray(x[:, h]), wh, rowwise=bool(rowwise))
-        return out
-
     def set_threads(self, n: int) -> int:
         return self.module.set_threads(n) if self.has("threads") else 1
 
