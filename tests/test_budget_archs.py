@@ -1,6 +1,6 @@
 """The hard memory budget on the large-MoE families (issue 19), end to end: real
-`python -m memfit` processes on small synthetic glm4moe and deepseek2 files (dense leading
-layer, shared expert, NextN layer / MLA) whose peak RSS (VmHWM) is read from /proc, at 100%
+`python -m memfit` processes on small synthetic glm4moe, deepseek2 and gpt-oss files (dense
+leading layer, shared expert, NextN layer / MLA / MXFP4 experts with biases, sinks, windows) whose peak RSS (VmHWM) is read from /proc, at 100%
 and 50% of the file and at the floor `memfit plan` states: within the budget and greedy ids
 identical to the unconstrained run; below the floor refused before loading with the minimum
 named. Weights and routing are synthetic."""
@@ -24,6 +24,11 @@ SHAPES = {
     "deepseek2": dict(n_embd=512, n_layer=8, n_head=4, q_lora_rank=256, kv_lora_rank=256,
                       n_expert=32, n_expert_used=4, n_ff_exp=768, n_ff_shexp=768, n_ff=1024,
                       expert_group_count=4, expert_group_used_count=2, n_ctx=512),
+    # MXFP4 experts as published
+    "gpt-oss": dict(n_embd=512, n_layer=8, n_head=8, n_head_kv=2, head_dim=64, n_expert=32,
+                    n_expert_used=4, n_ff_exp=768, n_ctx=512, sliding_window=16,
+                    types={f"blk.{i}.ffn_{m}_exps.weight": "MXFP4" for i in range(8)
+                           for m in ("gate", "up", "down")}),
 }
 
 

@@ -20,7 +20,7 @@ from memfit.ops import get_ops
 from memfit.tokenizer import Tokenizer
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "qwen2moe", "mixtral", "olmoe", "glm4moe",
-         "deepseek2"]
+         "deepseek2", "gpt-oss"]
 KV = ["f16", "q8_0", "q4_0"]
 N_GEN = 8
 PREFIX = [3 + (i * 11) % 240 for i in range(40)]  # one full 32-token block and 8 more

@@ -284,7 +284,7 @@ def tensor_type(quant: str, name: str, layer: int | None, n_layer: int, cols: in
     i_ffn_down: this tensor's index among the ffn_down tensors in llama-quantize's order
     (default: the layer, right unless a layer has several, e.g. shared experts);
     stacked: a 3-D expert tensor (default: "_exps" in the name)."""
-    if is_vector or name.endswith("ffn_gate_inp.weight"):
+    if is_vector or name.endswith(("ffn_gate_inp.weight", ".bias")):
         return BY_NAME["F32"]   # llama-quantize keeps norms, biases and routers in F32
     mix, single, _ = resolve_quant(quant, pure)
     if single is not None:

@@ -15,6 +15,7 @@ from .deepseek2 import Deepseek2
 from .gemma3 import Gemma3
 from .glm4moe import Glm4Moe
 from .glmdsa import GlmDsa
+from .gptoss import GptOss
 from .layers import Model
 from .llama import Llama
 from .olmoe import Olmoe
@@ -29,7 +30,7 @@ from .weights import GGUFWeights, WeightSource
 REGISTRY: dict[str, type[Model]] = {
     "llama": Llama, "qwen2": Qwen2, "qwen3": Qwen3, "gemma3": Gemma3,
     "qwen2moe": Qwen2Moe, "qwen3moe": Qwen3Moe, "olmoe": Olmoe, "glm4moe": Glm4Moe,
-    "deepseek2": Deepseek2, "glm-dsa": GlmDsa,
+    "deepseek2": Deepseek2, "glm-dsa": GlmDsa, "gpt-oss": GptOss,
 }
 
 

@@ -293,7 +293,8 @@ class Model:
             k = self.norm(k, p + "attn_k_norm.weight")
         q, k = self.rope(q, pos, il), self.rope(k, pos, il)
         # the cache stores k/v and attends (q rows ``last`` only): its layout and type stay there
-        o = cache.attend(il, ops, q, k, v, last, c.attn_scale, window, c.attn_softcap)
+        o = cache.attend(il, ops, q, k, v, last, c.attn_scale, window, c.attn_softcap,
+                         sinks=self.vec.get(p + "attn_sinks.weight"))   # (gpt-oss)
         return self.linear(o.reshape(o.shape[0], c.n_head * c.head_dim_v), p + "attn_output")
 
     def ffn(self, il: int, x: np.ndarray, suffix: str = "") -> np.ndarray:
@@ -307,19 +308,44 @@ class Model:
             # time: ~7-25 ms of page faults per 40 MB array here, ~3% of a 7B prefill.
             g, u = self.linears(x, (p + "ffn_gate" + suffix, p + "ffn_up" + suffix),
                                 [self._scratch(k, n * F).reshape(n, F) for k in ("gate", "up")])
-            act = self.ops.silu_mul if self.act == "silu" else self.ops.gelu_mul
-            h = act(g, u, out=g)
+            h = self._act_mul(g, u, out=g)
         else:
             g, u = self.linears(x, (p + "ffn_gate" + suffix, p + "ffn_up" + suffix))
-            h = self.ops.silu_mul(g, u) if self.act == "silu" else self.ops.gelu_mul(g, u)
+            h = self._act_mul(g, u)
         return self.linear(h, p + "ffn_down" + suffix)
 
-    def _glu(self, x: np.ndarray, gate, up, down) -> np.ndarray:
-        # down(act(gate x) * up x) for QTensors (one expert, or the shared expert)
+    def _act_mul(self, g: np.ndarray, u: np.ndarray, out=None) -> np.ndarray:
+        """The gated activation of the architecture (spec act): silu(g) * u, gelu(g) * u or
+        gpt-oss's clamped SwiGLU."""
+        f = {"silu": self.ops.silu_mul, "gelu": self.ops.gelu_mul,
+             "swiglu_oai": self.ops.swiglu_oai}[self.act]
+        return f(g, u) if out is None else f(g, u, out=out)
+
+    def _glu(self, x: np.ndarray, gate, up, down, bias=None) -> np.ndarray:
+        # down(act(gate x + bg, up x + bu)) + bd for QTensors (one expert, or the shared
+        # expert); bias: None or the (gate, up, down) bias rows of an expert (gpt-oss)
         kw = self._rows_kw(x)
         g, u = self.ops.matmul_multi(x, [gate, up], **kw)
-        h = self.ops.silu_mul(g, u) if self.act == "silu" else self.ops.gelu_mul(g, u)
-        return self.ops.matmul(h, down, **kw)
+        if bias is not None:
+            g, u = g + bias[0], u + bias[1]
+        y = self.ops.matmul(self._act_mul(g, u), down, **kw)
+        return y if bias is None else y + bias[2]
+
+    def _expert_biases(self, il: int):
+        """(gate [X, F], up [X, F], down [X, E]) bias rows of layer il's experts as float32
+        views of the weights (gpt-oss), or None."""
+        p = f"blk.{il}.ffn_"
+        if not self.weights.has(p + "gate_exps.bias"):
+            return None
+        out = []
+        for m in ("gate", "up", "down"):
+            q = self.weights.get(f"{p}{m}_exps.bias")
+            if q.type.name == "F32":
+                out.append(q.data.view(np.float32).reshape(q.shape))
+            else:
+                out.append(dequantize(q.type.id, q.data.reshape(-1), q.shape[0] * q.shape[1])
+                           .reshape(q.shape))
+        return tuple(out)
 
     def router_logits(self, il: int, x: np.ndarray) -> np.ndarray:
         """Layer il's router logits [n, n_expert] of x [n, n_embd]."""
@@ -371,18 +397,22 @@ class Model:
         limit = int(w.expert_batch_limit or len(experts))
         out = np.zeros_like(x)
         fused = self.ops.has("moe_ffn")
+        eb = self._expert_biases(il)
         for i in range(0, len(experts), limit):
             group = experts[i:i + limit].tolist()
             mats = w.get_experts(il, group)
+            biases = None if eb is None else [tuple(b[e] for b in eb) for e in group]
             if fused:
                 a, b = starts[i], starts[i + len(group)]
                 self.ops.moe_ffn(x, mats, starts[i:i + len(group) + 1] - a, rows_all[a:b],
-                                 wts_all[a:b], self.act == "gelu", out, **self._rows_kw(x))
+                                 wts_all[a:b], self.act, out, **self._rows_kw(x),
+                                 biases=biases)
                 continue
             for j, (gate, up, down) in enumerate(mats):
                 a, b = starts[i + j], starts[i + j + 1]
                 rows = rows_all[a:b]            # a token picks an expert at most once
-                y = self._glu(np.ascontiguousarray(x[rows]), gate, up, down)
+                y = self._glu(np.ascontiguousarray(x[rows]), gate, up, down,
+                              None if biases is None else biases[j])
                 out[rows] += y * wts_all[a:b][:, None]
         if self.spec.shared_expert:
             # [n]: one logit per token; a per-row sum (BLAS's x @ v may group rows differently

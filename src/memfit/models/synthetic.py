@@ -52,6 +52,10 @@ _ARCH_DEFAULTS = {
                       expert_group_count=4, expert_group_used_count=2, gating="sigmoid",
                       expert_weights_norm=True, expert_weights_scale=2.5),
 }
+# gpt-oss: heads of 64 (4 x 64 != n_embd), window 4, 8 experts (2 used), YaRN x32 over 128
+_ARCH_DEFAULTS["gpt-oss"] = dict(_MOE, n_embd=256, n_head=4, n_head_kv=2, head_dim=64,
+                                 sliding_window=4, rope_base=150000.0, rope_scaling="yarn",
+                                 rope_freq_scale=1 / 32, n_ctx_orig=128)
 # GLM-5: deepseek2's layer with glm4moe's NextN layer and an indexer (2 heads of 64, top 64)
 _ARCH_DEFAULTS["glm-dsa"] = dict(_ARCH_DEFAULTS["deepseek2"], n_layer_nextn=1, expert_group_count=0,
                                  expert_group_used_count=0, expert_weights_scale=1.0,
@@ -59,7 +63,8 @@ _ARCH_DEFAULTS["glm-dsa"] = dict(_ARCH_DEFAULTS["deepseek2"], n_layer_nextn=1, e
 # ModelConfig fields a writer override may set directly
 _CONFIG_KEYS = ("n_rot", "n_layer_dense_lead", "n_layer_nextn", "expert_group_count",
                 "expert_group_used_count", "q_lora_rank", "kv_lora_rank", "head_dim_k_mla",
-                "head_dim_v_mla", "head_dim_k", "head_dim_v", "indexer")
+                "head_dim_v_mla", "head_dim_k", "head_dim_v", "indexer", "rope_scaling",
+                "rope_freq_scale", "n_ctx_orig")
 _WORDS = ["Ġthe", "Ġand", "Ġof", "Ġto", "Ġa", "Ġin", "Ġis", "Ġit", "Ġhello", "Ġworld",
           "ing", "er", "on", "Ġthat", "Ġfor", "Ġwith", "Ġas", "Ġwas", "Ġhe", "Ġon"]
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -196,7 +201,8 @@ def write_tiny_model(path, arch: str, qtype_name: str, seed: int = 0, **override
             w.add_tensor(t.name, np.ascontiguousarray(arrays[t.name], np.float32))
             continue
         shape = tuple(shapes.get(t.name, t.shape))
-        default = "F32" if len(t.shape) == 1 or t.role == ROUTER else qtype_name
+        default = "F32" if len(t.shape) == 1 or t.role == ROUTER or t.name.endswith(".bias") \
+            else qtype_name
         qt = BY_NAME[types.get(t.name, default)]
         if shape[-1] % qt.block_size:   # rows the type cannot hold (MLA's attn_k_b): Q8_0
             qt = BY_NAME["Q8_0" if shape[-1] % 32 == 0 else "F16"]
