@@ -195,3 +195,41 @@ def test_glm_dsa_is_dense_mla_up_to_the_indexer_top_k(tmp_path, backend, qtype, 
     # longer contexts need the indexer: refused with the reason, before any weight is read
     with pytest.raises(Exception, match="sparse attention keeps the 64 best keys"):
         Runtime(str(path), n_ctx=128, mem_budget="1GiB")
+
+
+def test_deepseek2_yarn_matches_float64(tmp_path):
+    # YaRN as DeepSeek-V3 writes it (factor 40, log multiplier 0.1 x 1/0.1): ggml's rope_yarn
+    # on q_pe / k_pe (adjacent pairs) with magnitude 1, and kq_scale (1 + 0.1 ln 40)^2 / sqrt(96)
+    from memfit.ops.rope import yarn_corr_dims
+    f, orig = 40.0, 64
+    path = _tiny(tmp_path, "F32", seed=14, rope_scaling="yarn", rope_freq_scale=1 / f,
+                 n_ctx_orig=orig, metadata={"deepseek2.rope.scaling.yarn_log_multiplier": 0.1})
+    m = load_model(path, ops=get_ops("native"))
+    m.kv_f16 = False
+    assert m.config.yarn and m.config.yarn_log_mul == pytest.approx(1.0)
+    lo, hi = yarn_corr_dims(CFG["R"], orig, CFG["rope_base"], 32.0, 1.0)
+    assert 0 < hi < CFG["R"] // 2   # the ramp runs inside the rotated pairs
+
+    def rope(x, pos, base):
+        d = x.shape[-1]
+        i = np.arange(d // 2)
+        extrap = pos[:, None] * base ** (-2.0 * i / d)
+        ramp = 1 - np.clip((i - lo) / max(0.001, hi - lo), 0, 1)
+        theta = extrap / f * (1 - ramp) + extrap * ramp
+        z = (x[..., 0::2] + 1j * x[..., 1::2]) * np.exp(1j * theta)[:, None, :]
+        out = np.empty_like(x)
+        out[..., 0::2], out[..., 1::2] = z.real, z.imag
+        return out
+    import test_deepseek2 as T
+    old = T._rope_norm
+    T._rope_norm = rope
+    try:
+        ref = reference_logits(path, IDS, CFG)
+    finally:
+        T._rope_norm = old
+    # the reference scores with 1/sqrt(96): yarn's mscale^2 is the only difference in scale
+    ms = (1 + 0.1 * np.log(f)) ** 2
+    assert m.config.attn_scale == pytest.approx(ms / np.sqrt(96))
+    m.config.attn_scale = 1 / np.sqrt(96)
+    full = m.forward(IDS, m.new_cache(32), all_logits=True)
+    assert rel_err(full, ref) <= 1e-4, rel_err(full, ref)
