@@ -49,7 +49,8 @@ _CONFIG_KEYS = ("n_rot", "n_layer_dense_lead", "n_layer_nextn", "expert_gating_f
                 "expert_weights_norm", "expert_weights_scale", "expert_group_count",
                 "expert_group_used_count", "rms_eps", "q_lora_rank", "kv_lora_rank",
                 "head_dim_k_mla", "head_dim_v_mla", "head_dim_k", "head_dim_v", "indexer",
-                "rope_scaling", "rope_freq_scale", "n_ctx_orig", "yarn_log_mul")
+                "rope_scaling", "rope_freq_scale", "n_ctx_orig", "yarn_log_mul",
+                "sliding_window")
 
 
 def _mla(C: int, R: int, Dn: int, Dv: int, Q: int) -> dict:
@@ -122,6 +123,21 @@ CONFIGS: dict[tuple[str, str], dict] = {
                                    expert_weights_scale=2.827, rope_scaling="yarn",
                                    rope_freq_scale=1 / 32, n_ctx_orig=4096, yarn_log_mul=1.0,
                                    **_SIGMOID),
+    ("gpt-oss", "tiny"): dict(_TINY_MOE, head_dim=64, n_head_kv=2, sliding_window=128,
+                              rope_base=150000.0, rope_scaling="yarn", rope_freq_scale=1 / 32,
+                              n_ctx_orig=4096, rms_eps=1e-5),
+    # gpt-oss-20b / -120b (config.json): 2880 wide, heads of 64 (64 q / 8 kv), experts of
+    # 2880 (top 4), window 128 on even layers, YaRN x32 over 4096 (~12 / ~61 GiB at MXFP4_MOE)
+    ("gpt-oss", "20b"): dict(n_embd=2880, n_layer=24, n_head=64, n_head_kv=8, head_dim=64,
+                             n_ff=2880, n_vocab=201088, n_ctx=131072, rope_base=150000.0,
+                             tied=False, n_expert=32, n_expert_used=4, n_ff_exp=2880,
+                             sliding_window=128, rope_scaling="yarn", rope_freq_scale=1 / 32,
+                             n_ctx_orig=4096, rms_eps=1e-5),
+    ("gpt-oss", "120b"): dict(n_embd=2880, n_layer=36, n_head=64, n_head_kv=8, head_dim=64,
+                              n_ff=2880, n_vocab=201088, n_ctx=131072, rope_base=150000.0,
+                              tied=False, n_expert=128, n_expert_used=4, n_ff_exp=2880,
+                              sliding_window=128, rope_scaling="yarn", rope_freq_scale=1 / 32,
+                              n_ctx_orig=4096, rms_eps=1e-5),
     ("glm-dsa", "tiny"): dict(_TINY_MOE, **_mla(256, 64, 64, 64, 256), n_ff_shexp=256,
                               n_layer_dense_lead=1, n_layer_nextn=1, indexer=(4, 128, 2048),
                               **_SIGMOID),
@@ -390,8 +406,11 @@ def model_tensors(arch: str, cfg: dict) -> list[tuple[str, tuple[int, ...], int 
     """(name, numpy shape, layer) in llama.cpp's file order, from the architecture's spec."""
     from .models.spec import get_spec
     c = model_config(arch, cfg)
-    return [(t.name, t.shape, t.layer) for t in get_spec(c.arch).tensors(c)
-            if t.required or (t.name == "output.weight" and not cfg["tied"])]
+    spec = get_spec(c.arch)
+    extra = spec.synth_optional
+    return [(t.name, t.shape, t.layer) for t in spec.tensors(c)
+            if t.required or (t.name == "output.weight" and not cfg["tied"])
+            or (extra and t.name.endswith(extra))]
 
 
 def _vocab(n_vocab: int) -> tuple[list[str], list[int], list[str], int, int]:

@@ -117,7 +117,8 @@ def _layer(c, il):
 
 
 SPEC = ArchSpec("deepseek2", moe="always", routing_keys=True, n_ff_exp_key=True, yarn=True,
-                hparams=_hparams, layer_table=_layer, write_extra=_write)
+                hparams=_hparams, layer_table=_layer, write_extra=_write,
+                synth_optional=("exp_probs_b.bias",))   # DeepSeek-V3's correction bias
 
 
 class Deepseek2(Model):

@@ -79,7 +79,11 @@ def _layer(c, il):
 
 
 SPEC = ArchSpec("glm-dsa", moe="always", routing_keys=True, n_ff_exp_key=True, yarn=True,
-                gating_default="sigmoid", hparams=_hparams, layer_table=_layer, write_extra=_write)
+                gating_default="sigmoid", hparams=_hparams, layer_table=_layer, write_extra=_write,
+                # GLM-5's files carry both (llama.cpp's graph reads the indexer's)
+                synth_optional=("exp_probs_b.bias", "indexer.k_norm.weight", "indexer.k_norm.bias",
+                                "indexer.proj.weight", "indexer.attn_k.weight",
+                                "indexer.attn_q_b.weight"))
 
 
 class GlmDsa(Deepseek2):

@@ -46,9 +46,11 @@ class Model:
         self.specs = self.tensor_specs()
         self._check_tensors()
         # small 1-D tensors (norms, biases, rope factors) are kept as float32 for the whole run
+        # (not those of layers the forward never runs: role skip, NextN)
+        skip = {t.name for t in self.spec.tensors(config) if t.role == SKIP}
         self.vec: dict[str, np.ndarray] = {}
         for name, (shape, _) in self.specs.items():
-            if len(shape) == 1 and weights.has(name):
+            if len(shape) == 1 and weights.has(name) and name not in skip:
                 q = weights.get(name)
                 self.vec[name] = dequantize(q.type.id, q.data.reshape(-1), shape[0]).copy()
         self.output = "output.weight" if weights.has("output.weight") else "token_embd.weight"
@@ -76,9 +78,7 @@ class Model:
         return {t.name: (t.shape, t.required) for t in self.spec.layer_tensors(self.config, il)}
 
     def tensor_specs(self) -> dict[str, tuple[tuple[int, ...], bool]]:
-        """The tensors the forward reads (role skip -- NextN layers -- left out)."""
-        return {t.name: (t.shape, t.required) for t in self.spec.tensors(self.config)
-                if t.role != SKIP}
+        return {t.name: (t.shape, t.required) for t in self.spec.tensors(self.config)}
 
     def _check_tensors(self) -> None:
         w = self.weights

@@ -69,6 +69,8 @@ class ArchSpec:
                                          # table (else the flag table below); il runs over
                                          # the NextN layers too (n_layer..)
     write_extra: Callable | None = None  # (gguf writer, config): the arch's own metadata keys
+    synth_optional: tuple = ()           # name suffixes of optional tensors that published
+                                         # files carry: the synthetic writers write them
 
     # --- tensors -------------------------------------------------------------------------
     def layer_tensors(self, c: "ModelConfig", il: int) -> list[Tensor]:

@@ -160,7 +160,7 @@ def write_tiny_model(path, arch: str, qtype_name: str, seed: int = 0, **override
     if arch == "mixtral":
         arch = "llama"
     skip = set(p.pop("skip", ()) or ())
-    optional = tuple(p.pop("optional", ()) or ())   # name suffixes of optional tensors to write
+    optional = p.pop("optional", None)   # name suffixes of optional tensors to write
     shapes = dict(p.pop("shapes", {}) or {})
     types = dict(p.pop("types", {}) or {})
     arrays = dict(p.pop("arrays", {}) or {})
@@ -169,6 +169,7 @@ def write_tiny_model(path, arch: str, qtype_name: str, seed: int = 0, **override
     tokens, ttypes, merges = tiny_vocab()
     n_vocab = len(tokens)
     spec, cfg = tiny_config(arch, n_vocab, p)
+    optional = tuple(spec.synth_optional if optional is None else optional)
 
     path = Path(path)
     w = gguf.GGUFWriter(str(path), arch)
