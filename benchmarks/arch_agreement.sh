@@ -2,7 +2,9 @@
 # Teacher-forced agreement with llama.cpp for the large-MoE families (issue 19), never in CI:
 # for each architecture a synthetic file at its tiny real-shape config (`memfit synth --size
 # tiny`; random weights and routing), then benchmarks/moe_agreement.py's three steps (memfit,
-# llama.cpp batch 512 and batch 1, compare). Rows go to benchmarks/arch_agreement.jsonl.
+# llama.cpp batch 512 and batch 1, compare); then the same on an all-F32 file from the test
+# writer (models/synthetic.py), where neither side quantizes activations: any difference
+# there is a difference in the computation itself. Rows go to benchmarks/arch_agreement.jsonl.
 #   PEER=/root/peer-venv/bin/python bash benchmarks/arch_agreement.sh [ARCH...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +23,16 @@ for arch in "${archs[@]}"; do
   d="$WORK/$arch"
   rm -rf "$d"
   "$MEMFIT_PY" benchmarks/moe_agreement.py memfit "$f" "$d" -n "$N"
+  OMP_WAIT_POLICY=passive "$PEER" benchmarks/moe_agreement.py llama "$f" "$d"
+  "$MEMFIT_PY" benchmarks/moe_agreement.py compare "$f" "$d" --out benchmarks/arch_agreement.jsonl
+  # all F32 (glm-dsa: 56 tokens, under its tiny indexer's top-k of 64: dense in both)
+  f="$WORK/$arch-f32.gguf"
+  "$MEMFIT_PY" -c "from memfit.models.synthetic import write_tiny_model as w; w('$f', '$arch', 'F32', seed=5, tied=False)"
+  n=$N
+  [ "$arch" = glm-dsa ] && n=56
+  d="$WORK/$arch-f32"
+  rm -rf "$d"
+  "$MEMFIT_PY" benchmarks/moe_agreement.py memfit "$f" "$d" -n "$n"
   OMP_WAIT_POLICY=passive "$PEER" benchmarks/moe_agreement.py llama "$f" "$d"
   "$MEMFIT_PY" benchmarks/moe_agreement.py compare "$f" "$d" --out benchmarks/arch_agreement.jsonl
 done
