@@ -298,7 +298,7 @@ typedef struct {
     const float *g, *u;
     float *out;
     int64_t n;
-    int gelu; /* ACT_* */
+    int act;            /* ACT_* */
     float alpha, limit; /* ACT_SWIGLU_OAI */
 } gate_ctx;
 
@@ -367,13 +367,13 @@ static void gate_task(void *p, int64_t ci) {
     const int64_t j0 = ci * CHUNK, len = c->n - j0 < CHUNK ? c->n - j0 : CHUNK;
 #ifdef MF_X86
     if (use_avx2()) {
-        if (c->gelu == ACT_SWIGLU_OAI) swiglu_oai_avx2(c->g + j0, c->u + j0, c->out + j0, len, c->alpha, c->limit);
-        else gate_avx2(c->g + j0, c->u + j0, c->out + j0, len, c->gelu);
+        if (c->act == ACT_SWIGLU_OAI) swiglu_oai_avx2(c->g + j0, c->u + j0, c->out + j0, len, c->alpha, c->limit);
+        else gate_avx2(c->g + j0, c->u + j0, c->out + j0, len, c->act == ACT_GELU);
         return;
     }
 #endif
-    if (c->gelu == ACT_SWIGLU_OAI) swiglu_oai_scalar(c->g + j0, c->u + j0, c->out + j0, len, c->alpha, c->limit);
-    else gate_scalar(c->g + j0, c->u + j0, c->out + j0, len, c->gelu);
+    if (c->act == ACT_SWIGLU_OAI) swiglu_oai_scalar(c->g + j0, c->u + j0, c->out + j0, len, c->alpha, c->limit);
+    else gate_scalar(c->g + j0, c->u + j0, c->out + j0, len, c->act == ACT_GELU);
 }
 
 static void gate_run_ex(const float *g, const float *u, float *out, int64_t n, int act, float alpha, float limit) {
@@ -386,7 +386,7 @@ static void gate_run_ex(const float *g, const float *u, float *out, int64_t n, i
 }
 
 static void gate_run(const float *g, const float *u, float *out, int64_t n, int gelu) {
-    gate_run_ex(g, u, out, n, gelu, 0.0f, 0.0f);
+    gate_run_ex(g, u, out, n, gelu ? ACT_GELU : ACT_SILU, 0.0f, 0.0f);
 }
 
 void mf_swiglu_oai_f32(const float *g, const float *u, float *out, int64_t n, float alpha, float limit) {
