@@ -274,7 +274,7 @@ def test_attention_kvq_v_none(isa, hkv, t):
                              bs=BLOCK_SIZE, dv=dv)
 
 
-# --- sessions, rollback: no V rows to copy ---------------------------------------------------------
+# --- sessions, rollback: no V rows to copy ----------------------------------------------------
 
 def test_storage_without_v(tmp_path):
     from memfit import session as ss

@@ -173,7 +173,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
 def attention_kvq(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
                   kv_pos: np.ndarray, scale: float, window: int = 0, softcap: float = 0.0,
                   type_k: int = 1, type_v: int = 1, table=None, out=None, q_tab=None,
-                  bs: int = 32, sinks: np.ndarray | None = None, dv: int | None = None) -> np.ndarray:
+                  bs: int = 32, sinks: np.ndarray | None = None,
+                  dv: int | None = None) -> np.ndarray:
     """attention over K/V rows in KV cache types (uint8 rows [..., Hkv, row_bytes], contiguous
     or a paged pool with a block table): llama.cpp's scores (kv/quant.py), float64 softmax
     (sinks as in attention). v None: V inside K, each K row's first dv values (out's last
