@@ -82,7 +82,8 @@ static void KV_FN(paged_task_scalar)(const mf_paged_args *pa, int64_t i, int64_t
         for (int64_t b = 0; b < nb; b++) {
             if (s[b] == -INFINITY) continue;
             const float p = expf(s[b] - m);
-            const KV_T *v = (const KV_T *)pa->v + (row[b] * Hkv + g) * Dv;
+            const KV_T *v = pa->v ? (const KV_T *)pa->v + (row[b] * Hkv + g) * Dv
+                                  : (const KV_T *)pa->k + (row[b] * Hkv + g) * D; /* V inside K */
             l += p;
             for (int64_t j = 0; j < Dv; j++) acc[j] += p * KV_LD1(v + j);
         }
@@ -129,10 +130,12 @@ MF_AVX2 static inline float KV_FN(dot1_avx2)(const float *q, const KV_T *k, int6
 }
 
 /* One key block for one q head: scores of the nv visible keys idx[], online-softmax update of
- * (m, l, acc). s is scratch [KB]. */
+ * (m, l, acc). s is scratch [KB]. vs: V's row stride over t in elements (Hkv * Dv, or K's
+ * Hkv * D when V is inside K). */
 MF_AVX2 static void KV_FN(attn_block_avx2)(const mf_attn_args *a, const float *q, const KV_T *kb, const KV_T *vb,
-                                    const int32_t *idx, int nv, float *s, float *pm, float *pl, float *acc) {
-    const int64_t D = a->D, Dv = a->Dv, ks = a->Hkv * D, vs = a->Hkv * Dv; /* row strides over t */
+                                    int64_t vs, const int32_t *idx, int nv, float *s, float *pm, float *pl,
+                                    float *acc) {
+    const int64_t D = a->D, Dv = a->Dv, ks = a->Hkv * D; /* K's row stride over t */
     int b = 0;
     for (; b + 4 <= nv; b += 4) {
         __m128 d = KV_FN(dot4_avx2)(q, kb + idx[b] * ks, kb + idx[b + 1] * ks, kb + idx[b + 2] * ks,
@@ -215,7 +218,8 @@ MF_AVX2 static void KV_FN(attn_task_avx2)(const mf_attn_args *a, int64_t i, int6
             if (visible(a, qp, t0 + b)) idx[nv++] = (int32_t)(t0 + b);
         if (nv == 0) continue;
         for (int64_t hh = 0; hh < nh; hh++)
-            KV_FN(attn_block_avx2)(a, a->q + (i * a->Hq + h0 + hh) * D, kb, vb, idx, nv, s, &m[hh], &l[hh], acc[hh]);
+            KV_FN(attn_block_avx2)(a, a->q + (i * a->Hq + h0 + hh) * D, kb, vb, a->Hkv * Dv, idx, nv, s, &m[hh],
+                                   &l[hh], acc[hh]);
     }
     for (int64_t hh = 0; hh < nh; hh++) {
         float *o = a->out + (i * a->Hq + h0 + hh) * Dv;
@@ -233,7 +237,10 @@ MF_AVX2 static void KV_FN(paged_task_avx2)(const mf_paged_args *pa, const mf_att
     const int64_t D = a->D, Dv = a->Dv, g = h0 / (a->Hq / a->Hkv), qp = pa->q_pos[i];
     const int64_t bs = pa->bs, lo = KV_FN(paged_lo)(pa, qp);
     const int32_t *tab = pa->tables + pa->q_tab[i];
-    const KV_T *kb = (const KV_T *)pa->k + g * D, *vb = (const KV_T *)pa->v + g * Dv;
+    /* V inside K (pa->v NULL): each K row's first Dv values, with K's row stride */
+    const KV_T *kb = (const KV_T *)pa->k + g * D;
+    const KV_T *vb = pa->v ? (const KV_T *)pa->v + g * Dv : kb;
+    const int64_t vs = pa->v ? a->Hkv * Dv : a->Hkv * D;
     float acc[HG][MF_ATTN_MAX_DIM], s[KB], m[HG], l[HG];
     int32_t idx[KB];
     for (int64_t hh = 0; hh < nh; hh++) {
@@ -246,7 +253,8 @@ MF_AVX2 static void KV_FN(paged_task_avx2)(const mf_paged_args *pa, const mf_att
         int nv = 0;
         for (int64_t t = t0 < lo ? lo : t0; t < t1; t++) idx[nv++] = (int32_t)(tab[t / bs] * bs + t % bs);
         for (int64_t hh = 0; hh < nh; hh++)
-            KV_FN(attn_block_avx2)(a, pa->q + (i * a->Hq + h0 + hh) * D, kb, vb, idx, nv, s, &m[hh], &l[hh], acc[hh]);
+            KV_FN(attn_block_avx2)(a, pa->q + (i * a->Hq + h0 + hh) * D, kb, vb, vs, idx, nv, s, &m[hh], &l[hh],
+                                   acc[hh]);
     }
     for (int64_t hh = 0; hh < nh; hh++) {
         float *o = pa->out + (i * a->Hq + h0 + hh) * Dv;

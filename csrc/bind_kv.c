@@ -1,8 +1,9 @@
 /* Python bindings of the paged KV kernels (ops.h): attention_paged and kv_store.
  *
  *   attention_paged(q[n, Hq, D] f32 (rounded in place for the cache type), K, V (pools of
- *                   physical rows), kv_type, q_pos, q_tab, tables (int32), bs, scale, window,
- *                   softcap, out[n, Hq, Dv] f32, sinks=None (f32 [Hq]))
+ *                   physical rows; V None: V inside K, Dv from out), kv_type, q_pos, q_tab,
+ *                   tables (int32), bs, scale, window, softcap, out[n, Hq, Dv] f32,
+ *                   sinks=None (f32 [Hq]))
  *   kv_store(kv_type, pool, rows int32[n], x[n, elems] f32)
  * Shapes are checked here; the kernels trust them. */
 #include "memfit.h"
@@ -60,20 +61,26 @@ static PyObject *py_attention_paged(PyObject *self, PyObject *const *a, Py_ssize
     static const char fmts[8] = {'f', 'b', 'b', 'i', 'i', 'i', 'f', 'f'};
     static const int wr[8] = {1, 0, 0, 0, 0, 0, 1, 0};
     static const char *names[8] = {"q", "K", "V", "q_pos", "q_tab", "tables", "out", "sinks"};
-    const int nbuf = so ? 8 : 7;
-    for (; nb < nbuf; nb++)
+    const int nbuf = so ? 8 : 7, v_in_k = a[2] == Py_None; /* V None: V inside K */
+    for (; nb < nbuf; nb++) {
+        if (nb == 2 && v_in_k) { memset(&b[nb], 0, sizeof b[nb]); continue; }
         if (get(nb == 7 ? so : a[idx[nb]], &b[nb], wr[nb], fmts[nb], names[nb]) < 0) { bad = ""; break; }
+    }
     if (!bad) {
-        Py_buffer *q = &b[0], *K = &b[1], *V = &b[2], *qp = &b[3], *qt = &b[4], *tab = &b[5], *out = &b[6];
-        if (q->ndim != 3 || out->ndim != 3 || K->ndim != 3 || V->ndim != 3) bad = "q, K, V and out must be 3-D";
+        Py_buffer *q = &b[0], *K = &b[1], *V = v_in_k ? NULL : &b[2], *qp = &b[3], *qt = &b[4], *tab = &b[5],
+                  *out = &b[6];
+        if (q->ndim != 3 || out->ndim != 3 || K->ndim != 3 || (V && V->ndim != 3)) bad = "q, K, V and out must be 3-D";
         else {
-            const int64_t n = q->shape[0], Hq = q->shape[1], D = q->shape[2], Hkv = K->shape[1], Dv = V->shape[2];
+            const int64_t n = q->shape[0], Hq = q->shape[1], D = q->shape[2], Hkv = K->shape[1],
+                          Dv = V ? V->shape[2] : out->shape[2];
             const int64_t rows = K->shape[0], rbk = mf_kv_row_bytes((int)kv_type, Hkv * D),
                           rbv = mf_kv_row_bytes((int)kv_type, Hkv * Dv), nt = tab->len / 4;
             const int32_t *p = qp->buf, *t = qt->buf, *tb = tab->buf;
             if (rbk == 0 || rbv == 0) bad = "unsupported KV cache type";
             else if (Hkv < 1 || Hq % Hkv || D > MF_ATTN_MAX_DIM || Dv > MF_ATTN_MAX_DIM) bad = "bad head shapes";
-            else if (K->len != rows * rbk || V->shape[0] != rows || V->shape[1] != Hkv || V->len != rows * rbv)
+            else if (!V && (Dv > D || Dv < 1 || mf_kv_row_bytes((int)kv_type, Dv) == 0))
+                bad = "V inside K needs 1 <= Dv <= D (whole blocks of the cache type)";
+            else if (K->len != rows * rbk || (V && (V->shape[0] != rows || V->shape[1] != Hkv || V->len != rows * rbv)))
                 bad = "K and V must be [rows, Hkv, D] pools of the cache type";
             else if (out->shape[0] != n || out->shape[1] != Hq || out->shape[2] != Dv) bad = "out must be [n, Hq, Dv]";
             else if (qp->len != n * 4 || qt->len != n * 4) bad = "q_pos and q_tab need n values";
@@ -84,7 +91,7 @@ static PyObject *py_attention_paged(PyObject *self, PyObject *const *a, Py_ssize
             for (int64_t i = 0; !bad && i < n; i++)
                 if (p[i] < 0 || t[i] < 0 || t[i] + p[i] / bs >= nt) bad = "a row's position or table is outside tables";
             if (!bad) {
-                mf_paged_args at = {.q = q->buf, .k = K->buf, .v = V->buf, .out = out->buf, .q_pos = p, .q_tab = t,
+                mf_paged_args at = {.q = q->buf, .k = K->buf, .v = V ? V->buf : NULL, .out = out->buf, .q_pos = p, .q_tab = t,
                                     .tables = tb, .n = n, .Hq = Hq, .Hkv = Hkv, .D = D, .Dv = Dv, .bs = bs,
                                     .scale = (float)scale, .softcap = (float)softcap, .window = window,
                                     .kv_type = (int)kv_type, .sinks = so ? b[7].buf : NULL};
@@ -94,7 +101,8 @@ static PyObject *py_attention_paged(PyObject *self, PyObject *const *a, Py_ssize
             }
         }
     }
-    for (int i = 0; i < nb; i++) PyBuffer_Release(&b[i]);
+    for (int i = 0; i < nb; i++)
+        if (!(i == 2 && v_in_k)) PyBuffer_Release(&b[i]);
     if (bad && *bad) return PyErr_Format(PyExc_ValueError, "attention_paged: %s", bad);
     if (bad) return NULL;
     Py_RETURN_NONE;
@@ -129,7 +137,8 @@ static PyObject *py_kv_store(PyObject *self, PyObject *const *a, Py_ssize_t na) 
 PyMethodDef mf_kv_methods[] = {
     {"attention_paged", (PyCFunction)(void (*)(void))py_attention_paged, METH_FASTCALL | METH_KEYWORDS,
      "attention_paged(q, K, V, kv_type, q_pos, q_tab, tables, bs, scale, window, softcap, out, sinks=None): causal "
-     "attention over a paged KV pool (see csrc/ops.h mf_paged_args); q is rounded in place for the cache type; "
+     "attention over a paged KV pool (see csrc/ops.h mf_paged_args; V None: each K row's first Dv values, Dv from "
+     "out); q is rounded in place for the cache type; "
      "sinks f32[Hq]: a logit per q head in the softmax denominator only"},
     {"kv_store", (PyCFunction)(void (*)(void))py_kv_store, METH_FASTCALL,
      "kv_store(kv_type, pool, rows int32[n], x f32[n, row]): x converted to the cache type into pool rows"},

@@ -110,9 +110,11 @@ static PyObject *py_attention_kvq(PyObject *self, PyObject *args) {
     int nb = 0;
     const char *fn = "attention_kvq";
 #define GET(o, name, fmt, w) do { if (getb(o, &b[nb], fn, name, fmt, w) < 0) goto fail; nb++; } while (0)
+    /* v None: V inside K (each K row's first Dv values, type_v == type_k) */
+    const int v_in_k = vo == Py_None;
     GET(qo, "q", 'f', 0);
     GET(ko, "k", 'B', 0);
-    GET(vo, "v", 'B', 0);
+    GET(v_in_k ? ko : vo, "v", 'B', 0);
     GET(qpo, "q_pos", 'i', 0);
     GET(kpo, "kv_pos", 'i', 0);
     GET(oo, "out", 'f', 1);
@@ -128,7 +130,11 @@ static PyObject *py_attention_kvq(PyObject *self, PyObject *args) {
     }
     const int64_t n = q->shape[0], Hq = q->shape[1], D = q->shape[2], Dv = o->shape[2];
     const int64_t Hkv = k->shape[k->ndim - 2], T = (int64_t)(kp->len / 4);
-    const int64_t rbk = mf_kvq_row_bytes((int)tk, D), rbv = mf_kvq_row_bytes((int)tv, Dv);
+    const int64_t rbk = mf_kvq_row_bytes((int)tk, D), rbv = v_in_k ? rbk : mf_kvq_row_bytes((int)tv, Dv);
+    if (v_in_k && (tv != tk || Dv > D || Dv < 1)) {
+        PyErr_Format(PyExc_ValueError, "%s: V inside K (v None) needs type_v == type_k and 1 <= Dv <= D", fn);
+        goto fail;
+    }
     if (k->shape[k->ndim - 1] * k->itemsize != rbk || v->shape[v->ndim - 1] * v->itemsize != rbv ||
         v->shape[v->ndim - 2] != Hkv || ((tk == MF_KVT_Q8_0 || tk == MF_KVT_Q4_0) && D % MF_KV_QK) ||
         ((tv == MF_KVT_Q8_0 || tv == MF_KVT_Q4_0) && Dv % MF_KV_QK)) {
@@ -172,7 +178,7 @@ static PyObject *py_attention_kvq(PyObject *self, PyObject *args) {
         const int got = get_sinks(so, &b[nb], fn, Hq, &sp);
         if (got < 0) goto fail;
         nb += got;
-        mf_attnq_args a = {.q = q->buf, .k = k->buf, .v = v->buf, .out = o->buf, .q_pos = qp->buf,
+        mf_attnq_args a = {.q = q->buf, .k = k->buf, .v = v_in_k ? NULL : v->buf, .out = o->buf, .q_pos = qp->buf,
                            .kv_pos = kp->buf, .tables = tb ? tb->buf : NULL, .q_tab = NULL, .bs = MF_KV_QK, .n = n, .T = T, .Hq = Hq,
                            .Hkv = Hkv, .D = D, .Dv = Dv, .scale = (float)scale, .softcap = (float)softcap,
                            .window = window, .type_k = (int)tk, .type_v = (int)tv, .sinks = sp};
@@ -203,7 +209,8 @@ static PyObject *py_attention_paged_kvq(PyObject *self, PyObject *args) {
     Py_buffer b[8];
     int nb = 0;
     const char *fn = "attention_paged_kvq";
-    PyObject *objs[7] = {qo, ko, vo, qpo, qto, tbo, oo};
+    const int v_in_k = vo == Py_None; /* V inside K: each K row's first Dv values (type_v == type_k) */
+    PyObject *objs[7] = {qo, ko, v_in_k ? ko : vo, qpo, qto, tbo, oo};
     static const char fmts[7] = {'f', 'B', 'B', 'i', 'i', 'i', 'f'};
     static const char *names[7] = {"q", "K", "V", "q_pos", "q_tab", "tables", "out"};
     for (; nb < 7; nb++)
@@ -216,7 +223,11 @@ static PyObject *py_attention_paged_kvq(PyObject *self, PyObject *args) {
         }
         const int64_t n = q->shape[0], Hq = q->shape[1], D = q->shape[2], Dv = o->shape[2];
         const int64_t Hkv = k->shape[k->ndim - 2];
-        const int64_t rbk = mf_kvq_row_bytes((int)tk, D), rbv = mf_kvq_row_bytes((int)tv, Dv);
+        const int64_t rbk = mf_kvq_row_bytes((int)tk, D), rbv = v_in_k ? rbk : mf_kvq_row_bytes((int)tv, Dv);
+        if (v_in_k && (tv != tk || Dv > D || Dv < 1)) {
+            PyErr_Format(PyExc_ValueError, "%s: V inside K (V None) needs type_v == type_k and 1 <= Dv <= D", fn);
+            goto fail;
+        }
         if (Hkv < 1 || Hq % Hkv || D > MF_ATTN_MAX_DIM || Dv > MF_ATTN_MAX_DIM || o->shape[0] != n ||
             o->shape[1] != Hq || qp->len != n * 4 || qt->len != n * 4 || bs < 1 || window < 0 || softcap < 0 ||
             k->shape[k->ndim - 1] * k->itemsize != rbk || v->shape[v->ndim - 1] * v->itemsize != rbv ||
@@ -245,7 +256,7 @@ static PyObject *py_attention_paged_kvq(PyObject *self, PyObject *args) {
         const int got = get_sinks(so, &b[nb], fn, Hq, &sp);
         if (got < 0) goto fail;
         nb += got;
-        mf_attnq_args a = {.q = q->buf, .k = k->buf, .v = v->buf, .out = o->buf, .q_pos = p, .q_tab = t,
+        mf_attnq_args a = {.q = q->buf, .k = k->buf, .v = v_in_k ? NULL : v->buf, .out = o->buf, .q_pos = p, .q_tab = t,
                            .tables = tab, .bs = bs, .n = n, .Hq = Hq, .Hkv = Hkv, .D = D, .Dv = Dv,
                            .scale = (float)scale, .softcap = (float)softcap, .window = window,
                            .type_k = (int)tk, .type_v = (int)tv, .sinks = sp};
@@ -264,7 +275,8 @@ fail:
 PyMethodDef mf_kvq_methods[] = {
     {"attention_paged_kvq", py_attention_paged_kvq, METH_VARARGS,
      "attention_paged_kvq(q, K, V, type_k, type_v, q_pos, q_tab, tables, bs, scale, window, softcap, out, "
-     "sinks=None) -> out: attention_paged with separate K and V cache types (f16, q8_0, q4_0), llama.cpp's numerics"},
+     "sinks=None) -> out: attention_paged with separate K and V cache types (f16, q8_0, q4_0), llama.cpp's numerics; "
+     "V None: V inside K (each K row's first Dv values, type_v == type_k)"},
     {"kv_quantize", py_kv_quantize, METH_VARARGS,
      "kv_quantize(x f32 [..., n], type, out u8): rows of x in KV cache type (1 f16, 8 q8_0, 2 q4_0) as llama.cpp stores them"},
     {"kv_dequantize", py_kv_dequantize, METH_VARARGS,
@@ -274,6 +286,7 @@ PyMethodDef mf_kvq_methods[] = {
      "window, softcap, type_k, type_v, table i32 | None, out f32[n,Hq,Dv], sinks=None) -> out: llama.cpp's CPU "
      "flash attention over K/V rows of the given cache types; with a table (one sequence in a pool of 32-row "
      "blocks), query i sees logical keys 0..q_pos[i], key t at row table[t//32]*32 + t%32 (kv_pos unused); "
-     "sinks f32[Hq]: a logit per q head in the softmax denominator only (after the keys, as ggml)"},
+     "sinks f32[Hq]: a logit per q head in the softmax denominator only (after the keys, as ggml); v None: V inside K "
+     "(each K row's first Dv values, type_v == type_k)"},
     {NULL, NULL, 0, NULL},
 };

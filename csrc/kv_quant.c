@@ -248,7 +248,8 @@ static inline __attribute__((always_inline)) void attnq_body(const mf_attnq_args
         } else {
             vs = expf(s - M);
         }
-        dequantize_row(a->type_v, row_at(a, a->v, tab, t, g, rbv), vr, Dv);
+        /* V inside K (v NULL): the first Dv values of the K row, in K's type */
+        dequantize_row(a->type_v, a->v ? row_at(a, a->v, tab, t, g, rbv) : kr, vr, Dv);
         for (int64_t j = 0; j < Dv; j++) acc[j] = fmaf(vr[j], vs, acc[j]);
         S = S * ms + vs;
     }

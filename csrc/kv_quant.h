@@ -27,7 +27,9 @@ void mf_kv_dequantize(int type, const void *src, float *y, int64_t rows, int64_t
  * (ggml_compute_forward_flash_attn_ext_f16_one_chunk): q is converted to K's dot type
  * (f16 for f16 K, q8_0 blocks for q8_0/q4_0 K), score = vec_dot(k, q) * scale (softcap),
  * one online-softmax step per visible key, V rows converted to f32 and accumulated in f32.
- * K rows: key t of kv head g at k + (row(t) * Hkv + g) * row_bytes_k.
+ * K rows: key t of kv head g at k + (row(t) * Hkv + g) * row_bytes_k; V rows likewise with
+ * row_bytes_v, or, with v NULL (V inside K, MLA), the first Dv values of the K row (type_v must
+ * be type_k; for block types Dv is whole blocks).
  * Contiguous (tables NULL): keys t = 0..T-1 at row(t) = t, visible to query i when
  * kv_pos[t] <= q_pos[i] (and q_pos[i] - kv_pos[t] < window when window > 0).
  * Paged (as ops.h mf_paged_args): query i sees logical keys 0..q_pos[i] of its sequence (the
@@ -36,7 +38,7 @@ void mf_kv_dequantize(int type, const void *src, float *y, int64_t rows, int64_t
  * ggml's flash attention does (its M, S and accumulator corrected once). */
 typedef struct {
     const float *q;            /* [n, Hq, D] */
-    const void *k, *v;         /* rows as above */
+    const void *k, *v;         /* rows as above; v NULL: V inside K */
     float *out;                /* [n, Hq, Dv] */
     const int32_t *q_pos, *kv_pos; /* [n]; [T] (contiguous) */
     const int32_t *q_tab, *tables; /* paged: [n], block ids; NULL: contiguous */

@@ -79,10 +79,13 @@ enum { MF_KV_F32 = 0, MF_KV_F16 = 1, MF_KV_Q4_0 = 2, MF_KV_Q8_0 = 8 };
  * sequence (p-window+1..p with a window); logical key t is physical row
  * tables[q_tab[i] + t / bs] * bs + t % bs. q [n, Hq, D] is first rounded in place as llama.cpp
  * does for the cache type (f16: to f16). Same arithmetic and key blocking as mf_attention_f32,
- * so an identity table gives its result bit for bit. out [n, Hq, Dv]. */
+ * so an identity table gives its result bit for bit. out [n, Hq, Dv].
+ * v NULL: V inside K (MLA's latent): the value row of key t, kv head g, is the first Dv (<= D)
+ * values of its K row, read through K's row stride (the same bits a V pool of those values
+ * gives). */
 typedef struct {
     float *q;
-    const void *k, *v;
+    const void *k, *v; /* v NULL: V inside K */
     float *out;
     const int32_t *q_pos, *q_tab, *tables;
     int64_t n, Hq, Hkv, D, Dv, bs;

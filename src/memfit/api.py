@@ -203,10 +203,13 @@ class Model:
     # --- saved sessions
     def _kv_geometry(self) -> dict:
         from .kv.quant import cache_type, row_bytes
-        c = self.config
-        return {"n_layer": c.n_layer, "n_kv_head": c.n_head_kv,
-                "row_bytes_k": row_bytes(cache_type(self.cache_type_k), c.head_dim_k),
-                "row_bytes_v": row_bytes(cache_type(self.cache_type_v), c.head_dim_v)}
+        from .kv.storage import kv_layout
+        L = kv_layout(self.config)
+        return {"n_layer": L.n_layer, "n_kv_head": L.n_head_kv,
+                "row_bytes_k": row_bytes(cache_type(self.cache_type_k), L.head_dim_k),
+                # V inside K (MLA): no V rows of their own
+                "row_bytes_v": 0 if L.v_in_k else
+                row_bytes(cache_type(self.cache_type_v), L.head_dim_v)}
 
     def save_state(self, path: str | os.PathLike, ids: Sequence[int],
                    extra: dict | None = None) -> int:

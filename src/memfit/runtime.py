@@ -53,7 +53,8 @@ class Runtime:
     # ---- planning (nothing loaded) ----
     def _plan(self, threads, n_ctx, mem_budget, n_parallel, cache_type_k, cache_type_v,
               bandwidth) -> None:
-        from .kv.quant import NAMES, cache_type, check_head_dims
+        from .kv.quant import NAMES, cache_type, check_head_dims, check_v_in_k
+        from .kv.storage import kv_layout
         from .memory.ctxfit import check_ctx, default_ctx
         from .models import config_from_gguf
 
@@ -72,9 +73,17 @@ class Runtime:
         # KV cache types (llama.cpp's -ctk/-ctv): checked before the planner counts them
         self.cache_type_k = NAMES[cache_type(cache_type_k)]
         self.cache_type_v = NAMES[cache_type(cache_type_v)]
+        self.notes: list[str] = []
+        if kv_layout(cfg).v_in_k:
+            # MLA: the cache holds K only and V is K's first values, so V has K's type
+            check_v_in_k(cache_type(self.cache_type_k), cfg.head_dim_k, cfg.head_dim_v)
+            if self.cache_type_v != self.cache_type_k:
+                self.notes.append(f"{cfg.arch} reads V from the K cache (MLA): V is "
+                                  f"{self.cache_type_k} like K (-ctv {self.cache_type_v} "
+                                  f"does not apply)")
+                self.cache_type_v = self.cache_type_k
         check_head_dims(cache_type(self.cache_type_k), cfg.head_dim_k)
         check_head_dims(cache_type(self.cache_type_v), cfg.head_dim_v)
-        self.notes: list[str] = []
         self.plan = None
         self.budget, self.budget_why = self._budget(mem_budget)
         explicit = mem_budget is not None or bool(os.environ.get("MEMFIT_MEM_BUDGET"))
@@ -165,12 +174,11 @@ class Runtime:
 
         from .engine.engine import kv_pool_blocks
         from .kv import BLOCK_SIZE
-        from .kv.storage import kv_bytes_per_token
+        from .kv.storage import kv_layout
         from .models import config_from_gguf
         c = config_from_gguf(self.file)
         tokens = kv_pool_blocks(self.n_ctx, self.n_parallel) * BLOCK_SIZE
-        kv = tokens * kv_bytes_per_token(c.n_layer, c.n_head_kv, c.head_dim_k, c.head_dim_v,
-                                         self.cache_type_k, self.cache_type_v)
+        kv = tokens * kv_layout(c).bytes_per_token(self.cache_type_k, self.cache_type_v)
         avail = psutil.virtual_memory().available
         if kv > avail:
             raise RequestError(f"context size {self.n_ctx} x {self.n_parallel} sequences needs "

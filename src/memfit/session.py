@@ -6,6 +6,8 @@ File layout (little-endian), independent of how the cache is laid out in memory:
     | int32 token ids [n] | per layer: K rows [n_rows, n_kv_head, row_bytes_k], V rows [...]
     | sha256 of everything before it (32 bytes)
 
+row_bytes_v is 0 for a cache that keeps V inside K (MLA: kv/storage.py kv_layout).
+
 n_rows <= n: the K/V rows of the first n_rows tokens (whole 32-token blocks when saved from the
 engine's paged pool: what its prefix cache can reuse; the rest is recomputed on use).
 
@@ -253,7 +255,7 @@ def _header_problem(h: Any) -> str | None:
         return None
 
     for key, lo in (("version", 0), ("n_tokens", 0), ("n_rows", 0), ("n_layer", 1),
-                    ("n_kv_head", 1), ("row_bytes_k", 1), ("row_bytes_v", 1)):
+                    ("n_kv_head", 1), ("row_bytes_k", 1), ("row_bytes_v", 0)):  # 0: V inside K
         if (p := count(key, lo)) is not None:
             return p
     if h["version"] != VERSION:

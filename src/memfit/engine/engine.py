@@ -22,6 +22,7 @@ import numpy as np
 
 from ..errors import RequestError
 from ..kv.pool import KVPool
+from ..kv.storage import kv_layout
 from ..kv.storage import kv_pool_blocks  # the planner's pool size (the API imports it here)
 from .generate import Timings
 from .runner import Runner
@@ -55,9 +56,8 @@ class Engine:
         cache_type = cache_type or ("f16" if getattr(model, "kv_f16", True) else "f32")
         self.model, self.tokenizer = model, tokenizer
         self.n_ctx, self.n_parallel, self.n_batch = n_ctx, n_parallel, n_batch
-        self.pool = KVPool(c.n_layer, n_blocks or kv_pool_blocks(n_ctx, n_parallel), c.n_head_kv,
-                           c.head_dim_k, c.head_dim_v, cache_type, ledger=ledger,
-                           cache_type_v=cache_type_v)
+        self.pool = KVPool.of(kv_layout(c), n_blocks or kv_pool_blocks(n_ctx, n_parallel),
+                              cache_type, ledger=ledger, cache_type_v=cache_type_v)
         # prompt chunks of several sequences share a forward: on the native backend no row's
         # result depends on the others (ops/native.py); numpy's matmul gives no such promise
         pack = model.ops.has("batch_invariant")
@@ -123,7 +123,7 @@ class Engine:
                 "kv_blocks_total": p.n_blocks, "kv_blocks_used": p.n_used,
                 "kv_blocks_cached": p.n_cached, "kv_block_size": p.block_size,
                 "kv_cache_type": p.cache_type, "kv_cache_type_v": p.cache_type_v,
-                "kv_bytes": p.nbytes,
+                "kv_v_in_k": p.v_in_k, "kv_bytes": p.nbytes,
                 "prefix_cache_queries": s.prefix_queries, "prefix_cache_hits": s.prefix_hits,
                 "preempted": s.n_preempted, "prefill_steps": s.n_prefill_steps,
                 "prefill_chunks": s.n_prefill_chunks, "steps": self.n_steps, "n_parallel": self.n_parallel}

@@ -98,6 +98,28 @@ def rot_size(t: int, head_dim: int, is_k: bool) -> int:
     return n
 
 
+def rot_sizes(tk: int, tv: int, head_dim_k: int, head_dim_v: int,
+              v_in_k: bool = False) -> tuple[int, int]:
+    """(K's, V's) rotation chunks. With V inside K (MLA), V is the first head_dim_v values of
+    the rotated K row, so it carries K's rotation (check_v_in_k: whole chunks) and the output
+    is rotated back with K's chunk."""
+    rk = rot_size(tk, head_dim_k, True)
+    return (rk, rk) if v_in_k else (rk, rot_size(tv, head_dim_v, False))
+
+
+def check_v_in_k(t: int, head_dim_k: int, head_dim_v: int) -> None:
+    """A cache of type t can keep V inside K (V = K[..., :head_dim_v]) when V's values are whole
+    blocks of the K row (block types: multiples of 32) and whole chunks of K's rotation (so that
+    they are the rotated V and the output rotates back); RequestError otherwise. DeepSeek's
+    576 = 512 + 64 rows rotate in chunks of 64: any type works."""
+    check_head_dims(t, head_dim_k, head_dim_v)
+    rk = rot_size(t, head_dim_k, True)
+    if rk and head_dim_v % rk:
+        raise RequestError(f"KV cache type {NAMES[t]} cannot keep V inside K for this model: its "
+                           f"{head_dim_k}-value K rows rotate in chunks of {rk}, which V's "
+                           f"{head_dim_v} values do not fill; use -ctk f16")
+
+
 @functools.cache
 def _native_fwht():
     # looked up once: rotate runs four times per layer per token
@@ -225,21 +247,24 @@ def dot_ref(tk: int, k_raw: np.ndarray, q_raw: np.ndarray) -> np.ndarray:
 
 
 def attention_paged_ref(q, k, v, q_pos, q_tab, tables, bs, scale, window, softcap, tk, tv,
-                        sinks=None):
+                        sinks=None, dv=None):
     """attention_ref over a paged pool: query row i sees logical keys 0..q_pos[i] of its
-    sequence, key t at row tables[q_tab[i] + t // bs] * bs + t % bs."""
+    sequence, key t at row tables[q_tab[i] + t // bs] * bs + t % bs. v None: V is each K row's
+    first dv values (as attention_ref)."""
     n, hq, _ = q.shape
     hkv = k.shape[-2]
     kr = np.ascontiguousarray(k).view(np.uint8).reshape(-1, hkv, k.shape[-1] * k.itemsize)
-    vr = np.ascontiguousarray(v).view(np.uint8).reshape(-1, hkv, v.shape[-1] * v.itemsize)
+    vr = None if v is None else \
+        np.ascontiguousarray(v).view(np.uint8).reshape(-1, hkv, v.shape[-1] * v.itemsize)
     out = None
     for tab in np.unique(q_tab):
         sel = np.nonzero(np.asarray(q_tab) == tab)[0]
         T = int(np.asarray(q_pos)[sel].max()) + 1
         t = np.arange(T)
         phys = np.asarray(tables)[tab + t // bs].astype(np.int64) * bs + t % bs
-        o = attention_ref(np.ascontiguousarray(q[sel]), kr[phys], vr[phys], np.asarray(q_pos)[sel],
-                          t.astype(np.int32), scale, window, softcap, tk, tv, sinks=sinks)
+        o = attention_ref(np.ascontiguousarray(q[sel]), kr[phys], None if vr is None else vr[phys],
+                          np.asarray(q_pos)[sel], t.astype(np.int32), scale, window, softcap, tk,
+                          tv, sinks=sinks, dv=dv)
         if out is None:
             out = np.zeros((n, hq, o.shape[-1]), np.float32)
         out[sel] = o
@@ -247,19 +272,25 @@ def attention_paged_ref(q, k, v, q_pos, q_tab, tables, bs, scale, window, softca
 
 
 def attention_ref(q, k, v, q_pos, kv_pos, scale, window, softcap, tk, tv, table=None,
-                  sinks=None):
+                  sinks=None, dv=None):
     """The reference of ops.attention_kvq: q f32[n, Hq, D]; k, v uint8 rows [..., Hkv, rb]
     (contiguous [T, ...] or a pool [n_blocks, 32, ...] with a block table). Scores as llama.cpp
     computes them (dot_ref for block K, f16-rounded q for f16 K), softmax in float64; sinks
-    f32[Hq] (or None): one more logit per q head in the denominator, not scaled or capped."""
+    f32[Hq] (or None): one more logit per q head in the denominator, not scaled or capped.
+    v None: V inside K (MLA), each K row's first dv values, in K's type (tv == tk)."""
     n, hq, dd = q.shape
     hkv = k.shape[-2]
     kr = np.ascontiguousarray(k).view(np.uint8).reshape(-1, hkv, row_bytes(tk, dd))
-    dv = v.reshape(-1, v.shape[-2], v.shape[-1]).view(np.uint8).shape[-1]
     T = len(kv_pos)
     rows = np.arange(T) if table is None else (np.asarray(table)[np.arange(T) // QK] * QK
                                                 + np.arange(T) % QK)
-    vr = np.ascontiguousarray(v).view(np.uint8).reshape(-1, hkv, dv)[rows]
+    if v is None:
+        assert tv == tk and dv is not None and 0 < dv <= dd, (tk, tv, dv, dd)
+        vr = kr[rows][..., :row_bytes(tk, dv)]
+        dv = row_bytes(tk, dv)
+    else:
+        dv = v.reshape(-1, v.shape[-2], v.shape[-1]).view(np.uint8).shape[-1]
+        vr = np.ascontiguousarray(v).view(np.uint8).reshape(-1, hkv, dv)[rows]
     ndv = dv * QK // _BLOCK_BYTES[tv] if is_block(tv) else dv // (2 if tv == F16 else 4)
     V = dequantize_ref(tv, vr, ndv)                 # [T, Hkv, Dv]
     kr = kr[rows]

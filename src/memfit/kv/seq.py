@@ -37,12 +37,13 @@ class SeqKV:
 
     @classmethod
     def new(cls, n_layer: int, n_ctx: int, n_kv_head: int, head_dim_k: int, head_dim_v=None,
-            cache_type: str = "f16", cache_type_v: str | None = None, ledger=None) -> SeqKV:
+            cache_type: str = "f16", cache_type_v: str | None = None, ledger=None,
+            v_in_k: bool = False) -> SeqKV:
         """A sequence on a pool of its own, just large enough for n_ctx tokens."""
         if n_ctx <= 0:
             raise RequestError(f"context size must be positive, got {n_ctx}")
         pool = KVPool(n_layer, -(-n_ctx // BLOCK_SIZE), n_kv_head, head_dim_k, head_dim_v,
-                      cache_type, ledger=ledger, cache_type_v=cache_type_v)
+                      cache_type, ledger=ledger, cache_type_v=cache_type_v, v_in_k=v_in_k)
         return cls(pool, n_ctx)
 
     @property
@@ -74,7 +75,7 @@ class SeqKV:
         if self._zeros.size < n:
             self._zeros = np.zeros(max(n, 512), np.int32)
         return BatchKV(self.pool.k, self.pool.v, self.kv_type, pos, slots, self._zeros[:n],
-                       tables, bs, kv_type_v=self.kv_type_v)
+                       tables, bs, kv_type_v=self.kv_type_v, v_in_k=self.pool.v_in_k)
 
     def advance(self, n: int) -> None:
         self.pool.manager.commit(self.state, n)
@@ -111,6 +112,7 @@ class SeqKV:
 
     @property
     def v(self) -> list:
+        """Per layer the pool's V rows; empty when V is inside K (pool.v_in_k)."""
         return self.pool.v
 
     @property

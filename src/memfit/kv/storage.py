@@ -8,11 +8,18 @@ as physical rows [n_blocks * BLOCK_SIZE, n_kv_head, row], the kernels' addressin
 (kv/view.py): logical position p of a sequence is row table[p // BLOCK_SIZE] * BLOCK_SIZE +
 p % BLOCK_SIZE.
 
+With ``v_in_k`` (``kv_layout`` of an MLA config: deepseek2, glm-dsa) there are no V arrays:
+V is each K row's first head_dim_v values (the latent; K = [latent | rope]), read in K's cache
+type through K's row stride, as llama.cpp's MLA cache does.
+
 ``kv_bytes_per_token`` is the one definition of what a cached token costs: the planner, the
-API's fit check and this storage all count with it.
+API's fit check and this storage all count with it; ``kv_layout`` is the one place that says
+how a model config's cache is laid out.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -31,14 +38,44 @@ def kv_type_id(t: int | str | None) -> int:
 
 
 def kv_bytes_per_token(n_layer: int, n_head_kv: int, head_dim_k: int, head_dim_v: int | None = None,
-                       type_k: int | str | None = "f16", type_v: int | str | None = None) -> int:
+                       type_k: int | str | None = "f16", type_v: int | str | None = None,
+                       v_in_k: bool = False) -> int:
     """Bytes of K and V of one position over every layer, in cache types type_k / type_v
     (type_v defaults to type_k): rows of 2 B per value (f16), 4 (f32), 34 B per 32 values
-    (q8_0), 18 B per 32 (q4_0)."""
+    (q8_0), 18 B per 32 (q4_0). With v_in_k only K is stored (V is read from it; type_v and
+    head_dim_v cost nothing)."""
     head_dim_v = head_dim_k if head_dim_v is None else head_dim_v
     tk = kv_type_id(type_k)
     tv = tk if type_v is None else kv_type_id(type_v)
-    return n_layer * n_head_kv * (kq.row_bytes(tk, head_dim_k) + kq.row_bytes(tv, head_dim_v))
+    v_row = 0 if v_in_k else kq.row_bytes(tv, head_dim_v)
+    return n_layer * n_head_kv * (kq.row_bytes(tk, head_dim_k) + v_row)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What the KV cache of a model holds per token and layer: n_head_kv rows of head_dim_k
+    K values and of head_dim_v V values, or with v_in_k K rows only (V = K[..., :head_dim_v])."""
+    n_layer: int
+    n_head_kv: int
+    head_dim_k: int
+    head_dim_v: int
+    v_in_k: bool = False
+
+    def bytes_per_token(self, type_k: int | str | None = "f16",
+                        type_v: int | str | None = None) -> int:
+        return kv_bytes_per_token(self.n_layer, self.n_head_kv, self.head_dim_k, self.head_dim_v,
+                                  type_k, type_v, v_in_k=self.v_in_k)
+
+
+def kv_layout(c) -> KVLayout:
+    """The KV layout of a ModelConfig (models/config.py): the one place the pools (Model.new_cache,
+    the engine), the planner and the runtime's checks read it from. MLA configs (c.v_in_k:
+    the absorbed latent attention of deepseek2 / glm-dsa) keep V inside K."""
+    v_in_k = bool(getattr(c, "v_in_k", False))
+    if v_in_k and c.head_dim_v > c.head_dim_k:
+        raise RequestError(f"{c.arch}: V inside K needs head_dim_v ({c.head_dim_v}) <= "
+                           f"head_dim_k ({c.head_dim_k})")
+    return KVLayout(c.n_layer, c.n_head_kv, c.head_dim_k, c.head_dim_v, v_in_k)
 
 
 def kv_pool_blocks(n_ctx: int, n_parallel: int = 1) -> int:
@@ -49,9 +86,13 @@ def kv_pool_blocks(n_ctx: int, n_parallel: int = 1) -> int:
 class KVStorage:
     def __init__(self, n_layer: int, n_blocks: int, n_kv_head: int, head_dim_k: int,
                  head_dim_v: int | None = None, cache_type: str = "f16",
-                 cache_type_v: str | None = None, ledger=None, name: str = "kv_pool"):
+                 cache_type_v: str | None = None, ledger=None, name: str = "kv_pool",
+                 v_in_k: bool = False):
         if n_blocks < 1:
             raise RequestError(f"the KV pool needs at least one block, got {n_blocks}")
+        if v_in_k and cache_type_v not in (None, cache_type):
+            raise RequestError(f"this cache keeps V inside K (MLA): V has K's cache type "
+                               f"{cache_type!r}, not {cache_type_v!r}; use -ctv {cache_type}")
         cache_type_v = cache_type if cache_type_v is None else cache_type_v
         for t in (cache_type, cache_type_v):
             if t not in KV_TYPES:
@@ -61,8 +102,12 @@ class KVStorage:
         self.cache_type, self.kv_type = cache_type, KV_TYPES[cache_type]
         self.cache_type_v, self.kv_type_v = cache_type_v, KV_TYPES[cache_type_v]
         self.n_blocks, self.block_size = n_blocks, BLOCK_SIZE
+        self.n_kv_head, self.head_dim_k, self.head_dim_v = n_kv_head, head_dim_k, head_dim_v
+        self.v_in_k = bool(v_in_k)
+        if self.v_in_k:
+            kq.check_v_in_k(self.kv_type, head_dim_k, head_dim_v)
         self.bytes_per_token = kv_bytes_per_token(n_layer, n_kv_head, head_dim_k, head_dim_v,
-                                                  self.kv_type, self.kv_type_v)
+                                                  self.kv_type, self.kv_type_v, self.v_in_k)
         rows = n_blocks * BLOCK_SIZE
 
         def blocks(t: int, d: int) -> list[np.ndarray]:
@@ -75,7 +120,8 @@ class KVStorage:
             dt = np.float16 if t == kq.F16 else np.float32
             return [np.zeros((n_blocks, BLOCK_SIZE, n_kv_head, d), dt) for _ in range(n_layer)]
         self.k_blocks = blocks(self.kv_type, head_dim_k)
-        self.v_blocks = blocks(self.kv_type_v, head_dim_v)
+        # V inside K: no V arrays (BatchKV reads V from K's rows)
+        self.v_blocks = [] if self.v_in_k else blocks(self.kv_type_v, head_dim_v)
         self.k = [a.reshape(rows, n_kv_head, a.shape[-1]) for a in self.k_blocks]
         self.v = [a.reshape(rows, n_kv_head, a.shape[-1]) for a in self.v_blocks]
         assert self.nbytes == rows * self.bytes_per_token
@@ -94,16 +140,24 @@ class KVStorage:
 
     def read_blocks(self, blocks) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Copies of the K and V rows of blocks (in order), per layer uint8
-        [len(blocks) * BLOCK_SIZE, Hkv, row_bytes] in the cache types (sessions)."""
+        [len(blocks) * BLOCK_SIZE, Hkv, row_bytes] in the cache types (sessions). With V
+        inside K, the V rows are empty (row_bytes 0): K holds them."""
         bs = self.block_size
         rows = (np.asarray(blocks, np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)
-        return [self._raw(a)[rows] for a in self.k], [self._raw(a)[rows] for a in self.v]
+        k = [self._raw(a)[rows] for a in self.k]
+        if self.v_in_k:
+            return k, [np.zeros((len(rows), self.n_kv_head, 0), np.uint8) for _ in self.k]
+        return k, [self._raw(a)[rows] for a in self.v]
 
     def write_block(self, block: int, k: list[np.ndarray], v: list[np.ndarray]) -> None:
-        """Rows of one block from per layer uint8 [BLOCK_SIZE, Hkv, row_bytes] (sessions)."""
+        """Rows of one block from per layer uint8 [BLOCK_SIZE, Hkv, row_bytes] (sessions); with
+        V inside K, v is read_blocks' empty rows (nothing to write)."""
         bs = self.block_size
         for a, src in zip(self.k, k):
             self._raw(a)[block * bs:(block + 1) * bs] = src
+        if self.v_in_k:
+            assert all(x.size == 0 for x in v), "V inside K: V rows have no bytes of their own"
+            return
         for a, src in zip(self.v, v):
             self._raw(a)[block * bs:(block + 1) * bs] = src
 

@@ -6,6 +6,11 @@ the quantized types the kernels add). Rows are addressed as the native kernels t
 (csrc/ops.h mf_paged_args): token i goes to physical row ``slots[i]``; query row i at position
 ``pos[i]`` reads logical keys 0..pos[i] of its sequence, key t at physical row
 ``tables[q_tab[i] + t // bs] * bs + t % bs``.
+
+With ``v_in_k`` (MLA: kv/storage.py kv_layout) the pool has no V: ``attend`` stores only k and
+the kernels read each key's value as the first Dv values of its K row (V None to the native
+calls, a slice of the gathered K rows on the numpy path); a quantized K carries V's rotation
+(kv/quant.py rot_sizes).
 """
 
 from __future__ import annotations
@@ -20,18 +25,21 @@ _BLOCK = (2, 8)  # q4_0, q8_0: rows of GGML blocks (kv/quant.py)
 
 class BatchKV:
     def __init__(self, k: list, v: list, kv_type: int, pos: np.ndarray, slots: np.ndarray,
-                 q_tab: np.ndarray, tables: np.ndarray, bs: int, kv_type_v: int | None = None):
+                 q_tab: np.ndarray, tables: np.ndarray, bs: int, kv_type_v: int | None = None,
+                 v_in_k: bool = False):
         # k[l], v[l]: the layer's pools as physical rows [rows, Hkv, D] (block types: uint8
-        # [rows, Hkv, row_bytes]); kv_type is K's cache type, kv_type_v V's (default: the same)
-        self.k, self.v, self.kv_type = k, v, kv_type
-        self.kv_type_v = kv_type if kv_type_v is None else kv_type_v
+        # [rows, Hkv, row_bytes]); kv_type is K's cache type, kv_type_v V's (default: the same);
+        # v_in_k: no V pools (v unused), V is K's first Dv values, in K's type
+        self.k, self.v, self.kv_type, self.v_in_k = k, v, kv_type, bool(v_in_k)
+        self.kv_type_v = kv_type if kv_type_v is None or v_in_k else kv_type_v
         self.pos, self.slots, self.q_tab, self.tables, self.bs = pos, slots, q_tab, tables, bs
 
     @property
     def fusable(self) -> bool:
         """Whether the native fused decode layer can run on this cache: f32 / f16 (a quantized
-        cache also rotates q, k, v and the output, which the fused layer does not)."""
-        return self.kv_type in _NP and self.kv_type_v in _NP
+        cache also rotates q, k, v and the output, which the fused layer does not) with V
+        pools of its own (the fused layer stores and reads V rows)."""
+        return self.kv_type in _NP and self.kv_type_v in _NP and not self.v_in_k
 
     def fused(self, il: int) -> tuple:
         """Arguments of the native batched decode layer after x (opaque to model code)."""
@@ -44,8 +52,10 @@ class BatchKV:
         """Store k[n, Hkv, Dk], v[n, Hkv, Dv] of the batch's tokens, then causal attention of
         q[n, Hq, Dk] (only the query rows ``rows`` when given) -> [n_rows, Hq, Dv]. q is the
         caller's own scratch: it may be rounded in place for the cache type. sinks: float32
-        [Hq] attention sinks (gpt-oss; ops.attention), or None."""
-        K, V = self.k[il], self.v[il]
+        [Hq] attention sinks (gpt-oss; ops.attention), or None. With V inside K, v must be
+        k[..., :Dv] (MLA's latent; only k is stored) and is not read."""
+        K = self.k[il]
+        V = None if self.v_in_k else self.v[il]
         pos, q_tab = self.pos, self.q_tab
         if rows is not None:
             q, pos, q_tab = q[rows], pos[rows], q_tab[rows]
@@ -57,8 +67,9 @@ class BatchKV:
         paged = getattr(ops, "attention_paged", None)
         if paged is not None:
             ops.kv_store(self.kv_type, K, self.slots, np.ascontiguousarray(k, np.float32))
-            ops.kv_store(self.kv_type, V, self.slots, np.ascontiguousarray(v, np.float32))
-            out = np.empty((q.shape[0], q.shape[1], V.shape[2]), np.float32)
+            if V is not None:
+                ops.kv_store(self.kv_type, V, self.slots, np.ascontiguousarray(v, np.float32))
+            out = np.empty((q.shape[0], q.shape[1], v.shape[2]), np.float32)
             paged(q, K, V, self.kv_type, pos, q_tab, self.tables, self.bs, scale, window, softcap, out,
                   **kw)
             return out
@@ -71,9 +82,13 @@ class BatchKV:
         from . import quant as kq
         tk, tv = self.kv_type, self.kv_type_v
         n = k.shape[0]
-        rk, rv = kq.rot_size(tk, k.shape[-1], True), kq.rot_size(tv, v.shape[-1], False)
+        # V inside K: V is the first Dv values of the rotated K row, so it has K's rotation
+        rk, rv = kq.rot_sizes(tk, tv, k.shape[-1], v.shape[-1], V is None)
         kq.store_rows(tk, K, self.slots, kq.rotate(k, rk).reshape(n, -1))
-        kq.store_rows(tv, V, self.slots, kq.rotate(v, rv).reshape(n, -1))
+        if V is not None:
+            kq.store_rows(tv, V, self.slots, kq.rotate(v, rv).reshape(n, -1))
+        else:
+            kw["dv"] = v.shape[-1]
         o = ops.attention_kvq(np.ascontiguousarray(kq.rotate(q, rk)), K, V, pos, None, scale,
                               window, softcap, tk, tv, table=self.tables, q_tab=q_tab, bs=self.bs,
                               **kw)
@@ -83,16 +98,20 @@ class BatchKV:
         # numpy backend: write through numpy's rounding, gather each sequence's keys, attend
         assert self.kv_type in _NP, "the numpy backend has f32 and f16 caches only"
         K[self.slots] = k
-        V[self.slots] = v
+        if V is not None:
+            V[self.slots] = v
         if self.kv_type == 1:
             q = q.astype(np.float16).astype(np.float32)  # llama.cpp's f16 path reads Q as f16
-        out = np.empty((q.shape[0], q.shape[1], V.shape[2]), np.float32)
+        dv = v.shape[2]
+        out = np.empty((q.shape[0], q.shape[1], dv), np.float32)
         bs = self.bs
         for tab in np.unique(q_tab):
             sel = np.nonzero(q_tab == tab)[0]
             T = int(pos[sel].max()) + 1
             t = np.arange(T)
             phys = self.tables[tab + t // bs].astype(np.int64) * bs + t % bs
-            out[sel] = ops.attention(np.ascontiguousarray(q[sel]), K[phys], V[phys], pos[sel],
+            kk = K[phys]
+            vv = kk[..., :dv] if V is None else V[phys]   # V inside K: the K rows' first Dv
+            out[sel] = ops.attention(np.ascontiguousarray(q[sel]), kk, vv, pos[sel],
                                      t.astype(np.int32), scale, window, softcap, **kw)
         return out

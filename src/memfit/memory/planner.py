@@ -92,6 +92,7 @@ class ModelDesc:
     n_merges: int = 0
     skipped_bytes: int = 0      # tensors in the file never computed (role skip: NextN layers)
     act_extra: int = 0          # f32 activations per token beyond the standard block's (MLA)
+    v_in_k: bool = False        # the KV cache stores K only, V is read from it (MLA: kv_layout)
 
     @property
     def runtime_bytes(self) -> int:
@@ -102,7 +103,7 @@ class ModelDesc:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """f32 K and V of every layer for one position."""
+        """f32 K and V of every layer for one position (K only when V is inside K)."""
         return self.kv_cache_bytes(1, "f32", "f32")
 
     @property
@@ -111,10 +112,12 @@ class ModelDesc:
 
     def kv_cache_bytes(self, n_ctx: int, cache_type_k="f16", cache_type_v="f16") -> int:
         """Bytes of a KV cache of n_ctx tokens in the given cache types (f16, q8_0: 34 B
-        per 32 values, q4_0: 18 B per 32): kv/storage.py's kv_bytes_per_token."""
+        per 32 values, q4_0: 18 B per 32): kv/storage.py's kv_bytes_per_token (K only when V
+        is inside K: MLA)."""
         from ..kv.storage import kv_bytes_per_token
         return n_ctx * kv_bytes_per_token(self.n_layer, self.n_head_kv, self.head_dim,
-                                          self.head_dim_v, cache_type_k, cache_type_v)
+                                          self.head_dim_v, cache_type_k, cache_type_v,
+                                          v_in_k=self.v_in_k)
 
     @property
     def weight_bytes(self) -> int:
@@ -123,6 +126,7 @@ class ModelDesc:
     @staticmethod
     def from_gguf(f, name: str = "") -> "ModelDesc":
         """Description from an open GGUFFile (memfit.gguf.open_gguf)."""
+        from ..kv.storage import kv_layout
         from ..models.spec import SKIP, config_from_gguf, tensor_roles
         COUNTS["describe"] += 1
         md = f.metadata
@@ -143,7 +147,7 @@ class ModelDesc:
                          int(getattr(f, "file_size", 0) or 0), name or str(md.get("general.name", "")),
                          str(md.get("tokenizer.ggml.model", "") or ""),
                          len(merges) if isinstance(merges, list) else 0, skipped,
-                         _act_extra(c))
+                         _act_extra(c), kv_layout(c).v_in_k)
 
 
 def _act_extra(c) -> int:
@@ -243,6 +247,7 @@ class Plan:
     expert_policy: str = "lru"
     cache_type_k: str = "f16"        # KV cache types (-ctk / -ctv) kv_bytes is counted in
     cache_type_v: str = "f16"
+    kv_v_in_k: bool = False          # the cache holds K only, V is read from it (MLA)
 
     @property
     def n_layer_moe(self) -> int:
@@ -278,6 +283,7 @@ class Plan:
             "baseline_bytes": self.baseline_bytes, "scratch_bytes": self.scratch_bytes,
             "kv_bytes": self.kv_bytes, "io_staging_bytes": self.io_staging_bytes,
             "cache_type_k": self.cache_type_k, "cache_type_v": self.cache_type_v,
+            "kv_v_in_k": self.kv_v_in_k,
             "stream_slot_bytes": self.stream_slot_bytes,
             "tiers": {t: {"bytes": self.tier_bytes[t], "n_tensors": len(n), "tensors": n}
                       for t, n in self.tiers.items()},
@@ -315,6 +321,7 @@ class Plan:
                  row("runtime baseline", self.baseline_bytes, "measured + allowance"),
                  row(f"scratch (n_batch {self.n_batch})", self.scratch_bytes),
                  row(f"KV cache (ctx {self.n_ctx})", self.kv_bytes,
+                     f"K {self.cache_type_k}, V inside K" if self.kv_v_in_k else
                      f"K {self.cache_type_k}, V {self.cache_type_v}"),
                  row("I/O staging", self.io_staging_bytes),
                  row("stream slots (2 units)", self.stream_slot_bytes,
@@ -624,6 +631,8 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
     assert n_ctx > 0 and threads > 0 and n_batch > 0 and n_parallel > 0
     COUNTS["plan"] += 1
     m = model
+    if m.v_in_k:   # V is read from K (MLA): it has K's type and costs nothing of its own
+        cache_type_v = cache_type_k
     kv = kv_bytes(m, n_ctx, kv_bytes_per_elem, n_parallel, cache_type_k, cache_type_v)
     # the larger of the measured RSS and the model's predicted runtime (see RUNTIME_BASE_BYTES)
     baseline = max(baseline_bytes, m.runtime_bytes) + RUNTIME_EXTRA_BYTES + PROMPT_SCRATCH_BYTES
@@ -688,7 +697,8 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
         floor_parts=fl.parts, n_expert=m.n_expert, n_expert_used=m.n_expert_used,
         expert_bytes=sum(t.nbytes for t in experts), hot_experts=x.hot,
         hot_bytes=x.hot_bytes, hot_coverage=x.hot_coverage, expert_policy=expert_policy,
-        cache_type_k=str(cache_type_k).lower(), cache_type_v=str(cache_type_v).lower())
+        cache_type_k=str(cache_type_k).lower(), cache_type_v=str(cache_type_v).lower(),
+        kv_v_in_k=m.v_in_k)
 
 
 def _predict(m: ModelDesc, streamed: set[str], x: _Experts, emb_rows, bandwidth: Bandwidth,

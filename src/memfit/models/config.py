@@ -136,6 +136,13 @@ class ModelConfig:
     def yarn(self) -> bool:
         return self.rope_scaling == "yarn"
 
+    @property
+    def v_in_k(self) -> bool:
+        """Whether the KV cache holds V inside K (kv/storage.py kv_layout): absorbed MLA
+        (deepseek2, glm-dsa) attends over one KV head of [latent C | rope R] with values the
+        latent, K's first head_dim_v values, so only K is stored (as llama.cpp does)."""
+        return self.head_dim_k_mla > 0
+
     @classmethod
     def from_metadata(cls, md: dict[str, Any]) -> "ModelConfig":
         """The one parser of hyperparameters (models, planner, synth all use it): keys as

@@ -19,9 +19,11 @@ sigmoid; exp_probs_b correction bias for the choice; group-limited choice by
 expert_group_count / expert_group_used_count; renormalized by expert_weights_norm; scaled by
 expert_weights_scale) plus expert_shared_count shared experts as one ungated FFN.
 
-The cache stores K [c | k_pe] and V c as two arrays (V duplicates K's first C values; a
-V-view of K is a later saving). Quantized KV caches and the fused decode layer are not used
-for MLA. Mistral-Large's attention temperature tuning is refused.
+The cache stores only K [c | k_pe] (ModelConfig.v_in_k, kv/storage.py kv_layout): the values
+c are read as K's first C values, as llama.cpp's MLA cache does. A quantized cache (q8_0/q4_0)
+rotates the K row, and V, inside it, carries that rotation (kv/quant.py check_v_in_k). The
+fused decode layer is not used for MLA. Mistral-Large's attention temperature tuning is
+refused.
 """
 
 from __future__ import annotations
@@ -156,6 +158,7 @@ class Deepseek2(Model):
                                      self.weights.get(p + "attn_k_b.weight"), **self._rows_kw(x))
             qq = np.concatenate([q_abs, q_pe], axis=-1)                   # [n, H, C + R]
             k = np.concatenate([kv_c, k_pe[:, 0]], axis=-1)[:, None]    # [n, 1, C + R]
+            # values: the latent, K's first C values (the cache stores K only: V inside K)
             o = cache.attend(il, ops, qq, k, kv_c[:, None], last, c.attn_scale, 0, 0.0)
             o = ops.matmul_heads(o, self.weights.get(p + "attn_v_b.weight"), **self._rows_kw(x))
         else:

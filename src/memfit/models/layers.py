@@ -89,11 +89,15 @@ class Model:
         """One sequence of up to n_ctx tokens on a KV pool of its own (kv/seq.py); the API runs
         it on the engine's pool instead (SeqKV(engine.pool))."""
         from ..kv.quant import NAMES, cache_type
-        c = self.config
+        from ..kv.storage import kv_layout
+        L = kv_layout(self.config)
         tk, tv = NAMES[cache_type(self.cache_type_k)], NAMES[cache_type(self.cache_type_v)]
+        if L.v_in_k:
+            tv = tk  # V is read from K (MLA): K's type
         if (tk, tv) == ("f16", "f16") and not self.kv_f16:
             tk = tv = "f32"  # tests of exact float math
-        return KVCache.new(c.n_layer, n_ctx, c.n_head_kv, c.head_dim_k, c.head_dim_v, tk, tv)
+        return KVCache.new(L.n_layer, n_ctx, L.n_head_kv, L.head_dim_k, L.head_dim_v, tk, tv,
+                           v_in_k=L.v_in_k)
 
     def forward(self, batch, cache: KVCache | None = None, all_logits: bool = False,
                 hidden_from: int | None = None) -> np.ndarray:

@@ -34,13 +34,15 @@ GGUF bytes + type + numpy-order shape); a backend dequantizes per use, never the
         kv head h // (Hq // Hkv). sinks f32[Hq] (gpt-oss): one more logit per q head in the
         softmax denominator only (not scaled, not capped, no value row).
     attention_kvq(q, k, v, q_pos, kv_pos, scale, window, softcap, type_k, type_v, table=None,
-                  ..., sinks=None)
+                  ..., sinks=None, dv=None)
         the same over K/V rows in KV cache types (uint8 [..., Hkv, row_bytes]; f16, q8_0, q4_0
         as GGML type ids), llama.cpp's numerics (kv/quant.py); with a block table, key t is
-        row table[t // 32] * 32 + t % 32 of a paged pool.
+        row table[t // 32] * 32 + t % 32 of a paged pool. v None: V inside K (MLA), each K
+        row's first dv values in K's type (type_v == type_k).
 
 The native backend adds fused calls the model uses when present (ops/native.py): matmul_multi,
-attention_paged(..., sinks=None) and kv_store over the paged pool (kv/view.py), decode layers,
+attention_paged(..., sinks=None) and kv_store over the paged pool (kv/view.py; V None: V is
+K's first Dv values, Dv from out), decode layers,
 and moe_ffn(x, mats, off, rows, wts, act, out, rowwise=False, biases=None) for a layer's routed
 experts (act 0 silu, 1 gelu, 2 swiglu_oai; a bool reads as gelu or not; biases per group
 (gate, up, down) f32 | None, added after their matmuls).

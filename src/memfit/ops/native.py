@@ -207,11 +207,12 @@ if hasattr(_native, "moe_ffn"):
 
 
 def attention_kvq(q, k, v, q_pos, kv_pos, scale, window=0, softcap=0.0, type_k=1, type_v=1,
-                  table=None, out=None, q_tab=None, bs=32, sinks=None):
+                  table=None, out=None, q_tab=None, bs=32, sinks=None, dv=None):
     """ops.attention over K/V rows in KV cache types (csrc/kv_quant.c; see ops/__init__);
-    sinks f32[Hq] enter after the keys, as in ggml's flash attention."""
+    sinks f32[Hq] enter after the keys, as in ggml's flash attention. v None: V inside K,
+    each K row's first dv values (out's last dim when out is given)."""
     if out is None:
-        out = np.empty((q.shape[0], q.shape[1], _dv(v, type_v)), np.float32)
+        out = np.empty((q.shape[0], q.shape[1], dv if v is None else _dv(v, type_v)), np.float32)
     q_pos = np.ascontiguousarray(q_pos, np.int32)
     if sinks is not None:
         sinks = np.ascontiguousarray(sinks, np.float32)

@@ -173,17 +173,21 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
 def attention_kvq(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
                   kv_pos: np.ndarray, scale: float, window: int = 0, softcap: float = 0.0,
                   type_k: int = 1, type_v: int = 1, table=None, out=None, q_tab=None,
-                  bs: int = 32, sinks: np.ndarray | None = None) -> np.ndarray:
+                  bs: int = 32, sinks: np.ndarray | None = None,
+                  dv: int | None = None) -> np.ndarray:
     """attention over K/V rows in KV cache types (uint8 rows [..., Hkv, row_bytes], contiguous
     or a paged pool with a block table): llama.cpp's scores (kv/quant.py), float64 softmax
-    (sinks as in attention)."""
+    (sinks as in attention). v None: V inside K, each K row's first dv values (out's last
+    dim when out is given), type_v == type_k (MLA)."""
     from ..kv.quant import attention_paged_ref, attention_ref
+    if v is None and dv is None:
+        dv = out.shape[-1]
     if q_tab is not None:
         r = attention_paged_ref(q, k, v, q_pos, q_tab, table, bs, scale, window, softcap,
-                                type_k, type_v, sinks=sinks)
+                                type_k, type_v, sinks=sinks, dv=dv)
     else:
         r = attention_ref(q, k, v, q_pos, kv_pos, scale, window, softcap, type_k, type_v, table,
-                          sinks=sinks)
+                          sinks=sinks, dv=dv)
     if out is None:
         return r
     out[...] = r
