@@ -343,59 +343,38 @@ done:
     return NULL;
 }
 
-/* ---- silu_mul(gate, up, out=None), gelu_mul(gate, up, out=None) -------------------------- */
+/* ---- silu_mul(gate, up, out=None), gelu_mul(gate, up, out=None),
+ *      swiglu_oai(gate, up, alpha=1.702, limit=7.0, out=None) ---------------------------------- */
 
-static PyObject *gated(const char *fn, int gelu, PyObject *const *args, Py_ssize_t nargs, PyObject *kw) {
-    static const char *const names[] = {"gate", "up", "out"};
-    PyObject *a[3], *res = NULL;
-    bufs bs = {.n = 0};
-    if (parse_args(fn, args, nargs, kw, names, 2, 3, a) < 0) return NULL;
-    Py_buffer *g = get_buf(&bs, a[0], fn, "gate", 'f', 0, 1, 64), *u, *o;
-    if (!g) goto done;
-    if (!(u = get_buf(&bs, a[1], fn, "up", 'f', 0, 1, 64))) goto done;
-    if (check_same(g, u, fn, "gate", "up") < 0) goto done;
-    if (!(o = get_out(&bs, a[2], fn, g->ndim, g->shape, &res))) goto done;
-    {
-        const float *gp = g->buf, *up = u->buf;
-        float *op = o->buf;
-        const int64_t n = numel(g);
-        Py_BEGIN_ALLOW_THREADS
-        if (gelu)
-            mf_gelu_mul_f32(gp, up, op, n);
-        else
-            mf_silu_mul_f32(gp, up, op, n);
-        Py_END_ALLOW_THREADS
-    }
-    release(&bs);
-    return res;
-done:
-    release(&bs);
-    Py_XDECREF(res);
-    return NULL;
-}
+enum { GATED_SILU, GATED_GELU, GATED_SWIGLU_OAI };
 
-/* ---- swiglu_oai(gate, up, alpha=1.702, limit=7.0, out=None) ----------------------------- */
-
-static PyObject *py_swiglu_oai(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kw) {
-    static const char *const names[] = {"gate", "up", "alpha", "limit", "out"};
-    const char *fn = "swiglu_oai";
+static PyObject *gated(const char *fn, int act, PyObject *const *args, Py_ssize_t nargs, PyObject *kw) {
+    static const char *const names2[] = {"gate", "up", "out"};
+    static const char *const names5[] = {"gate", "up", "alpha", "limit", "out"};
+    const int oai = act == GATED_SWIGLU_OAI, n_names = oai ? 5 : 3;
     PyObject *a[5], *res = NULL;
     bufs bs = {.n = 0};
     double alpha = 1.702, limit = 7.0;
-    if (parse_args(fn, args, nargs, kw, names, 2, 5, a) < 0) return NULL;
-    if ((a[2] && get_double(a[2], fn, "alpha", &alpha) < 0) || (a[3] && get_double(a[3], fn, "limit", &limit) < 0))
+    if (parse_args(fn, args, nargs, kw, oai ? names5 : names2, 2, n_names, a) < 0) return NULL;
+    if (oai && ((a[2] && get_double(a[2], fn, "alpha", &alpha) < 0) ||
+                (a[3] && get_double(a[3], fn, "limit", &limit) < 0)))
         return NULL;
     Py_buffer *g = get_buf(&bs, a[0], fn, "gate", 'f', 0, 1, 64), *u, *o;
     if (!g) goto done;
     if (!(u = get_buf(&bs, a[1], fn, "up", 'f', 0, 1, 64))) goto done;
     if (check_same(g, u, fn, "gate", "up") < 0) goto done;
-    if (!(o = get_out(&bs, a[4], fn, g->ndim, g->shape, &res))) goto done;
+    if (!(o = get_out(&bs, a[n_names - 1], fn, g->ndim, g->shape, &res))) goto done;
     {
         const float *gp = g->buf, *up = u->buf;
         float *op = o->buf;
         const int64_t n = numel(g);
         Py_BEGIN_ALLOW_THREADS
-        mf_swiglu_oai_f32(gp, up, op, n, (float)alpha, (float)limit);
+        if (act == GATED_GELU)
+            mf_gelu_mul_f32(gp, up, op, n);
+        else if (act == GATED_SILU)
+            mf_silu_mul_f32(gp, up, op, n);
+        else
+            mf_swiglu_oai_f32(gp, up, op, n, (float)alpha, (float)limit);
         Py_END_ALLOW_THREADS
     }
     release(&bs);
@@ -407,11 +386,15 @@ done:
 }
 
 static PyObject *py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kw) {
-    return gated("silu_mul", 0, args, nargs, kw);
+    return gated("silu_mul", GATED_SILU, args, nargs, kw);
 }
 
 static PyObject *py_gelu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kw) {
-    return gated("gelu_mul", 1, args, nargs, kw);
+    return gated("gelu_mul", GATED_GELU, args, nargs, kw);
+}
+
+static PyObject *py_swiglu_oai(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kw) {
+    return gated("swiglu_oai", GATED_SWIGLU_OAI, args, nargs, kw);
 }
 
 /* ---- fwht(x, n, scale, out=None): rows of n values times the Walsh-Hadamard matrix ------- */

@@ -15,7 +15,7 @@ from memfit.models import ModelConfig, load_model
 from memfit.models.synthetic import write_tiny_model
 from memfit.ops import get_ops
 from test_glm4moe import ref_route
-from test_moe_models import _rms, _silu, _weights, rel_err, run_steps
+from test_moe_models import _rms, _silu, _weights, check_logits, rel_err, run_steps
 
 # the tiny writer's deepseek2 defaults (models/synthetic.py), written out for the reference
 CFG = dict(n_embd=256, n_layer=3, n_head=4, C=256, R=32, Dn=64, Dv=64, Q=256, n_expert=8, k=2,
@@ -114,11 +114,7 @@ def test_deepseek2_matches_float64(tmp_path, backend, qtype, tol, form):
         assert (c.n_head_kv, c.head_dim_k, c.head_dim_v) == (1, 288, 256)
     ref = reference_logits(path, IDS, CFG, q_lora, legacy)
     assert np.std(ref) > 0.1
-    full = m.forward(IDS, m.new_cache(32), all_logits=True)
-    assert rel_err(full, ref) <= tol, rel_err(full, ref)
-    steps = run_steps(m, IDS, 4)
-    assert rel_err(steps, ref[3:]) <= tol
-    assert rel_err(steps, full[3:].astype(np.float64)) <= tol
+    check_logits(m, IDS, ref, tol)
 
 
 def test_mla_prefill_rows_equal_whole_prompt_bit_for_bit(tmp_path):

@@ -17,7 +17,7 @@ from memfit.models import ModelConfig, load_model
 from memfit.models.synthetic import write_tiny_model
 from memfit.ops import get_ops
 from memfit.ops.backend import RouteSpec
-from test_moe_models import _rms, _silu, _weights, rel_err, run_steps
+from test_moe_models import _rms, _silu, _weights, check_logits, rel_err, run_steps
 
 CFG = dict(n_embd=256, n_layer=3, n_head=4, n_head_kv=2, head_dim=64, n_rot=32, rope_base=1e6,
            n_expert=8, n_expert_used=2, n_ff_exp=256, n_ff_shexp=256, n_ff=512,
@@ -128,11 +128,7 @@ def test_glm4moe_matches_float64(tmp_path, backend, qtype, tol, qk_norm):
     assert ("blk.0.attn_q_norm.weight" in m.vec) == qk_norm
     ref = reference_logits(path, IDS, CFG, qk_norm)
     assert np.std(ref) > 0.1
-    full = m.forward(IDS, m.new_cache(32), all_logits=True)
-    assert rel_err(full, ref) <= tol, rel_err(full, ref)
-    steps = run_steps(m, IDS, 4)
-    assert rel_err(steps, ref[3:]) <= tol
-    assert rel_err(steps, full[3:].astype(np.float64)) <= tol
+    check_logits(m, IDS, ref, tol)
 
 
 def test_nextn_layer_is_in_the_file_not_the_forward_or_the_plan(tmp_path):

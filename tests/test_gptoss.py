@@ -15,7 +15,7 @@ from memfit.models import ModelConfig, load_model
 from memfit.models.synthetic import write_tiny_model
 from memfit.ops import get_ops
 from memfit.ops.rope import yarn_corr_dims
-from test_moe_models import _rms, _weights, rel_err, run_steps
+from test_moe_models import _rms, _weights, check_logits, rel_err, run_steps
 
 # the tiny writer's gpt-oss defaults (models/synthetic.py), written out for the reference
 CFG = dict(n_layer=2, n_head=4, n_head_kv=2, D=64, window=4, k=2, base=150000.0, factor=32.0,
@@ -99,11 +99,7 @@ def test_gptoss_matches_float64(tmp_path, backend, qtype, types, tol):
     assert [c.is_swa(il) for il in range(2)] == [True, False]
     ref = reference_logits(path, IDS)
     assert np.std(ref) > 0.1
-    full = m.forward(IDS, m.new_cache(32), all_logits=True)
-    assert rel_err(full, ref) <= tol, rel_err(full, ref)
-    steps = run_steps(m, IDS, 4)
-    assert rel_err(steps, ref[3:]) <= tol
-    assert rel_err(steps, full[3:].astype(np.float64)) <= tol
+    check_logits(m, IDS, ref, tol)
 
 
 def test_sinks_and_window_edges(tmp_path):

@@ -133,6 +133,16 @@ def rel_err(a, b):
     return float(np.max(np.abs(np.asarray(a, np.float64) - b)) / np.max(np.abs(b)))
 
 
+def check_logits(m, ids, ref, tol, split=4):
+    """m's logits of ids (all at once, then split tokens + one at a time) against ref."""
+    full = m.forward(ids, m.new_cache(32), all_logits=True)
+    assert rel_err(full, ref) <= tol, rel_err(full, ref)
+    steps = run_steps(m, ids, split)
+    assert rel_err(steps, ref[split - 1:]) <= tol
+    assert rel_err(steps, full[split - 1:].astype(np.float64)) <= tol
+    return full
+
+
 def run_steps(m, ids, split):
     cache = m.new_cache(len(ids))
     steps = [m.forward(ids[:split], cache)]

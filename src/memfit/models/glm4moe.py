@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from ..errors import UnsupportedError
 from .layers import Model
-from .spec import (ArchSpec, Tensor, as_skipped, attn_tensors, ffn_tensors, moe_tensors)
+from .spec import (ArchSpec, Tensor, as_skipped, attn_tensors, ffn_tensors, moe_tensors,
+                   nextn_tensors)
 
 
 def _hparams(md, arch, kw):
@@ -55,11 +56,7 @@ def _layer(c, il):
     else:
         t += ffn_tensors(c, il)
     if il >= c.n_layer:   # a NextN layer: the layer above plus its projection and norms
-        t += [Tensor(p + "nextn.eh_proj.weight", (E, 2 * E)), Tensor(p + "nextn.enorm.weight", (E,)),
-              Tensor(p + "nextn.hnorm.weight", (E,)),
-              Tensor(p + "nextn.embed_tokens.weight", (c.n_vocab, E), False),
-              Tensor(p + "nextn.shared_head_head.weight", (c.n_vocab, E), False),
-              Tensor(p + "nextn.shared_head_norm.weight", (E,), False)]
+        t += nextn_tensors(c, il)
         t = as_skipped(t)
     return t
 

@@ -20,7 +20,7 @@ from ..errors import ModelError
 from . import deepseek2
 from .deepseek2 import Deepseek2
 from .glm4moe import _hparams as _glm_hparams
-from .spec import ArchSpec, Tensor, as_skipped
+from .spec import ArchSpec, Tensor, as_skipped, nextn_tensors
 
 
 def _hparams(md, arch, kw):
@@ -69,11 +69,7 @@ def _layer(c, il):
           Tensor(p + "indexer.attn_k.weight", (head, E), False),
           Tensor(p + "indexer.attn_q_b.weight", (n_head * head, Q), False)]
     if il >= c.n_layer:
-        t += [Tensor(p + "nextn.eh_proj.weight", (E, 2 * E)), Tensor(p + "nextn.enorm.weight", (E,)),
-              Tensor(p + "nextn.hnorm.weight", (E,)),
-              Tensor(p + "nextn.embed_tokens.weight", (c.n_vocab, E), False),
-              Tensor(p + "nextn.shared_head_head.weight", (c.n_vocab, E), False),
-              Tensor(p + "nextn.shared_head_norm.weight", (E,), False)]
+        t += nextn_tensors(c, il)
         t = as_skipped(t)
     return t
 

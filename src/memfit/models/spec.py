@@ -258,6 +258,16 @@ def moe_tensors(c: "ModelConfig", il: int, probs_bias: bool = False) -> list[Ten
                 Tensor(p + "ffn_down_exps.weight", (X, E, F), role=EXPERT)]
 
 
+def nextn_tensors(c: "ModelConfig", il: int) -> list[Tensor]:
+    """A NextN (MTP) layer's own tensors, after its ordinary layer's (glm4moe, glm-dsa)."""
+    p, E = f"blk.{il}.", c.n_embd
+    return [Tensor(p + "nextn.eh_proj.weight", (E, 2 * E)), Tensor(p + "nextn.enorm.weight", (E,)),
+            Tensor(p + "nextn.hnorm.weight", (E,)),
+            Tensor(p + "nextn.embed_tokens.weight", (c.n_vocab, E), False),
+            Tensor(p + "nextn.shared_head_head.weight", (c.n_vocab, E), False),
+            Tensor(p + "nextn.shared_head_norm.weight", (E,), False)]
+
+
 def as_skipped(ts: list[Tensor]) -> list[Tensor]:
     return [Tensor(t.name, t.shape, t.required, SKIP) for t in ts]
 
@@ -268,5 +278,5 @@ def _registry():
 
 
 __all__ = ["ArchSpec", "Tensor", "TRUNK", "ROUTER", "EXPERT", "SHEXP", "SKIP", "get_spec",
-           "attn_tensors", "ffn_tensors", "moe_tensors", "as_skipped",
+           "attn_tensors", "ffn_tensors", "moe_tensors", "nextn_tensors", "as_skipped",
            "check_tensors", "config_from_gguf", "tensor_roles", "write_hparams", "GATING_IDS"]
