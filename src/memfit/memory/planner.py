@@ -93,6 +93,7 @@ class ModelDesc:
     skipped_bytes: int = 0      # tensors in the file never computed (role skip: NextN layers)
     act_extra: int = 0          # f32 activations per token beyond the standard block's (MLA)
     v_in_k: bool = False        # the KV cache stores K only, V is read from it (MLA: kv_layout)
+    kv_aux: int = 0             # auxiliary cache values per token (glm-dsa's indexer keys)
 
     @property
     def runtime_bytes(self) -> int:
@@ -113,11 +114,11 @@ class ModelDesc:
     def kv_cache_bytes(self, n_ctx: int, cache_type_k="f16", cache_type_v="f16") -> int:
         """Bytes of a KV cache of n_ctx tokens in the given cache types (f16, q8_0: 34 B
         per 32 values, q4_0: 18 B per 32): kv/storage.py's kv_bytes_per_token (K only when V
-        is inside K: MLA)."""
+        is inside K: MLA; with glm-dsa's indexer key cache)."""
         from ..kv.storage import kv_bytes_per_token
         return n_ctx * kv_bytes_per_token(self.n_layer, self.n_head_kv, self.head_dim,
                                           self.head_dim_v, cache_type_k, cache_type_v,
-                                          v_in_k=self.v_in_k)
+                                          v_in_k=self.v_in_k, aux=self.kv_aux)
 
     @property
     def weight_bytes(self) -> int:
@@ -147,7 +148,7 @@ class ModelDesc:
                          int(getattr(f, "file_size", 0) or 0), name or str(md.get("general.name", "")),
                          str(md.get("tokenizer.ggml.model", "") or ""),
                          len(merges) if isinstance(merges, list) else 0, skipped,
-                         _act_extra(c), kv_layout(c).v_in_k)
+                         _act_extra(c), kv_layout(c).v_in_k, kv_layout(c).aux)
 
 
 def _act_extra(c) -> int:
