@@ -7,6 +7,8 @@ layers, the indexer key cache in the KV pool (bytes, sessions), and no context c
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -246,7 +248,7 @@ def test_indexer_types_metadata():
         ModelConfig.from_metadata(_md(**{"attention.indexer.types": [1, 1]}))
 
 
-def test_indexer_cache_in_the_kv_bytes_and_no_context_cap(tmp_path):
+def test_indexer_cache_in_the_kv_bytes_and_no_context_cap(tmp_path, capsys):
     from memfit.gguf import open_gguf
     from memfit.kv.storage import kv_layout
     from memfit.memory.planner import ModelDesc
@@ -261,6 +263,11 @@ def test_indexer_cache_in_the_kv_bytes_and_no_context_cap(tmp_path):
     desc = ModelDesc.from_gguf(open_gguf(path))
     assert desc.kv_aux == 192
     assert desc.kv_cache_bytes(100, "f16", "f16") == 100 * (3 * 288 + 192) * 2
+    # memfit plan: the KV line counts (and names) the indexer keys
+    from memfit.cli import main
+    assert main(["plan", str(path), "--ctx-size", "512", "--no-measure", "--json"]) in (0, None)
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["kv_aux"] == 192 and plan["kv_bytes"] == 512 * L.bytes_per_token("f16")
     m = load_model(path)
     assert m.new_cache(64).nbytes == 64 * L.bytes_per_token("f16")
     # 256 tokens > K_idx 16: no cap any more

@@ -249,6 +249,7 @@ class Plan:
     cache_type_k: str = "f16"        # KV cache types (-ctk / -ctv) kv_bytes is counted in
     cache_type_v: str = "f16"
     kv_v_in_k: bool = False          # the cache holds K only, V is read from it (MLA)
+    kv_aux: int = 0                  # indexer key values per token in kv_bytes (glm-dsa)
 
     @property
     def n_layer_moe(self) -> int:
@@ -284,7 +285,7 @@ class Plan:
             "baseline_bytes": self.baseline_bytes, "scratch_bytes": self.scratch_bytes,
             "kv_bytes": self.kv_bytes, "io_staging_bytes": self.io_staging_bytes,
             "cache_type_k": self.cache_type_k, "cache_type_v": self.cache_type_v,
-            "kv_v_in_k": self.kv_v_in_k,
+            "kv_v_in_k": self.kv_v_in_k, "kv_aux": self.kv_aux,
             "stream_slot_bytes": self.stream_slot_bytes,
             "tiers": {t: {"bytes": self.tier_bytes[t], "n_tensors": len(n), "tensors": n}
                       for t, n in self.tiers.items()},
@@ -322,8 +323,9 @@ class Plan:
                  row("runtime baseline", self.baseline_bytes, "measured + allowance"),
                  row(f"scratch (n_batch {self.n_batch})", self.scratch_bytes),
                  row(f"KV cache (ctx {self.n_ctx})", self.kv_bytes,
-                     f"K {self.cache_type_k}, V inside K" if self.kv_v_in_k else
-                     f"K {self.cache_type_k}, V {self.cache_type_v}"),
+                     (f"K {self.cache_type_k}, V inside K" if self.kv_v_in_k else
+                      f"K {self.cache_type_k}, V {self.cache_type_v}")
+                     + (", indexer keys" if self.kv_aux else "")),
                  row("I/O staging", self.io_staging_bytes),
                  row("stream slots (2 units)", self.stream_slot_bytes,
                      f"largest unit {format_size(self.stream_slot_bytes // 2)}"),
@@ -699,7 +701,7 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
         expert_bytes=sum(t.nbytes for t in experts), hot_experts=x.hot,
         hot_bytes=x.hot_bytes, hot_coverage=x.hot_coverage, expert_policy=expert_policy,
         cache_type_k=str(cache_type_k).lower(), cache_type_v=str(cache_type_v).lower(),
-        kv_v_in_k=m.v_in_k)
+        kv_v_in_k=m.v_in_k, kv_aux=m.kv_aux)
 
 
 def _predict(m: ModelDesc, streamed: set[str], x: _Experts, emb_rows, bandwidth: Bandwidth,
