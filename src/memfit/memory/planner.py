@@ -94,6 +94,8 @@ class ModelDesc:
     act_extra: int = 0          # f32 activations per token beyond the standard block's (MLA)
     v_in_k: bool = False        # the KV cache stores K only, V is read from it (MLA: kv_layout)
     kv_aux: int = 0             # auxiliary cache values per token (glm-dsa's indexer keys)
+    ctx_extra: int = 0          # f32 values per context token held once in a layer (glm-dsa:
+                                # a sequence's indexer keys in f32 and one row's scores)
 
     @property
     def runtime_bytes(self) -> int:
@@ -148,15 +150,25 @@ class ModelDesc:
                          int(getattr(f, "file_size", 0) or 0), name or str(md.get("general.name", "")),
                          str(md.get("tokenizer.ggml.model", "") or ""),
                          len(merges) if isinstance(merges, list) else 0, skipped,
-                         _act_extra(c), kv_layout(c).v_in_k, kv_layout(c).aux)
+                         _act_extra(c), kv_layout(c).v_in_k, kv_layout(c).aux, _ctx_extra(c))
 
 
 def _act_extra(c) -> int:
     """Per-token f32 values an architecture's block holds beyond Q/K/V, the FFN and the
-    residual rows: MLA's q, its absorbed form and the per-head latent output (deepseek2)."""
+    residual rows: MLA's q, its absorbed form and the per-head latent output (deepseek2);
+    glm-dsa's indexer q, key, head weights and the row's selected keys (int32)."""
     if not c.head_dim_k_mla:
         return 0
-    return c.n_head * (c.head_dim_k_mla + 2 * c.kv_lora_rank + c.head_dim_v_mla) + c.q_lora_rank
+    Hi, Di, K = c.indexer
+    return (c.n_head * (c.head_dim_k_mla + 2 * c.kv_lora_rank + c.head_dim_v_mla) + c.q_lora_rank
+            + Hi * Di + Di + Hi + K)
+
+
+def _ctx_extra(c) -> int:
+    """f32 values per context token the block holds at once: glm-dsa's indexer (a sequence's
+    keys read as f32, one row's per-head scores, its summed score and selection mask)."""
+    Hi, Di, _ = c.indexer
+    return Di + Hi + 4 if Di else 0
 
 
 def tensor_kind(name: str) -> str:
@@ -388,6 +400,7 @@ def scratch_bytes(m: ModelDesc, n_batch: int, n_ctx: int, threads: int,
     # Q8-style activation copy (csrc: 40 B per 32 or 320 B per 256 values, 1.25 bytes/elem)
     quant_act = n_batch * max(m.n_embd, m.n_ff) * 5 // 4
     # the forward's buffers stay allocated while perplexity slices the logits: both count
+    scores += m.ctx_extra * n_ctx   # (glm-dsa's indexer)
     return (4 * (n_batch * per_tok + scores) + logits + quant_act
             + threads * THREAD_SCRATCH_BYTES)
 

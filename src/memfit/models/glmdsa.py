@@ -132,8 +132,9 @@ SPEC = ArchSpec("glm-dsa", moe="always", routing_keys=True, n_ff_exp_key=True, y
 
 
 _INDEXER = ("k_norm.weight", "k_norm.bias", "proj.weight", "attn_k.weight", "attn_q_b.weight")
-# floats of indexer scores computed at once ([rows, Hi, T] per chunk of query rows)
-_SCORE_CHUNK = 1 << 22
+# floats of indexer scores computed at once ([rows, Hi, T] per chunk of query rows; at least
+# one row: the planner counts a row's, memory/planner.py _ctx_extra)
+_SCORE_CHUNK = 1 << 20
 
 
 def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
