@@ -297,3 +297,57 @@ def test_session_save_restore_carries_the_indexer_cache(tmp_path):
         # the file's "V rows" are the indexer keys (64 f16 values per token and layer)
         assert b._kv_geometry()["row_bytes_v"] == 128
     assert got.ids == want.ids
+
+
+def test_indexer_yarn_matches_float64(tmp_path, monkeypatch):
+    # YaRN (factor 40, magnitude 1): the indexer's q and k take the model's rope, ramp and all
+    import test_glm_dsa_indexer as T
+    from memfit.ops.rope import yarn_corr_dims
+    f, orig = 40.0, 64
+    path = _tiny(tmp_path, rope_scaling="yarn", rope_freq_scale=1 / f, n_ctx_orig=orig,
+                 metadata={"glm-dsa.rope.scaling.yarn_log_multiplier": 1.0})
+    m = load_model(path, ops=get_ops("native"))
+    m.kv_f16 = False
+    lo, hi = yarn_corr_dims(CFG["R"], orig, CFG["rope_base"], 32.0, 1.0)
+    assert m.config.yarn and 0 < hi < CFG["R"] // 2
+
+    def rope(x, pos, base):
+        d = x.shape[-1]
+        i = np.arange(d // 2)
+        extrap = pos[:, None] * base ** (-2.0 * i / d)
+        ramp = 1 - np.clip((i - lo) / max(0.001, hi - lo), 0, 1)
+        theta = extrap / f * (1 - ramp) + extrap * ramp
+        z = (x[..., 0::2] + 1j * x[..., 1::2]) * np.exp(1j * theta)[:, None, :]
+        out = np.empty_like(x)
+        out[..., 0::2], out[..., 1::2] = z.real, z.imag
+        return out
+    monkeypatch.setattr(T, "_rope_norm", rope)
+    ref, kept = reference_logits(path, IDS, 16)
+    m.config.attn_scale = 1 / np.sqrt(96)   # the reference's scale (yarn's mscale^2 aside)
+    m.selection_log = []
+    full = m.forward(IDS, m.new_cache(64), all_logits=True)
+    assert rel_err(full, ref) <= 1e-4, rel_err(full, ref)
+    assert any((k < vis).any() for _, k, vis in m.selection_log)
+
+
+def test_storage_carries_the_indexer_rows():
+    # aux rows in the full layers only, copied on write, read and written with K (sessions)
+    from memfit.kv.storage import KVStorage
+    st = KVStorage(3, 4, 1, 288, 256, "f16", v_in_k=True, aux_dim=64, aux_layers=(0, 2))
+    assert st.aux[1] is None and st.aux[0].shape == (128, 64) and st.aux[0].dtype == np.float16
+    assert st.nbytes == 128 * st.bytes_per_token == 128 * (3 * 288 * 2 + 2 * 64 * 2)
+    rng = np.random.default_rng(0)
+    for il in (0, 2):
+        st.aux[il][:32] = rng.standard_normal((32, 64))
+    st.k[0][:32] = rng.standard_normal((32, 1, 288))
+    st.copy_rows(0, 1, 20)
+    assert (st.aux[2][32:52] == st.aux[2][:20]).all() and not st.aux[2][52:64].any()
+    assert (st.k[0][32:52] == st.k[0][:20]).all()
+    k, v = st.read_blocks([0])
+    assert v[0].shape == (32, 1, 128) and not v[1].any()
+    st.write_block(3, k, v)
+    for il in (0, 2):
+        assert (st.aux[il][96:] == st.aux[il][:32]).all()
+    assert (st.k[0][96:] == st.k[0][:32]).all()
+    assert KVStorage(3, 4, 1, 288, 256, "f32", v_in_k=True, aux_dim=64,
+                     aux_layers=(0,)).aux[0].dtype == np.float32
