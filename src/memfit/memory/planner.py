@@ -166,9 +166,9 @@ def _act_extra(c) -> int:
 
 def _ctx_extra(c) -> int:
     """f32 values per context token the block holds at once: glm-dsa's indexer (a sequence's
-    keys read as f32, one row's per-head scores, its summed score and selection mask)."""
+    keys and one row's per-head scores, both float64, its summed score and selection mask)."""
     Hi, Di, _ = c.indexer
-    return Di + Hi + 4 if Di else 0
+    return 2 * (Di + Hi) + 6 if Di else 0
 
 
 def tensor_kind(name: str) -> str:

@@ -31,8 +31,9 @@ row computes no scores at all). When some row sees more, every row of the forwar
 through ``BatchKV.attend_keys``: the same kernels over a one-row-block table of its kept keys in
 position order (so a row that keeps all its keys gets the dense result bit for bit, with the
 f16 rounding of q and the quantized caches as ever). The indexer's maths is numpy: per layer
-O(n x T) small vectors (Hi x Di per key) next to MLA's matmuls; scores are computed in float32
-in chunks of rows (at most _SCORE_CHUNK floats at once).
+O(n x T) small vectors (Hi x Di per key) next to MLA's matmuls; scores are computed in float64
+(a row's selection then does not hang on the BLAS call's shape, i.e. on the rows batched with
+it) in chunks of rows (at most _SCORE_CHUNK values at once, or one row's).
 """
 
 from __future__ import annotations
@@ -217,15 +218,19 @@ class GlmDsa(Deepseek2):
             if not len(sparse):
                 continue
             T = len(phys)
-            kk = np.ascontiguousarray(A[phys].astype(np.float32).T)           # [Di, T]
+            # float64: a row's scores then do not depend on the GEMM's shape (the rows beside
+            # it, T) beyond ~1e-16, so the selection is the same cold, cached, chunked or batched
+            kk = np.ascontiguousarray(A[phys].T, dtype=np.float64)           # [Di, T]
             step = max(1, _SCORE_CHUNK // (Hi * T))
             for a in range(0, len(sparse), step):
                 r = sparse[a:a + step]
-                d = np.matmul(iq[r], kk)                                      # [m, Hi, T]
+                m = len(r)
+                d = (iq[r].reshape(m * Hi, Di).astype(np.float64) @ kk).reshape(m, Hi, T)
                 np.maximum(d, 0.0, out=d)
-                s = np.einsum("mht,mh->mt", d, w[r])
+                d *= w[r].astype(np.float64)[:, :, None]
+                s = d.sum(axis=1)                                             # [m, T]
                 s[np.arange(T)[None, :] > pos[r, None]] = -np.inf
-                ti = np.nonzero(top_keys(s, K))[1].reshape(len(r), K)         # ascending
+                ti = np.nonzero(top_keys(s, K))[1].reshape(m, K)              # ascending
                 keys[(starts[r][:, None] + np.arange(K)).reshape(-1)] = phys[ti].reshape(-1)
         if self.selection_log is not None:
             self.selection_log.append((il, counts, vis))
