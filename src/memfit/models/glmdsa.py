@@ -218,8 +218,9 @@ class GlmDsa(Deepseek2):
             if not len(sparse):
                 continue
             T = len(phys)
-            # float64: a row's scores then do not depend on the GEMM's shape (the rows beside
-            # it, T) beyond ~1e-16, so the selection is the same cold, cached, chunked or batched
+            # float64: a row's scores depend on the GEMM's shape (the rows beside it, T) only
+            # at ~1e-16, so its selection is the same cold, cached, chunked or batched unless
+            # two scores are that close
             kk = np.ascontiguousarray(A[phys].T, dtype=np.float64)           # [Di, T]
             step = max(1, _SCORE_CHUNK // (Hi * T))
             for a in range(0, len(sparse), step):
