@@ -203,12 +203,14 @@ class Model:
     # --- saved sessions
     def _kv_geometry(self) -> dict:
         from .kv.quant import cache_type, row_bytes
-        from .kv.storage import kv_layout
+        from .kv.storage import aux_dtype, kv_layout
         L = kv_layout(self.config)
         return {"n_layer": L.n_layer, "n_kv_head": L.n_head_kv,
                 "row_bytes_k": row_bytes(cache_type(self.cache_type_k), L.head_dim_k),
-                # V inside K (MLA): no V rows of their own
-                "row_bytes_v": 0 if L.v_in_k else
+                # V inside K (MLA): no V rows of their own; glm-dsa's indexer key rows stand
+                # in their place (kv/storage.py read_blocks)
+                "row_bytes_v": (L.aux_dim * np.dtype(aux_dtype(self.cache_type_k)).itemsize
+                                if L.aux_layers else 0) if L.v_in_k else
                 row_bytes(cache_type(self.cache_type_v), L.head_dim_v)}
 
     def save_state(self, path: str | os.PathLike, ids: Sequence[int],

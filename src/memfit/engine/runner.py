@@ -45,7 +45,7 @@ class Runner:
             t += len(tab)
         kv = BatchKV(self.pool.k, self.pool.v, self.pool.kv_type, self._pos[:n], self._slots[:n],
                      self._qtab[:n], self._tables[:t], bs, kv_type_v=self.pool.kv_type_v,
-                     v_in_k=self.pool.v_in_k)
+                     v_in_k=self.pool.v_in_k, aux=self.pool.aux)
         rows = self._all[:n] if len(out) == n else np.asarray(out, np.int64)
         batch = Batch(self._ids[:n], self._pos[:n], self._seq[:n], rows, kv,
                       decode=sched.decode)

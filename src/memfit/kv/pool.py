@@ -17,9 +17,11 @@ __all__ = ["BLOCK_SIZE", "KVPool", "block_key"]
 class KVPool:
     def __init__(self, n_layer: int, n_blocks: int, n_kv_head: int, head_dim_k: int,
                  head_dim_v: int | None = None, cache_type: str = "f16", ledger=None,
-                 cache_type_v: str | None = None, v_in_k: bool = False):
+                 cache_type_v: str | None = None, v_in_k: bool = False, aux_dim: int = 0,
+                 aux_layers=()):
         self.storage = KVStorage(n_layer, n_blocks, n_kv_head, head_dim_k, head_dim_v,
-                                 cache_type, cache_type_v, ledger=ledger, v_in_k=v_in_k)
+                                 cache_type, cache_type_v, ledger=ledger, v_in_k=v_in_k,
+                                 aux_dim=aux_dim, aux_layers=aux_layers)
         self.manager = BlockManager(n_blocks, BLOCK_SIZE)
         st = self.storage
         self.cache_type, self.kv_type = st.cache_type, st.kv_type
@@ -27,6 +29,7 @@ class KVPool:
         self.v_in_k = st.v_in_k   # no V pools: V is K's first head_dim_v values (MLA)
         self.n_blocks, self.block_size = n_blocks, BLOCK_SIZE
         self.k_blocks, self.v_blocks, self.k, self.v = st.k_blocks, st.v_blocks, st.k, st.v
+        self.aux = st.aux   # per layer the indexer key rows (glm-dsa) or None; [] without
         self.ledger = ledger
         m = self.manager
         self.ref = m.ref
@@ -39,7 +42,7 @@ class KVPool:
         """A pool of n_blocks for a model's KV layout (kv/storage.py kv_layout)."""
         return cls(layout.n_layer, n_blocks, layout.n_head_kv, layout.head_dim_k,
                    layout.head_dim_v, cache_type, ledger=ledger, cache_type_v=cache_type_v,
-                   v_in_k=layout.v_in_k)
+                   v_in_k=layout.v_in_k, aux_dim=layout.aux_dim, aux_layers=layout.aux_layers)
 
     @property
     def nbytes(self) -> int:

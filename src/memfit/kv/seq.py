@@ -38,12 +38,13 @@ class SeqKV:
     @classmethod
     def new(cls, n_layer: int, n_ctx: int, n_kv_head: int, head_dim_k: int, head_dim_v=None,
             cache_type: str = "f16", cache_type_v: str | None = None, ledger=None,
-            v_in_k: bool = False) -> SeqKV:
+            v_in_k: bool = False, aux_dim: int = 0, aux_layers=()) -> SeqKV:
         """A sequence on a pool of its own, just large enough for n_ctx tokens."""
         if n_ctx <= 0:
             raise RequestError(f"context size must be positive, got {n_ctx}")
         pool = KVPool(n_layer, -(-n_ctx // BLOCK_SIZE), n_kv_head, head_dim_k, head_dim_v,
-                      cache_type, ledger=ledger, cache_type_v=cache_type_v, v_in_k=v_in_k)
+                      cache_type, ledger=ledger, cache_type_v=cache_type_v, v_in_k=v_in_k,
+                      aux_dim=aux_dim, aux_layers=aux_layers)
         return cls(pool, n_ctx)
 
     @property
@@ -75,7 +76,8 @@ class SeqKV:
         if self._zeros.size < n:
             self._zeros = np.zeros(max(n, 512), np.int32)
         return BatchKV(self.pool.k, self.pool.v, self.kv_type, pos, slots, self._zeros[:n],
-                       tables, bs, kv_type_v=self.kv_type_v, v_in_k=self.pool.v_in_k)
+                       tables, bs, kv_type_v=self.kv_type_v, v_in_k=self.pool.v_in_k,
+                       aux=self.pool.aux)
 
     def advance(self, n: int) -> None:
         self.pool.manager.commit(self.state, n)

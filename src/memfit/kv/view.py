@@ -11,6 +11,11 @@ With ``v_in_k`` (MLA: kv/storage.py kv_layout) the pool has no V: ``attend`` sto
 the kernels read each key's value as the first Dv values of its K row (V None to the native
 calls, a slice of the gathered K rows on the numpy path); a quantized K carries V's rotation
 (kv/quant.py rot_sizes).
+
+Auxiliary rows (``aux``: glm-dsa's lightning-indexer keys, kv/storage.py): ``store_aux`` writes
+the batch's rows at ``slots`` like K, ``seq_keys`` gives each sequence's rows and the physical
+rows of its positions 0..T-1, and ``attend_keys`` runs the same attention kernels over a chosen
+set of keys per query row (the indexer's selection) through a block table of one-row blocks.
 """
 
 from __future__ import annotations
@@ -26,13 +31,46 @@ _BLOCK = (2, 8)  # q4_0, q8_0: rows of GGML blocks (kv/quant.py)
 class BatchKV:
     def __init__(self, k: list, v: list, kv_type: int, pos: np.ndarray, slots: np.ndarray,
                  q_tab: np.ndarray, tables: np.ndarray, bs: int, kv_type_v: int | None = None,
-                 v_in_k: bool = False):
+                 v_in_k: bool = False, aux: list | None = None):
         # k[l], v[l]: the layer's pools as physical rows [rows, Hkv, D] (block types: uint8
         # [rows, Hkv, row_bytes]); kv_type is K's cache type, kv_type_v V's (default: the same);
         # v_in_k: no V pools (v unused), V is K's first Dv values, in K's type
         self.k, self.v, self.kv_type, self.v_in_k = k, v, kv_type, bool(v_in_k)
         self.kv_type_v = kv_type if kv_type_v is None or v_in_k else kv_type_v
         self.pos, self.slots, self.q_tab, self.tables, self.bs = pos, slots, q_tab, tables, bs
+        # aux[l]: the layer's auxiliary rows [rows, aux_dim] (glm-dsa indexer keys) or None
+        self.aux = aux if aux is not None else []
+        # glm-dsa: the key selection of the last full indexer layer of this forward (KeySelection
+        # or None: every row sees all its keys), for the shared layers after it
+        self.selection = None
+
+    def store_aux(self, il: int, x: np.ndarray) -> None:
+        """Store the batch's auxiliary rows x [n, aux_dim] of layer il at its slots (rounded to
+        the rows' type, float16 or float32)."""
+        self.aux[il][self.slots] = x
+
+    def seq_keys(self):
+        """Per sequence of the batch: (its query rows, int64 [m]; the physical rows of its
+        positions 0..T-1, int64 [T], T = 1 + its largest position in the batch)."""
+        bs = self.bs
+        for tab in np.unique(self.q_tab):
+            sel = np.nonzero(self.q_tab == tab)[0]
+            t = np.arange(int(self.pos[sel].max()) + 1)
+            yield sel, self.tables[tab + t // bs].astype(np.int64) * bs + t % bs
+
+    def attend_keys(self, il: int, ops, q: np.ndarray, k: np.ndarray, v: np.ndarray, rows,
+                    scale: float, starts: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        """``attend`` (store k, then attention of q's rows ``rows``, no window nor softcap) where
+        query row i reads only the keys at physical rows keys[starts[i]:starts[i + 1]]
+        (ascending position: with every key of the row in order the kernels give the dense
+        result bit for bit): a block table of one-row blocks, the row's last key at position
+        count - 1. Every kernel and cache type of ``attend`` (f16 rounding of q, quantized K)
+        applies unchanged."""
+        starts = np.asarray(starts, np.int64)
+        sub = BatchKV(self.k, self.v, self.kv_type, (np.diff(starts) - 1).astype(np.int32),
+                      self.slots, starts[:-1].astype(np.int32), np.asarray(keys, np.int32), 1,
+                      kv_type_v=self.kv_type_v, v_in_k=self.v_in_k)
+        return sub.attend(il, ops, q, k, v, rows, scale, 0, 0.0)
 
     @property
     def fusable(self) -> bool:

@@ -93,6 +93,9 @@ class ModelDesc:
     skipped_bytes: int = 0      # tensors in the file never computed (role skip: NextN layers)
     act_extra: int = 0          # f32 activations per token beyond the standard block's (MLA)
     v_in_k: bool = False        # the KV cache stores K only, V is read from it (MLA: kv_layout)
+    kv_aux: int = 0             # auxiliary cache values per token (glm-dsa's indexer keys)
+    ctx_extra: int = 0          # f32 values per context token held once in a layer (glm-dsa:
+                                # a sequence's indexer keys in f32 and one row's scores)
 
     @property
     def runtime_bytes(self) -> int:
@@ -113,11 +116,11 @@ class ModelDesc:
     def kv_cache_bytes(self, n_ctx: int, cache_type_k="f16", cache_type_v="f16") -> int:
         """Bytes of a KV cache of n_ctx tokens in the given cache types (f16, q8_0: 34 B
         per 32 values, q4_0: 18 B per 32): kv/storage.py's kv_bytes_per_token (K only when V
-        is inside K: MLA)."""
+        is inside K: MLA; with glm-dsa's indexer key cache)."""
         from ..kv.storage import kv_bytes_per_token
         return n_ctx * kv_bytes_per_token(self.n_layer, self.n_head_kv, self.head_dim,
                                           self.head_dim_v, cache_type_k, cache_type_v,
-                                          v_in_k=self.v_in_k)
+                                          v_in_k=self.v_in_k, aux=self.kv_aux)
 
     @property
     def weight_bytes(self) -> int:
@@ -147,15 +150,25 @@ class ModelDesc:
                          int(getattr(f, "file_size", 0) or 0), name or str(md.get("general.name", "")),
                          str(md.get("tokenizer.ggml.model", "") or ""),
                          len(merges) if isinstance(merges, list) else 0, skipped,
-                         _act_extra(c), kv_layout(c).v_in_k)
+                         _act_extra(c), kv_layout(c).v_in_k, kv_layout(c).aux, _ctx_extra(c))
 
 
 def _act_extra(c) -> int:
     """Per-token f32 values an architecture's block holds beyond Q/K/V, the FFN and the
-    residual rows: MLA's q, its absorbed form and the per-head latent output (deepseek2)."""
+    residual rows: MLA's q, its absorbed form and the per-head latent output (deepseek2);
+    glm-dsa's indexer q, key, head weights and the row's selected keys (int32)."""
     if not c.head_dim_k_mla:
         return 0
-    return c.n_head * (c.head_dim_k_mla + 2 * c.kv_lora_rank + c.head_dim_v_mla) + c.q_lora_rank
+    Hi, Di, K = c.indexer
+    return (c.n_head * (c.head_dim_k_mla + 2 * c.kv_lora_rank + c.head_dim_v_mla) + c.q_lora_rank
+            + Hi * Di + Di + Hi + K)
+
+
+def _ctx_extra(c) -> int:
+    """f32 values per context token the block holds at once: glm-dsa's indexer (a sequence's
+    keys and one row's per-head scores, both float64, its summed score and selection mask)."""
+    Hi, Di, _ = c.indexer
+    return 2 * (Di + Hi) + 6 if Di else 0
 
 
 def tensor_kind(name: str) -> str:
@@ -248,6 +261,7 @@ class Plan:
     cache_type_k: str = "f16"        # KV cache types (-ctk / -ctv) kv_bytes is counted in
     cache_type_v: str = "f16"
     kv_v_in_k: bool = False          # the cache holds K only, V is read from it (MLA)
+    kv_aux: int = 0                  # indexer key values per token in kv_bytes (glm-dsa)
 
     @property
     def n_layer_moe(self) -> int:
@@ -283,7 +297,7 @@ class Plan:
             "baseline_bytes": self.baseline_bytes, "scratch_bytes": self.scratch_bytes,
             "kv_bytes": self.kv_bytes, "io_staging_bytes": self.io_staging_bytes,
             "cache_type_k": self.cache_type_k, "cache_type_v": self.cache_type_v,
-            "kv_v_in_k": self.kv_v_in_k,
+            "kv_v_in_k": self.kv_v_in_k, "kv_aux": self.kv_aux,
             "stream_slot_bytes": self.stream_slot_bytes,
             "tiers": {t: {"bytes": self.tier_bytes[t], "n_tensors": len(n), "tensors": n}
                       for t, n in self.tiers.items()},
@@ -321,8 +335,9 @@ class Plan:
                  row("runtime baseline", self.baseline_bytes, "measured + allowance"),
                  row(f"scratch (n_batch {self.n_batch})", self.scratch_bytes),
                  row(f"KV cache (ctx {self.n_ctx})", self.kv_bytes,
-                     f"K {self.cache_type_k}, V inside K" if self.kv_v_in_k else
-                     f"K {self.cache_type_k}, V {self.cache_type_v}"),
+                     (f"K {self.cache_type_k}, V inside K" if self.kv_v_in_k else
+                      f"K {self.cache_type_k}, V {self.cache_type_v}")
+                     + (", indexer keys" if self.kv_aux else "")),
                  row("I/O staging", self.io_staging_bytes),
                  row("stream slots (2 units)", self.stream_slot_bytes,
                      f"largest unit {format_size(self.stream_slot_bytes // 2)}"),
@@ -385,6 +400,7 @@ def scratch_bytes(m: ModelDesc, n_batch: int, n_ctx: int, threads: int,
     # Q8-style activation copy (csrc: 40 B per 32 or 320 B per 256 values, 1.25 bytes/elem)
     quant_act = n_batch * max(m.n_embd, m.n_ff) * 5 // 4
     # the forward's buffers stay allocated while perplexity slices the logits: both count
+    scores += m.ctx_extra * n_ctx   # (glm-dsa's indexer)
     return (4 * (n_batch * per_tok + scores) + logits + quant_act
             + threads * THREAD_SCRATCH_BYTES)
 
@@ -698,7 +714,7 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
         expert_bytes=sum(t.nbytes for t in experts), hot_experts=x.hot,
         hot_bytes=x.hot_bytes, hot_coverage=x.hot_coverage, expert_policy=expert_policy,
         cache_type_k=str(cache_type_k).lower(), cache_type_v=str(cache_type_v).lower(),
-        kv_v_in_k=m.v_in_k)
+        kv_v_in_k=m.v_in_k, kv_aux=m.kv_aux)
 
 
 def _predict(m: ModelDesc, streamed: set[str], x: _Experts, emb_rows, bandwidth: Bandwidth,

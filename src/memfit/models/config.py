@@ -59,6 +59,8 @@ class ModelConfig:
     # per-head K/V sizes "decompressed" (key_length_mla = nope + rope dims, value_length_mla)
     q_lora_rank: int = 0
     indexer: tuple = (0, 0, 0)     # glm-dsa's sparse-attention indexer: heads, key length, top-k
+    indexer_full: tuple = ()       # glm-dsa: per layer 1 = a full indexer layer, 0 = shared
+    norm_eps: float = 1e-6         # attention.layer_norm_epsilon (glm-dsa's indexer LayerNorm)
     max_ctx: int = 0               # the architecture computes contexts up to this (0: any)
     max_ctx_why: str = ""
     kv_lora_rank: int = 0

@@ -142,9 +142,10 @@ class Deepseek2(Model):
         c, ops, p = self.config, self.ops, f"blk.{il}."
         Dn, R, Dv, C = mla_dims(c)
         n, H = x.shape[0], c.n_head
+        qr = None
         if c.q_lora_rank:
-            q = self.linear(self.norm(self.linear(x, p + "attn_q_a"), p + "attn_q_a_norm.weight"),
-                            p + "attn_q_b")
+            qr = self.norm(self.linear(x, p + "attn_q_a"), p + "attn_q_a_norm.weight")
+            q = self.linear(qr, p + "attn_q_b")
         else:
             q = self.linear(x, p + "attn_q")
         q = q.reshape(n, H, Dn + R)
@@ -159,7 +160,7 @@ class Deepseek2(Model):
             qq = np.concatenate([q_abs, q_pe], axis=-1)                   # [n, H, C + R]
             k = np.concatenate([kv_c, k_pe[:, 0]], axis=-1)[:, None]    # [n, 1, C + R]
             # values: the latent, K's first C values (the cache stores K only: V inside K)
-            o = cache.attend(il, ops, qq, k, kv_c[:, None], last, c.attn_scale, 0, 0.0)
+            o = self.mla_attend(il, x, qr, pos, cache, qq, k, kv_c[:, None], last)
             o = ops.matmul_heads(o, self.weights.get(p + "attn_v_b.weight"), **self._rows_kw(x))
         else:
             kv = self.linear(kv_c, p + "attn_kv_b").reshape(n, H, Dn + Dv)
@@ -168,3 +169,9 @@ class Deepseek2(Model):
             o = cache.attend(il, ops, qq, k, np.ascontiguousarray(kv[..., Dn:]), last,
                              c.attn_scale, 0, 0.0)
         return self.linear(o.reshape(o.shape[0], H * Dv), p + "attn_output")
+
+    def mla_attend(self, il, x, qr, pos, cache, q, k, v, last):
+        """The absorbed MLA attention of layer il (q [n, H, C + R], k [n, 1, C + R], v the
+        latent, K's first C values) over the cache: every earlier key (glm-dsa overrides it
+        with its indexer's selection; x is the attention norm's output, qr the q latent)."""
+        return cache.attend(il, self.ops, q, k, v, last, self.config.attn_scale, 0, 0.0)

@@ -97,7 +97,7 @@ class Model:
         if (tk, tv) == ("f16", "f16") and not self.kv_f16:
             tk = tv = "f32"  # tests of exact float math
         return KVCache.new(L.n_layer, n_ctx, L.n_head_kv, L.head_dim_k, L.head_dim_v, tk, tv,
-                           v_in_k=L.v_in_k)
+                           v_in_k=L.v_in_k, aux_dim=L.aux_dim, aux_layers=L.aux_layers)
 
     def forward(self, batch, cache: KVCache | None = None, all_logits: bool = False,
                 hidden_from: int | None = None) -> np.ndarray:

@@ -15,7 +15,7 @@ in _CONFIG_KEYS (n_rot, n_layer_dense_lead, n_layer_nextn, expert_group_*), shap
 ({name: float32 array} written as F32 as given); experts: n_expert, n_expert_used, n_ff_exp,
 n_ff_shexp, gating ("softmax" | "sigmoid"), expert_weights_norm (None: the arch's rule),
 expert_weights_scale (the last three for architectures whose spec reads them, routing_keys),
-metadata ({key: value} written as given, after the rest).
+metadata ({key: value} written as given, after the rest; lists as arrays).
 arch "mixtral" writes a llama file with experts.
 """
 
@@ -64,7 +64,7 @@ _ARCH_DEFAULTS["glm-dsa"] = dict(_ARCH_DEFAULTS["deepseek2"], n_layer_nextn=1, e
 _CONFIG_KEYS = ("n_rot", "n_layer_dense_lead", "n_layer_nextn", "expert_group_count",
                 "expert_group_used_count", "q_lora_rank", "kv_lora_rank", "head_dim_k_mla",
                 "head_dim_v_mla", "head_dim_k", "head_dim_v", "indexer", "rope_scaling",
-                "rope_freq_scale", "n_ctx_orig")
+                "rope_freq_scale", "n_ctx_orig", "indexer_full")
 _WORDS = ["Ġthe", "Ġand", "Ġof", "Ġto", "Ġa", "Ġin", "Ġis", "Ġit", "Ġhello", "Ġworld",
           "ing", "er", "on", "Ġthat", "Ġfor", "Ġwith", "Ġas", "Ġwas", "Ġhe", "Ġon"]
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -182,6 +182,8 @@ def write_tiny_model(path, arch: str, qtype_name: str, seed: int = 0, **override
             w.add_int32(k, v)
         elif isinstance(v, float):
             w.add_float32(k, v)
+        elif isinstance(v, (list, tuple)):
+            w.add_array(k, list(v))   # element type from the first value (int: int32)
         else:
             w.add_string(k, v)
     w.add_tokenizer_model("gpt2")
