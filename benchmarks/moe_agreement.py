@@ -52,7 +52,7 @@ def llama_step(a) -> None:
         if (d / f"{name}.npy").exists():  # a rerun finishes what a stopped one left
             continue
         m = Llama(a.model, n_ctx=len(ids) + 8, n_batch=n_batch, n_ubatch=n_batch, logits_all=True,
-                  n_threads=2, verbose=False, use_mmap=True)
+                  n_threads=2, verbose=False, use_mmap=True, flash_attn=bool(a.flash_attn))
         m.eval(ids)
         np.save(d / f"{name}.npy", np.array(m.scores[: len(ids)], np.float32))
         del m
@@ -74,7 +74,8 @@ def compare_step(a) -> None:
         got = _logsoftmax(np.load(d / f"{name}.npy"))
         kl = (np.exp(ref) * (ref - got)).sum(1)
         top = got.argmax(1) == ref.argmax(1)
-        r = {"vs_llama_batch512": name, "positions": len(kl), "top1_agreement": float(top.mean()),
+        r = {"vs_llama_batch512": name, "flash_attn": a.flash_attn, "positions": len(kl),
+             "top1_agreement": float(top.mean()),
              "mean_kld": float(kl.mean()), "kld_p99": float(np.percentile(kl, 99)),
              "kld_max": float(kl.max()), "model": os.path.basename(a.model)}
         meta = d / f"{name}.json"
@@ -99,6 +100,9 @@ def main(argv=None) -> int:
     ap.add_argument("-n", type=int, default=256)
     ap.add_argument("--mem-budget", default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--flash-attn", type=int, default=1, choices=(0, 1),
+                    help="llama.cpp's flash attention (1: on, as llama-server and llama-perplexity "
+                         "run by default on the CPU; llama-cpp-python's own default is off)")
     a = ap.parse_args(argv)
     {"memfit": memfit_step, "llama": llama_step, "compare": compare_step}[a.step](a)
     return 0

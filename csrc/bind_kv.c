@@ -134,7 +134,26 @@ static PyObject *py_kv_store(PyObject *self, PyObject *const *a, Py_ssize_t na) 
     Py_RETURN_NONE;
 }
 
+/* attn_numerics(mode=None) -> the mode before: "llama" (an f16 cache in llama.cpp's flash
+ * attention order, f16 accumulator) or "f32" (f32 accumulation) */
+static PyObject *py_attn_numerics(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    if (na > 1) return PyErr_Format(PyExc_TypeError, "attn_numerics(mode=None)");
+    PyObject *before = PyUnicode_FromString(mf_attn_ggml_fa ? "llama" : "f32");
+    if (na == 1 && a[0] != Py_None) {
+        const char *m = PyUnicode_AsUTF8(a[0]);
+        if (!m) { Py_XDECREF(before); return NULL; }
+        if (strcmp(m, "llama") && strcmp(m, "f32")) {
+            Py_XDECREF(before);
+            return PyErr_Format(PyExc_ValueError, "attn_numerics: mode must be 'llama' or 'f32', got '%s'", m);
+        }
+        mf_attn_ggml_fa = strcmp(m, "llama") == 0;
+    }
+    return before;
+}
+
 PyMethodDef mf_kv_methods[] = {
+    {"attn_numerics", (PyCFunction)(void (*)(void))py_attn_numerics, METH_FASTCALL,
+     "attn_numerics(mode=None) -> mode before: 'llama' (f16 cache in llama.cpp's flash-attention order) or 'f32'"},
     {"attention_paged", (PyCFunction)(void (*)(void))py_attention_paged, METH_FASTCALL | METH_KEYWORDS,
      "attention_paged(q, K, V, kv_type, q_pos, q_tab, tables, bs, scale, window, softcap, out, sinks=None): causal "
      "attention over a paged KV pool (see csrc/ops.h mf_paged_args; V None: each K row's first Dv values, Dv from "

@@ -560,7 +560,18 @@ static void attn_task(void *p, int64_t task) {
     }
 }
 
+static void fa16_task(void *p, int64_t task);
+extern int mf_attn_ggml_fa;
+
 void mf_attention_f32(const mf_attn_args *a) {
+    if (a->kv_f16 && mf_attn_ggml_fa) { /* llama.cpp's flash-attention order (below) */
+        const int64_t tasks = a->n * a->Hq;
+        if (tasks > 1 && a->n * a->Hq * a->T * (a->D + a->Dv) >= PAR_MIN)
+            mf_parallel_for(tasks, fa16_task, (void *)a);
+        else
+            for (int64_t t = 0; t < tasks; t++) fa16_task((void *)a, t);
+        return;
+    }
     /* group up to HG q heads of one kv head per task, but keep >= 2 tasks per thread */
     const int64_t G = a->Hq / a->Hkv, want = 2 * (int64_t)mf_n_threads();
     int64_t hc = G < HG ? G : HG;
@@ -601,6 +612,181 @@ static void paged_task(void *p, int64_t task) {
     }
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* llama.cpp's numerics for an f16 cache (mf_attn_ggml_fa, the default): ggml's CPU flash
+ * attention (ggml_compute_forward_flash_attn_ext_f16_one_chunk), which llama-server and
+ * llama-perplexity run by default ("auto"): the keys one by one in position order, the running
+ * max M and sum S updated per key, the V accumulator kept in f16 and rounded at every key
+ * (ggml_vec_scale_f16 / ggml_vec_mad_f16), the sink after the keys, out = acc / S. Against
+ * llama.cpp on an all-F32 file this agrees to ~1e-6 in the logits where the f32-accumulating
+ * blocked kernels above differ by ~1e-3 (benchmarks/attn_numerics_probe.py). One task per
+ * (query row, q head); a row's result depends on its own keys only. */
+
+int mf_attn_ggml_fa = 1;
+
+#ifdef MF_X86
+MF_AVX2 static float fa_dot_avx2(const float *q, const uint16_t *k, int64_t D) { return dot1_avx2_f16(q, k, D); }
+#endif
+
+static inline float fa_dot(const float *q, const uint16_t *k, int64_t D) {
+#ifdef MF_X86
+    if (use_avx2()) return fa_dot_avx2(q, k, D);
+#endif
+    float d = 0.0f;
+    for (int64_t j = 0; j < D; j++) d += q[j] * mf_f16_table[k[j]];
+    return d;
+}
+
+#ifdef MF_X86
+MF_AVX2 static int64_t fa_scale_avx2(uint16_t *acc, int64_t n, float ms) {
+    const __m256 vm = _mm256_set1_ps(ms);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(acc + j)));
+        _mm_storeu_si128((__m128i *)(acc + j), _mm256_cvtps_ph(_mm256_mul_ps(a, vm), _MM_FROUND_TO_NEAREST_INT));
+    }
+    return j;
+}
+
+MF_AVX2 static int64_t fa_mad_avx2(uint16_t *acc, const uint16_t *v, int64_t n, float vs) {
+    const __m256 vv = _mm256_set1_ps(vs);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(acc + j)));
+        const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + j)));
+        _mm_storeu_si128((__m128i *)(acc + j), _mm256_cvtps_ph(_mm256_fmadd_ps(x, vv, a), _MM_FROUND_TO_NEAREST_INT));
+    }
+    return j;
+}
+#endif
+
+static void fa_scale(uint16_t *acc, int64_t n, float ms) {
+    int64_t j = 0;
+#ifdef MF_X86
+    if (use_avx2()) j = fa_scale_avx2(acc, n, ms);
+#endif
+    for (; j < n; j++) acc[j] = f16_bits_scalar(mf_f16_table[acc[j]] * ms);
+}
+
+static void fa_mad(uint16_t *acc, const uint16_t *v, int64_t n, float vs) {
+    int64_t j = 0;
+#ifdef MF_X86
+    if (use_avx2()) j = fa_mad_avx2(acc, v, n, vs);
+#endif
+    for (; j < n; j++) acc[j] = f16_bits_scalar(mf_f16_table[acc[j]] + mf_f16_table[v[j]] * vs);
+}
+
+/* scores q.k of nb key rows (before the scale), 4 rows per pass where AVX2 runs */
+#ifdef MF_X86
+MF_AVX2 static int fa_scores_avx2(const float *q, const uint16_t *const *k, int nb, int64_t D, float *sc) {
+    int b = 0;
+    for (; b + 4 <= nb; b += 4) _mm_storeu_ps(sc + b, dot4_avx2_f16(q, k[b], k[b + 1], k[b + 2], k[b + 3], D));
+    return b;
+}
+#endif
+
+static void fa_scores(const float *q, const uint16_t *const *k, int nb, int64_t D, float *sc) {
+    int b = 0;
+#ifdef MF_X86
+    if (use_avx2()) b = fa_scores_avx2(q, k, nb, D, sc);
+#endif
+    for (; b < nb; b++) sc[b] = fa_dot(q, k[b], D);
+}
+
+/* the running state of one query row and head over its keys, in order */
+typedef struct {
+    float M, S;
+    uint16_t acc[MF_ATTN_MAX_DIM];
+} fa_state;
+
+static void fa_keys(fa_state *st, const float *sc, const uint16_t *const *v, int nb, int64_t Dv, float scale,
+                    float softcap) {
+    for (int b = 0; b < nb; b++) {
+        float s = sc[b] * scale;
+        if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
+        float ms = 1.0f, vs = 1.0f;
+        if (s > st->M) {
+            const float m_old = st->M;
+            st->M = s;
+            ms = expf(m_old - st->M);
+            fa_scale(st->acc, Dv, ms);
+        } else {
+            vs = expf(s - st->M);
+        }
+        fa_mad(st->acc, v[b], Dv, vs);
+        st->S = st->S * ms + vs;
+    }
+}
+
+static void fa_finish(const fa_state *st, const float *sink, int64_t Dv, float *o) {
+    float S = st->S;
+    for (int64_t j = 0; j < Dv; j++) o[j] = mf_f16_table[st->acc[j]];
+    if (sink) {
+        float ms = 1.0f, vs = 1.0f;
+        if (*sink > st->M) {
+            ms = expf(st->M - *sink);
+            for (int64_t j = 0; j < Dv; j++) o[j] *= ms;
+        } else {
+            vs = expf(*sink - st->M);
+        }
+        S = S * ms + vs;
+    }
+    const float inv = S == 0.0f ? 0.0f : 1.0f / S;
+    for (int64_t j = 0; j < Dv; j++) o[j] *= inv;
+}
+
+static void fa16_paged_task(void *p, int64_t task) {
+    const mf_paged_args *pa = p;
+    const int64_t i = task / pa->Hq, h = task % pa->Hq;
+    const int64_t D = pa->D, Dv = pa->Dv, Hkv = pa->Hkv, g = h / (pa->Hq / Hkv), qp = pa->q_pos[i];
+    const int64_t bs = pa->bs, lo = paged_lo_f16(pa, qp);
+    const int32_t *tab = pa->tables + pa->q_tab[i];
+    const float *q = pa->q + (i * pa->Hq + h) * D;
+    fa_state st = {.M = -INFINITY, .S = 0.0f};
+    memset(st.acc, 0, (size_t)Dv * sizeof(uint16_t));
+    const uint16_t *kr[KB], *vr[KB];
+    float sc[KB];
+    for (int64_t t0 = lo; t0 <= qp; t0 += KB) {
+        const int nb = (int)(qp + 1 - t0 < KB ? qp + 1 - t0 : KB);
+        for (int b = 0; b < nb; b++) {
+            const int64_t t = t0 + b, row = (int64_t)tab[t / bs] * bs + t % bs;
+            kr[b] = (const uint16_t *)pa->k + (row * Hkv + g) * D;
+            vr[b] = pa->v ? (const uint16_t *)pa->v + (row * Hkv + g) * Dv : kr[b]; /* V inside K */
+        }
+        fa_scores(q, kr, nb, D, sc);
+        fa_keys(&st, sc, vr, nb, Dv, pa->scale, pa->softcap);
+    }
+    fa_finish(&st, pa->sinks ? pa->sinks + h : NULL, Dv, pa->out + (i * pa->Hq + h) * Dv);
+}
+
+/* the same for the contiguous kernel (mf_attention_f32 with kv_f16): the visible keys of 0..T-1 */
+static void fa16_task(void *p, int64_t task) {
+    const mf_attn_args *a = p;
+    const int64_t i = task / a->Hq, h = task % a->Hq;
+    const int64_t D = a->D, Dv = a->Dv, Hkv = a->Hkv, g = h / (a->Hq / Hkv), qp = a->q_pos[i];
+    const float *q = a->q + (i * a->Hq + h) * D;
+    fa_state st = {.M = -INFINITY, .S = 0.0f};
+    memset(st.acc, 0, (size_t)Dv * sizeof(uint16_t));
+    const uint16_t *kr[KB], *vr[KB];
+    float sc[KB];
+    int nb = 0;
+    for (int64_t t = 0; t < a->T; t++) {
+        if (!visible(a, qp, t)) continue;
+        kr[nb] = (const uint16_t *)a->k + (t * Hkv + g) * D;
+        vr[nb] = (const uint16_t *)a->v + (t * Hkv + g) * Dv;
+        if (++nb == KB) {
+            fa_scores(q, kr, nb, D, sc);
+            fa_keys(&st, sc, vr, nb, Dv, a->scale, a->softcap);
+            nb = 0;
+        }
+    }
+    if (nb) {
+        fa_scores(q, kr, nb, D, sc);
+        fa_keys(&st, sc, vr, nb, Dv, a->scale, a->softcap);
+    }
+    fa_finish(&st, a->sinks ? a->sinks + h : NULL, Dv, a->out + (i * a->Hq + h) * Dv);
+}
+
 int mf_attention_paged(const mf_paged_args *pa) {
     if (pa->kv_type == MF_KV_Q8_0 || pa->kv_type == MF_KV_Q4_0) {
         /* csrc/kv_quant.c over the raw rows; llama.cpp's Hadamard rotation of q, k, v and the
@@ -617,6 +803,16 @@ int mf_attention_paged(const mf_paged_args *pa) {
     if (pa->n == 0) return 0;
     if (pa->kv_type == MF_KV_F16) /* llama.cpp's f16 flash path reads Q as f16 */
         mf_round_f16_f32(pa->q, pa->q, pa->n * pa->Hq * pa->D);
+    if (pa->kv_type == MF_KV_F16 && mf_attn_ggml_fa) {
+        int64_t T = 1;
+        for (int64_t i = 0; i < pa->n; i++) T = pa->q_pos[i] + 1 > T ? pa->q_pos[i] + 1 : T;
+        const int64_t tasks = pa->n * pa->Hq;
+        if (tasks > 1 && pa->n * pa->Hq * T * (pa->D + pa->Dv) >= PAR_MIN)
+            mf_parallel_for(tasks, fa16_paged_task, (void *)pa);
+        else
+            for (int64_t t = 0; t < tasks; t++) fa16_paged_task((void *)pa, t);
+        return 0;
+    }
     const int64_t G = pa->Hq / pa->Hkv, want = 2 * (int64_t)mf_n_threads();
     int64_t hc = G < HG ? G : HG;
     while (hc > 1 && pa->n * pa->Hkv * ((G + hc - 1) / hc) < want) hc--;

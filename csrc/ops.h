@@ -94,8 +94,11 @@ typedef struct {
     int kv_type;
     const float *sinks; /* [Hq] attention sinks (as mf_attn_args) or NULL */
 } mf_paged_args;
-/* 0, or -1 for a kv_type without a kernel. */
+/* 0, or -1 for a kv_type without a kernel. An f16 cache is attended in llama.cpp's CPU
+ * flash-attention order with an f16 accumulator while mf_attn_ggml_fa (the default; ops.c),
+ * else by the blocked f32-accumulating kernels (the same values as an f32 cache). */
 int mf_attention_paged(const mf_paged_args *a);
+extern int mf_attn_ggml_fa;
 
 /* Bytes of one cache row of `elems` values (one token, all kv heads), 0 for an unknown type. */
 int64_t mf_kv_row_bytes(int kv_type, int64_t elems);

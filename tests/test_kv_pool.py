@@ -1,5 +1,6 @@
 """The paged KV pool and the kernels that read through block tables: paged attention equals
-the reference attention over the same keys gathered contiguously (odd shapes, GQA, windows,
+the reference attention over the same keys gathered contiguously (an f16 cache: the reference of
+llama.cpp's flash-attention order, ops.reference.attention_fa16) (odd shapes, GQA, windows,
 softcap, f32 and f16 caches, scalar and AVX2 paths, scattered tables); kv_store converts as
 numpy does; the pool's block accounting, prefix keys and LRU reuse."""
 
@@ -50,6 +51,12 @@ def test_paged_attention_matches_reference(isa, kv, shape):
     for i, (p, s) in enumerate(zip(q_pos, q_seq)):
         t = np.arange(p + 1)
         phys = tabs[s][t // bs] * bs + t % bs
+        if kv == "f16":   # llama.cpp's flash-attention order, f16 accumulator (csrc/ops.c)
+            ref = reference.attention_fa16(qr[i:i + 1], K[phys], V[phys], q_pos[i:i + 1],
+                                           t.astype(np.int32), 0.3, window, softcap)
+            # the f16 accumulator's roundings: an f32 dot order may move one by an ulp (~1e-3)
+            np.testing.assert_allclose(out[i:i + 1], ref, rtol=2e-3, atol=2e-3)
+            continue
         ref = reference.attention(qr[i:i + 1], K[phys], V[phys], q_pos[i:i + 1], t.astype(np.int32),
                                   0.3, window, softcap)
         np.testing.assert_allclose(out[i:i + 1], ref, rtol=2e-5, atol=2e-6)

@@ -208,8 +208,32 @@ def test_attention(n, T, Hq, Hkv, D, Dv, window, softcap):
     close(N.attention(q, k, v, q_pos, kv_pos, scale, window=window, softcap=softcap), ref)
 
 
+@pytest.fixture
+def f32_numerics():
+    # the f32-accumulating attention for f16 caches (MEMFIT_ATTN=f32); the default is
+    # llama.cpp's flash-attention order (test_attention_f16_cache_in_llamacpp_order)
+    before = N.attn_numerics("f32")
+    yield
+    N.attn_numerics(before)
+
+
 @pytest.mark.parametrize("n,T,Hq,Hkv,D,Dv,window,softcap", ATTN_CASES)
-def test_attention_f16_cache_equals_same_values_f32(n, T, Hq, Hkv, D, Dv, window, softcap):
+def test_attention_f16_cache_in_llamacpp_order(n, T, Hq, Hkv, D, Dv, window, softcap):
+    # the default numerics of an f16 cache: llama.cpp's CPU flash attention (per-key max and
+    # sum, an f16 accumulator), against its numpy emulation
+    rng = np.random.default_rng(11)
+    q, k, v = qkv(rng, n, T, Hq, Hkv, D, Dv)
+    k16, v16 = k.astype(np.float16), v.astype(np.float16)
+    kv_pos = np.arange(T, dtype=np.int32)
+    q_pos = np.arange(T - n, T, dtype=np.int32)
+    args = (q_pos, kv_pos, 1.0 / np.sqrt(D), window, softcap)
+    assert N.attn_numerics() == "llama"
+    a = N.attention(q, k16, v16, *args)
+    np.testing.assert_allclose(a, R.attention_fa16(q, k16, v16, *args), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("n,T,Hq,Hkv,D,Dv,window,softcap", ATTN_CASES)
+def test_attention_f16_cache_equals_same_values_f32(f32_numerics, n, T, Hq, Hkv, D, Dv, window, softcap):
     # an f16 K/V cache is read as the f32 values it holds: bit-identical results
     rng = np.random.default_rng(11)
     q, k, v = qkv(rng, n, T, Hq, Hkv, D, Dv)

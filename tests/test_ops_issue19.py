@@ -195,8 +195,27 @@ def _sink_inputs(n, T, Hq, Hkv, D, Dv, seed):
     return q, k, v, q_pos, kv_pos, sinks
 
 
+@pytest.fixture
+def f32_numerics():
+    # these compare f16 caches with float64 under the f32-accumulating numerics
+    # (MEMFIT_ATTN=f32); llama.cpp's order with sinks: test_sinks_in_llamacpp_order
+    before = N.attn_numerics("f32")
+    yield
+    N.attn_numerics(before)
+
+
+def test_sinks_in_llamacpp_order(isa):
+    # the default f16-cache numerics with sinks, against the numpy emulation (sinks after the
+    # keys, as ggml's flash attention)
+    q, k, v, q_pos, kv_pos, sinks = _sink_inputs(3, 70, 6, 2, 64, 64, 5)
+    k16, v16 = k.astype(np.float16), v.astype(np.float16)
+    got = N.attention(q, k16, v16, q_pos, kv_pos, 0.125, 0, 0.0, sinks=sinks)
+    want = R.attention_fa16(q, k16, v16, q_pos, kv_pos, 0.125, 0, 0.0, sinks=sinks)
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
+
+
 @pytest.mark.parametrize("n,T,Hq,Hkv,D,Dv,window,softcap", SINK_CASES)
-def test_attention_sinks_float64(isa, n, T, Hq, Hkv, D, Dv, window, softcap):
+def test_attention_sinks_float64(f32_numerics, isa, n, T, Hq, Hkv, D, Dv, window, softcap):
     q, k, v, qp, kp, sk = _sink_inputs(n, T, Hq, Hkv, D, Dv, T + D)
     scale = 1.0 / math.sqrt(D)
     ref = attn64(q, k, v, qp, kp, scale, window, softcap, sk)
@@ -267,7 +286,7 @@ def test_sink_by_hand(isa):
 
 
 @pytest.mark.parametrize("cache", ["f16", "q8_0"])
-def test_batchkv_attend_sinks(isa, cache):
+def test_batchkv_attend_sinks(f32_numerics, isa, cache):
     # the engine's path: SeqKV blocks (paged pool), two forwards (a prompt, then one token),
     # native and numpy backends against the float64 recomputation over the rows given (f16:
     # the values stored; q8_0: within its quantization, rotation and all)

@@ -27,6 +27,8 @@ kernels of their own. MEMFIT_THREADS or set_threads() the pool size (default: ph
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from .. import _native
@@ -38,6 +40,12 @@ from . import reference as _ref
 
 # a row's results never depend on the other rows of its call (see Paths above)
 BATCH_INVARIANT = True
+
+# An f16 KV cache is attended as llama.cpp's CPU flash attention does (its default: per-key
+# running max and sum, an f16 accumulator; csrc/ops.c), or with MEMFIT_ATTN=f32 by the blocked
+# kernels that accumulate in f32 (the result of the same values held as f32).
+if os.environ.get("MEMFIT_ATTN") in ("llama", "f32"):
+    _native.attn_numerics(os.environ["MEMFIT_ATTN"])
 
 # the types the native core computes with -> elements per block
 _BLOCK = {i: TYPES[i].block_size for i in SUPPORTED}

@@ -192,3 +192,50 @@ def attention_kvq(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray
         return r
     out[...] = r
     return out
+
+
+def attention_fa16(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
+                   kv_pos: np.ndarray, scale: float, window: int = 0, softcap: float = 0.0,
+                   sinks: np.ndarray | None = None) -> np.ndarray:
+    """attention over an f16 cache as llama.cpp computes it (ggml's CPU flash attention, its
+    default): q rounded to f16, keys in position order with the running max M and sum S updated
+    per key, the V accumulator rounded to f16 at every key, the sink after the keys, acc / S.
+    The oracle of the native f16-cache kernels in their default numerics (csrc/ops.c)."""
+    n, hq, d = q.shape
+    t_all, hkv, dv = v.shape
+    g = hq // hkv
+    q16 = q.astype(np.float16).astype(np.float32)
+    kf, vf = k.astype(np.float32), v.astype(np.float32)
+    out = np.zeros((n, hq, dv), np.float32)
+    for i in range(n):
+        qp = int(q_pos[i])
+        keys = [t for t in range(t_all) if kv_pos[t] <= qp and (window <= 0 or qp - kv_pos[t] < window)]
+        for h in range(hq):
+            acc = np.zeros(dv, np.float16)
+            m, s_sum = np.float32(-np.inf), np.float32(0)
+            for t in keys:
+                s = np.float32(np.dot(q16[i, h].astype(np.float64), kf[t, h // g].astype(np.float64)))
+                s = np.float32(s * np.float32(scale))
+                if softcap > 0.0:
+                    s = np.float32(softcap * np.tanh(s / softcap))
+                ms = vs = np.float32(1)
+                if s > m:
+                    ms = np.float32(np.exp(np.float32(m - s))) if np.isfinite(m) else np.float32(0)
+                    m = s
+                    acc = (acc.astype(np.float32) * ms).astype(np.float16)
+                else:
+                    vs = np.float32(np.exp(np.float32(s - m)))
+                acc = (acc.astype(np.float32) + vf[t, h // g] * vs).astype(np.float16)
+                s_sum = np.float32(s_sum * ms + vs)
+            o = acc.astype(np.float32)
+            if sinks is not None:
+                sk = np.float32(sinks[h])
+                ms = vs = np.float32(1)
+                if sk > m:
+                    ms = np.float32(np.exp(np.float32(m - sk)))
+                    o = o * ms
+                else:
+                    vs = np.float32(np.exp(np.float32(sk - m)))
+                s_sum = np.float32(s_sum * ms + vs)
+            out[i, h] = o * (np.float32(1) / s_sum if s_sum != 0 else np.float32(0))
+    return out
