@@ -516,11 +516,12 @@ def _refuse(budget: int, fl: _Floor, n_ctx: int, cache_type_k: str) -> BudgetErr
            if p["kv_bytes"] > fl.bytes // 4 else ""))
 
 
-def _place_trunk(m: ModelDesc, room: int, fl: _Floor) -> set[str]:
+def _place_trunk(m: ModelDesc, room: int, fl: _Floor, skip: frozenset = frozenset()) -> set[str]:
     """Pinned trunk tensors within `room` bytes (their slots included): dense tensors by
     touched fraction, then kind priority, role, layer; candidates pin the k largest units
-    and/or one role in every layer first, because a smaller largest unit frees slot memory."""
-    trunk = [t for t in m.tensors if t.kind != "expert"]
+    and/or one role in every layer first, because a smaller largest unit frees slot memory.
+    Tensors in `skip` are not pinned."""
+    trunk = [t for t in m.tensors if t.kind != "expert" and t.name not in skip]
 
     def role(t: TensorDesc) -> str:
         return _LAYER_RE.sub("", t.name)
@@ -669,14 +670,24 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
     base_used = fixed(nb)
 
     # the trunk first (keeping one layer's expert slots), then the experts get what is left
-    pinned = _place_trunk(m, budget - base_used - x_floor, fl)
-    streamed = {t.name for t in m.tensors if t.name not in pinned and t.kind != "expert"}
-    units = _units(m, streamed)
-    slots = 2 * _max_unit(units)
     size = {t.name: t.nbytes for t in m.tensors}
-    left = budget - base_used - slots - sum(size[n] for n in pinned)
-    assert left >= x_floor, (left, budget, base_used, slots)
-    x = _place_experts(m, left, expert_counts)
+
+    def trunk_then_experts(skip=frozenset()):
+        pinned = _place_trunk(m, budget - base_used - x_floor, fl, skip)
+        streamed = {t.name for t in m.tensors if t.name not in pinned and t.kind != "expert"}
+        units = _units(m, streamed)
+        slots = 2 * _max_unit(units)
+        left = budget - base_used - slots - sum(size[n] for n in pinned)
+        assert left >= x_floor, (left, budget, base_used, slots)
+        return pinned, streamed, units, slots, _place_experts(m, left, expert_counts)
+
+    pinned, streamed, units, slots, x = trunk_then_experts()
+    emb0 = next((t for t in m.tensors if t.kind == "embedding"), None)
+    if emb0 is not None and emb0.name in pinned and m.n_expert and not x.pinned_whole:
+        # an untied token embedding is read one row per token (a few KiB from the file):
+        # its bytes hold expert-cache slots instead, each worth a share of an expert's
+        # megabytes every token
+        pinned, streamed, units, slots, x = trunk_then_experts(frozenset({emb0.name}))
     experts = [t for t in m.tensors if t.kind == "expert"]
     if x.pinned_whole:
         pinned |= {t.name for t in experts}
