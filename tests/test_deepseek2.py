@@ -134,8 +134,9 @@ def test_mla_prefill_rows_equal_whole_prompt_bit_for_bit(tmp_path):
     np.testing.assert_array_equal(np.stack(rows), whole)
 
 
-def _md(**kw):
-    a = "deepseek2"
+def _md(arch="deepseek2", **kw):
+    """An MLA file's metadata (deepseek2 keys; glm-dsa's tests add theirs)."""
+    a = arch
     md = {"general.architecture": a, f"{a}.block_count": 4, f"{a}.embedding_length": 256,
           f"{a}.attention.head_count": 4, f"{a}.attention.head_count_kv": 1,
           f"{a}.feed_forward_length": 512, f"{a}.vocab_size": 300, f"{a}.expert_count": 8,

@@ -218,19 +218,11 @@ def test_shared_layers_reuse_the_last_full_selection(tmp_path):
 
 
 def _md(**kw):
-    a = "glm-dsa"
-    md = {"general.architecture": a, f"{a}.block_count": 10, f"{a}.embedding_length": 256,
-          f"{a}.attention.head_count": 4, f"{a}.attention.head_count_kv": 1,
-          f"{a}.feed_forward_length": 512, f"{a}.vocab_size": 300, f"{a}.expert_count": 8,
-          f"{a}.expert_used_count": 2, f"{a}.expert_feed_forward_length": 128,
-          f"{a}.expert_shared_count": 1, f"{a}.attention.key_length": 288,
-          f"{a}.attention.value_length": 256, f"{a}.attention.key_length_mla": 96,
-          f"{a}.attention.value_length_mla": 64, f"{a}.attention.kv_lora_rank": 256,
-          f"{a}.attention.q_lora_rank": 128, f"{a}.rope.dimension_count": 32,
-          f"{a}.attention.indexer.head_count": 2, f"{a}.attention.indexer.key_length": 64,
-          f"{a}.attention.indexer.top_k": 16, f"{a}.context_length": 4096}
-    md.update({f"{a}.{k}": v for k, v in kw.items()})
-    return {k: v for k, v in md.items() if v is not None}
+    from test_deepseek2 import _md as mla_md
+    return mla_md("glm-dsa", **{"block_count": 10, "expert_shared_count": 1,
+                                "attention.indexer.head_count": 2,
+                                "attention.indexer.key_length": 64, "attention.indexer.top_k": 16,
+                                "context_length": 4096, **kw})
 
 
 def test_indexer_types_metadata():

@@ -133,10 +133,7 @@ class Deepseek2(Model):
         h = self.norm(x, p + "ffn_norm.weight")
         if not self.config.is_moe(il):
             return x + self.ffn(il, h)
-        f = self.moe_ffn(il, h, last)
-        if self.config.n_ff_shexp:
-            f = f + self.ffn(il, h, "_shexp")
-        return x + f
+        return x + self.routed_shared_ffn(il, h, last)
 
     def mla_attention(self, il, x, pos, cache, last):
         c, ops, p = self.config, self.ops, f"blk.{il}."

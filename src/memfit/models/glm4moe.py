@@ -78,7 +78,4 @@ class Glm4Moe(Model):
         h = self.norm(x, p + "post_attention_norm.weight")
         if not self.config.is_moe(il):
             return x + self.ffn(il, h)
-        f = self.moe_ffn(il, h, last)
-        if self.config.n_ff_shexp:
-            f = f + self.ffn(il, h, "_shexp")
-        return x + f
+        return x + self.routed_shared_ffn(il, h, last)

@@ -61,7 +61,6 @@ def _hparams(md, arch, kw):
     if not (kw["q_lora_rank"] > 0 and kw["head_dim_k_mla"] > 0):
         raise ModelError(f"{arch}: needs MLA with the low-rank q (attention.q_lora_rank, "
                          f"attention.key_length_mla); the file's metadata is invalid")
-    kw["n_ff_shexp"] = kw["n_ff_exp"] * int(md.get(f"{arch}.expert_shared_count", 0) or 0)
     n_head, head, top_k = (key("attention.indexer.head_count"), key("attention.indexer.key_length"),
                            key("attention.indexer.top_k"))
     if min(n_head, head, top_k) <= 0:

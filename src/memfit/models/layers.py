@@ -56,6 +56,7 @@ class Model:
         self.output = "output.weight" if weights.has("output.weight") else "token_embd.weight"
         self._fused: list | None = None  # prepared native decode layers, built on first use
         self._bufs: dict[str, np.ndarray] = {}  # prefill scratch reused across layers (_scratch)
+        self._yarn_corr: dict[float, tuple[float, float]] = {}  # YaRN's ramp dims per rope base
         self._lookahead = RouterLookahead()  # expert prefetch hints (budgeted MoE)
         self._rows_seq = self._rows_pos = np.zeros(0, np.int32)
         # the kernel family of the forward in flight: decode rows (Batch.decode) take the decode
@@ -244,9 +245,11 @@ class Model:
         if ff is not None:
             kw["freq_factors"] = ff
         if c.yarn:
-            kw.update(ext_factor=1.0, attn_factor=c.yarn_attn_factor,
-                      corr_dims=yarn_corr_dims(c.n_rot, c.n_ctx_orig, base, c.yarn_beta_fast,
-                                               c.yarn_beta_slow))
+            corr = self._yarn_corr.get(base)
+            if corr is None:
+                corr = self._yarn_corr[base] = yarn_corr_dims(
+                    c.n_rot, c.n_ctx_orig, base, c.yarn_beta_fast, c.yarn_beta_slow)
+            kw.update(ext_factor=1.0, attn_factor=c.yarn_attn_factor, corr_dims=corr)
         return self.ops.rope(np.ascontiguousarray(x), pos, c.n_rot, base, fs,
                              c.rope_neox if neox is None else neox, **kw)
 
@@ -374,6 +377,12 @@ class Model:
         lower expert index), renormalization and scale as the architecture says."""
         logits = self.router_logits(il, x)
         return self.ops.route(logits, self.route_spec, self.vec.get(f"blk.{il}.exp_probs_b.bias"))
+
+    def routed_shared_ffn(self, il: int, x: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+        """The routed experts plus the ungated shared expert ffn_*_shexp where the model has one
+        (expert_shared_count x expert_feed_forward_length rows; deepseek2, glm4moe, glm-dsa)."""
+        f = self.moe_ffn(il, x, rows)
+        return f + self.ffn(il, x, "_shexp") if self.config.n_ff_shexp else f
 
     def moe_ffn(self, il: int, x: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
         """Routed experts (+ the shared expert) of x [n, n_embd] -> [n, n_embd] (x holds the
