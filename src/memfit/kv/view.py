@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..ops.backend import as_backend
+
 # cache type name -> element type id (GGML's numbering; csrc/ops.h MF_KV_*)
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8}
 _NP = {0: np.float32, 1: np.float16}
@@ -102,7 +104,6 @@ class BatchKV:
         kw = {} if sinks is None else {"sinks": np.ascontiguousarray(sinks, np.float32)}
         if self.kv_type in _BLOCK or self.kv_type_v in _BLOCK:
             return self._attend_quantized(ops, K, V, q, k, v, pos, q_tab, scale, window, softcap, kw)
-        from ..ops.backend import as_backend
         ops = as_backend(ops)   # (tests hand the reference module in directly)
         if ops.has("paged_attention"):
             paged = ops.attention_paged
