@@ -6,7 +6,10 @@ Content-Length alone (413) or as soon as it passes the limit, one that does not 
 the read timeout gets a 408, and a client that leaves mid-body is dropped without a word. Only
 a request whose body is in counts against --max-connections, so stalled uploads cannot lock
 out the rest. The key is compared in constant time (hmac.compare_digest). /health answers
-without a key, as in llama-server, so load balancers can probe it.
+without a key, as in llama-server, so load balancers can probe it. The key may come as
+``Authorization: Bearer KEY`` (OpenAI) or ``x-api-key: KEY`` (Anthropic); either one is enough.
+Requests to the Anthropic endpoints (/v1/messages...) are refused in Anthropic's error shape,
+so that its client raises the right exception.
 """
 
 from __future__ import annotations
@@ -20,6 +23,11 @@ from .protocol import APIError
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
 UNLIMITED_PATHS = PUBLIC_PATHS | {"/metrics"}  # probes and scrapes answer under any load
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def is_anthropic_path(path: str) -> bool:
+    """The Anthropic Messages endpoints, whose errors have Anthropic's shape."""
+    return path.startswith(("/v1/messages", "/messages"))
 
 
 def is_loopback(host: str) -> bool:
@@ -68,7 +76,13 @@ class Guard:
         async def reject(status, msg, hdrs=None, param=None):
             if self.on_reject is not None:
                 self.on_reject(path, status)
-            await APIError(status, msg, param, headers=hdrs).response()(scope, receive, send)
+            err = APIError(status, msg, param, headers=hdrs)
+            if is_anthropic_path(path):
+                from .anthropic import error_response
+                resp = error_response(err)
+            else:
+                resp = err.response()
+            await resp(scope, receive, send)
 
         if head_bytes > self.max_header:
             return await reject(431, f"the request head has {head_bytes} bytes; the limit is "
@@ -83,9 +97,11 @@ class Guard:
         if self.key is not None and path not in PUBLIC_PATHS and scope.get("method") != "OPTIONS":
             auth = headers.get("authorization", "")
             given = auth[7:].strip().encode() if auth[:7].lower() == "bearer " else b""
+            if not given:  # Anthropic's clients send the key as x-api-key
+                given = headers.get("x-api-key", "").strip().encode()
             if not given:
                 return await reject(401, "missing API key: send the header "
-                                         "'Authorization: Bearer <key>'",
+                                         "'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                                     {"WWW-Authenticate": "Bearer"})
             if not hmac.compare_digest(given, self.key):
                 return await reject(401, "invalid API key", {"WWW-Authenticate": "Bearer"})
