@@ -1,0 +1,263 @@
+"""`memfit serve`'s OpenAI Responses API through the official openai client: text answers equal
+to chat completions' (greedy, same prompt), input items, the streamed event sequence, the
+max_output_tokens cut, previous_response_id over the in-memory store, retrieve/delete, bad
+requests (400 naming the field), metrics; tool calls on a tiny model with a Qwen template."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from _server import ServerProcess
+
+openai = pytest.importorskip("openai")
+
+pytestmark = [pytest.mark.realmodel, pytest.mark.slow, pytest.mark.timeout(300)]
+
+Q = "What is the capital of France? Answer in one sentence."
+SYSTEM = "You are terse."
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path):
+    s = ServerProcess([str(smollm2_path), "--alias", "smollm2", "-c", "1024", "-np", "2"])
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def chat(client, messages, max_tokens):
+    return client.chat.completions.create(model="smollm2", messages=messages, temperature=0,
+                                          max_tokens=max_tokens)
+
+
+def test_text_equals_chat_completion(client):
+    r = client.responses.create(model="smollm2", input=Q, instructions=SYSTEM, temperature=0,
+                                max_output_tokens=24)
+    ref = chat(client, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": Q}], 24)
+    c = ref.choices[0]
+    assert r.object == "response" and r.model == "smollm2" and r.id.startswith("resp_")
+    assert r.output_text == c.message.content and r.output_text
+    [item] = r.output
+    assert item.type == "message" and item.role == "assistant"
+    assert [p.type for p in item.content] == ["output_text"]
+    if c.finish_reason == "length":
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    else:
+        assert r.status == "completed" and r.incomplete_details is None
+    assert r.usage.input_tokens == ref.usage.prompt_tokens
+    assert r.usage.output_tokens == ref.usage.completion_tokens
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    assert r.instructions == SYSTEM and r.temperature == 0
+
+
+def test_input_items_equal_instructions(client):
+    """A developer message and input_text parts are the same prompt as instructions + text."""
+    a = client.responses.create(model="smollm2", input=Q, instructions=SYSTEM, temperature=0,
+                                max_output_tokens=12)
+    b = client.responses.create(model="smollm2", temperature=0, max_output_tokens=12, input=[
+        {"role": "developer", "content": SYSTEM},
+        {"type": "message", "role": "user",
+         "content": [{"type": "input_text", "text": Q[:10]}, {"type": "input_text", "text": Q[10:]}]}])
+    assert b.output_text == a.output_text
+    assert b.usage.input_tokens == a.usage.input_tokens
+
+
+def test_stream_events(client):
+    kw = dict(model="smollm2", input="Name three colours.", temperature=0, max_output_tokens=20)
+    plain = client.responses.create(**kw)
+    events = list(client.responses.create(stream=True, **kw))
+    types = [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert types[:5] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added", "response.output_text.delta"]
+    final = "response.incomplete" if plain.status == "incomplete" else "response.completed"
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", final]
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    rid = events[0].response.id
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    text = "".join(e.delta for e in deltas)
+    assert text == plain.output_text
+    item_id = events[2].item.id
+    assert all(e.item_id == item_id and e.output_index == 0 for e in deltas)
+    assert events[-4].text == text
+    assert events[-2].item.content[0].text == text
+    done = events[-1].response
+    assert done.id == rid and done.status == plain.status and done.output_text == text
+    assert done.usage.output_tokens == plain.usage.output_tokens
+    assert done.usage.input_tokens == plain.usage.input_tokens
+
+
+def test_stream_helper_final_response(client):
+    """client.responses.stream accumulates the events into the final response."""
+    with client.responses.stream(model="smollm2", input="Say hello.", temperature=0,
+                                 max_output_tokens=200) as s:
+        deltas = [e.delta for e in s if e.type == "response.output_text.delta"]
+        final = s.get_final_response()
+    assert final.status == "completed"
+    assert final.output_text == "".join(deltas) and final.output_text
+
+
+def test_max_output_tokens_incomplete(client):
+    r = client.responses.create(model="smollm2", input=Q, temperature=0, max_output_tokens=3)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 3 and r.output[0].status == "incomplete"
+    events = list(client.responses.create(model="smollm2", input=Q, temperature=0,
+                                          max_output_tokens=3, stream=True))
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.incomplete_details.reason == "max_output_tokens"
+    assert events[-1].response.output_text == r.output_text
+
+
+def test_previous_response_id(client):
+    """The stored conversation continues; instructions are not carried over (as OpenAI)."""
+    first = "My name is Ada. Please remember it."
+    r1 = client.responses.create(model="smollm2", input=first, instructions=SYSTEM,
+                                 temperature=0, max_output_tokens=16)
+    r2 = client.responses.create(model="smollm2", input="What is my name?",
+                                 previous_response_id=r1.id, temperature=0, max_output_tokens=16)
+    ref = chat(client, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": first}],
+               16)
+    assert r1.output_text == ref.choices[0].message.content
+    ref2 = chat(client, [{"role": "user", "content": first},
+                         {"role": "assistant", "content": r1.output_text},
+                         {"role": "user", "content": "What is my name?"}], 16)
+    assert r2.output_text == ref2.choices[0].message.content
+    assert r2.usage.input_tokens == ref2.usage.prompt_tokens
+    assert r2.previous_response_id == r1.id
+    got = client.responses.retrieve(r1.id)
+    assert got.id == r1.id and got.output_text == r1.output_text
+    assert got.usage.input_tokens == r1.usage.input_tokens
+
+
+def test_store_false_unknown_and_delete(client):
+    r = client.responses.create(model="smollm2", input="Hi", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(model="smollm2", input="Hi", previous_response_id=r.id)
+    assert e.value.body["param"] == "previous_response_id"
+    kept = client.responses.create(model="smollm2", input="Hi", max_output_tokens=2)
+    assert client.responses.retrieve(kept.id).id == kept.id
+    client.responses.delete(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(kept.id)
+
+
+BAD = [
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type", "web_search"),
+    ({"input": "x", "text": {"format": {"type": "sound"}}}, "text.format.type", "sound"),
+    ({}, "input", "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
+     "input[0].content[0].type", "input_image"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role", "robot"),
+    ({"input": [{"type": "function_call", "call_id": 1, "name": "f", "arguments": "{}"}]},
+     "input[0].call_id", "call_id"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
+    ({"input": "x", "reasoning": {"effort": "huge"}}, "reasoning.effort", "huge"),
+    ({"input": "x", "tool_choice": "required"}, "tool_choice", "no tools"),
+    ({"input": "x", "temperature": 3}, "temperature", "temperature"),
+    ({"input": "x", "previous_response_id": 5}, "previous_response_id", "string"),
+]
+
+
+@pytest.mark.parametrize("extra,param,word", BAD, ids=[b[1] for b in BAD])
+def test_bad_requests(server, extra, param, word):
+    r = httpx.post(server.url + "/v1/responses", json={"model": "smollm2", **extra}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+    assert word in err["message"] and "\n" not in err["message"]
+
+
+def test_metrics_count_responses(server, client):
+    client.responses.create(model="smollm2", input="Hi", max_output_tokens=2)
+    httpx.post(server.url + "/v1/responses", json={"model": "smollm2"}, timeout=30)
+    m = server.metrics()
+    assert m['memfit_requests_total{endpoint="responses",status="200"}'] >= 1
+    assert m['memfit_requests_total{endpoint="responses",status="400"}'] >= 1
+
+
+# ----------------------------------------------------------------------------- tool calls
+
+CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string",
+                                                         "enum": ["Paris", "London"]}},
+               "required": ["city"], "additionalProperties": False}
+TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city.",
+          "parameters": CITY_SCHEMA, "strict": True}]
+
+
+@pytest.fixture(scope="module")
+def tools_client(request):
+    """A server on a tiny random-weight model whose template supports tools (the chat core's
+    fixture); the tool-call constraint makes even random weights produce a valid call."""
+    pytest.importorskip("memfit.server.toolcalls")
+    pytest.importorskip("memfit.constrain")
+    try:
+        path = request.getfixturevalue("qwen_tools_model")
+    except pytest.FixtureLookupError:
+        pytest.skip("the qwen_tools_model fixture (tests/conftest.py) is not there yet")
+    s = ServerProcess([str(path), "--alias", "qwen-tools", "-np", "2"])
+    request.addfinalizer(s.stop)
+    return openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def _validate(arguments: str) -> dict:
+    jsonschema = pytest.importorskip("jsonschema")
+    args = json.loads(arguments)
+    jsonschema.validate(args, CITY_SCHEMA)
+    return args
+
+
+def test_tool_call_conversation(tools_client):
+    c = tools_client
+    r = c.responses.create(model="qwen-tools", input="What is the weather in Paris?",
+                           tools=TOOLS, tool_choice="required", temperature=0,
+                           max_output_tokens=200)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert calls and r.status == "completed"
+    call = calls[0]
+    assert call.name == "get_weather" and call.call_id and call.id.startswith("fc_")
+    _validate(call.arguments)
+    # the tool's result, through the stored conversation, and the same turn spelt out
+    r2 = c.responses.create(model="qwen-tools", previous_response_id=r.id, tools=TOOLS,
+                            tool_choice="none", temperature=0, max_output_tokens=8,
+                            input=[{"type": "function_call_output", "call_id": call.call_id,
+                                    "output": "sunny, 21 C"}])
+    assert [o.type for o in r2.output] == ["message"]
+    assert r2.usage.input_tokens > r.usage.input_tokens
+    explicit = c.responses.create(model="qwen-tools", tools=TOOLS, tool_choice="none",
+                                  temperature=0, max_output_tokens=8, input=[
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name,
+         "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}])
+    assert explicit.usage.input_tokens == r2.usage.input_tokens
+    assert explicit.output_text == r2.output_text
+
+
+def test_tool_call_streamed(tools_client):
+    events = list(tools_client.responses.create(
+        model="qwen-tools", input="Weather in London?", tools=TOOLS,
+        tool_choice={"type": "function", "name": "get_weather"}, temperature=0,
+        max_output_tokens=200, stream=True))
+    added = [e for e in events if e.type == "response.output_item.added"
+             and e.item.type == "function_call"]
+    assert added and added[0].item.name == "get_weather"
+    idx = added[0].output_index
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta"
+                     and e.output_index == idx)
+    [done] = [e for e in events if e.type == "response.function_call_arguments.done"
+              and e.output_index == idx]
+    assert done.arguments == deltas
+    _validate(done.arguments)
+    assert events[-1].type == "response.completed"
+    final = [o for o in events[-1].response.output if o.type == "function_call"]
+    assert final[0].arguments == deltas and final[0].call_id == added[0].item.call_id
