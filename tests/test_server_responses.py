@@ -261,3 +261,21 @@ def test_tool_call_streamed(tools_client):
     assert events[-1].type == "response.completed"
     final = [o for o in events[-1].response.output if o.type == "function_call"]
     assert final[0].arguments == deltas and final[0].call_id == added[0].item.call_id
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0,
+                                                   "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_text_format_json_schema(client):
+    pytest.importorskip("memfit.constrain")
+    jsonschema = pytest.importorskip("jsonschema")
+    r = client.responses.create(model="smollm2", input="Describe a person as JSON.",
+                                max_output_tokens=200, temperature=0,
+                                text={"format": {"type": "json_schema", "name": "person",
+                                                 "schema": PERSON, "strict": True}})
+    assert r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), PERSON)
+    assert r.text.format.type == "json_schema"

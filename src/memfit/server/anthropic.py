@@ -12,6 +12,8 @@ are the chat path's:
   tool / none (+ ``disable_parallel_tool_use``) -> auto / required / a named function / none;
 - ``thinking`` {"type": "enabled", "budget_tokens"} -> reasoning on (``reasoning_effort`` from
   the budget: up to 2048 low, up to 8192 medium, else high), {"type": "disabled"} -> "none";
+- ``output_config`` {"format": {"type": "json_schema", "schema"}} -> a strict JSON schema
+  response format (structured output), its ``effort`` -> ``reasoning_effort``;
 - the answer -> ``thinking``, ``text`` and ``tool_use`` blocks; ``stop_reason`` end_turn /
   max_tokens / stop_sequence / tool_use.
 
@@ -235,6 +237,35 @@ def thinking_effort(body: dict) -> str | None:
     return "low" if budget <= 2048 else "medium" if budget <= 8192 else "high"
 
 
+def output_config(body: dict) -> tuple[dict | None, str | None]:
+    """``output_config`` -> (the chat core's response format, reasoning effort):
+    {"format": {"type": "json_schema", "schema"}} constrains the answer to the schema;
+    ``effort`` low / medium / high (xhigh and max: high)."""
+    oc = body.get("output_config")
+    if oc is None:
+        return None, None
+    if not isinstance(oc, dict):
+        raise P.bad("output_config", "output_config must be an object like {\"format\": "
+                                     "{\"type\": \"json_schema\", \"schema\": {...}}}")
+    rf = None
+    fmt = oc.get("format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+            raise P.bad("output_config.format", "output_config.format must be {\"type\": "
+                                                "\"json_schema\", \"schema\": {...}}")
+        if not isinstance(fmt.get("schema"), dict):
+            raise P.bad("output_config.format.schema", "output_config.format.schema must be a "
+                                                       "JSON schema object")
+        rf = {"type": "json_schema", "schema": fmt["schema"], "strict": True}
+    effort = oc.get("effort")
+    if effort is not None:
+        if effort not in ("low", "medium", "high", "xhigh", "max"):
+            raise P.bad("output_config.effort", f"output_config.effort={effort!r} must be one "
+                                                f"of low, medium, high, xhigh, max")
+        effort = "high" if effort in ("xhigh", "max") else effort
+    return rf, effort
+
+
 def stop_sequences(body: dict) -> list[str]:
     v = body.get("stop_sequences")
     if v is None:
@@ -269,8 +300,9 @@ def parse(ctx, body: dict, count_only: bool = False):
     sampling, _ = P.common_fields(sub, m.n_ctx, None)
     sampling["stop"] = stop_sequences(body)
     tool_choice, parallel = chat_tool_choice(body)
+    rf, effort = output_config(body)
     return ChatCall(model, msgs, sampling, max_tokens, chat_tools(body), tool_choice, parallel,
-                    reasoning_effort=thinking_effort(body))
+                    rf, reasoning_effort=thinking_effort(body) or effort)
 
 
 # ----------------------------------------------------------------------------- answers
