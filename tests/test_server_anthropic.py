@@ -6,6 +6,7 @@ Bearer auth; a tool_use -> tool_result conversation on a tiny model with a Qwen 
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -296,3 +297,22 @@ def test_output_config_json_schema(client):
                                output_config={"format": {"type": "json_schema", "schema": PERSON}})
     assert m.stop_reason == "end_turn"
     jsonschema.validate(json.loads(m.content[0].text), PERSON)
+
+
+def test_stream_disconnect_stops_generation(server):
+    before = server.metrics()
+    body = {"model": "smollm2", "max_tokens": 400, "ignore_eos": True, "temperature": 0,
+            "stream": True, "messages": [{"role": "user", "content": "Count: 1, 2, 3,"}]}
+    with httpx.stream("POST", server.url + "/v1/messages", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if "text_delta" in line:
+                assert server.metrics()["memfit_requests_running"] == 1
+                break
+    deadline = time.monotonic() + 10
+    while server.metrics()["memfit_requests_running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    after = server.metrics()
+    assert after["memfit_requests_running"] == 0 and after["memfit_kv_blocks_used"] == 0
+    assert after["memfit_client_disconnects_total"] == before["memfit_client_disconnects_total"] + 1
+    assert after["memfit_generated_tokens_total"] - before["memfit_generated_tokens_total"] < 400

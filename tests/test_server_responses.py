@@ -6,6 +6,7 @@ requests (400 naming the field), metrics; tool calls on a tiny model with a Qwen
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -279,3 +280,29 @@ def test_text_format_json_schema(client):
     assert r.status == "completed"
     jsonschema.validate(json.loads(r.output_text), PERSON)
     assert r.text.format.type == "json_schema"
+
+
+def _wait_metric(server, name, pred, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        v = server.metrics()[name]
+        if pred(v) or time.monotonic() > deadline:
+            return v
+        time.sleep(0.05)
+
+
+def test_stream_disconnect_stops_generation(server):
+    before = server.metrics()
+    body = {"model": "smollm2", "input": "Count: 1, 2, 3,", "max_output_tokens": 400,
+            "ignore_eos": True, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if "response.output_text.delta" in line:
+                assert server.metrics()["memfit_requests_running"] == 1
+                break
+    assert _wait_metric(server, "memfit_requests_running", lambda v: v == 0) == 0
+    assert _wait_metric(server, "memfit_kv_blocks_used", lambda v: v == 0) == 0
+    after = server.metrics()
+    assert after["memfit_client_disconnects_total"] == before["memfit_client_disconnects_total"] + 1
+    assert after["memfit_generated_tokens_total"] - before["memfit_generated_tokens_total"] < 400

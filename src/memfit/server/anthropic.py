@@ -302,7 +302,8 @@ def parse(ctx, body: dict, count_only: bool = False):
     tool_choice, parallel = chat_tool_choice(body)
     rf, effort = output_config(body)
     return ChatCall(model, msgs, sampling, max_tokens, chat_tools(body), tool_choice, parallel,
-                    rf, reasoning_effort=thinking_effort(body) or effort)
+                    rf, reasoning_effort=thinking_effort(body) or effort,
+                    ignore_eos=P.get_bool(body, "ignore_eos", False))
 
 
 # ----------------------------------------------------------------------------- answers
@@ -402,7 +403,7 @@ def routes(ctx) -> list[Route]:
                              "stop_sequence": seq, "usage": usage_of(usage)})
 
     async def stream_events(run, call, mid: str):
-        done = False
+        finished = False
         try:
             yield _sse("message_start", {"type": "message_start", "message": {
                 "id": mid, "type": "message", "role": "assistant", "model": call.model,
@@ -474,14 +475,19 @@ def routes(ctx) -> list[Route]:
                             yield x
                     elif kind == "tool_args" and open_kind == "tool_use":
                         yield delta({"type": "input_json_delta", "partial_json": e[3]})
-            done = True
+            finished = True
         except P.APIError as err:
+            finished = True
             yield _sse("error", error_body(err.status, err.message))
         except Exception as err:  # noqa: BLE001 - an engine failure mid-stream: report it
+            finished = True
             yield _sse("error", error_body(500, f"{type(err).__name__}: {err}"))
         finally:
-            if not done:  # the client left (maybe before the events started): stop the run
-                abort_run(run)
+            if not finished:
+                ctx.metrics.disconnects.inc()
+            # the client may have left before the events generator started (closing that
+            # would not run its cleanup): stop the run here; a no-op once it has finished
+            abort_run(run)
 
     @ctx.endpoint("messages")
     @anthropic_errors

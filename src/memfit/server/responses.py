@@ -377,7 +377,8 @@ def parse(ctx, body: dict, store: ResponseStore) -> Request_:
     parallel = P.get_bool(body, "parallel_tool_calls", True)
     call = ChatCall(model, msgs, sampling_of(body, m.n_ctx), max_output_tokens(body, m.n_ctx),
                     tools, tool_choice, parallel, response_format(body),
-                    reasoning_effort=reasoning_effort(body))
+                    reasoning_effort=reasoning_effort(body),
+                    ignore_eos=P.get_bool(body, "ignore_eos", False))
     return Request_(call, body, history, instructions, P.get_bool(body, "stream", False),
                     P.get_bool(body, "store", True), previous)
 
@@ -514,7 +515,7 @@ def routes(ctx) -> list[Route]:
 
     async def stream(req: Request_, run):
         b = Builder(req)
-        reason, done = "stop", False
+        reason, finished = "stop", False
         try:
             yield b.ev("response.created", response=req.response("in_progress", [], None))
             yield b.ev("response.in_progress", response=req.response("in_progress", [], None))
@@ -540,16 +541,18 @@ def routes(ctx) -> list[Route]:
                     elif e[1] == 0:
                         for x in b.push(e):
                             yield x
-            done = True
-        except P.APIError as err:
-            yield b.ev("error", code=err.code or "server_error", message=err.message,
-                       param=err.param)
+            finished = True
         except Exception as err:  # noqa: BLE001 - an engine failure mid-stream: report it
-            yield b.ev("error", code="server_error", message=f"{type(err).__name__}: {err}",
-                       param=None)
+            finished = True
+            yield b.ev("error", code=getattr(err, "code", None) or "server_error",
+                       message=getattr(err, "message", None) or f"{type(err).__name__}: {err}",
+                       param=getattr(err, "param", None))
         finally:
-            if not done:  # the client left (maybe before the events started): stop the run
-                abort_run(run)
+            if not finished:
+                ctx.metrics.disconnects.inc()
+            # the client may have left before the events generator started (closing that
+            # would not run its cleanup): stop the run here; a no-op once it has finished
+            abort_run(run)
 
     def stored(request: Request) -> tuple[str, tuple]:
         rid = request.path_params["rid"]
