@@ -316,3 +316,15 @@ def test_stream_disconnect_stops_generation(server):
     assert after["memfit_requests_running"] == 0 and after["memfit_kv_blocks_used"] == 0
     assert after["memfit_client_disconnects_total"] == before["memfit_client_disconnects_total"] + 1
     assert after["memfit_generated_tokens_total"] - before["memfit_generated_tokens_total"] < 400
+
+
+def test_unsupported_schema_is_400(server):
+    pytest.importorskip("memfit.constrain")
+    r = httpx.post(server.url + "/v1/messages", timeout=30, json={
+        "model": "smollm2", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
+        "output_config": {"format": {"type": "json_schema",
+                                     "schema": {"type": "string", "format": "no-such-format"}}}})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error"
+    assert "output_config.format.schema" in err["message"] and "no-such-format" in err["message"]

@@ -306,3 +306,14 @@ def test_stream_disconnect_stops_generation(server):
     after = server.metrics()
     assert after["memfit_client_disconnects_total"] == before["memfit_client_disconnects_total"] + 1
     assert after["memfit_generated_tokens_total"] - before["memfit_generated_tokens_total"] < 400
+
+
+def test_unsupported_schema_is_400(server):
+    pytest.importorskip("memfit.constrain")
+    r = httpx.post(server.url + "/v1/responses", timeout=30, json={
+        "model": "smollm2", "input": "x", "text": {"format": {
+            "type": "json_schema", "name": "x",
+            "schema": {"type": "string", "format": "no-such-format"}}}})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "text.format.schema" and "no-such-format" in err["message"]

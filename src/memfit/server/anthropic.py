@@ -357,8 +357,7 @@ def _sse(name: str, data: dict) -> bytes:
 
 
 def routes(ctx) -> list[Route]:
-    from .chat import start_chat
-    from .responses import abort_run
+    from .responses import abort_run, start
 
     def anthropic_errors(fn):
         """APIError / MemfitError -> Anthropic's error body (inside ctx.endpoint, which
@@ -379,7 +378,7 @@ def routes(ctx) -> list[Route]:
         body = await ctx.read_json(request)
         call = parse(ctx, body)
         stream = P.get_bool(body, "stream", False)
-        run = await start_chat(ctx, request, call)
+        run = await start(ctx, request, call, "output_config.format.schema")
         mid = "msg_" + uuid.uuid4().hex
         if stream:
             return StreamingResponse(stream_events(run, call, mid), media_type="text/event-stream",
