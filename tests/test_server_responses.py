@@ -195,6 +195,24 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather
           "parameters": CITY_SCHEMA, "strict": True}]
 
 
+def _qwen_tools_model(tmp_path_factory):
+    """Until tests/conftest.py has qwen_tools_model: a tiny random qwen2 file whose chat
+    template is Qwen2.5's (tests/data/templates), with room for the tool definitions."""
+    from pathlib import Path
+
+    from memfit.models import synthetic
+    src = Path(__file__).parent / "data" / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja"
+    if not src.is_file():
+        pytest.skip(f"{src} is not there")
+    before = synthetic.CHAT_TEMPLATE
+    synthetic.CHAT_TEMPLATE = src.read_text()   # write_tiny_model writes this template
+    try:
+        return synthetic.write_tiny_model(tmp_path_factory.mktemp("qwen") / "qwen.gguf", "qwen2",
+                                          "Q8_0", n_ctx=4096)
+    finally:
+        synthetic.CHAT_TEMPLATE = before
+
+
 @pytest.fixture(scope="module")
 def tools_client(request):
     """A server on a tiny random-weight model whose template supports tools (the chat core's
@@ -204,7 +222,7 @@ def tools_client(request):
     try:
         path = request.getfixturevalue("qwen_tools_model")
     except pytest.FixtureLookupError:
-        pytest.skip("the qwen_tools_model fixture (tests/conftest.py) is not there yet")
+        path = _qwen_tools_model(request.getfixturevalue("tmp_path_factory"))
     s = ServerProcess([str(path), "--alias", "qwen-tools", "-np", "2"])
     request.addfinalizer(s.stop)
     return openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=120)
