@@ -334,3 +334,19 @@ def test_unsupported_schema_is_400(server):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "text.format.schema" and "no-such-format" in err["message"]
+
+
+def test_response_store_bounds():
+    from memfit.server.responses import ResponseStore
+    st = ResponseStore(capacity=3, max_bytes=1000)
+    for i in range(4):
+        st.put(f"r{i}", {"i": i}, [])
+    assert len(st) == 3 and st.get("r0") is None          # the oldest went first
+    assert st.get("r1") == ({"i": 1}, [])                  # ... and a read makes one recent
+    st.put("r4", {"i": 4}, [])
+    assert st.get("r2") is None and st.get("r1") is not None
+    st.put("big", {"t": "x" * 970}, [])                    # the byte bound evicts the rest
+    assert len(st) == 1 and st.get("big") is not None
+    st.put("huge", {"t": "x" * 2000}, [])                  # over the bound alone: not kept
+    assert st.get("huge") is None and st.get("big") is not None
+    assert st.delete("big") and st.bytes == 0 and len(st) == 0

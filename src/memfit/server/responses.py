@@ -18,9 +18,10 @@ Streaming sends the official event sequence (``response.created``, ``response.in
 ... ``response.completed`` or ``response.incomplete``), each with its ``sequence_number``.
 
 Responses with ``store`` (the default) are kept in memory in a bounded LRU store (STORE_SIZE
-entries) for ``previous_response_id`` and ``GET``: the conversation so far as chat messages
-(without its instructions, which OpenAI does not carry over) plus the response object. The
-store is in this process only; a restart forgets it (an unknown id is a 404, as OpenAI's).
+entries, STORE_BYTES of JSON) for ``previous_response_id`` and ``GET``: the conversation so far
+as chat messages (without its instructions, which OpenAI does not carry over) plus the
+response object. The store is in this process only; a restart forgets it (an unknown id is a
+404, as OpenAI's).
 The shapes follow the ``openai`` package's types (openai/types/responses/).
 """
 
@@ -39,7 +40,9 @@ from starlette.routing import Route
 from . import protocol as P
 from .chat import ChatCall, start_chat
 
-STORE_SIZE = 256          # stored responses kept (least recently used dropped first)
+STORE_SIZE = 256          # stored responses kept (least recently used dropped first) ...
+STORE_BYTES = 16 << 20    # ... and their JSON bytes at most: the store lives outside the
+#                           memory budget's ledger, so it stays small next to the runtime margin
 EFFORTS = ("none", "minimal", "low", "medium", "high")
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "repeat_penalty",
                     "repeat_last_n", "presence_penalty", "frequency_penalty")
@@ -50,26 +53,36 @@ def _id(prefix: str) -> str:
 
 
 class ResponseStore:
-    """A bounded LRU map: response id -> (response object, chat history after it)."""
+    """A bounded LRU map: response id -> (response object, chat history after it), at most
+    ``capacity`` entries and ``max_bytes`` of their JSON (one entry over that is not kept)."""
 
-    def __init__(self, capacity: int = STORE_SIZE):
-        self.capacity = capacity
-        self._d: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+    def __init__(self, capacity: int = STORE_SIZE, max_bytes: int = STORE_BYTES):
+        self.capacity, self.max_bytes = capacity, max_bytes
+        self._d: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()
+        self.bytes = 0
 
     def put(self, rid: str, response: dict, history: list[dict]) -> None:
-        self._d[rid] = (response, history)
-        self._d.move_to_end(rid)
-        while len(self._d) > self.capacity:
-            self._d.popitem(last=False)
+        self.delete(rid)
+        size = len(json.dumps([response, history], ensure_ascii=False).encode())
+        if size > self.max_bytes:
+            return
+        self._d[rid] = (response, history, size)
+        self.bytes += size
+        while len(self._d) > self.capacity or self.bytes > self.max_bytes:
+            self.bytes -= self._d.popitem(last=False)[1][2]
 
     def get(self, rid: str) -> tuple[dict, list[dict]] | None:
         v = self._d.get(rid)
-        if v is not None:
-            self._d.move_to_end(rid)
-        return v
+        if v is None:
+            return None
+        self._d.move_to_end(rid)
+        return v[0], v[1]
 
     def delete(self, rid: str) -> bool:
-        return self._d.pop(rid, None) is not None
+        v = self._d.pop(rid, None)
+        if v is not None:
+            self.bytes -= v[2]
+        return v is not None
 
     def __len__(self) -> int:
         return len(self._d)
@@ -589,4 +602,6 @@ def routes(ctx) -> list[Route]:
         Route("/responses", create, methods=["POST"]),
         Route("/v1/responses/{rid}", retrieve, methods=["GET"]),
         Route("/v1/responses/{rid}", delete, methods=["DELETE"]),
+        Route("/responses/{rid}", retrieve, methods=["GET"]),
+        Route("/responses/{rid}", delete, methods=["DELETE"]),
     ]
