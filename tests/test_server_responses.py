@@ -345,7 +345,8 @@ def test_response_store_bounds():
     assert st.get("r1") == ({"i": 1}, [])                  # ... and a read makes one recent
     st.put("r4", {"i": 4}, [])
     assert st.get("r2") is None and st.get("r1") is not None
-    st.put("big", {"t": "x" * 990}, [])                    # the byte bound evicts the rest
+    fill = 1000 - len(json.dumps([{"t": ""}, []]))
+    st.put("big", {"t": "x" * fill}, [])                   # the byte bound evicts the rest
     assert len(st) == 1 and st.get("big") is not None
     st.put("huge", {"t": "x" * 2000}, [])                  # over the bound alone: not kept
     assert st.get("huge") is None and st.get("big") is not None
