@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import traceback
 import uuid
 
 from starlette.requests import Request
@@ -357,11 +358,12 @@ def _sse(name: str, data: dict) -> bytes:
 
 
 def routes(ctx) -> list[Route]:
+    from .chat import Disconnected
     from .responses import abort_run, start
 
     def anthropic_errors(fn):
         """APIError / MemfitError -> Anthropic's error body (inside ctx.endpoint, which
-        counts the status)."""
+        counts the status); a bug is a 500 in that shape too, its traceback on stderr."""
         async def handler(request: Request):
             try:
                 return await fn(request)
@@ -369,6 +371,11 @@ def routes(ctx) -> list[Route]:
                 return error_response(e)
             except MemfitError as e:
                 return error_response(P.APIError(400, str(e)))
+            except Disconnected:
+                raise
+            except Exception as e:  # noqa: BLE001 - a bug: still Anthropic's error shape
+                traceback.print_exc()
+                return error_response(P.APIError(500, f"internal error: {type(e).__name__}"))
         return handler
 
     @ctx.endpoint("messages")
