@@ -98,6 +98,7 @@ def test_stream(client):
     assert text == plain.content[0].text == final.content[0].text
     assert final.stop_reason == plain.stop_reason
     assert final.usage.output_tokens == plain.usage.output_tokens
+    assert prompt_tokens(final.usage) == prompt_tokens(plain.usage)
     events = list(client.messages.create(stream=True, **kw))
     types = [e.type for e in events]
     assert types[0] == "message_start" and types[-1] == "message_stop"
@@ -232,20 +233,20 @@ TOOLS = [{"name": "get_weather", "description": "The weather in a city.",
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-def _qwen_tools_model(tmp_path_factory):
-    """Until tests/conftest.py has qwen_tools_model: a tiny random qwen2 file whose chat
-    template is Qwen2.5's (tests/data/templates), with room for the tool definitions."""
+def _tiny_model(tmp_path_factory, template: str):
+    """A tiny random qwen2 file with a real chat template from tests/data/templates, with
+    room for tool definitions (until tests/conftest.py has qwen_tools_model)."""
     from pathlib import Path
 
     from memfit.models import synthetic
-    src = Path(__file__).parent / "data" / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja"
+    src = Path(__file__).parent / "data" / "templates" / template
     if not src.is_file():
         pytest.skip(f"{src} is not there")
     before = synthetic.CHAT_TEMPLATE
     synthetic.CHAT_TEMPLATE = src.read_text()   # write_tiny_model writes this template
     try:
-        return synthetic.write_tiny_model(tmp_path_factory.mktemp("qwen") / "qwen.gguf", "qwen2",
-                                          "Q8_0", n_ctx=4096)
+        return synthetic.write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny.gguf",
+                                          "qwen2", "Q8_0", n_ctx=4096)
     finally:
         synthetic.CHAT_TEMPLATE = before
 
@@ -259,7 +260,8 @@ def tools_client(request):
     try:
         path = request.getfixturevalue("qwen_tools_model")
     except pytest.FixtureLookupError:
-        path = _qwen_tools_model(request.getfixturevalue("tmp_path_factory"))
+        path = _tiny_model(request.getfixturevalue("tmp_path_factory"),
+                           "Qwen-Qwen2.5-7B-Instruct.jinja")
     s = ServerProcess([str(path), "--alias", "qwen-tools", "-np", "2"])
     request.addfinalizer(s.stop)
     return anthropic.Anthropic(base_url=s.url, api_key="unused", max_retries=0, timeout=120)
@@ -349,3 +351,35 @@ def test_unsupported_schema_is_400(server):
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error"
     assert "output_config.format.schema" in err["message"] and "no-such-format" in err["message"]
+
+
+# ----------------------------------------------------------------------------- reasoning
+
+@pytest.fixture(scope="module")
+def reasoning_server(request, tmp_path_factory):
+    """A tiny random model with DeepSeek-R1's template, which opens <think> in the generation
+    prompt when thinking is on: random weights never close it, so all output is reasoning."""
+    pytest.importorskip("memfit.server.toolcalls")
+    path = _tiny_model(tmp_path_factory, "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja")
+    s = ServerProcess([str(path), "--alias", "r1", "-np", "1"])
+    request.addfinalizer(s.stop)
+    return s
+
+
+def test_thinking_blocks(reasoning_server):
+    c = anthropic.Anthropic(base_url=reasoning_server.url, api_key="x", max_retries=0)
+    kw = dict(model="r1", max_tokens=12, thinking={"type": "enabled", "budget_tokens": 1024},
+              messages=[{"role": "user", "content": "Think about it."}], extra_body=T0)
+    m = c.messages.create(**kw)
+    assert [b.type for b in m.content] == ["thinking"] and m.content[0].thinking
+    assert m.stop_reason == "max_tokens"
+    with c.messages.stream(**kw) as s:
+        events = list(s)
+        final = s.get_final_message()
+    deltas = [e.delta.thinking for e in events if e.type == "content_block_delta"
+              and e.delta.type == "thinking_delta"]
+    assert "".join(deltas) == m.content[0].thinking == final.content[0].thinking
+    assert final.content[0].type == "thinking" and final.stop_reason == "max_tokens"
+    # thinking off: the template closes the block at once; no thinking block comes back
+    off = c.messages.create(**{**kw, "thinking": {"type": "disabled"}})
+    assert "thinking" not in [b.type for b in off.content]

@@ -195,20 +195,20 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather
           "parameters": CITY_SCHEMA, "strict": True}]
 
 
-def _qwen_tools_model(tmp_path_factory):
-    """Until tests/conftest.py has qwen_tools_model: a tiny random qwen2 file whose chat
-    template is Qwen2.5's (tests/data/templates), with room for the tool definitions."""
+def _tiny_model(tmp_path_factory, template: str):
+    """A tiny random qwen2 file with a real chat template from tests/data/templates, with
+    room for tool definitions (until tests/conftest.py has qwen_tools_model)."""
     from pathlib import Path
 
     from memfit.models import synthetic
-    src = Path(__file__).parent / "data" / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja"
+    src = Path(__file__).parent / "data" / "templates" / template
     if not src.is_file():
         pytest.skip(f"{src} is not there")
     before = synthetic.CHAT_TEMPLATE
     synthetic.CHAT_TEMPLATE = src.read_text()   # write_tiny_model writes this template
     try:
-        return synthetic.write_tiny_model(tmp_path_factory.mktemp("qwen") / "qwen.gguf", "qwen2",
-                                          "Q8_0", n_ctx=4096)
+        return synthetic.write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny.gguf",
+                                          "qwen2", "Q8_0", n_ctx=4096)
     finally:
         synthetic.CHAT_TEMPLATE = before
 
@@ -222,7 +222,8 @@ def tools_client(request):
     try:
         path = request.getfixturevalue("qwen_tools_model")
     except pytest.FixtureLookupError:
-        path = _qwen_tools_model(request.getfixturevalue("tmp_path_factory"))
+        path = _tiny_model(request.getfixturevalue("tmp_path_factory"),
+                           "Qwen-Qwen2.5-7B-Instruct.jinja")
     s = ServerProcess([str(path), "--alias", "qwen-tools", "-np", "2"])
     request.addfinalizer(s.stop)
     return openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=120)
@@ -351,3 +352,36 @@ def test_response_store_bounds():
     st.put("huge", {"t": "x" * 2000}, [])                  # over the bound alone: not kept
     assert st.get("huge") is None and st.get("big") is not None
     assert st.delete("big") and st.bytes == 0 and len(st) == 0
+
+
+# ----------------------------------------------------------------------------- reasoning
+
+@pytest.fixture(scope="module")
+def reasoning_server(request, tmp_path_factory):
+    """A tiny random model with DeepSeek-R1's template, which opens <think> in the generation
+    prompt when thinking is on: random weights never close it, so all output is reasoning."""
+    pytest.importorskip("memfit.server.toolcalls")
+    path = _tiny_model(tmp_path_factory, "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja")
+    s = ServerProcess([str(path), "--alias", "r1", "-np", "1"])
+    request.addfinalizer(s.stop)
+    return s
+
+
+def test_reasoning_item(reasoning_server):
+    c = openai.OpenAI(base_url=reasoning_server.base_url, api_key="x", max_retries=0)
+    kw = dict(model="r1", input="Think about it.", reasoning={"effort": "high"},
+              max_output_tokens=12, temperature=0)
+    r = c.responses.create(**kw)
+    assert [o.type for o in r.output] == ["reasoning"]
+    thought = r.output[0].content[0].text
+    assert r.output[0].content[0].type == "reasoning_text" and thought
+    assert r.status == "incomplete" and r.output_text == ""
+    events = list(c.responses.create(stream=True, **kw))
+    types = [e.type for e in events]
+    assert types[2:5] == ["response.output_item.added", "response.content_part.added",
+                          "response.reasoning_text.delta"]
+    assert types[-4:] == ["response.reasoning_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.incomplete"]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
+    assert events[-4].text == thought
+    assert events[-1].response.output[0].content[0].text == thought

@@ -282,6 +282,7 @@ def stop_sequences(body: dict) -> list[str]:
 def parse(ctx, body: dict, count_only: bool = False):
     """The request body -> ChatCall (count_tokens: max_tokens not required)."""
     from .chat import ChatCall
+    from .responses import thinking_kwargs
     m = ctx.state.model
     model = ctx.check_model(body)
     msgs = chat_messages(body)
@@ -302,8 +303,9 @@ def parse(ctx, body: dict, count_only: bool = False):
     sampling["stop"] = stop_sequences(body)
     tool_choice, parallel = chat_tool_choice(body)
     rf, effort = output_config(body)
+    effort = thinking_effort(body) or effort
     return ChatCall(model, msgs, sampling, max_tokens, chat_tools(body), tool_choice, parallel,
-                    rf, reasoning_effort=thinking_effort(body) or effort,
+                    rf, reasoning_effort=effort, template_kwargs=thinking_kwargs(effort),
                     ignore_eos=P.get_bool(body, "ignore_eos", False))
 
 

@@ -269,6 +269,13 @@ def reasoning_effort(body: dict) -> str | None:
     return e
 
 
+def thinking_kwargs(effort: str | None) -> dict:
+    """Chat-template variables for a reasoning request: templates that can think either way
+    (Qwen3, DeepSeek-R1 as llama.cpp ships them) read ``enable_thinking``; asked for reasoning,
+    it is on (off for "none" / "minimal" is the chat core's)."""
+    return {"enable_thinking": True} if effort in ("low", "medium", "high") else {}
+
+
 def max_output_tokens(body: dict, n_ctx: int) -> int | None:
     v = body.get("max_output_tokens")
     if v is None:
@@ -388,9 +395,10 @@ def parse(ctx, body: dict, store: ResponseStore) -> Request_:
     tools = chat_tools(body)
     tool_choice = chat_tool_choice(body, tools)
     parallel = P.get_bool(body, "parallel_tool_calls", True)
+    effort = reasoning_effort(body)
     call = ChatCall(model, msgs, sampling_of(body, m.n_ctx), max_output_tokens(body, m.n_ctx),
                     tools, tool_choice, parallel, response_format(body),
-                    reasoning_effort=reasoning_effort(body),
+                    reasoning_effort=effort, template_kwargs=thinking_kwargs(effort),
                     ignore_eos=P.get_bool(body, "ignore_eos", False))
     return Request_(call, body, history, instructions, P.get_bool(body, "stream", False),
                     P.get_bool(body, "store", True), previous)
