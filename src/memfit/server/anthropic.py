@@ -398,7 +398,7 @@ def routes(ctx) -> list[Route]:
         blocks = []
         if c["reasoning"]:
             blocks.append({"type": "thinking", "thinking": c["reasoning"], "signature": ""})
-        if c["content"] or not c["tool_calls"]:
+        if c["content"] or not (c["tool_calls"] or c["reasoning"]):  # never no block at all
             blocks.append({"type": "text", "text": c["content"]})
         for tc in c["tool_calls"]:
             blocks.append({"type": "tool_use", "id": tc["id"], "name": tc["function"]["name"],
