@@ -106,6 +106,30 @@ def test_stream_helper_final_response(client):
     assert final.output_text == "".join(deltas) and final.output_text
 
 
+def test_logprobs_equal_chat_completion(client):
+    kw = dict(model="smollm2", input=Q, temperature=0, max_output_tokens=8, top_logprobs=2,
+              include=["message.output_text.logprobs"])
+    r = client.responses.create(**kw)
+    ref = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": Q}],
+                                         temperature=0, max_tokens=8, logprobs=True,
+                                         top_logprobs=2)
+    part = r.output[0].content[0]
+    want = ref.choices[0].logprobs.content
+    assert [(x.token, x.logprob) for x in part.logprobs] == [(x.token, x.logprob) for x in want]
+    assert "".join(x.token for x in part.logprobs) == part.text
+    assert all(len(x.top_logprobs) == 2 and x.top_logprobs[0].token == x.token
+               for x in part.logprobs)               # greedy: the chosen token is the top one
+    assert r.top_logprobs == 2
+    events = list(client.responses.create(stream=True, **kw))
+    streamed = [x.token for e in events if e.type == "response.output_text.delta"
+                for x in e.logprobs]
+    assert streamed == [x.token for x in part.logprobs]
+    [done] = [e for e in events if e.type == "response.output_text.done"]
+    assert [x.token for x in done.logprobs] == streamed
+    plain = client.responses.create(model="smollm2", input=Q, temperature=0, max_output_tokens=8)
+    assert plain.output[0].content[0].logprobs == []
+
+
 def test_max_output_tokens_incomplete(client):
     r = client.responses.create(model="smollm2", input=Q, temperature=0, max_output_tokens=3)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
@@ -166,6 +190,8 @@ BAD = [
     ({"input": "x", "tool_choice": "required"}, "tool_choice", "no tools"),
     ({"input": "x", "temperature": 3}, "temperature", "temperature"),
     ({"input": "x", "previous_response_id": 5}, "previous_response_id", "string"),
+    ({"input": "x", "top_logprobs": 21}, "top_logprobs", "top_logprobs"),
+    ({"input": "x", "include": "all"}, "include", "include"),
 ]
 
 

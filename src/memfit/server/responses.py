@@ -269,6 +269,20 @@ def reasoning_effort(body: dict) -> str | None:
     return e
 
 
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+def logprob_fields(body: dict) -> tuple[bool, int]:
+    """(logprobs wanted, top alternatives per token): ``include`` with
+    "message.output_text.logprobs" or ``top_logprobs`` > 0 (other include values name outputs
+    of hosted tools memfit does not have, and change nothing)."""
+    inc = body.get("include")
+    if inc is not None and (not isinstance(inc, list) or not all(isinstance(x, str) for x in inc)):
+        raise P.bad("include", "include must be a list of strings")
+    top = P.get_int(body, "top_logprobs", 0, lo=0, hi=P.MAX_TOP_LOGPROBS)
+    return bool(top) or LOGPROBS_INCLUDE in (inc or []), top
+
+
 def thinking_kwargs(effort: str | None) -> dict:
     """Chat-template variables for a reasoning request: templates that can think either way
     (Qwen3, DeepSeek-R1 as llama.cpp ships them) read ``enable_thinking``; asked for reasoning,
@@ -365,7 +379,7 @@ class Request_:
             "store": self.store, "temperature": c.sampling.get("temperature"),
             "text": {"format": fmt or {"type": "text"}},
             "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [],
-            "top_p": c.sampling.get("top_p"), "truncation": "disabled",
+            "top_p": c.sampling.get("top_p"), "top_logprobs": c.n_top, "truncation": "disabled",
             "usage": usage, "user": b.get("user"), "metadata": b.get("metadata") or {},
             **({"completed_at": int(time.time())} if status != "in_progress" else {}),
         }
@@ -396,8 +410,9 @@ def parse(ctx, body: dict, store: ResponseStore) -> Request_:
     tool_choice = chat_tool_choice(body, tools)
     parallel = P.get_bool(body, "parallel_tool_calls", True)
     effort = reasoning_effort(body)
+    lp, top = logprob_fields(body)
     call = ChatCall(model, msgs, sampling_of(body, m.n_ctx), max_output_tokens(body, m.n_ctx),
-                    tools, tool_choice, parallel, response_format(body),
+                    tools, tool_choice, parallel, response_format(body), logprobs=lp, n_top=top,
                     reasoning_effort=effort, template_kwargs=thinking_kwargs(effort),
                     ignore_eos=P.get_bool(body, "ignore_eos", False))
     return Request_(call, body, history, instructions, P.get_bool(body, "stream", False),
@@ -410,11 +425,14 @@ class Builder:
     """Chat events -> Responses output items and, when streaming, the SSE events that build
     them (an item is opened on its first event and closed when another kind starts)."""
 
-    def __init__(self, req: Request_):
+    def __init__(self, req: Request_, new_logprobs=None):
         self.req = req
         self.output: list[dict] = []
         self.open: dict | None = None     # the item being built
         self.seq = 0
+        # () -> the logprob entries of tokens not reported yet (None: not asked for); they go
+        # with the next text delta, as chat completions' stream sends them
+        self.new_logprobs = new_logprobs or (lambda: [])
 
     def ev(self, type_: str, **fields) -> bytes:
         d = {"type": type_, "sequence_number": self.seq, **fields}
@@ -448,7 +466,7 @@ class Builder:
         if it["type"] == "message":
             part = it["content"][0]
             out.append(self.ev("response.output_text.done", item_id=it["id"], output_index=idx,
-                               content_index=0, text=part["text"], logprobs=[]))
+                               content_index=0, text=part["text"], logprobs=part["logprobs"]))
             out.append(self.ev("response.content_part.done", item_id=it["id"], output_index=idx,
                                content_index=0, part=part))
         elif it["type"] == "reasoning":
@@ -469,10 +487,13 @@ class Builder:
         if kind == "content":
             out = [] if it is not None and it["type"] == "message" else \
                 self._start(message_item(_id("msg_"), "", "in_progress"))
-            self.open["content"][0]["text"] += e[2]
+            part = self.open["content"][0]
+            part["text"] += e[2]
+            lp = self.new_logprobs()
+            part["logprobs"] += lp
             out.append(self.ev("response.output_text.delta", item_id=self.open["id"],
                                output_index=len(self.output) - 1, content_index=0,
-                               delta=e[2], logprobs=[]))
+                               delta=e[2], logprobs=lp))
             return out
         if kind == "reasoning":
             out = [] if it is not None and it["type"] == "reasoning" else \
@@ -513,6 +534,21 @@ def abort_run(run) -> None:
 def routes(ctx) -> list[Route]:
     store = ResponseStore()
 
+    def logprob_source(run):
+        """Builder's new_logprobs for a run: OpenAI's logprob objects of choice 0's tokens
+        since the last call (None when the request did not ask for logprobs)."""
+        if not run.call.logprobs:
+            return None
+        tok = ctx.state.model.tokenizer
+        sent = [0]
+
+        def new() -> list[dict]:
+            e = run.logprob_entries.get(0, [])
+            k, sent[0] = sent[0], len(e)
+            return [P.chat_token_logprob(tok.token_to_bytes(t), lp, top, tok.token_to_bytes)
+                    for t, lp, top in e[k:]]
+        return new
+
     def remember(req: Request_, resp: dict, output: list[dict]) -> None:
         if req.store:
             store.put(req.id, resp, req.history + history_of(output))
@@ -527,7 +563,7 @@ def routes(ctx) -> list[Route]:
             return StreamingResponse(stream(req, run), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache",
                                               "X-Accel-Buffering": "no"})
-        b = Builder(req)
+        b = Builder(req, logprob_source(run))
         usage, reason = {}, "stop"
         async with contextlib.aclosing(run.events()) as events:
             async for e in events:
@@ -547,7 +583,7 @@ def routes(ctx) -> list[Route]:
         return JSONResponse(resp)
 
     async def stream(req: Request_, run):
-        b = Builder(req)
+        b = Builder(req, logprob_source(run))
         reason, finished = "stop", False
         try:
             yield b.ev("response.created", response=req.response("in_progress", [], None))
