@@ -181,7 +181,8 @@ def test_errors_through_the_client(client, server):
 
 
 def test_metrics_count_messages(server, client):
-    client.messages.create(model="smollm2", max_tokens=2, messages=[{"role": "user", "content": "x"}])
+    client.messages.create(model="smollm2", max_tokens=2,
+                           messages=[{"role": "user", "content": "x"}])
     m = server.metrics()
     assert m['memfit_requests_total{endpoint="messages",status="200"}'] >= 1
     assert m['memfit_requests_total{endpoint="messages",status="400"}'] >= 1

@@ -65,7 +65,8 @@ def test_input_items_equal_instructions(client):
     b = client.responses.create(model="smollm2", temperature=0, max_output_tokens=12, input=[
         {"role": "developer", "content": SYSTEM},
         {"type": "message", "role": "user",
-         "content": [{"type": "input_text", "text": Q[:10]}, {"type": "input_text", "text": Q[10:]}]}])
+         "content": [{"type": "input_text", "text": Q[:10]},
+                     {"type": "input_text", "text": Q[10:]}]}])
     assert b.output_text == a.output_text
     assert b.usage.input_tokens == a.usage.input_tokens
 

@@ -100,7 +100,8 @@ def _text_of(content, p: str, allowed: tuple[str, ...]) -> str:
     for j, part in enumerate(content):
         q = f"{p}[{j}]"
         if not isinstance(part, dict):
-            raise P.bad(q, f"{q} must be an object like {{\"type\": \"input_text\", \"text\": ...}}")
+            raise P.bad(q, f"{q} must be an object like "
+                           f"{{\"type\": \"input_text\", \"text\": ...}}")
         t = part.get("type")
         if t == "refusal" and isinstance(part.get("refusal"), str):
             out.append(part["refusal"])
@@ -117,15 +118,17 @@ def _text_of(content, p: str, allowed: tuple[str, ...]) -> str:
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-def input_messages(inp, param: str = "input") -> list[dict]:
+def input_messages(inp, param: str = "input", before: list[dict] = ()) -> list[dict]:
     """Responses ``input`` -> OpenAI chat messages. Consecutive ``function_call`` items (and
-    the assistant message just before them) form one assistant turn with ``tool_calls``."""
+    the assistant message just before them) form one assistant turn with ``tool_calls``;
+    ``before`` (a stored conversation) names the functions its calls' results answer."""
     if isinstance(inp, str):
         return [{"role": "user", "content": inp}]
     if not isinstance(inp, list) or not inp:
         raise P.bad(param, f"{param} must be a string or a non-empty list of input items")
     out: list[dict] = []
-    names: dict[str, str] = {}        # call_id -> function name, for the tool results
+    names = {tc["id"]: tc["function"]["name"]    # call_id -> function name, for tool results
+             for m in before for tc in m.get("tool_calls") or ()}
     assistant_open = False            # the last message is an assistant turn calls may join
     for i, it in enumerate(inp):
         p = f"{param}[{i}]"
@@ -390,7 +393,6 @@ def parse(ctx, body: dict, store: ResponseStore) -> Request_:
     model = ctx.check_model(body)
     if "input" not in body:
         raise P.bad("input", "input is required: a string or a list of input items")
-    new = input_messages(body["input"])
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise P.bad("instructions", "instructions must be a string")
@@ -404,7 +406,7 @@ def parse(ctx, body: dict, store: ResponseStore) -> Request_:
             raise P.APIError(404, f"Previous response with id {previous!r} not found.",
                              param="previous_response_id", code="previous_response_not_found")
         before = got[1]
-    history = before + new
+    history = before + input_messages(body["input"], before=before)
     msgs = ([{"role": "system", "content": instructions}] if instructions else []) + history
     tools = chat_tools(body)
     tool_choice = chat_tool_choice(body, tools)
