@@ -889,6 +889,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="longest prompt in tokens (default: the context size)")
     sv.add_argument("--max-connections", type=_int_at_least(1), default=64, metavar="N",
                     help="concurrent HTTP requests with their body read (default 64); beyond it: 429")
+    sv.add_argument("--pooling", choices=["mean", "cls", "last"], default=None,
+                    help="/v1/embeddings pooling of the final hidden states (default: the GGUF's "
+                    "pooling type, else mean)")
     _add_runtime_args(sv)
     sv.set_defaults(func=cmd_serve)
 

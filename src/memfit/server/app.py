@@ -496,5 +496,7 @@ def build_app(state: ServerState) -> Starlette:
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
     ]
+    from . import embeddings, page
+    routes += embeddings.routes(state, endpoint) + page.routes(state, endpoint)
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error,
                                                         Exception: server_error})

@@ -126,6 +126,7 @@ def serve(a) -> int:
     state = ServerState(model_ids=_model_ids(a.model or DEFAULT_MODEL, path, a.alias),
                         n_parallel=a.parallel,
                         max_queue=a.max_queue, max_prompt_tokens=a.max_prompt_tokens)
+    state.pooling = a.pooling  # /v1/embeddings (server/embeddings.py); None: the model's
     allowed = None
     if a.allowed_host or is_loopback(a.host):
         allowed = set(h.lower() for h in a.allowed_host) | (

@@ -1,0 +1,156 @@
+"""POST /v1/embeddings (OpenAI's shape), pooled hidden states as llama-server's --embedding.
+
+Each input's vector is ``Model.embed_ids``: the final-normed hidden state of every token
+(after output_norm, before the output head), pooled mean / cls / last (``--pooling``; default
+the GGUF's pooling type, else mean) and L2-normalized. Inputs are tokenized in a worker thread
+(bounded pieces that stop past the context, as prompts are), then run one after another on the
+engine's thread between decode steps (``EngineWorker.call``): the model and its KV pool are the
+engine's, so an embedding holds at most one prompt's scratch and its own KV blocks, which it
+frees before the next step. A client that leaves stops the batch at the next input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+
+import numpy as np
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..errors import MemfitError
+from . import protocol as P
+
+MAX_INPUTS = 2048      # OpenAI's limit on the inputs of one request
+POOLINGS = ("mean", "cls", "last")
+
+
+class _Busy(Exception):
+    pass
+
+
+def parse_input(body: dict) -> list:
+    """``input`` -> a list of items, each a str or a list of token ids (OpenAI's four forms)."""
+    x = body.get("input")
+    if x is None:
+        raise P.bad("input", "input is required: a string, a list of strings, a list of token "
+                             "ids or a list of lists of token ids")
+    if isinstance(x, str):
+        return [x]
+    if not isinstance(x, list) or not x:
+        raise P.bad("input", "input must be a non-empty string or a non-empty list")
+    if len(x) > MAX_INPUTS:
+        raise P.bad("input", f"input has {len(x)} items; at most {MAX_INPUTS} per request")
+    if all(P._is_int(i) for i in x):
+        return [x]
+    for k, item in enumerate(x):
+        if isinstance(item, str):
+            continue
+        if not isinstance(item, list) or not all(P._is_int(i) for i in item):
+            raise P.bad("input", f"input[{k}] must be a string or a list of token ids")
+    return x
+
+
+def encoding_format(body: dict) -> str:
+    f = body.get("encoding_format", "float")
+    if f is None:
+        return "float"
+    if f not in ("float", "base64"):
+        raise P.bad("encoding_format", f"encoding_format={f!r}: use 'float' or 'base64'")
+    return f
+
+
+def routes(state, endpoint) -> list[Route]:
+    """``state``: the app's ServerState; ``endpoint(name)``: its error/metrics decorator."""
+    tokenize_gate = asyncio.Semaphore(1)  # one input list tokenized at a time (bounded scratch)
+
+    def pooling() -> str:
+        p = getattr(state, "pooling", None)  # --pooling; None: the model's default
+        return p if p is not None else state.model.default_pooling()
+
+    async def read_json(request: Request) -> dict:
+        try:
+            raw = await request.body()
+        except ClientDisconnect:
+            raise P.APIError(499, "client closed request") from None
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise P.APIError(400, f"malformed JSON in the request body: {e}") from None
+        if not isinstance(body, dict):
+            raise P.APIError(400, "the request body must be a JSON object")
+        return body
+
+    def to_ids(items: list) -> list[list[int]]:
+        """Texts tokenized as prompts (special tokens added), ids checked; each within n_ctx."""
+        from ..memory.budget import trim_heap
+        from ..tokenizer.vocab import TooManyTokens, UncuttableText
+        m = state.model
+        out = []
+        try:
+            for k, item in enumerate(items):
+                try:
+                    ids = m._prompt_ids(item, m.n_ctx)
+                except TooManyTokens as e:
+                    raise P.APIError(400, f"input[{k}] has at least {e.n_at_least} tokens but "
+                                          f"the context is {m.n_ctx}; shorten it", "input",
+                                     "context_length_exceeded") from None
+                except (UncuttableText, MemfitError) as e:
+                    raise P.bad("input", f"input[{k}]: {e}") from None
+                if not ids:
+                    raise P.bad("input", f"input[{k}] is empty (no tokens)")
+                out.append(ids)
+        finally:
+            trim_heap()
+        return out
+
+    def embed_one(ids: list[int], pool_kind: str) -> np.ndarray:
+        """On the engine thread: refuse (busy) when the KV pool cannot hold the input now."""
+        m = state.model
+        mgr = m.engine.pool.manager
+        if mgr.blocks_for(len(ids)) > mgr.n_free:
+            raise _Busy()
+        return m.embed_ids(ids, pool_kind, normalize=True)
+
+    @endpoint("embeddings")
+    async def embeddings(request: Request):
+        if not state.ready:
+            raise P.APIError(503, "Loading model", headers={"Retry-After": "1"})
+        body = await read_json(request)
+        name = body.get("model")
+        if name is not None and (not isinstance(name, str) or name not in state.model_ids):
+            raise P.APIError(404, f"the model {name!r} does not exist; this server has "
+                                  f"{state.model_ids[0]!r} (see GET /v1/models)",
+                             param="model", code="model_not_found")
+        if body.get("dimensions") is not None:
+            raise P.bad("dimensions", "dimensions is not supported: this model's embeddings "
+                                      f"have {state.model.config.n_embd} dimensions; omit it")
+        fmt = encoding_format(body)
+        items = parse_input(body)
+        async with tokenize_gate:
+            all_ids = await asyncio.to_thread(to_ids, items)
+        kind = pooling()
+        data, n_tokens = [], 0
+        for k, ids in enumerate(all_ids):
+            if k and await request.is_disconnected():
+                return Response(status_code=499)
+            try:
+                v = await state.worker.call(lambda ids=ids: embed_one(ids, kind))
+            except _Busy:
+                raise P.APIError(429, "the server is busy: the KV cache has no room for this "
+                                      "input now; retry later", headers={"Retry-After": "1"})
+            except MemfitError as e:
+                raise P.bad("input", f"input[{k}]: {e}") from None
+            if fmt == "base64":  # little-endian float32 bytes, as OpenAI sends them
+                emb = base64.b64encode(v.astype("<f4").tobytes()).decode("ascii")
+            else:
+                emb = v.tolist()
+            data.append({"object": "embedding", "index": k, "embedding": emb})
+            n_tokens += len(ids)
+        return JSONResponse({"object": "list", "data": data, "model": state.model_ids[0],
+                             "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})
+
+    return [Route("/v1/embeddings", embeddings, methods=["POST"]),
+            Route("/embeddings", embeddings, methods=["POST"])]
