@@ -1,0 +1,173 @@
+"""The chat page at / in a real headless Chromium (selenium) against a running `memfit serve`
+with an API key: the page asks for the key, shows the model and the memory, streams an answer
+(the same text the openai client gets), shows tokens/s, and its Stop button aborts a long
+generation on the server (running requests back to 0). Skips when chromium/chromedriver are
+not installed (Debian: apt-get install chromium chromium-driver).
+
+MEMFIT_SCREENSHOT=PATH saves a screenshot of the page after an answer (docs/chat-page.png).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+
+import httpx
+import pytest
+
+from _server import ServerProcess
+
+webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+pytestmark = [pytest.mark.realmodel, pytest.mark.slow, pytest.mark.timeout(300)]
+
+KEY = "page-test-key-7f3a"
+QUESTION = "What is the capital of France? Answer in one sentence."
+
+
+def _browser_paths() -> tuple[str | None, str | None]:
+    binary = next((shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome")
+                   if shutil.which(b)), None)
+    return binary, shutil.which("chromedriver")
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path, tmp_path_factory):
+    keyfile = tmp_path_factory.mktemp("key") / "key"
+    keyfile.write_text(KEY)
+    s = ServerProcess([str(smollm2_path), "--alias", "smollm2", "-c", "1024", "-np", "2",
+                       "--mem-budget", "1GiB", "--api-key-file", str(keyfile)])
+    s.headers = {"Authorization": f"Bearer {KEY}"}   # for ServerProcess.metrics()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    binary, driver = _browser_paths()
+    if binary is None or driver is None:
+        pytest.skip("chromium and chromedriver are not installed (Debian: apt-get install "
+                    "chromium chromium-driver)")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = binary
+    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+              "--window-size=1280,800", "--lang=en-US"):
+        opts.add_argument(a)
+    d = webdriver.Chrome(options=opts, service=webdriver.ChromeService(driver))
+    d.set_page_load_timeout(60)
+    yield d
+    d.quit()
+
+
+def _wait(d, cond, timeout=60.0, what="condition"):
+    return WebDriverWait(d, timeout, poll_frequency=0.05).until(
+        lambda _: cond(), message=f"timed out waiting for {what}")
+
+
+def _last_answer(d):
+    return d.execute_script(
+        "const m = document.querySelectorAll('.msg.assistant');"
+        "if (!m.length) return null; const a = m[m.length - 1];"
+        "return {text: a.querySelector('.content').textContent, done: a.dataset.done || null,"
+        "        note: (a.querySelector('.note') || {}).textContent || ''};")
+
+
+def _send(d, text: str) -> None:
+    box = d.find_element(By.ID, "input")
+    box.clear()
+    box.send_keys(text)
+    d.find_element(By.ID, "send").click()
+
+
+def test_page_is_public_and_self_contained(server):
+    r = httpx.get(server.url + "/", timeout=10)   # no key: the page itself is public
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert "default-src 'none'" in r.headers["content-security-policy"]
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", r.text), "external asset"
+    assert httpx.get(server.url + "/props", timeout=10).status_code == 401
+    p = httpx.get(server.url + "/props", headers=server.headers, timeout=10).json()
+    assert p["model_alias"] == "smollm2" and p["n_ctx"] == 1024 and p["total_slots"] == 2
+    assert p["ready"] is True and p["rss_bytes"] > 0 and p["peak_rss_bytes"] >= p["rss_bytes"]
+    assert p["mem_budget_bytes"] == 2**30 and p["mem_budget_enforced"] is True
+
+
+def test_key_prompt_then_model_and_memory(server, browser):
+    d = browser
+    d.get(server.url + "/")
+    _wait(d, lambda: d.find_element(By.ID, "keybox").is_displayed(), 20, "the API key box")
+    d.find_element(By.ID, "key").send_keys(KEY)
+    d.find_element(By.ID, "keysave").click()
+    _wait(d, lambda: d.find_element(By.ID, "model").text == "smollm2", 20, "the model name")
+    assert not d.find_element(By.ID, "keybox").is_displayed()
+    assert d.execute_script("return sessionStorage.getItem('memfit.apiKey')") == KEY
+    assert re.fullmatch(r"\d+ MiB", d.find_element(By.ID, "rss").text)
+    assert d.find_element(By.ID, "budget").text == "1.00 GiB"
+    width = d.execute_script("return document.getElementById('meterbar').style.width")
+    assert 0 < float(width.rstrip("%")) < 100          # RSS as a share of the budget
+    assert d.find_element(By.ID, "ctx").text == "1024 × 2"
+
+
+def test_streamed_answer_equals_api(server, browser):
+    d = browser
+    if d.find_element(By.ID, "model").text != "smollm2":
+        pytest.skip("needs the key entered by the previous test")
+    d.execute_script("document.getElementById('temperature').value = '0';"
+                     "document.getElementById('max-tokens').value = '64';")
+    _send(d, QUESTION)
+    seen = set()   # the answer's text as it grows, sampled while it streams
+
+    def finished():
+        a = _last_answer(d)
+        if a and a["text"]:
+            seen.add(a["text"])
+        return a and a["done"]
+    _wait(d, finished, 120, "the answer")
+    a = _last_answer(d)
+    assert a["done"] in ("stop", "length"), a
+    assert len(seen) >= 2, f"the answer did not stream: {seen}"   # shown piece by piece
+    ref = httpx.post(server.base_url + "/chat/completions", headers=server.headers, timeout=120,
+                     json={"model": "smollm2", "temperature": 0, "max_tokens": 64,
+                           "messages": [{"role": "user", "content": QUESTION}]}).json()
+    assert a["text"] == ref["choices"][0]["message"]["content"]
+    assert "Paris" in a["text"]
+    assert re.fullmatch(r"[\d.]+ tok/s", d.find_element(By.ID, "tps").text)
+    assert f"{ref['usage']['completion_tokens']} tokens" in a["note"]
+    shot = os.environ.get("MEMFIT_SCREENSHOT")
+    if shot:
+        d.execute_script("document.getElementById('input').blur()")
+        d.save_screenshot(shot)
+
+
+def test_stop_aborts_generation(server, browser):
+    d = browser
+    if d.find_element(By.ID, "model").text != "smollm2":
+        pytest.skip("needs the key entered by the previous test")
+    before = server.metrics().get("memfit_client_disconnects_total", 0.0)
+    d.execute_script("document.getElementById('temperature').value = '0.8';"
+                     "document.getElementById('max-tokens').value = '900';")
+    _send(d, "Write a very long story about a lighthouse keeper, with many chapters.")
+    _wait(d, lambda: len((_last_answer(d) or {}).get("text", "")) > 20, 60, "streamed text")
+    assert server.metrics()["memfit_requests_running"] == 1
+    assert d.find_element(By.ID, "stop").is_enabled()
+    d.find_element(By.ID, "stop").click()
+    _wait(d, lambda: _last_answer(d)["done"] == "stopped", 10, "the page to stop")
+    deadline = time.monotonic() + 10
+    while server.metrics()["memfit_requests_running"] != 0:
+        assert time.monotonic() < deadline, "the server kept generating after Stop"
+        time.sleep(0.1)
+    assert server.metrics()["memfit_client_disconnects_total"] == before + 1
+    text = _last_answer(d)["text"]
+    time.sleep(0.5)
+    assert _last_answer(d)["text"] == text          # nothing more arrives
+    assert "stopped" in _last_answer(d)["note"]
+    assert d.find_element(By.ID, "send").is_enabled()
+    # the conversation goes on after a stop
+    d.execute_script("document.getElementById('temperature').value = '0';"
+                     "document.getElementById('max-tokens').value = '8';")
+    _send(d, "Say hi.")
+    _wait(d, lambda: _last_answer(d)["done"] in ("stop", "length"), 60, "the next answer")
+    assert len(d.find_elements(By.CSS_SELECTOR, ".msg.user")) == 3
