@@ -253,14 +253,20 @@ class TestServer:
         ({"input": [[1, 2], [3, 10**7]]}, 400, "input"),
         ({"input": "hi", "model": "nope"}, 404, "model"),
         ({"input": "word " * 2000}, 400, "input"),
+        ({"input": [list(range(513))]}, 400, "input"),
     ])
     def test_errors(self, server, body, status, param):
         r = httpx.post(server.base_url + "/embeddings", json=body, timeout=60)
         assert r.status_code == status, r.text
         err = r.json()["error"]
         assert err["param"] == param and err["message"]
-        if body.get("input") == "word " * 2000:
-            assert err["code"] == "context_length_exceeded"
+        if body.get("input") in ("word " * 2000, [list(range(513))]):
+            assert err["code"] == "context_length_exceeded" and "context is 512" in err["message"]
+
+    def test_whole_context(self, client):
+        """An input may fill the context (nothing is generated after it)."""
+        r = client.embeddings.create(model="smollm2", input=[list(range(512))])
+        assert r.usage.prompt_tokens == 512 and len(r.data[0].embedding) == 576
 
     def test_openai_client_error(self, client):
         with pytest.raises(openai.BadRequestError, match="dimensions"):
@@ -270,12 +276,16 @@ class TestServer:
 @pytest.mark.realmodel
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_pooling_flag(smollm2_path):
-    s = ServerProcess([str(smollm2_path), "-c", "256", "-np", "1", "--pooling", "last"])
+def test_pooling_and_prompt_cap_flags(smollm2_path):
+    s = ServerProcess([str(smollm2_path), "-c", "256", "-np", "1", "--pooling", "last",
+                       "--max-prompt-tokens", "16"])
     try:
         c = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=120)
-        v = _vecs(c.embeddings.create(model=c.models.list().data[0].id, input=SIMILAR,
-                                      encoding_format="float"))
+        name = c.models.list().data[0].id
+        v = _vecs(c.embeddings.create(model=name, input=SIMILAR, encoding_format="float"))
+        assert len(c.embeddings.create(model=name, input=[list(range(16))]).data) == 1
+        with pytest.raises(openai.BadRequestError, match="max-prompt-tokens"):
+            c.embeddings.create(model=name, input=[list(range(17))])
     finally:
         s.stop()
     with Model(smollm2_path, n_ctx=256) as m:

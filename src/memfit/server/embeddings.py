@@ -84,18 +84,23 @@ def routes(state, endpoint) -> list[Route]:
         return body
 
     def to_ids(items: list) -> list[list[int]]:
-        """Texts tokenized as prompts (special tokens added), ids checked; each within n_ctx."""
+        """Texts tokenized as prompts (special tokens added), ids checked; each within the
+        context (a whole one: nothing is generated after it) and --max-prompt-tokens."""
         from ..memory.budget import trim_heap
         from ..tokenizer.vocab import TooManyTokens, UncuttableText
         m = state.model
+        cap = state.max_prompt_tokens
+        limit = m.n_ctx if cap is None else min(cap, m.n_ctx)
+        why = f"the context is {m.n_ctx}" if limit == m.n_ctx else \
+            f"this server takes at most {cap} (--max-prompt-tokens)"
         out = []
         try:
             for k, item in enumerate(items):
                 try:
-                    ids = m._prompt_ids(item, m.n_ctx)
+                    ids = m._prompt_ids(item, limit)
                 except TooManyTokens as e:
                     raise P.APIError(400, f"input[{k}] has at least {e.n_at_least} tokens but "
-                                          f"the context is {m.n_ctx}; shorten it", "input",
+                                          f"{why}; shorten it", "input",
                                      "context_length_exceeded") from None
                 except (UncuttableText, MemfitError) as e:
                     raise P.bad("input", f"input[{k}]: {e}") from None
