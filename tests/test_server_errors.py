@@ -68,7 +68,7 @@ MSG = [{"role": "user", "content": "Hi"}]
     ({"messages": MSG, "top_p": 0}, "top_p"),
     ({"messages": MSG, "stream": "yes"}, "stream"),
     ({"messages": MSG, "stop": [1, 2]}, "stop"),
-    ({"messages": MSG, "n": 2}, "n"),
+    ({"messages": MSG, "n": 2}, "n"), ({"messages": MSG, "n": 17}, "n"),
     ({"messages": MSG, "top_logprobs": 3}, "top_logprobs"),
     ({"messages": "hello"}, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),

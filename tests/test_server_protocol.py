@@ -32,10 +32,12 @@ def test_common_fields_defaults_and_caps():
     ({"temperature": float("nan")}, "temperature"), ({"top_p": 1.01}, "top_p"),
     ({"top_k": -1}, "top_k"), ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": "x"}, "frequency_penalty"), ({"seed": "1"}, "seed"),
-    ({"stop": [""]}, "stop"), ({"stop": ["a"] * 17}, "stop"), ({"n": 0}, "n"), ({"n": 3}, "n"),
+    ({"stop": [""]}, "stop"), ({"stop": ["a"] * 17}, "stop"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"), ({"logit_bias": {"600": -1}}, "logit_bias"),
+    ({"logit_bias": [1]}, "logit_bias"),
 ])
 def test_common_fields_errors_name_the_field(body, param):
-    e = _err(P.common_fields, body, 512, None)
+    e = _err(P.common_fields, body, 512, None, 600)
     assert e.status == 400 and e.param == param and param.split(".")[0] in e.message
     assert e.body()["error"]["type"] == "invalid_request_error"
 
@@ -50,10 +52,47 @@ def test_messages_and_prompts():
     e = _err(P.chat_messages, {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]})
     assert e.param == "messages[0].content[0]"
-    assert P.completion_prompt({"prompt": ["hello"]}) == "hello"
-    assert P.completion_prompt({"prompt": [[1, 2, 3]]}) == [1, 2, 3]
-    for bad in ["", [], [1, "a"], None, 5, [[1], [2]]]:
-        assert _err(P.completion_prompt, {"prompt": bad}).param == "prompt"
+    assert P.completion_prompts({"prompt": ["hello"]}) == ["hello"]
+    assert P.completion_prompts({"prompt": "hello"}) == ["hello"]
+    assert P.completion_prompts({"prompt": [[1, 2, 3]]}) == [[1, 2, 3]]
+    assert P.completion_prompts({"prompt": [1, 2, 3]}) == [[1, 2, 3]]
+    assert P.completion_prompts({"prompt": ["a", [1], "b"]}) == ["a", [1], "b"]
+    for bad in ["", [], [1, "a"], None, 5, ["a", ""], [[1], []], ["x"] * 65]:
+        assert _err(P.completion_prompts, {"prompt": bad}).param == "prompt"
+    for body in [{"n": 0}, {"n": 17}, {"n": "2"}]:
+        assert _err(P.get_n, body).param == "n"
+    assert P.get_n({"n": 3}) == 3
+    assert P.logit_bias({"logit_bias": {"5": -100, "7": 2.5}}, 600) == {5: -100.0, 7: 2.5}
+
+
+def test_response_format_and_tools_fields():
+    assert P.response_format_of({}) is None
+    assert P.response_format_of({"response_format": {"type": "text"}}) is None
+    assert P.response_format_of({"response_format": {"type": "json_object"}}) == {"type": "json_object"}
+    s = {"type": "object"}
+    assert P.response_format_of({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": s, "strict": True}}}) == {"type": "json_schema", "schema": s, "strict": True}
+    assert P.response_format_of({"json_schema": s})["schema"] == s      # llama-server's field
+    assert P.response_format_of({"grammar": "root ::= \"a\""})["type"] == "gbnf"
+    for body, param in [({"response_format": {"type": "sound"}}, "response_format.type"),
+                        ({"response_format": "json"}, "response_format"),
+                        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+                        ({"response_format": {"type": "json_schema", "json_schema": {"schema": 1}}},
+                         "response_format.json_schema.schema"),
+                        ({"response_format": {"type": "json_object"}, "grammar": "x"}, "grammar")]:
+        assert _err(P.response_format_of, body).param == param
+    assert P.tool_fields({}) == (None, "none", True)
+    t = [{"type": "function", "function": {"name": "f"}}]
+    assert P.tool_fields({"tools": t}) == (t, "auto", True)
+    for body in [{"tools": {}}, {"tools": t, "tool_choice": "sometimes"},
+                 {"tool_choice": "required"}, {"tools": t, "tool_choice": 3}]:
+        assert _err(P.tool_fields, body).param in ("tools", "tool_choice")
+    msgs = P.chat_messages({"messages": [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"}]})
+    assert msgs[0]["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
+    assert msgs[1] == {"role": "tool", "content": "42", "tool_call_id": "c1"}
 
 
 def test_stream_and_logprob_fields():

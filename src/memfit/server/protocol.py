@@ -7,6 +7,7 @@ do. Unknown fields are ignored, as OpenAI's API does. Sampling defaults are llam
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -20,6 +21,8 @@ _TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_
 
 MAX_STOP = 16          # stop strings per request
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs
+MAX_N = 16             # choices per request
+MAX_PROMPTS = 64       # prompts in one /v1/completions request
 
 
 class APIError(Exception):
@@ -128,12 +131,36 @@ class GenRequest:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def common_fields(body: dict, n_ctx: int, max_tokens_default: int | None) -> tuple[dict, int | None]:
+def get_n(body: dict) -> int:
+    """OpenAI's n: that many choices, each its own engine request (seed, seed+1, ...)."""
+    return get_int(body, "n", 1, lo=1, hi=MAX_N)
+
+
+def logit_bias(body: dict, n_vocab: int) -> dict[int, float] | None:
+    """OpenAI's logit_bias {"token id": bias in [-100, 100]}; -100 bans a token, 100 forces it."""
+    v = body.get("logit_bias")
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise bad("logit_bias", 'logit_bias must be an object like {"1234": -100}')
+    out = {}
+    for k, b in v.items():
+        try:
+            tid = int(k)
+        except (TypeError, ValueError):
+            raise bad("logit_bias", f"logit_bias key {k!r} is not a token id") from None
+        if not 0 <= tid < n_vocab:
+            raise bad("logit_bias", f"logit_bias token id {tid} is outside the vocabulary "
+                                    f"(0..{n_vocab - 1})")
+        if not _is_num(b) or not -100 <= b <= 100:
+            raise bad("logit_bias", f"logit_bias[{k!r}]={b!r} must be a number in [-100, 100]")
+        out[tid] = float(b)
+    return out or None
+
+
+def common_fields(body: dict, n_ctx: int, max_tokens_default: int | None,
+                  n_vocab: int | None = None) -> tuple[dict, int | None]:
     """Sampling keywords and max_tokens shared by both endpoints (llama-server defaults)."""
-    n = get_int(body, "n", 1, lo=1)
-    if n != 1:
-        raise bad("n", f"n={n} is not supported: memfit returns one choice per request; "
-                       f"send {n} requests instead")
     mt = body.get("max_completion_tokens")
     name = "max_completion_tokens"
     if mt is None:
@@ -162,7 +189,93 @@ def common_fields(body: dict, n_ctx: int, max_tokens_default: int | None) -> tup
         seed=None if seed is None or seed == -1 else seed,
         stop=get_stop(body),
     )
+    if n_vocab is not None:
+        lb = logit_bias(body, n_vocab)
+        if lb:
+            sampling["logit_bias"] = lb
     return sampling, max_tokens
+
+
+_RF_TYPES = ("text", "json_object", "json_schema")
+
+
+def response_format_of(body: dict) -> dict | None:
+    """The output constraint of a request: OpenAI's response_format, or llama-server's
+    top-level json_schema / grammar (GBNF); None for free text. Returned normalised as
+    {"type": "json_object"} | {"type": "json_schema", "schema", "strict"} |
+    {"type": "gbnf", "grammar"}."""
+    given = [k for k in ("response_format", "json_schema", "grammar") if body.get(k) is not None]
+    if len(given) > 1:
+        raise bad(given[1], f"{' and '.join(given)} were both given; use one of them")
+    if body.get("json_schema") is not None:
+        js = body["json_schema"]
+        if not isinstance(js, dict):
+            raise bad("json_schema", "json_schema must be a JSON schema object")
+        return {"type": "json_schema", "schema": js, "strict": True}
+    if body.get("grammar") is not None:
+        g = body["grammar"]
+        if not isinstance(g, str) or not g.strip():
+            raise bad("grammar", "grammar must be a non-empty GBNF grammar string")
+        return {"type": "gbnf", "grammar": g}
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    if not isinstance(rf, dict):
+        raise bad("response_format", 'response_format must be an object like {"type": "json_object"}')
+    t = rf.get("type")
+    if t not in _RF_TYPES:
+        raise bad("response_format.type", f"response_format.type={t!r} is not supported; use "
+                                          f"one of {', '.join(_RF_TYPES)}")
+    if t == "text":
+        return None
+    if t == "json_object":
+        schema = rf.get("schema")  # llama-server's extension: json_object with a schema
+        if schema is None:
+            return {"type": "json_object"}
+        if not isinstance(schema, dict):
+            raise bad("response_format.schema", "response_format.schema must be a JSON schema object")
+        return {"type": "json_schema", "schema": schema, "strict": True}
+    js = rf.get("json_schema")
+    if not isinstance(js, dict):
+        raise bad("response_format.json_schema",
+                  'response_format.json_schema must be an object like {"name": ..., "schema": {...}}')
+    name = js.get("name")
+    if name is not None and (not isinstance(name, str) or len(name) > 64):
+        raise bad("response_format.json_schema.name",
+                  "response_format.json_schema.name must be a string of at most 64 characters")
+    schema = js.get("schema", {})
+    if not isinstance(schema, dict):
+        raise bad("response_format.json_schema.schema",
+                  "response_format.json_schema.schema must be a JSON schema object")
+    strict = js.get("strict", False)
+    if not isinstance(strict, bool):
+        raise bad("response_format.json_schema.strict", "strict must be true or false")
+    return {"type": "json_schema", "schema": schema, "strict": strict}
+
+
+def response_format_spec(rf: dict) -> dict:
+    """A normalised response format as a memfit.constrain spec."""
+    return dict(rf)
+
+
+def tool_fields(body: dict) -> tuple[list | None, object, bool]:
+    """tools, tool_choice, parallel_tool_calls (deep checks: toolcalls.validate_tools)."""
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise bad("tools", 'tools must be a list of {"type": "function", "function": {...}}')
+    tools = tools or None
+    tc = body.get("tool_choice")
+    if tc is None:
+        tc = "auto" if tools else "none"
+    if not isinstance(tc, (str, dict)):
+        raise bad("tool_choice", 'tool_choice must be "auto", "none", "required" or '
+                                 '{"type": "function", "function": {"name": ...}}')
+    if tc not in ("none", "auto") and isinstance(tc, str) and tc != "required":
+        raise bad("tool_choice", f'tool_choice={tc!r} must be "auto", "none", "required" or a '
+                                 f'named function')
+    if tc != "none" and tc != "auto" and not tools:
+        raise bad("tool_choice", "tool_choice asks for a tool call but no tools were given")
+    return tools, tc, get_bool(body, "parallel_tool_calls", True)
 
 
 def stream_fields(body: dict) -> tuple[bool, bool]:
@@ -178,8 +291,46 @@ def stream_fields(body: dict) -> tuple[bool, bool]:
     return stream, include_usage
 
 
+def _text_content(c, p: str) -> str:
+    if isinstance(c, list):
+        parts = []
+        for j, part in enumerate(c):
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):
+                raise bad(f"{p}.content[{j}]", f"{p}.content[{j}] must be a text part "
+                                                f"{{\"type\": \"text\", \"text\": ...}}; "
+                                                f"other content types are not supported")
+            parts.append(part["text"])
+        c = "".join(parts)
+    if not isinstance(c, str):
+        raise bad(f"{p}.content", f"{p}.content must be a string or a list of text parts")
+    return c
+
+
+def _tool_calls(v, p: str) -> list[dict]:
+    if not isinstance(v, list):
+        raise bad(f"{p}.tool_calls", f"{p}.tool_calls must be a list of tool calls")
+    out = []
+    for k, tc in enumerate(v):
+        q = f"{p}.tool_calls[{k}]"
+        fn = tc.get("function") if isinstance(tc, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad(q, f'{q} must be {{"id", "type": "function", "function": {{"name", '
+                         f'"arguments"}}}}')
+        args = fn.get("arguments", "{}")
+        if isinstance(args, dict):  # some clients send the object itself
+            args = json.dumps(args, ensure_ascii=False)
+        if not isinstance(args, str):
+            raise bad(f"{q}.function.arguments", f"{q}.function.arguments must be a JSON string")
+        cid = tc.get("id")
+        out.append({"id": cid if isinstance(cid, str) else f"call_{k}", "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
 def chat_messages(body: dict) -> list[dict]:
-    """messages as [{"role", "content": str}] for the chat template (text parts joined)."""
+    """messages as OpenAI chat messages for the chat template: {"role", "content": str} (text
+    parts joined), plus tool_calls on assistant turns and tool_call_id on tool results."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "messages must be a non-empty list of {\"role\", \"content\"} objects")
@@ -195,19 +346,18 @@ def chat_messages(body: dict) -> list[dict]:
         c = m.get("content")
         if c is None and role == "assistant":
             c = ""
-        if isinstance(c, list):
-            parts = []
-            for j, part in enumerate(c):
-                if not (isinstance(part, dict) and part.get("type") == "text"
-                        and isinstance(part.get("text"), str)):
-                    raise bad(f"{p}.content[{j}]", f"{p}.content[{j}] must be a text part "
-                                                    f"{{\"type\": \"text\", \"text\": ...}}; "
-                                                    f"other content types are not supported")
-                parts.append(part["text"])
-            c = "".join(parts)
-        if not isinstance(c, str):
-            raise bad(f"{p}.content", f"{p}.content must be a string or a list of text parts")
-        out.append({"role": "system" if role == "developer" else role, "content": c})
+        msg = {"role": "system" if role == "developer" else role, "content": _text_content(c, p)}
+        if role == "assistant" and m.get("tool_calls"):
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], p)
+        if role == "tool":
+            tid = m.get("tool_call_id")
+            if tid is not None and not isinstance(tid, str):
+                raise bad(f"{p}.tool_call_id", f"{p}.tool_call_id must be a string")
+            if tid is not None:
+                msg["tool_call_id"] = tid
+        if isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        out.append(msg)
     return out
 
 
@@ -219,20 +369,25 @@ def chat_logprobs(body: dict) -> tuple[bool, int]:
     return lp, top
 
 
-def completion_prompt(body: dict):
-    """The prompt as text or a list of token ids (one prompt per request)."""
+def completion_prompts(body: dict) -> list:
+    """The prompts of /v1/completions: each a text or a list of token ids (OpenAI takes a
+    string, a list of strings, a list of ids or a list of id lists)."""
     p = body.get("prompt")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]  # a batch of one
-    if isinstance(p, str):
-        if not p:
-            raise bad("prompt", "prompt is empty; give some text or token ids")
-        return p
-    if isinstance(p, list) and p and all(_is_int(t) for t in p):
-        return p
-    if isinstance(p, list) and p and all(isinstance(t, (str, list)) for t in p):
-        raise bad("prompt", f"prompt has {len(p)} prompts; memfit takes one prompt per request")
-    raise bad("prompt", "prompt must be a non-empty string or a non-empty list of token ids")
+    if isinstance(p, str) or (isinstance(p, list) and p and all(_is_int(t) for t in p)):
+        p = [p]
+    if not isinstance(p, list) or not p:
+        raise bad("prompt", "prompt must be a non-empty string, a list of token ids, or a list "
+                            "of those")
+    if len(p) > MAX_PROMPTS:
+        raise bad("prompt", f"prompt has {len(p)} prompts; at most {MAX_PROMPTS} are allowed")
+    for i, q in enumerate(p):
+        if isinstance(q, str):
+            if not q:
+                raise bad("prompt", f"prompt[{i}] is empty; give some text or token ids")
+        elif not (isinstance(q, list) and q and all(_is_int(t) for t in q)):
+            raise bad("prompt", f"prompt[{i}] must be a non-empty string or a non-empty list "
+                                f"of token ids")
+    return p
 
 
 def completion_logprobs(body: dict) -> tuple[bool, int]:

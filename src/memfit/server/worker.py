@@ -27,13 +27,17 @@ class QueueTimeout(Exception):
 
 @dataclass(eq=False)
 class Job:
-    """One request in flight; the handler awaits ``out`` (StepOutput | Exception)."""
+    """One request in flight; the handler awaits ``out``: (index, StepOutput | Exception).
+    The jobs of one HTTP request (n choices, several prompts) share one ``out`` queue and are
+    told apart by ``index``."""
 
     prompt_ids: list[int]
     params: object                  # SamplingParams
     n_top: int
     loop: asyncio.AbstractEventLoop
     ignore_eos: bool = False        # llama-server's extension (benchmarks: fixed lengths)
+    constraint: object = None       # memfit.constrain.Grammar (structured output, tool calls)
+    index: int = 0                  # the choice this job answers
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     rid: str | None = None
     t_submit: float = field(default_factory=time.perf_counter)
@@ -90,7 +94,7 @@ class EngineWorker:
     # --- the engine thread
     def _send(self, job: Job, item) -> None:
         try:
-            job.loop.call_soon_threadsafe(job.out.put_nowait, item)
+            job.loop.call_soon_threadsafe(job.out.put_nowait, (job.index, item))
         except RuntimeError:  # the event loop is closed (shutdown)
             pass
 
@@ -135,8 +139,9 @@ class EngineWorker:
         while self._waiting and len(self._jobs) < self.n_parallel:
             job = self._waiting.popleft()
             try:
+                kw = {} if job.constraint is None else {"constraint": job.constraint}
                 job.rid = self.engine.add_request(job.prompt_ids, job.params, n_top=job.n_top,
-                                                  ignore_eos=job.ignore_eos)
+                                                  ignore_eos=job.ignore_eos, **kw)
             except MemfitError as e:
                 self._finish(job, e)
                 continue
