@@ -33,7 +33,7 @@ def _unit(x: np.ndarray) -> np.ndarray:
 def reference_hidden(path, ids, cfg) -> np.ndarray:
     """Final-normed hidden states [n, n_embd] of a tiny llama in float64, written out plainly."""
     W = _weights(path)
-    E, H, Hkv, D = cfg["n_embd"], cfg["n_head"], cfg["n_head_kv"], cfg["head_dim"]
+    H, Hkv, D = cfg["n_head"], cfg["n_head_kv"], cfg["head_dim"]
     n = len(ids)
     pos = np.arange(n, dtype=np.float64)
     x = W["token_embd.weight"][ids]

@@ -367,6 +367,6 @@ def build_app(state: ServerState) -> Starlette:
         Route("/detokenize", detokenize, methods=["POST"]),
     ]
     from . import embeddings, page
-    routes += embeddings.routes(state, endpoint) + page.routes(state, endpoint)
+    routes += embeddings.routes(ctx) + page.routes(ctx)
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error,
                                                         Exception: server_error})

@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 
 import numpy as np
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.requests import Request
+from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from ..errors import MemfitError
 from . import protocol as P
+from .chat import Disconnected
 
 MAX_INPUTS = 2048      # OpenAI's limit on the inputs of one request
 POOLINGS = ("mean", "cls", "last")
@@ -62,26 +62,13 @@ def encoding_format(body: dict) -> str:
     return f
 
 
-def routes(state, endpoint) -> list[Route]:
-    """``state``: the app's ServerState; ``endpoint(name)``: its error/metrics decorator."""
-    tokenize_gate = asyncio.Semaphore(1)  # one input list tokenized at a time (bounded scratch)
+def routes(ctx) -> list[Route]:
+    """``ctx``: the app's chat.AppContext (state, endpoint, read_json, check_model, prompt_gate)."""
+    state = ctx.state
 
     def pooling() -> str:
         p = getattr(state, "pooling", None)  # --pooling; None: the model's default
         return p if p is not None else state.model.default_pooling()
-
-    async def read_json(request: Request) -> dict:
-        try:
-            raw = await request.body()
-        except ClientDisconnect:
-            raise P.APIError(499, "client closed request") from None
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-            raise P.APIError(400, f"malformed JSON in the request body: {e}") from None
-        if not isinstance(body, dict):
-            raise P.APIError(400, "the request body must be a JSON object")
-        return body
 
     def to_ids(items: list) -> list[list[int]]:
         """Texts tokenized as prompts (special tokens added), ids checked; each within the
@@ -119,28 +106,23 @@ def routes(state, endpoint) -> list[Route]:
             raise _Busy()
         return m.embed_ids(ids, pool_kind, normalize=True)
 
-    @endpoint("embeddings")
+    @ctx.endpoint("embeddings")
     async def embeddings(request: Request):
-        if not state.ready:
-            raise P.APIError(503, "Loading model", headers={"Retry-After": "1"})
-        body = await read_json(request)
-        name = body.get("model")
-        if name is not None and (not isinstance(name, str) or name not in state.model_ids):
-            raise P.APIError(404, f"the model {name!r} does not exist; this server has "
-                                  f"{state.model_ids[0]!r} (see GET /v1/models)",
-                             param="model", code="model_not_found")
+        ctx.need_ready()
+        body = await ctx.read_json(request)
+        model = ctx.check_model(body)
         if body.get("dimensions") is not None:
             raise P.bad("dimensions", "dimensions is not supported: this model's embeddings "
                                       f"have {state.model.config.n_embd} dimensions; omit it")
         fmt = encoding_format(body)
         items = parse_input(body)
-        async with tokenize_gate:
+        async with ctx.prompt_gate:   # shared with prompts: one tokenizer scratch at a time
             all_ids = await asyncio.to_thread(to_ids, items)
         kind = pooling()
         data, n_tokens = [], 0
         for k, ids in enumerate(all_ids):
             if k and await request.is_disconnected():
-                return Response(status_code=499)
+                raise Disconnected()
             try:
                 v = await state.worker.call(lambda ids=ids: embed_one(ids, kind))
             except _Busy:
@@ -154,7 +136,7 @@ def routes(state, endpoint) -> list[Route]:
                 emb = v.tolist()
             data.append({"object": "embedding", "index": k, "embedding": emb})
             n_tokens += len(ids)
-        return JSONResponse({"object": "list", "data": data, "model": state.model_ids[0],
+        return JSONResponse({"object": "list", "data": data, "model": model,
                              "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})
 
     return [Route("/v1/embeddings", embeddings, methods=["POST"]),

@@ -54,14 +54,17 @@ def props(state) -> dict:
     return d
 
 
-def routes(state, endpoint) -> list[Route]:
-    @endpoint("page")
+def routes(ctx) -> list[Route]:
+    """``ctx``: the app's chat.AppContext."""
+    state = ctx.state
+
+    @ctx.endpoint("page")
     async def index(request: Request):
         return HTMLResponse(page_html(), headers={"Content-Security-Policy": CSP,
                                                   "X-Content-Type-Options": "nosniff",
                                                   "Cache-Control": "no-cache"})
 
-    @endpoint("props")
+    @ctx.endpoint("props")
     async def props_route(request: Request):
         return JSONResponse(props(state), headers={"Cache-Control": "no-store"})
 
