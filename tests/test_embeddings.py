@@ -291,3 +291,31 @@ def test_pooling_and_prompt_cap_flags(smollm2_path):
     with Model(smollm2_path, n_ctx=256) as m:
         np.testing.assert_allclose(m.embed(SIMILAR, pooling="last"), v, rtol=0, atol=1e-6)
         assert not np.allclose(m.embed(SIMILAR, pooling="mean"), v, atol=1e-3)
+
+
+@pytest.mark.realmodel
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_under_a_budget_near_the_floor(smollm2_path):
+    """Through the weight store at a budget near the floor (weights streamed from the file):
+    the same vectors as a resident model, peak RSS (VmHWM) under the budget, and an oversized
+    input refused from its first pieces."""
+    from test_server_budget_prompts import _floor_mib, _status
+    args = [str(smollm2_path), "-c", "1024", "-np", "1"]
+    budget = (_floor_mib(args) + 2) << 20
+    s = ServerProcess(["--mem-budget", str(budget), *args])
+    texts = [SIMILAR[0], UNRELATED, " ".join(["lighthouse keeper"] * 500)]  # the last ~1000 tokens
+    try:
+        c = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=300)
+        name = c.models.list().data[0].id
+        r = c.embeddings.create(model=name, input=texts, encoding_format="float")
+        assert r.usage.prompt_tokens > 1000
+        with pytest.raises(openai.BadRequestError, match="context is 1024"):
+            c.embeddings.create(model=name, input="lighthouse " * 90_000)
+        assert _status(s.proc.pid)["VmHWM"] <= budget
+        streamed = s.metrics()["memfit_weight_store_bytes_read"]
+        assert streamed > 0
+    finally:
+        s.stop()
+    with Model(smollm2_path, n_ctx=1024) as m:
+        np.testing.assert_allclose(m.embed(texts), _vecs(r), rtol=0, atol=1e-6)
