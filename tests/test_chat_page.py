@@ -83,6 +83,17 @@ def _send(d, text: str) -> None:
     d.find_element(By.ID, "send").click()
 
 
+def _ready(d, server) -> None:
+    """The page loaded with the key in its sessionStorage (as test_key_prompt leaves it)."""
+    if d.current_url.startswith(server.url) and \
+            d.find_element(By.ID, "model").text == "smollm2":
+        return
+    d.get(server.url + "/")
+    d.execute_script("sessionStorage.setItem('memfit.apiKey', arguments[0])", KEY)
+    d.refresh()
+    _wait(d, lambda: d.find_element(By.ID, "model").text == "smollm2", 20, "the model name")
+
+
 def test_page_is_public_and_self_contained(server):
     r = httpx.get(server.url + "/", timeout=10)   # no key: the page itself is public
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
@@ -113,8 +124,7 @@ def test_key_prompt_then_model_and_memory(server, browser):
 
 def test_streamed_answer_equals_api(server, browser):
     d = browser
-    if d.find_element(By.ID, "model").text != "smollm2":
-        pytest.skip("needs the key entered by the previous test")
+    _ready(d, server)
     d.execute_script("document.getElementById('temperature').value = '0';"
                      "document.getElementById('max-tokens').value = '64';")
     _send(d, QUESTION)
@@ -144,9 +154,9 @@ def test_streamed_answer_equals_api(server, browser):
 
 def test_stop_aborts_generation(server, browser):
     d = browser
-    if d.find_element(By.ID, "model").text != "smollm2":
-        pytest.skip("needs the key entered by the previous test")
+    _ready(d, server)
     before = server.metrics().get("memfit_client_disconnects_total", 0.0)
+    n_user = len(d.find_elements(By.CSS_SELECTOR, ".msg.user"))
     d.execute_script("document.getElementById('temperature').value = '0.8';"
                      "document.getElementById('max-tokens').value = '900';")
     _send(d, "Write a very long story about a lighthouse keeper, with many chapters.")
@@ -170,4 +180,4 @@ def test_stop_aborts_generation(server, browser):
                      "document.getElementById('max-tokens').value = '8';")
     _send(d, "Say hi.")
     _wait(d, lambda: _last_answer(d)["done"] in ("stop", "length"), 60, "the next answer")
-    assert len(d.find_elements(By.CSS_SELECTOR, ".msg.user")) == 3
+    assert len(d.find_elements(By.CSS_SELECTOR, ".msg.user")) == n_user + 2
