@@ -104,6 +104,7 @@ def test_page_is_public_and_self_contained(server):
     assert p["model_alias"] == "smollm2" and p["n_ctx"] == 1024 and p["total_slots"] == 2
     assert p["ready"] is True and p["rss_bytes"] > 0 and p["peak_rss_bytes"] >= p["rss_bytes"]
     assert p["mem_budget_bytes"] == 2**30 and p["mem_budget_enforced"] is True
+    assert p["eos_token"] == "<|im_end|>" and p["pooling"] == "mean"
 
 
 def test_key_prompt_then_model_and_memory(server, browser):

@@ -49,8 +49,15 @@ def props(state) -> dict:
          "requests_running": stats.get("running", 0),
          "requests_queued": (worker.queued + stats.get("waiting", 0)) if worker else 0}
     if m is not None:
+        tok = m.tokenizer
+
+        def piece(tid):
+            return None if tid is None else tok.token_to_bytes(tid).decode("utf-8", "replace")
         d.update({"model_path": m.path.name, "n_ctx": m.n_ctx, "arch": m.config.arch,
-                  "default_generation_settings": {"n_ctx": m.n_ctx}})
+                  "default_generation_settings": {"n_ctx": m.n_ctx},
+                  "modalities": {"vision": False, "audio": False},
+                  "bos_token": piece(tok.bos_id), "eos_token": piece(tok.eos_id),
+                  "pooling": getattr(state, "pooling", None) or m.default_pooling()})
     return d
 
 
