@@ -90,3 +90,45 @@ def test_logit_bias_bans_and_forces(client, server):
                                             max_tokens=4, logit_bias={str(forced_id): 100})
     piece = httpx.post(server.url + "/detokenize", json={"tokens": [forced_id]}).json()["content"]
     assert forced.choices[0].message.content.startswith(piece * 2)
+
+
+def test_assistant_prefill_continues_the_final_message(client, server):
+    import httpx
+    msgs = [{"role": "user", "content": "Name a fruit."},
+            {"role": "assistant", "content": "My favourite fruit is"}]
+    p = httpx.post(server.url + "/apply-template", json={"messages": msgs}).json()["prompt"]
+    assert p.endswith("<|im_start|>assistant\nMy favourite fruit is")
+    r = client.chat.completions.create(model="smollm2", messages=msgs, temperature=0, max_tokens=8)
+    same = client.completions.create(model="smollm2", prompt=p, temperature=0, max_tokens=8)
+    assert r.choices[0].message.content == same.choices[0].text
+    # vLLM's spelling of the same; both switches at once is a 400
+    r2 = client.chat.completions.create(model="smollm2", messages=msgs, temperature=0, max_tokens=8,
+                                        extra_body={"continue_final_message": True,
+                                                    "add_generation_prompt": False})
+    assert r2.choices[0].message.content == r.choices[0].message.content
+    bad = httpx.post(server.base_url + "/chat/completions",
+                     json={"messages": msgs, "continue_final_message": True,
+                           "add_generation_prompt": True})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "continue_final_message"
+
+
+def test_server_chat_template_flag(smollm2_path, tmp_path):
+    import httpx
+    tpl = tmp_path / "t.jinja"
+    tpl.write_text("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+                   "{% if add_generation_prompt %}[assistant]{% endif %}")
+    s = ServerProcess([str(smollm2_path), "-c", "256", "-np", "1", "--chat-template", str(tpl)])
+    try:
+        p = httpx.post(s.url + "/apply-template",
+                       json={"messages": [{"role": "user", "content": "hi"}]}).json()["prompt"]
+        assert p == "[user]hi[assistant]"
+    finally:
+        s.stop()
+    s = ServerProcess([str(smollm2_path), "-c", "256", "-np", "1", "--chat-template", "llama3"])
+    try:
+        p = httpx.post(s.url + "/apply-template",
+                       json={"messages": [{"role": "user", "content": "hi"}]}).json()["prompt"]
+        assert p == "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>" \
+                    "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    finally:
+        s.stop()

@@ -889,6 +889,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="longest prompt in tokens (default: the context size)")
     sv.add_argument("--max-connections", type=_int_at_least(1), default=64, metavar="N",
                     help="concurrent HTTP requests with their body read (default 64); beyond it: 429")
+    sv.add_argument("--chat-template", "--chat-template-file", dest="chat_template", default=None,
+                    metavar="NAME|FILE", help="chat template: a built-in name or a jinja file "
+                    "(default: the GGUF's own, else its family's built-in)")
+    sv.add_argument("--reasoning-format", choices=["auto", "deepseek", "none"], default="auto",
+                    help="where a thinking model's reasoning goes: auto/deepseek = the message's "
+                    "reasoning_content (default), none = left in content")
+    sv.add_argument("-n", "--n-predict", type=int, default=-1, metavar="N",
+                    help="default max tokens of a request that gives none (-1 = until the end "
+                    "of generation or a full context)")
     sv.add_argument("--pooling", choices=["mean", "cls", "last"], default=None,
                     help="/v1/embeddings pooling of the final hidden states (default: the GGUF's "
                     "pooling type, else mean)")

@@ -37,6 +37,9 @@ class ServerState:
     n_parallel: int
     max_queue: int
     max_prompt_tokens: int | None = None
+    chat_template: str | None = None     # --chat-template: a built-in name or a jinja file
+    reasoning_format: str = "auto"       # --reasoning-format: none leaves thinking in content
+    n_predict: int | None = None         # --n-predict: max tokens of a request that gives none
     model: object = None                 # memfit.api.Model once loaded
     worker: object = None                # EngineWorker once loaded
     metrics: Metrics = field(default_factory=Metrics)
@@ -181,7 +184,8 @@ def build_app(state: ServerState) -> Starlette:
         m = state.model
         prompts = P.completion_prompts(body)
         n = P.get_n(body)
-        sampling, max_tokens = P.common_fields(body, m.n_ctx, 16, m.tokenizer.n_vocab)
+        sampling, max_tokens = P.common_fields(body, m.n_ctx, state.n_predict or 16,
+                                               m.tokenizer.n_vocab)
         stream_, include_usage = P.stream_fields(body)
         lp, top = P.completion_logprobs(body)
         echo = P.get_bool(body, "echo", False)
@@ -330,6 +334,15 @@ def build_app(state: ServerState) -> Starlette:
             out.append({"id": i, "piece": piece})
         return _json(200, {"tokens": out})
 
+    @endpoint("apply-template")
+    async def apply_template_route(request: Request):
+        """llama-server's /apply-template: the chat prompt a request would be given."""
+        need_ready()
+        body = await read_json(request)
+        call = chat_call_from_openai(ctx, body)
+        cp = await asyncio.to_thread(ctx.render, call)
+        return _json(200, {"prompt": cp.text})
+
     @endpoint("detokenize")
     async def detokenize(request: Request):
         need_ready()
@@ -365,6 +378,7 @@ def build_app(state: ServerState) -> Starlette:
         Route("/metrics", metrics_route, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/apply-template", apply_template_route, methods=["POST"]),
     ]
     from . import embeddings, page
     routes += embeddings.routes(ctx) + page.routes(ctx)

@@ -61,6 +61,8 @@ class ChatCall:
     ignore_eos: bool = False
     stream: bool = False
     include_usage: bool = False
+    prefill: str = ""             # a final assistant message to continue (llama-server's
+    #                               assistant prefill, vLLM's continue_final_message)
 
 
 # ----------------------------------------------------------------------------- app context
@@ -74,6 +76,7 @@ class AppContext:
         # one prompt templated and tokenized at a time, in bounded pieces that stop past the
         # context: the scratch is one piece (planner.PROMPT_SCRATCH_BYTES), not one per request
         self.prompt_gate = asyncio.Semaphore(1)
+        self._template_src: str | None = None
 
     def endpoint(self, name: str):
         """Turns APIError/MemfitError into OpenAI error responses and counts statuses."""
@@ -177,19 +180,35 @@ class AppContext:
         if tools:
             kwargs["tools"] = tools
         try:
-            text, _ = apply_template(m.tokenizer, m.file.arch, call.messages, True, None, **kwargs)
+            text, _ = apply_template(m.tokenizer, m.file.arch, call.messages, True,
+                                     self.state.chat_template, **kwargs)
         except MemfitError as e:
             raise P.bad("messages", str(e)) from None
+        text += call.prefill
         fmt = reasoning = None
-        src = m.tokenizer.chat_template
+        src = self.template_source()
         try:
             from . import toolcalls
         except ImportError:  # TEMP until the tool-call module lands
             return ChatPrompt(text, None, None, tools)
         if tools:
             fmt = toolcalls.detect_format(src, m.tokenizer)
-        reasoning = toolcalls.detect_reasoning(src, text)
+        if self.state.reasoning_format != "none":
+            reasoning = toolcalls.detect_reasoning(src, text)
         return ChatPrompt(text, fmt, reasoning, tools)
+
+    def template_source(self) -> str | None:
+        """The jinja source the chat is rendered with (None for a built-in by name)."""
+        t = self.state.chat_template
+        if t is None:
+            return self.state.model.tokenizer.chat_template
+        if self._template_src is None:
+            from ..tokenizer.templates import BUILTIN
+            if t in BUILTIN:
+                return None
+            with open(t, encoding="utf-8") as f:
+                self._template_src = f.read()
+        return self._template_src
 
     async def chat_prompt(self, call: ChatCall) -> tuple["ChatPrompt", list[int]]:
         m = self.state.model
@@ -512,17 +531,30 @@ def chat_call_from_openai(ctx: AppContext, body: dict) -> ChatCall:
     m = ctx.state.model
     model = ctx.check_model(body)
     msgs = P.chat_messages(body)
-    sampling, max_tokens = P.common_fields(body, m.n_ctx, None, m.tokenizer.n_vocab)
+    sampling, max_tokens = P.common_fields(body, m.n_ctx, ctx.state.n_predict, m.tokenizer.n_vocab)
     stream, include_usage = P.stream_fields(body)
     lp, top = P.chat_logprobs(body)
     tools, tool_choice, parallel = P.tool_fields(body)
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise P.bad("chat_template_kwargs", "chat_template_kwargs must be an object")
+    agp = P.get_bool(body, "add_generation_prompt", True)
+    cont = P.get_bool(body, "continue_final_message", False)
+    if agp and cont and "add_generation_prompt" in body:
+        raise P.bad("continue_final_message", "continue_final_message and add_generation_prompt "
+                                              "cannot both be true")
+    prefill = ""
+    last = msgs[-1]
+    if last["role"] == "assistant" and not last.get("tool_calls") and (cont or agp):
+        # the final assistant message is continued, not closed (llama-server's prefill)
+        prefill, msgs = last["content"], msgs[:-1]
+        if not msgs:
+            raise P.bad("messages", "messages holds only an assistant message; give a user "
+                                    "message before it")
     effort = body.get("reasoning_effort")
     if effort is not None and effort not in ("none", "minimal", "low", "medium", "high"):
         raise P.bad("reasoning_effort", f"reasoning_effort={effort!r} must be one of none, "
                                         f"minimal, low, medium, high")
     return ChatCall(model, msgs, sampling, max_tokens, tools, tool_choice, parallel,
                     P.response_format_of(body), P.get_n(body), lp, top, effort, kwargs,
-                    P.get_bool(body, "ignore_eos", False), stream, include_usage)
+                    P.get_bool(body, "ignore_eos", False), stream, include_usage, prefill)
