@@ -128,18 +128,20 @@ def test_streamed_answer_equals_api(server, browser):
     _ready(d, server)
     d.execute_script("document.getElementById('temperature').value = '0';"
                      "document.getElementById('max-tokens').value = '64';")
+    # every state of the answer's text as the page updates it (a DOM observer in the page)
+    d.execute_script(
+        "window.__seen = []; new MutationObserver(() => {"
+        "  const m = document.querySelectorAll('.msg.assistant .content');"
+        "  if (m.length) window.__seen.push(m[m.length - 1].textContent);"
+        "}).observe(document.getElementById('messages'),"
+        "           {subtree: true, childList: true, characterData: true});")
     _send(d, QUESTION)
-    seen = set()   # the answer's text as it grows, sampled while it streams
-
-    def finished():
-        a = _last_answer(d)
-        if a and a["text"]:
-            seen.add(a["text"])
-        return a and a["done"]
-    _wait(d, finished, 120, "the answer")
+    _wait(d, lambda: (_last_answer(d) or {}).get("done"), 120, "the answer")
     a = _last_answer(d)
     assert a["done"] in ("stop", "length"), a
-    assert len(seen) >= 2, f"the answer did not stream: {seen}"   # shown piece by piece
+    seen = list(dict.fromkeys(t for t in d.execute_script("return window.__seen") if t))
+    assert len(seen) >= 3, f"the answer did not stream: {seen}"    # shown piece by piece
+    assert all(a["text"].startswith(t) for t in seen) and seen[-1] == a["text"]
     ref = httpx.post(server.base_url + "/chat/completions", headers=server.headers, timeout=120,
                      json={"model": "smollm2", "temperature": 0, "max_tokens": 64,
                            "messages": [{"role": "user", "content": QUESTION}]}).json()
