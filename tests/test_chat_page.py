@@ -9,6 +9,8 @@ MEMFIT_SCREENSHOT=PATH saves a screenshot of the page after an answer (docs/chat
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import re
 import shutil
@@ -169,10 +171,14 @@ def test_stop_aborts_generation(server, browser):
     d.find_element(By.ID, "stop").click()
     _wait(d, lambda: _last_answer(d)["done"] == "stopped", 10, "the page to stop")
     deadline = time.monotonic() + 10
-    while server.metrics()["memfit_requests_running"] != 0:
-        assert time.monotonic() < deadline, "the server kept generating after Stop"
+    while True:   # the engine's running count and the handler's disconnect count
+        mt = server.metrics()
+        if mt["memfit_requests_running"] == 0 and \
+                mt["memfit_client_disconnects_total"] > before:
+            break
+        assert time.monotonic() < deadline, f"the server kept generating after Stop: {mt}"
         time.sleep(0.1)
-    assert server.metrics()["memfit_client_disconnects_total"] == before + 1
+    assert mt["memfit_client_disconnects_total"] == before + 1
     text = _last_answer(d)["text"]
     time.sleep(0.5)
     assert _last_answer(d)["text"] == text          # nothing more arrives
@@ -184,3 +190,103 @@ def test_stop_aborts_generation(server, browser):
     _send(d, "Say hi.")
     _wait(d, lambda: _last_answer(d)["done"] in ("stop", "length"), 60, "the next answer")
     assert len(d.find_elements(By.CSS_SELECTOR, ".msg.user")) == n_user + 2
+
+
+# ----------------------------------------------------------------------------- tools, reasoning
+
+needs_parsers = pytest.mark.skipif(importlib.util.find_spec("memfit.server.toolcalls") is None,
+                                   reason="needs the tool-call and reasoning parsers "
+                                          "(memfit/server/toolcalls.py)")
+
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"], "additionalProperties": False}}}]
+# chatml with the thinking block opened by the generation prompt (as DeepSeek-R1's template)
+THINK_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                  "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                  "<think>\n{% endif %}")
+
+
+def _set(d, **values) -> None:
+    """Settings fields by id (tool_choice -> #tool-choice)."""
+    for k, v in values.items():
+        d.execute_script("const e = document.getElementById(arguments[0]); e.value = arguments[1];"
+                         "e.dispatchEvent(new Event('change'));", k.replace("_", "-"), v)
+
+
+def _new_chat(d) -> None:
+    d.find_element(By.ID, "clear").click()
+    _wait(d, lambda: not d.find_elements(By.CSS_SELECTOR, ".msg"), 5, "an empty conversation")
+
+
+@needs_parsers
+def test_tool_call_conversation(server, browser):
+    d = browser
+    _ready(d, server)
+    _new_chat(d)
+    _set(d, tools=json.dumps(WEATHER), tool_choice="required", temperature="0",
+         max_tokens="64")
+    question = "What is the weather in Paris?"
+    _send(d, question)
+    _wait(d, lambda: _last_answer(d)["done"], 120, "the tool call")
+    assert _last_answer(d)["done"] == "tool_calls", _last_answer(d)
+    shown = d.find_element(By.CSS_SELECTOR, ".msg.assistant .toolcall").text
+    m = re.fullmatch(r"tool call get_weather\((.*)\)", shown, re.S)
+    assert m, shown
+    args = json.loads(m.group(1))
+    assert isinstance(args["city"], str) and set(args) == {"city"}
+    api = httpx.post(server.base_url + "/chat/completions", headers=server.headers, timeout=120,
+                     json={"messages": [{"role": "user", "content": question}], "tools": WEATHER,
+                           "tool_choice": "required", "temperature": 0, "max_tokens": 64}).json()
+    call = api["choices"][0]["message"]["tool_calls"][0]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == args
+    assert "get_weather" in d.find_element(By.ID, "input").get_attribute("placeholder")
+    # the result, typed in the composer, goes back as a tool message; then a plain answer
+    _set(d, tool_choice="none")
+    _send(d, "18 degrees and sunny")
+    _wait(d, lambda: _last_answer(d)["done"] in ("stop", "length"), 120, "the answer")
+    assert d.find_element(By.CSS_SELECTOR, ".msg.tool .content").text == "18 degrees and sunny"
+    page_answer = _last_answer(d)["text"]
+    history = [{"role": "user", "content": question},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": call["id"], "type": "function", "function": {
+                       "name": "get_weather", "arguments": m.group(1)}}]},
+               {"role": "tool", "tool_call_id": call["id"], "content": "18 degrees and sunny"}]
+    api2 = httpx.post(server.base_url + "/chat/completions", headers=server.headers, timeout=120,
+                      json={"messages": history, "tools": WEATHER, "tool_choice": "none",
+                            "temperature": 0, "max_tokens": 64}).json()
+    assert page_answer == api2["choices"][0]["message"]["content"]
+    _set(d, tools="", tool_choice="auto")
+
+
+@pytest.fixture(scope="module")
+def think_server(smollm2_path, tmp_path_factory):
+    t = tmp_path_factory.mktemp("tpl") / "think.jinja"
+    t.write_text(THINK_TEMPLATE)
+    s = ServerProcess([str(smollm2_path), "--alias", "smollm2-think", "-c", "512", "-np", "1",
+                       "--chat-template-file", str(t)])
+    yield s
+    s.stop()
+
+
+@needs_parsers
+def test_reasoning_shown_apart(think_server, browser):
+    d = browser
+    d.get(think_server.url + "/")    # no API key on this server: no key box
+    _wait(d, lambda: d.find_element(By.ID, "model").text == "smollm2-think", 20, "the model")
+    assert not d.find_element(By.ID, "keybox").is_displayed()
+    _set(d, temperature="0", max_tokens="48")
+    question = "Is 17 a prime number?"
+    _send(d, question)
+    _wait(d, lambda: _last_answer(d)["done"], 120, "the answer")
+    shown = d.execute_script(
+        "const b = document.querySelector('.msg.assistant details.reasoning .text');"
+        "return b ? b.textContent : null;")
+    api = httpx.post(think_server.base_url + "/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": question}], "temperature": 0,
+        "max_tokens": 48}).json()["choices"][0]["message"]
+    assert api.get("reasoning_content"), api
+    assert shown == api["reasoning_content"]
+    assert _last_answer(d)["text"] == (api["content"] or "")
