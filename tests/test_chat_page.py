@@ -202,10 +202,12 @@ WEATHER = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                    "required": ["city"], "additionalProperties": False}}}]
-# chatml with the thinking block opened by the generation prompt (as DeepSeek-R1's template)
-THINK_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-                  "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-                  "<think>\n{% endif %}")
+# chatml with the thinking block opened by the generation prompt and earlier turns' thinking
+# dropped, as DeepSeek-R1's template does
+THINK_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                  "{% if m['role'] == 'assistant' %}{{ (m['content'] or '').split('</think>')[-1] }}"
+                  "{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
 
 
 def _set(d, **values) -> None:
@@ -249,13 +251,16 @@ def test_tool_call_conversation(server, browser):
     _wait(d, lambda: _last_answer(d)["done"] in ("stop", "length"), 120, "the answer")
     assert d.find_element(By.CSS_SELECTOR, ".msg.tool .content").text == "18 degrees and sunny"
     page_answer = _last_answer(d)["text"]
-    history = [{"role": "user", "content": question},
-               {"role": "assistant", "content": "", "tool_calls": [
-                   {"id": call["id"], "type": "function", "function": {
-                       "name": "get_weather", "arguments": m.group(1)}}]},
-               {"role": "tool", "tool_call_id": call["id"], "content": "18 degrees and sunny"}]
+    # the conversation the page keeps (and sent): call -> result -> answer
+    conv = d.execute_script("return conversation")
+    assert [x["role"] for x in conv] == ["user", "assistant", "tool", "assistant"]
+    page_call = conv[1]["tool_calls"][0]
+    assert page_call["function"] == {"name": "get_weather", "arguments": m.group(1)}
+    assert conv[2] == {"role": "tool", "tool_call_id": page_call["id"],
+                       "content": "18 degrees and sunny"}
+    assert conv[3]["content"] == page_answer
     api2 = httpx.post(server.base_url + "/chat/completions", headers=server.headers, timeout=120,
-                      json={"messages": history, "tools": WEATHER, "tool_choice": "none",
+                      json={"messages": conv[:3], "tools": WEATHER, "tool_choice": "none",
                             "temperature": 0, "max_tokens": 64}).json()
     assert page_answer == api2["choices"][0]["message"]["content"]
     _set(d, tools="", tool_choice="auto")
