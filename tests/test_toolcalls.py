@@ -363,22 +363,28 @@ def _lltokenizer(tok):
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Vocab()))
 
 
-def _sample(llguidance, llt, tok, grammar, rng, short, limit=300):
-    """Random tokens under the grammar's mask (mostly one-byte ones, so strings end); the text,
-    or None if it did not finish within ``limit`` tokens."""
+def _sample(llguidance, llt, tok, grammar, rng, short, closers, limit=200):
+    """Random tokens under the grammar's mask: mostly one-byte tokens at first, then, after 40,
+    closing ones (a quote, a bracket, EOS) whenever the mask allows one, so that the text ends;
+    the text, or None if it did not end within ``limit`` tokens."""
     import numpy as np
     m = llguidance.LLMatcher(llt, llguidance.LLMatcher.grammar_from_lark(grammar))
     assert not m.is_error(), m.get_error()
     ids = []
-    for _ in range(limit):
+    for step in range(limit):
         if m.is_stopped():
             return tok.decode(ids)
         bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8),
                              bitorder="little")[:tok.n_vocab]
         allowed = np.flatnonzero(bits)
         assert len(allowed), "the mask allows nothing"
-        sh = np.intersect1d(allowed, short, assume_unique=True)
-        t = int(rng.choice(sh if len(sh) and rng.random() < 0.85 else allowed))
+        pool = allowed
+        if step >= 40:
+            pool = np.intersect1d(allowed, closers, assume_unique=True)
+        if step < 40 or not len(pool):
+            sh = np.intersect1d(allowed, short, assume_unique=True)
+            pool = sh if len(sh) and rng.random() < 0.9 else allowed
+        t = int(rng.choice(pool))
         if t == tok.eos_id:
             assert m.is_accepting()
             return tok.decode(ids)
@@ -387,16 +393,24 @@ def _sample(llguidance, llt, tok, grammar, rng, short, limit=300):
     return None
 
 
-@pytest.mark.realmodel
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_constraint_forces_valid_calls(smol_tok, fmt):
+@pytest.fixture(scope="module")
+def smol_llg(smol_tok):
+    """(llguidance, its tokenizer over SmolLM2's vocabulary, the one-byte tokens + EOS)."""
     import numpy as np
     llguidance = pytest.importorskip("llguidance")
-    jsonschema = pytest.importorskip("jsonschema")
     tok = smol_tok
-    llt = _lltokenizer(tok)
     short = np.array(sorted({i for i in range(tok.n_vocab) if len(tok.token_to_bytes(i)) == 1}
                             | {tok.eos_id}))
+    closers = np.array(sorted({tok.token_id(c) for c in ('"', "}", "]")} | {tok.eos_id}))
+    return llguidance, _lltokenizer(tok), short, closers
+
+
+@pytest.mark.realmodel
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_constraint_forces_valid_calls(smol_tok, smol_llg, fmt):
+    import numpy as np
+    jsonschema = pytest.importorskip("jsonschema")
+    llguidance, llt, short, closers = smol_llg
     params = {t["function"]["name"]: t["function"].get("parameters", {}) for t in TOOLS}
     rng = np.random.default_rng(7)
     named = {"type": "function", "function": {"name": "search-web"}}
@@ -406,8 +420,8 @@ def test_constraint_forces_valid_calls(smol_tok, fmt):
         grammar = llguidance.LLMatcher.grammar_from_lark(spec["grammar"])
         assert llguidance.LLMatcher.validate_grammar(grammar, llt) == "", spec["grammar"]
         done = 0
-        for _ in range(12):
-            text = _sample(llguidance, llt, tok, spec["grammar"], rng, short)
+        for _ in range(6):
+            text = _sample(llguidance, llt, smol_tok, spec["grammar"], rng, short, closers)
             if text is None:
                 continue
             done += 1
@@ -421,13 +435,12 @@ def test_constraint_forces_valid_calls(smol_tok, fmt):
                 jsonschema.validate(args, params[name])
             # streamed in pieces, the same calls
             assert _parse(fmt, text, pieces=[2] * len(text))[2] == calls
-        assert done >= 4, f"only {done} of 12 samples finished"
+        assert done >= 5, f"only {done} of 6 samples finished"
 
 
 @pytest.mark.realmodel
-def test_constraint_with_reasoning_compiles(smol_tok):
-    llguidance = pytest.importorskip("llguidance")
-    llt = _lltokenizer(smol_tok)
+def test_constraint_with_reasoning_compiles(smol_llg):
+    llguidance, llt, _, _ = smol_llg
     for starts_open in (False, True):
         spec = tool_call_constraint(ToolFormat("hermes"), TOOLS, "required", True,
                                     reasoning=Reasoning("<think>", "</think>", starts_open))
