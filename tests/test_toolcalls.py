@@ -464,3 +464,83 @@ def test_constraint_rejects_what_it_cannot_force():
     with pytest.raises(ValueError, match="nope"):
         tool_call_constraint(ToolFormat("hermes"), TOOLS,
                              {"type": "function", "function": {"name": "nope"}}, False)
+
+
+def _qwen_like_tokenizer():
+    """memfit's tiny synthetic byte-level vocabulary plus Qwen's <tool_call>, </tool_call>,
+    <think>, </think> as user-defined tokens and the Qwen2.5 template."""
+    from memfit.models.synthetic import tiny_vocab
+    from memfit.tokenizer import Tokenizer
+    tokens, types, merges = tiny_vocab()
+    extra = ["<tool_call>", "</tool_call>", "<think>", "</think>"]
+    src = (TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text(encoding="utf-8")
+    return Tokenizer.from_metadata({
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": tokens + extra, "tokenizer.ggml.token_type": types + [4] * 4,
+        "tokenizer.ggml.merges": merges, "tokenizer.ggml.eos_token_id": len(tokens) - 1,
+        "tokenizer.chat_template": src})
+
+
+def test_constraint_names_marker_tokens():
+    # a marker that is one token of the vocabulary is asked for as that token; the text the
+    # model then writes (the token rendered as text) parses as the call
+    import numpy as np
+    llguidance = pytest.importorskip("llguidance")
+    jsonschema = pytest.importorskip("jsonschema")
+    tok = _qwen_like_tokenizer()
+    fmt = detect_format(tok.chat_template, tok)
+    open_id, close_id = tok.token_id("<tool_call>"), tok.token_id("</tool_call>")
+    assert fmt.name == "hermes" and fmt.markers == {
+        "<tool_call>": open_id, "</tool_call>": close_id,
+        "<think>": tok.token_id("<think>"), "</think>": tok.token_id("</think>")}
+    spec = tool_call_constraint(fmt, TOOLS, {"type": "function", "function": {"name": "get_weather"}},
+                                False)
+    assert f"<[{open_id}]>" in spec["grammar"] and f"<[{close_id}]>" in spec["grammar"]
+    llt = _lltokenizer(tok)
+    short = np.array(sorted({i for i in range(tok.n_vocab) if len(tok.token_to_bytes(i)) == 1}
+                            | {tok.eos_id}))
+    closers = np.array(sorted({tok.token_id(c) for c in ('"', "}", "]")} | {tok.eos_id}))
+    rng = np.random.default_rng(3)
+    m = llguidance.LLMatcher(llt, llguidance.LLMatcher.grammar_from_lark(spec["grammar"]))
+    assert not m.is_error(), m.get_error()
+    first = np.flatnonzero(np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8),
+                                         bitorder="little")[:tok.n_vocab])
+    assert first.tolist() == [open_id]        # the only allowed first token is <tool_call>
+    done = 0
+    for _ in range(5):
+        text = _sample(llguidance, llt, tok, spec["grammar"], rng, short, closers)
+        if text is None:
+            continue
+        done += 1
+        assert text.startswith("<tool_call>\n") and text.endswith("\n</tool_call>")
+        content, _, calls = _parse("hermes", text)
+        assert content == "" and [n for n, _ in calls] == ["get_weather"]
+        jsonschema.validate(calls[0][1], TOOLS[0]["function"]["parameters"])
+    assert done >= 4
+
+
+def test_constraint_with_reasoning_marker_tokens():
+    # thinking may end with the </think> token or its spelling; either way a call must follow
+    llguidance = pytest.importorskip("llguidance")
+    tok = _qwen_like_tokenizer()
+    fmt = detect_format(tok.chat_template, tok)
+    assert {"<think>", "</think>"} <= set(fmt.markers)
+    llt = _lltokenizer(tok)
+    call = tok.encode('<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>',
+                      add_special=False, parse_special=True)
+    think = tok.encode("hmm, a < b", add_special=False, parse_special=False)
+    t_open, t_close = fmt.markers["<think>"], fmt.markers["</think>"]
+    spelled = tok.encode("</think>", add_special=False, parse_special=False)
+    for starts_open in (False, True):
+        spec = tool_call_constraint(fmt, TOOLS, "required", False,
+                                    reasoning=Reasoning("<think>", "</think>", starts_open))
+        g = llguidance.LLMatcher.grammar_from_lark(spec["grammar"])
+        head = [] if starts_open else [t_open]
+        for end in ([t_close], spelled):
+            m = llguidance.LLMatcher(llt, g)
+            assert m.consume_tokens(head + think + end + call), (end, m.get_error())
+            assert m.is_accepting()
+        m = llguidance.LLMatcher(llt, g)          # no call after the thinking: refused
+        assert m.consume_tokens(head + think + [t_close])
+        assert not m.is_accepting()
+        assert m.validate_tokens(tok.encode("Hello", add_special=False)) == 0

@@ -141,8 +141,8 @@ def _functions(tools) -> dict[str, dict]:
 @dataclass
 class ToolFormat:
     """How a model writes tool calls. ``markers`` maps each of the format's marker strings
-    that is one token of the model's vocabulary to that token's id, so that a constraint can
-    ask for the token itself rather than its spelling."""
+    that is one token of the model's vocabulary (and so each thinking marker that is) to that
+    token's id, so that a constraint can ask for the token itself rather than its spelling."""
     name: str
     markers: dict[str, int] = field(default_factory=dict)
 
@@ -174,7 +174,7 @@ def detect_format(template_src: str | None, tok) -> ToolFormat:
         name = "generic"
     markers = {}
     if tok is not None:
-        for m in _MARKERS[name]:
+        for m in _MARKERS[name] + tuple(x for pair in _REASONING_MARKERS for x in pair):
             tid = tok.token_id(m)
             if tid is not None:
                 markers[m] = tid
@@ -754,12 +754,20 @@ def tool_call_constraint(fmt: ToolFormat, tools: list[dict], tool_choice, parall
         calls = "call"
     start = calls
     if reasoning is not None:
+        # the thinking text ends at the close marker, written as text or as its token
         close = re.escape(reasoning.close).replace("/", "\\/")
         rules.append(f"think_text[lazy]: /(?s:.*){close}/")
+        think = "think_text"
+        if reasoning.close in fmt.markers:
+            rules.append(f"think_tok: /(?s:.*)/ <[{fmt.markers[reasoning.close]}]>")
+            think = "(think_text | think_tok)"
+        op = _lark_str(reasoning.open)
+        if reasoning.open in fmt.markers:
+            op = f"(<[{fmt.markers[reasoning.open]}]> | {op})"
         if reasoning.starts_open:
-            start = f'think_text /[ \\t\\r\\n]*/ {calls}'
+            start = f'{think} /[ \\t\\r\\n]*/ {calls}'
         else:
-            start = f'({_lark_str(reasoning.open)} think_text /[ \\t\\r\\n]*/)? {calls}'
+            start = f'({op} {think} /[ \\t\\r\\n]*/)? {calls}'
     grammar = "%llguidance {}\nstart: " + start + "\n" + "\n".join(rules) + "\n"
     return {"type": "lark", "grammar": grammar}
 
