@@ -206,11 +206,12 @@ def detect_reasoning(template_src: str | None, prompt_text: str) -> Reasoning | 
 
 # --- parsing -----------------------------------------------------------------------------------
 
-def _json_end(s: str, i: int) -> int | None:
-    """Where the JSON object or array starting at ``s[i]`` ends (index after it); None while
-    it is incomplete; -1 when the brackets cannot match."""
-    stack, in_str, esc = [], False, False
-    for k in range(i, len(s)):
+def _json_scan(s: str, k: int, stack: list, in_str: bool, esc: bool):
+    """Scan ``s`` from ``k`` in the state (open brackets, inside a string, after a backslash);
+    returns (end, k, stack, in_str, esc): end is the index after the value, -1 when the
+    brackets cannot match, None while it is incomplete (then the state to resume from)."""
+    n = len(s)
+    while k < n:
         ch = s[k]
         if in_str:
             if esc:
@@ -219,18 +220,41 @@ def _json_end(s: str, i: int) -> int | None:
                 esc = True
             elif ch == '"':
                 in_str = False
+            else:       # jump over plain string characters
+                j = k + 1
+                while j < n and s[j] not in '"\\':
+                    j += 1
+                k = j
+                continue
         elif ch == '"':
             in_str = True
         elif ch in "{[":
             stack.append("}" if ch == "{" else "]")
         elif ch in "}]":
             if not stack or stack.pop() != ch:
-                return -1
+                return -1, k, stack, in_str, esc
             if not stack:
-                return k + 1
+                return k + 1, k + 1, stack, in_str, esc
         elif not stack:
-            return -1
-    return None
+            return -1, k, stack, in_str, esc
+        k += 1
+    return None, k, stack, in_str, esc
+
+
+def _json_end(s: str, i: int, memo: dict | None = None) -> int | None:
+    """Where the JSON object or array starting at ``s[i]`` ends (index after it); None while
+    it is incomplete; -1 when the brackets cannot match. With ``memo`` (kept by a parser
+    whose buffer grows at its end) a scan resumes where the last one stopped."""
+    state = memo.get(i) if memo is not None else None
+    if state is not None and s.startswith(state[0]):
+        k, stack, in_str, esc = len(state[0]), list(state[1]), state[2], state[3]
+    else:
+        k, stack, in_str, esc = i, [], False, False
+    end, k, stack, in_str, esc = _json_scan(s, k, stack, in_str, esc)
+    if end is None and memo is not None:
+        memo.clear()
+        memo[i] = (s[:k], stack, in_str, esc)
+    return end
 
 
 def _skip_ws(s: str, i: int) -> int:
@@ -299,6 +323,7 @@ class OutputParser:
         else:
             self._mode = "think?"
         self._lstrip = True         # drop white space at the start of a section
+        self._memo: dict = {}       # where the last JSON scan of the buffer stopped
 
     # public
     def push(self, text: str) -> list[tuple]:
@@ -392,15 +417,13 @@ class OutputParser:
                 self._mode = "content"
             return True
         if mode == "json":
-            end = _json_end(self._buf, 0)
+            end = _json_end(self._buf, 0, self._memo)
             if end is None and not final:
                 return False
             if end is not None and end > 0:
                 calls = self._json_calls(self._buf[:end])
-                if calls is not None and self._add_calls(calls[0]):
+                if calls is not None and self._add_calls(calls):
                     self._buf, self._lstrip = self._buf[end:], True
-                    if calls[1] is not None:
-                        self._emit("content", calls[1])
                     self._mode = "after_json"
                     return True
             self._mode = "content"
@@ -455,41 +478,37 @@ class OutputParser:
         raise AssertionError(mode)
 
     def _json_calls(self, text: str):
-        """A JSON answer read as calls: ([(name, args)], content or None), or None."""
+        """A JSON answer read as calls [(name, args)], or None: a call object or a list of
+        them; for "generic" also {"tool_calls": [...]} and {"tool_call": {...}}."""
         try:
             v = json.loads(text)
         except json.JSONDecodeError:
             return None
-        name = self.fmt.name
-        if name == "generic" and isinstance(v, dict):
-            if isinstance(v.get("tool_calls"), list):
-                calls = [_call_of(c) for c in v["tool_calls"]]
-                return (calls, None) if calls and None not in calls else None
-            if isinstance(v.get("tool_call"), dict):
-                c = _call_of(v["tool_call"])
-                return ([c], None) if c else None
-            if isinstance(v.get("response"), str) and len(v) == 1:
-                return None
+        if self.fmt.name == "generic" and isinstance(v, dict):
+            if "tool_calls" in v:
+                v = v["tool_calls"] if isinstance(v["tool_calls"], list) else None
+            elif "tool_call" in v:
+                v = v["tool_call"]
         items = v if isinstance(v, list) else [v]
         calls = [_call_of(c) for c in items]
-        return (calls, None) if calls and None not in calls else None
+        return calls if calls and None not in calls else None
 
     def _recognise(self, buf: str, final: bool):
         """At a trigger marker: (calls, characters used), _NEED or _BAD."""
         name = self.fmt.name
         if name in ("hermes", "generic"):
-            return _tagged_json(buf, "<tool_call>", "</tool_call>", final)
+            return _tagged_json(buf, "<tool_call>", "</tool_call>", final, self._memo)
         if name == "functionary":
-            return _function_tag(buf, final)
+            return _function_tag(buf, final, self._memo)
         if name == "mistral":
-            return _mistral(buf, final)
+            return _mistral(buf, final, self._memo)
         if name == "llama3":
             i = _skip_ws(buf, len("<|python_tag|>"))
             if i >= len(buf):
                 return _NEED
             if buf[i] not in "{[":
                 return _BAD
-            end = _json_end(buf, i)
+            end = _json_end(buf, i, self._memo)
             if end is None:
                 return _NEED
             if end < 0:
@@ -497,7 +516,7 @@ class OutputParser:
             calls = self._json_calls(buf[i:end])
             if calls is None:
                 return _BAD
-            out, used = list(calls[0]), end
+            out, used = list(calls), end
             while True:         # more calls separated by ";"
                 j = _skip_ws(buf, used)
                 if j < len(buf) and buf[j] == ";":
@@ -508,13 +527,13 @@ class OutputParser:
                         return out, j + 1
                     if buf[k] != "{":
                         return out, used
-                    e = _json_end(buf, k)
+                    e = _json_end(buf, k, self._memo)
                     if e is None:
                         return _NEED if not final else (out, used)
                     more = self._json_calls(buf[k:e]) if e > 0 else None
                     if more is None:
                         return out, used
-                    out += more[0]
+                    out += more
                     used = e
                     continue
                 if j >= len(buf) and not final:
@@ -555,7 +574,7 @@ def _expect(buf: str, i: int, lit: str, final: bool):
     return None
 
 
-def _tagged_json(buf: str, open_tag: str, close_tag: str, final: bool):
+def _tagged_json(buf: str, open_tag: str, close_tag: str, final: bool, memo=None):
     """<tool_call> {"name", "arguments"} or [{...}, ...] </tool_call> (the close may be
     missing at the end of the output)."""
     i = _skip_ws(buf, len(open_tag))
@@ -563,7 +582,7 @@ def _tagged_json(buf: str, open_tag: str, close_tag: str, final: bool):
         return _NEED
     if buf[i] not in "{[":
         return _BAD
-    end = _json_end(buf, i)
+    end = _json_end(buf, i, memo)
     if end is None:
         return _NEED
     if end < 0:
@@ -584,7 +603,7 @@ def _tagged_json(buf: str, open_tag: str, close_tag: str, final: bool):
 _FN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
-def _function_tag(buf: str, final: bool):
+def _function_tag(buf: str, final: bool, memo=None):
     """<function=name>{...}</function>"""
     i = len("<function=")
     m = _FN_NAME.match(buf, i)
@@ -600,7 +619,7 @@ def _function_tag(buf: str, final: bool):
         return _NEED
     if buf[k] != "{":
         return _BAD
-    end = _json_end(buf, k)
+    end = _json_end(buf, k, memo)
     if end is None:
         return _NEED
     if end < 0:
@@ -614,14 +633,14 @@ def _function_tag(buf: str, final: bool):
     return [(m.group(), args)], (after if after is not None else end)
 
 
-def _mistral(buf: str, final: bool):
+def _mistral(buf: str, final: bool, memo=None):
     """[TOOL_CALLS][{"name", "arguments", "id"?}, ...]  or  [TOOL_CALLS]name[ARGS]{...}
     (newer Mistral tokenizers; [CALL_ID]id may sit before [ARGS])."""
     i = _skip_ws(buf, len("[TOOL_CALLS]"))
     if i >= len(buf):
         return _NEED
     if buf[i] == "[":
-        end = _json_end(buf, i)
+        end = _json_end(buf, i, memo)
         if end is None:
             return _NEED
         if end < 0:
@@ -655,7 +674,7 @@ def _mistral(buf: str, final: bool):
         return _NEED
     if buf[k] != "{":
         return _BAD
-    end = _json_end(buf, k)
+    end = _json_end(buf, k, memo)
     if end is None:
         return _NEED
     if end < 0:
