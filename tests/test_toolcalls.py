@@ -160,10 +160,16 @@ def test_detect_format_and_reasoning(smol_tok, name):
     r = detect_reasoning(src, prompt)
     assert (r.open if r else None) == think
     if r is not None and "DeepSeek-R1" in name:
-        assert not r.starts_open              # this copy closes the block unless asked
+        # thinking is on by default: the generation prompt opens the block
+        assert prompt.endswith("<think>\n") and r.starts_open
         p2, _ = apply_template(smol_tok, "x", HISTORY[:2], True, str(TEMPLATES / name),
-                               enable_thinking=True)
-        assert p2.endswith("<think>\n") and detect_reasoning(src, p2).starts_open
+                               enable_thinking=False)
+        assert p2.endswith("<think>\n</think>") and not detect_reasoning(src, p2).starts_open
+        p3, _ = apply_template(smol_tok, "x", HISTORY[:2], True, str(TEMPLATES / name),
+                               reasoning_effort="none")
+        assert p3 == p2
+    elif r is not None:
+        assert not r.starts_open
 
 
 def test_detect_format_without_template_and_markers(smol_tok):

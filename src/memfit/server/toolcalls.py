@@ -24,6 +24,12 @@ use them alike.
   format's parser reads as a call, each function's arguments embedded as ``%json{schema}``,
   for ``tool_choice: "required"`` or a named function.
 
+Not covered: DeepSeek's own ``<｜tool▁calls▁begin｜>`` format (the R1 distills' templates know
+no tools, so they get the generic one), Qwen3-Coder's XML parameters, Llama's built-in
+``<|python_tag|>name.call(...)`` tools and gpt-oss's harmony channels. In the JSON-first
+formats (llama3, generic) an answer that starts with "{" is held back until the JSON value
+is complete, since only then is it known whether it is a call.
+
 The parsing is hand-written: the formats are small and fixed, llguidance has no parser that
 reports where a call starts in free text, and neither jinja nor a JSON library can split a
 stream; each format's recogniser below is a few lines over one shared JSON-extent scanner.
@@ -127,12 +133,13 @@ def _check_schema(schema: dict, where: str) -> None:
 
 
 def _functions(tools) -> dict[str, dict]:
-    """name -> the function's parameter schema."""
+    """name -> the function's parameter schema (a function without parameters takes {})."""
     out = {}
     for t in tools or []:
         fn = t.get("function", {}) if isinstance(t, dict) else {}
         if isinstance(fn.get("name"), str):
-            out[fn["name"]] = fn.get("parameters") or {"type": "object", "properties": {}}
+            out[fn["name"]] = fn.get("parameters") or {
+                "type": "object", "properties": {}, "additionalProperties": False}
     return out
 
 

@@ -400,6 +400,18 @@ def _full_tools(tools: list[dict]) -> list[dict]:
     return out
 
 
+def thinking_kwargs(src: str, kwargs: dict) -> dict:
+    """The template variables for a request, with thinking on by default where the template
+    has an ``enable_thinking`` switch (llama-server does the same; DeepSeek-R1's template as
+    llama.cpp keeps it closes the thinking block unless it is on). A ``reasoning_effort`` of
+    "none" turns it off for a template that reads enable_thinking but no reasoning_effort."""
+    extra = dict(kwargs)
+    if "enable_thinking" in src and "enable_thinking" not in extra:
+        off = extra.get("reasoning_effort") == "none" and "reasoning_effort" not in src
+        extra["enable_thinking"] = not off
+    return extra
+
+
 def template_source(tok, arch: str, template: str | None = None) -> str | None:
     """The jinja source a chat request will be rendered with (a --chat-template file, else the
     GGUF's own), or None for a built-in template; what detect_format/detect_reasoning read."""
@@ -442,7 +454,7 @@ def apply_template(tok, arch: str, messages: list[dict], add_generation_prompt: 
     if src is not None:
         caps = template_caps(src)
         msgs = prepare_messages(messages, caps, tools)
-        extra = dict(kwargs)
+        extra = thinking_kwargs(src, kwargs)
         if tools and caps.tools:
             extra["tools"] = _full_tools(tools)
         where = f"{template} (jinja file)" if template is not None \
@@ -458,4 +470,4 @@ def apply_template(tok, arch: str, messages: list[dict], add_generation_prompt: 
 
 
 __all__ = ["BUILTIN", "apply_template", "detect_builtin", "generic_tool_prompt",
-           "prepare_messages", "template_caps", "template_source"]
+           "prepare_messages", "template_caps", "template_source", "thinking_kwargs"]
