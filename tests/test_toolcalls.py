@@ -550,3 +550,18 @@ def test_constraint_with_reasoning_marker_tokens():
         assert m.consume_tokens(head + think + [t_close])
         assert not m.is_accepting()
         assert m.validate_tokens(tok.encode("Hello", add_special=False)) == 0
+
+
+@pytest.mark.realmodel
+def test_constraint_mistral_args_style(smol_tok, smol_llg):
+    # with an [ARGS] token in the vocabulary the newer Mistral form is forced
+    llguidance, llt, short, closers = smol_llg
+    fmt = ToolFormat("mistral", {})
+    old = tool_call_constraint(fmt, TOOLS, "required", True)["grammar"]
+    assert '"["' in old and "[ARGS]" not in old
+    spec = tool_call_constraint(ToolFormat("mistral", {"[ARGS]": 17}), TOOLS, "required", True)
+    assert '"[TOOL_CALLS]" "get_weather" <[17]>' in spec["grammar"]
+    g = llguidance.LLMatcher.grammar_from_lark(spec["grammar"])
+    assert llguidance.LLMatcher.validate_grammar(g, llt) == ""
+    text = "[TOOL_CALLS]search-web[ARGS]" + json.dumps(S) + "[TOOL_CALLS]now[ARGS]{}"
+    assert _parse("mistral", text)[2] == [("search-web", S), ("now", {})]

@@ -304,7 +304,7 @@ class OutputParser:
 
     ``push(text)`` and ``finish()`` return events, in order: ("content", s), ("reasoning", s),
     ("tool_call", index, id, name), ("tool_args", index, json_text). ``tool_calls`` holds the
-    calls in OpenAI's shape; ``content`` and ``reasoning`` the whole texts so far."""
+    calls in OpenAI's shape; ``content`` and ``reasoning_text`` the whole texts so far."""
 
     def __init__(self, fmt: ToolFormat | None, reasoning: Reasoning | None, tools: list | None):
         self.fmt = fmt
@@ -761,6 +761,11 @@ def tool_call_constraint(fmt: ToolFormat, tools: list[dict], tool_choice, parall
     elif f == "functionary":
         rules.append("call: " + per_fn(lambda n: _lark_str(f"<function={n}>"),
                                        _lark_str("</function>")))
+        calls = "call+" if many else "call"
+    elif f == "mistral" and "[ARGS]" in fmt.markers:
+        # newer Mistral vocabularies (an [ARGS] token): [TOOL_CALLS]name[ARGS]{...} per call
+        tc, args = _marker(fmt, "[TOOL_CALLS]"), _marker(fmt, "[ARGS]")
+        rules.append("call: " + per_fn(lambda n: f"{tc} {_lark_str(n)} {args}", ""))
         calls = "call+" if many else "call"
     elif f == "mistral":
         rules.append(f"body: {call_obj('arguments')}")
