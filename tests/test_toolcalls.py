@@ -59,6 +59,12 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
+def tiny_tok():
+    """A synthetic byte-level vocabulary with Qwen's markers (no model file needed)."""
+    return _qwen_like_tokenizer()
+
+
+@pytest.fixture(scope="module")
 def smol_tok(smollm2_path):
     from memfit.gguf import open_gguf
     from memfit.tokenizer import Tokenizer
@@ -71,9 +77,9 @@ def smol_tok(smollm2_path):
 # --- templates ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_real_template_renders_tools_calls_and_results(smol_tok, name):
+def test_real_template_renders_tools_calls_and_results(tiny_tok, name):
     path = str(TEMPLATES / name)
-    prompt, where = apply_template(smol_tok, "llama", HISTORY, True, path, tools=TOOLS)
+    prompt, where = apply_template(tiny_tok, "llama", HISTORY, True, path, tools=TOOLS)
     assert where.endswith("(jinja file)")
     assert "get_weather" in prompt and "search-web" in prompt          # the tool definitions
     assert "RESULT-17C-SUNNY" in prompt                                 # the tool result
@@ -82,24 +88,24 @@ def test_real_template_renders_tools_calls_and_results(smol_tok, name):
     assert "It is 17C and sunny." in prompt and "Thanks!" in prompt
     # the history is really in the prompt: without the call and result it is shorter
     bare = [m for m in HISTORY if m["role"] != "tool" and not m.get("tool_calls")]
-    short, _ = apply_template(smol_tok, "llama", bare, True, path, tools=TOOLS)
+    short, _ = apply_template(tiny_tok, "llama", bare, True, path, tools=TOOLS)
     assert "RESULT-17C-SUNNY" not in short and len(short) < len(prompt)
 
 
-def test_mistral_gets_nine_character_ids_that_match(smol_tok):
+def test_mistral_gets_nine_character_ids_that_match(tiny_tok):
     path = str(TEMPLATES / "mistralai-Mistral-Nemo-Instruct-2407.jinja")
-    prompt, _ = apply_template(smol_tok, "llama", HISTORY, True, path, tools=TOOLS)
+    prompt, _ = apply_template(tiny_tok, "llama", HISTORY, True, path, tools=TOOLS)
     ids = re.findall(r'"id": "(\w+)"', prompt)
     results = re.findall(r'"call_id": "(\w+)"', prompt)
     assert len(ids) == 1 and len(ids[0]) == 9 and results == ids
     assert "[TOOL_CALLS]" in prompt and "[TOOL_RESULTS]" in prompt
 
 
-def test_qwen3_enable_thinking_and_generation_prompt(smol_tok):
+def test_qwen3_enable_thinking_and_generation_prompt(tiny_tok):
     path = str(TEMPLATES / "Qwen-Qwen3-0.6B.jinja")
     msgs = [{"role": "user", "content": "Hi"}]
-    on, _ = apply_template(smol_tok, "qwen3", msgs, True, path)
-    off, _ = apply_template(smol_tok, "qwen3", msgs, True, path, enable_thinking=False)
+    on, _ = apply_template(tiny_tok, "qwen3", msgs, True, path)
+    off, _ = apply_template(tiny_tok, "qwen3", msgs, True, path, enable_thinking=False)
     assert on.endswith("<|im_start|>assistant\n")
     assert off.endswith("<think>\n\n</think>\n\n")
 
@@ -121,57 +127,58 @@ def test_template_without_tools_gets_generic_prompt(smol_tok):
     assert p2.startswith("<|im_start|>system\nYou can call the following tools")
 
 
-def test_builtin_template_with_tools(smol_tok):
-    prompt, where = apply_template(smol_tok, "llama", HISTORY, True, "llama3", tools=TOOLS)
+def test_builtin_template_with_tools(tiny_tok):
+    prompt, where = apply_template(tiny_tok, "llama", HISTORY, True, "llama3", tools=TOOLS)
     assert where == "llama3 (built-in, chosen)"
     assert "get_weather" in prompt and "RESULT-17C-SUNNY" in prompt
     assert prompt.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
 
 
-def test_messages_are_normalised_and_checked(smol_tok):
+def test_messages_are_normalised_and_checked(tiny_tok):
     path = str(TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja")
     parts = [{"role": "user", "content": [{"type": "text", "text": "part one"},
                                           {"type": "text", "text": "part two"}]}]
-    prompt, _ = apply_template(smol_tok, "qwen2", parts, True, path)
+    prompt, _ = apply_template(tiny_tok, "qwen2", parts, True, path)
     assert "part one\npart two" in prompt
     bad = HISTORY[:2] + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get_weather",
                                                      "arguments": "{city: Paris"}}]}]
     with pytest.raises(RequestError, match=r"messages\[2\]\.tool_calls\[0\]\.function\.arguments"):
-        apply_template(smol_tok, "qwen2", bad, True, path, tools=TOOLS)
+        apply_template(tiny_tok, "qwen2", bad, True, path, tools=TOOLS)
     img = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     with pytest.raises(RequestError, match=r"messages\[0\]\.content\[0\].*image_url"):
-        apply_template(smol_tok, "qwen2", img, True, path)
+        apply_template(tiny_tok, "qwen2", img, True, path)
     # the caller's messages are not modified
     before = json.dumps(HISTORY)
-    apply_template(smol_tok, "qwen2", HISTORY, True, path, tools=TOOLS)
+    apply_template(tiny_tok, "qwen2", HISTORY, True, path, tools=TOOLS)
     assert json.dumps(HISTORY) == before
 
 
 # --- detection ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_detect_format_and_reasoning(smol_tok, name):
+def test_detect_format_and_reasoning(tiny_tok, name):
     src = (TEMPLATES / name).read_text(encoding="utf-8")
     fmt_name, think = CASES[name]
-    assert detect_format(src, smol_tok).name == fmt_name
-    prompt, _ = apply_template(smol_tok, "x", HISTORY[:2], True, str(TEMPLATES / name),
+    assert detect_format(src, tiny_tok).name == fmt_name
+    prompt, _ = apply_template(tiny_tok, "x", HISTORY[:2], True, str(TEMPLATES / name),
                                tools=TOOLS)
     r = detect_reasoning(src, prompt)
     assert (r.open if r else None) == think
     if r is not None and "DeepSeek-R1" in name:
         # thinking is on by default: the generation prompt opens the block
         assert prompt.endswith("<think>\n") and r.starts_open
-        p2, _ = apply_template(smol_tok, "x", HISTORY[:2], True, str(TEMPLATES / name),
+        p2, _ = apply_template(tiny_tok, "x", HISTORY[:2], True, str(TEMPLATES / name),
                                enable_thinking=False)
         assert p2.endswith("<think>\n</think>") and not detect_reasoning(src, p2).starts_open
-        p3, _ = apply_template(smol_tok, "x", HISTORY[:2], True, str(TEMPLATES / name),
+        p3, _ = apply_template(tiny_tok, "x", HISTORY[:2], True, str(TEMPLATES / name),
                                reasoning_effort="none")
         assert p3 == p2
     elif r is not None:
         assert not r.starts_open
 
 
+@pytest.mark.realmodel
 def test_detect_format_without_template_and_markers(smol_tok):
     assert detect_format(None, smol_tok).name == "generic"
     assert detect_format(smol_tok.chat_template, smol_tok).name == "generic"
