@@ -105,13 +105,16 @@ class Model:
         return self.tokenizer.decode(list(ids))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            template: str | None = None) -> str:
+                            template: str | None = None, *, tools: list[dict] | None = None,
+                            **kwargs) -> str:
         """Render messages with ``template`` (a built-in name or a jinja file), else the
         GGUF's own, else the built-in template of the model's family (as llama.cpp);
-        ``chat_template_used`` says which."""
+        ``chat_template_used`` says which. ``tools`` (OpenAI tool objects) and other keyword
+        arguments (enable_thinking, ...) go to the template (tokenizer.templates)."""
         from .tokenizer.templates import apply_template
         text, self.chat_template_used = apply_template(
-            self.tokenizer, self.file.arch, messages, add_generation_prompt, template)
+            self.tokenizer, self.file.arch, messages, add_generation_prompt, template,
+            tools=tools, **kwargs)
         return text
 
     def _prompt_ids(self, prompt: str | Sequence[int], limit: int | None = None) -> list[int]:
