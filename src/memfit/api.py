@@ -105,13 +105,16 @@ class Model:
         return self.tokenizer.decode(list(ids))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            template: str | None = None) -> str:
+                            template: str | None = None, *, tools: list[dict] | None = None,
+                            **kwargs) -> str:
         """Render messages with ``template`` (a built-in name or a jinja file), else the
         GGUF's own, else the built-in template of the model's family (as llama.cpp);
-        ``chat_template_used`` says which."""
+        ``chat_template_used`` says which. ``tools`` (OpenAI tool objects) and other keyword
+        arguments (enable_thinking, ...) go to the template (tokenizer.templates)."""
         from .tokenizer.templates import apply_template
         text, self.chat_template_used = apply_template(
-            self.tokenizer, self.file.arch, messages, add_generation_prompt, template)
+            self.tokenizer, self.file.arch, messages, add_generation_prompt, template,
+            tools=tools, **kwargs)
         return text
 
     def _prompt_ids(self, prompt: str | Sequence[int], limit: int | None = None) -> list[int]:
@@ -256,6 +259,81 @@ class Model:
                                f"{self.n_ctx}; load it with --ctx-size {len(st.ids) + 1} or more")
         ss.import_prefix(self.engine.pool, st.ids, st.k, st.v)
         return list(st.ids), st.extra
+
+    # --- embeddings
+    def default_pooling(self) -> str:
+        """The GGUF's ``{arch}.pooling_type`` when it is mean, cls or last, else "mean".
+        (llama-server falls back to "none", per-token vectors, which its /v1/embeddings
+        refuses; mean pooling makes a causal model's file usable as it is.)"""
+        t = self.file.metadata.get(f"{self.file.arch}.pooling_type")
+        return {1: "mean", 2: "cls", 3: "last"}.get(t, "mean")
+
+    def embed(self, inputs: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
+              pooling: str | None = None, normalize: bool = True) -> np.ndarray:
+        """Pooled final hidden states f32 [n_inputs, n_embd], as llama-server's --embedding:
+        the hidden state after output_norm (before the output head) of each token, pooled
+        "mean" (default: default_pooling()), "cls" (first token) or "last", then L2-normalized
+        when ``normalize``. ``inputs``: a text, a list of texts, a list of token ids or a list
+        of id lists; texts get the model's special tokens (BOS/EOS) as a prompt does. The
+        inputs run one after another in the plan's n_batch pieces on the engine's KV pool."""
+        self._check_open()
+        if isinstance(inputs, np.ndarray):
+            inputs = inputs.tolist()
+        if isinstance(inputs, str) or (isinstance(inputs, Sequence) and len(inputs) > 0 and
+                                       all(isinstance(i, (int, np.integer)) for i in inputs)):
+            inputs = [inputs]
+        if not isinstance(inputs, Sequence) or len(inputs) == 0:
+            raise RequestError("embed needs a text, a list of texts, a list of token ids or a "
+                               "list of id lists (got an empty or unknown input)")
+        ids = []
+        for k, p in enumerate(inputs):
+            try:
+                ids.append(self._prompt_ids(p, self.n_ctx))
+            except RequestError as e:
+                from .tokenizer.vocab import TooManyTokens
+                if isinstance(e, TooManyTokens):
+                    raise RequestError(f"input {k} has at least {e.n_at_least} tokens but the "
+                                       f"context is {self.n_ctx}; shorten it or raise "
+                                       f"n_ctx / --ctx-size") from None
+                raise
+            if not ids[-1]:
+                raise RequestError(f"input {k} is empty (no tokens); give some text or ids")
+        out = np.empty((len(ids), self.config.n_embd), np.float32)
+        for k, x in enumerate(ids):
+            out[k] = self.embed_ids(x, pooling, normalize)
+        return out
+
+    def embed_ids(self, ids: Sequence[int], pooling: str | None = None,
+                  normalize: bool = True) -> np.ndarray:
+        """One sequence of token ids (1..n_ctx of them) -> its pooled embedding f32 [n_embd].
+        Not thread-safe, as forward is not: the server runs it on the engine's thread."""
+        from .kv.seq import SeqKV
+        pooling = self.default_pooling() if pooling is None else pooling
+        if pooling not in ("mean", "cls", "last"):
+            raise RequestError(f"pooling {pooling!r} is not supported; use mean, cls or last")
+        n = len(ids)
+        if n == 0:
+            raise RequestError("cannot embed an empty input (no tokens)")
+        if n > self.n_ctx:
+            raise RequestError(f"the input has {n} tokens but the context is {self.n_ctx}")
+        ids = np.asarray(ids, dtype=np.int32)
+        if pooling == "cls":
+            ids = ids[:1]  # causal: the first token's state does not depend on the rest
+        acc = np.zeros(self.config.n_embd, np.float64)
+        with SeqKV(self.engine.pool, len(ids)) as cache:
+            for b in range(0, len(ids), self.n_batch):
+                piece = ids[b:b + self.n_batch]
+                if pooling == "mean":   # every row's final-normed state, summed in float64
+                    acc += self.model.forward(piece, cache, hidden_from=0).sum(axis=0,
+                                                                               dtype=np.float64)
+                else:                   # only the piece's last row leaves the last layer
+                    acc[:] = self.model.forward(piece, cache, hidden_from=len(piece) - 1)[0]
+        if pooling == "mean":
+            acc /= n
+        if normalize:  # llama.cpp's common_embd_normalize(..., 2): a zero vector stays zero
+            norm = math.sqrt(float(acc @ acc))
+            acc *= 1.0 / norm if norm > 0 else 0.0
+        return acc.astype(np.float32)
 
     # --- evaluation
     def logprobs(self, ids: Sequence[int]) -> np.ndarray:

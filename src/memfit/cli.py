@@ -898,6 +898,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("-n", "--n-predict", type=int, default=-1, metavar="N",
                     help="default max tokens of a request that gives none (-1 = until the end "
                     "of generation or a full context)")
+    sv.add_argument("--pooling", choices=["mean", "cls", "last"], default=None,
+                    help="/v1/embeddings pooling of the final hidden states (default: the GGUF's "
+                    "pooling type, else mean)")
     _add_runtime_args(sv)
     sv.set_defaults(func=cmd_serve)
 

@@ -31,6 +31,7 @@ from ..errors import MemfitError
 from . import protocol as P
 from .worker import Job, QueueTimeout
 
+_UNSET = object()
 _POLL_S = 0.25  # how often a waiting handler checks that its client is still there
 MAX_N = 16      # choices per request
 
@@ -76,7 +77,7 @@ class AppContext:
         # one prompt templated and tokenized at a time, in bounded pieces that stop past the
         # context: the scratch is one piece (planner.PROMPT_SCRATCH_BYTES), not one per request
         self.prompt_gate = asyncio.Semaphore(1)
-        self._template_src: str | None = None
+        self._src = _UNSET   # the chat template's jinja source, read once
 
     def endpoint(self, name: str):
         """Turns APIError/MemfitError into OpenAI error responses and counts statuses."""
@@ -185,30 +186,17 @@ class AppContext:
         except MemfitError as e:
             raise P.bad("messages", str(e)) from None
         text += call.prefill
+        from . import toolcalls
+        from ..tokenizer.templates import template_source
         fmt = reasoning = None
-        src = self.template_source()
-        try:
-            from . import toolcalls
-        except ImportError:  # TEMP until the tool-call module lands
-            return ChatPrompt(text, None, None, tools)
+        src = self._src if self._src is not _UNSET else \
+            template_source(m.tokenizer, m.file.arch, self.state.chat_template)
+        self._src = src
         if tools:
             fmt = toolcalls.detect_format(src, m.tokenizer)
         if self.state.reasoning_format != "none":
             reasoning = toolcalls.detect_reasoning(src, text)
         return ChatPrompt(text, fmt, reasoning, tools)
-
-    def template_source(self) -> str | None:
-        """The jinja source the chat is rendered with (None for a built-in by name)."""
-        t = self.state.chat_template
-        if t is None:
-            return self.state.model.tokenizer.chat_template
-        if self._template_src is None:
-            from ..tokenizer.templates import BUILTIN
-            if t in BUILTIN:
-                return None
-            with open(t, encoding="utf-8") as f:
-                self._template_src = f.read()
-        return self._template_src
 
     async def chat_prompt(self, call: ChatCall) -> tuple["ChatPrompt", list[int]]:
         m = self.state.model
@@ -230,8 +218,11 @@ class AppContext:
         spec = None
         if cp.tools and call.tool_choice not in ("auto", "none"):
             from .toolcalls import tool_call_constraint
-            spec = tool_call_constraint(cp.fmt, cp.tools, call.tool_choice,
-                                        call.parallel_tool_calls)
+            try:
+                spec = tool_call_constraint(cp.fmt, cp.tools, call.tool_choice,
+                                            call.parallel_tool_calls, reasoning=cp.reasoning)
+            except ValueError as e:
+                raise P.bad("tool_choice", str(e)) from None
         elif call.response_format is not None:
             spec = P.response_format_spec(call.response_format)
         return await self.compile(spec)

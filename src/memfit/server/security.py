@@ -20,7 +20,7 @@ import ipaddress
 
 from .protocol import APIError
 
-PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
+PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/"})  # "/": the chat page (server/page.py)
 UNLIMITED_PATHS = PUBLIC_PATHS | {"/metrics"}  # probes and scrapes answer under any load
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 

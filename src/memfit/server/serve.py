@@ -128,6 +128,7 @@ def serve(a) -> int:
                         max_queue=a.max_queue, max_prompt_tokens=a.max_prompt_tokens,
                         chat_template=a.chat_template, reasoning_format=a.reasoning_format,
                         n_predict=None if a.n_predict < 0 else a.n_predict)
+    state.pooling = a.pooling  # /v1/embeddings (server/embeddings.py); None: the model's
     allowed = None
     if a.allowed_host or is_loopback(a.host):
         allowed = set(h.lower() for h in a.allowed_host) | (

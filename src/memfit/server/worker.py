@@ -45,6 +45,14 @@ class Job:
     done: bool = False
 
 
+def _settle(fut: asyncio.Future, res, err) -> None:
+    if not fut.done():  # a handler cancelled meanwhile (its client went away) drops it
+        if err is not None:
+            fut.set_exception(err)
+        else:
+            fut.set_result(res)
+
+
 class EngineWorker:
     def __init__(self, engine, n_parallel: int, queue_timeout: float, on_stats=None):
         self.engine = engine
@@ -76,6 +84,13 @@ class EngineWorker:
     def abort(self, job: Job) -> None:
         self._inbox.put(("abort", job))
 
+    def call(self, fn) -> asyncio.Future:
+        """Run ``fn()`` on the engine thread between two steps (the model and the KV pool are
+        not thread-safe: /v1/embeddings runs its forwards this way); await its result."""
+        fut = asyncio.get_running_loop().create_future()
+        self._inbox.put(("call", (fn, fut)))
+        return fut
+
     # --- the engine thread
     def _send(self, job: Job, item) -> None:
         try:
@@ -97,6 +112,16 @@ class EngineWorker:
             return False
         if cmd == "add":
             self._waiting.append(job)
+        elif cmd == "call":
+            fn, fut = job
+            try:
+                res, err = fn(), None
+            except Exception as e:  # noqa: BLE001 - the awaiting handler reports it
+                res, err = None, e
+            try:
+                fut.get_loop().call_soon_threadsafe(_settle, fut, res, err)
+            except RuntimeError:  # the event loop is closed (shutdown)
+                pass
         elif cmd == "abort" and not job.done:
             if job.rid is not None:
                 self.engine.abort(job.rid)

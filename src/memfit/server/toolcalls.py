@@ -1,0 +1,807 @@
+"""Tool calls and reasoning in a model's output: formats, an incremental parser, constraints.
+
+Pure functions and one parser class, no HTTP: the server's chat, Responses and Messages paths
+use them alike.
+
+- ``validate_tools`` checks ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` as OpenAI
+  does, raising ValueError with a one-line message that names the field.
+- ``detect_format`` reads the chat template to find how the model writes a call: "hermes"
+  (Qwen2.5/Qwen3, Hermes: ``<tool_call>{"name", "arguments"}</tool_call>``), "llama3" (a JSON
+  object ``{"name", "parameters"}`` as the whole answer, or after ``<|python_tag|>``),
+  "mistral" (``[TOOL_CALLS][{...}]`` or ``[TOOL_CALLS]name[ARGS]{...}``), "functionary"
+  (``<function=name>{...}</function>``), and "generic" for a template that knows no tools:
+  memfit then tells the model the JSON form ``{"tool_calls": [{"name", "arguments"}]}``
+  (tokenizer/templates.generic_tool_prompt), and the parser also takes Hermes tags.
+- ``detect_reasoning`` finds the template's thinking markers (``<think>``...``</think>``) and
+  whether the generation prompt already opened the block (DeepSeek-R1, Qwen3 thinking).
+- ``OutputParser`` splits generated text, as it streams in, into content, reasoning and tool
+  calls. It holds back text that may be the start of a marker, as a stop matcher does, so
+  streamed and whole output give the same events. A call is reported once its arguments are
+  complete JSON (so a call is never announced and then taken back): its ``tool_call`` event
+  and one ``tool_args`` event with the whole arguments text come together. A call that does
+  not parse, or names a tool the request does not have, is given back as content.
+- ``tool_call_constraint`` writes an llguidance Lark grammar that forces exactly the text the
+  format's parser reads as a call, each function's arguments embedded as ``%json{schema}``,
+  for ``tool_choice: "required"`` or a named function.
+
+Not covered: DeepSeek's own ``<｜tool▁calls▁begin｜>`` format (the R1 distills' templates know
+no tools, so they get the generic one), Qwen3-Coder's XML parameters, Llama's built-in
+``<|python_tag|>name.call(...)`` tools and gpt-oss's harmony channels. In the JSON-first
+formats (llama3, generic) an answer that starts with "{" is held back until the JSON value
+is complete, since only then is it known whether it is a call.
+
+The parsing is hand-written: the formats are small and fixed, llguidance has no parser that
+reports where a call starts in free text, and neither jinja nor a JSON library can split a
+stream; each format's recogniser below is a few lines over one shared JSON-extent scanner.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import string
+from dataclasses import dataclass, field
+
+FORMATS = ("hermes", "llama3", "mistral", "functionary", "generic")
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_ALNUM = string.ascii_letters + string.digits
+
+
+def new_call_id() -> str:
+    """An OpenAI-style call id: "call_" and 24 random alphanumerics."""
+    return "call_" + "".join(secrets.choice(_ALNUM) for _ in range(24))
+
+
+# --- request checks ----------------------------------------------------------------------------
+
+def validate_tools(tools, tool_choice, parallel_tool_calls) -> None:
+    """Raise ValueError (one line, naming the field) unless ``tools``, ``tool_choice`` and
+    ``parallel_tool_calls`` are as OpenAI's chat completions API accepts them."""
+    names: list[str] = []
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise ValueError("tools must be a list of tool objects")
+        for i, t in enumerate(tools):
+            w = f"tools[{i}]"
+            if not isinstance(t, dict):
+                raise ValueError(f"{w} must be an object like "
+                                 '{"type": "function", "function": {"name": ...}}')
+            if t.get("type") != "function":
+                raise ValueError(f"{w}.type must be \"function\" (got {t.get('type')!r})")
+            fn = t.get("function")
+            if not isinstance(fn, dict):
+                raise ValueError(f"{w}.function must be an object with a name")
+            name = fn.get("name")
+            if not isinstance(name, str) or not _NAME_RE.match(name):
+                raise ValueError(f"{w}.function.name must be 1-64 characters of a-z, A-Z, 0-9, "
+                                 f"_ or - (got {name!r})")
+            if name in names:
+                raise ValueError(f"{w}.function.name {name!r} is given twice; tool names must "
+                                 f"be unique")
+            names.append(name)
+            desc = fn.get("description")
+            if desc is not None and not isinstance(desc, str):
+                raise ValueError(f"{w}.function.description must be a string")
+            params = fn.get("parameters")
+            if params is not None:
+                if not isinstance(params, dict):
+                    raise ValueError(f"{w}.function.parameters must be a JSON schema object")
+                if params.get("type", "object") != "object":
+                    raise ValueError(f"{w}.function.parameters must describe an object "
+                                     f"(\"type\": \"object\"), got type {params.get('type')!r}")
+                _check_schema(params, f"{w}.function.parameters")
+            strict = fn.get("strict")
+            if strict is not None and not isinstance(strict, bool):
+                raise ValueError(f"{w}.function.strict must be true or false")
+    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+        raise ValueError("parallel_tool_calls must be true or false")
+    if tool_choice is None:
+        return
+    if isinstance(tool_choice, str):
+        if tool_choice not in ("auto", "none", "required"):
+            raise ValueError(f"tool_choice must be \"auto\", \"none\", \"required\" or "
+                             f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}} "
+                             f"(got {tool_choice!r})")
+        if tool_choice == "required" and not names:
+            raise ValueError("tool_choice is \"required\" but no tools are given")
+        return
+    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" \
+            or not isinstance(tool_choice.get("function"), dict):
+        raise ValueError('tool_choice must be "auto", "none", "required" or '
+                         '{"type": "function", "function": {"name": ...}}')
+    name = tool_choice["function"].get("name")
+    if not isinstance(name, str):
+        raise ValueError("tool_choice.function.name must be a string")
+    if name not in names:
+        raise ValueError(f"tool_choice.function.name {name!r} is not one of the tools "
+                         f"({', '.join(names) or 'none given'})")
+
+
+def _check_schema(schema: dict, where: str) -> None:
+    try:
+        import jsonschema
+    except ImportError:         # optional: the grammar compiler reports bad schemas too
+        return
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        path = "".join(f"[{p!r}]" if isinstance(p, int) else f".{p}" for p in e.path)
+        raise ValueError(f"{where}{path} is not a valid JSON schema: "
+                         f"{e.message.splitlines()[0]}") from None
+
+
+def _functions(tools) -> dict[str, dict]:
+    """name -> the function's parameter schema (a function without parameters takes {})."""
+    out = {}
+    for t in tools or []:
+        fn = t.get("function", {}) if isinstance(t, dict) else {}
+        if isinstance(fn.get("name"), str):
+            out[fn["name"]] = fn.get("parameters") or {
+                "type": "object", "properties": {}, "additionalProperties": False}
+    return out
+
+
+# --- detection ---------------------------------------------------------------------------------
+
+@dataclass
+class ToolFormat:
+    """How a model writes tool calls. ``markers`` maps each of the format's marker strings
+    that is one token of the model's vocabulary (and so each thinking marker that is) to that
+    token's id, so that a constraint can ask for the token itself rather than its spelling."""
+    name: str
+    markers: dict[str, int] = field(default_factory=dict)
+
+
+_MARKERS = {
+    "hermes": ("<tool_call>", "</tool_call>"),
+    "llama3": ("<|python_tag|>",),
+    "mistral": ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
+    "functionary": ("<function=",),
+    "generic": ("<tool_call>", "</tool_call>"),
+}
+
+
+def detect_format(template_src: str | None, tok) -> ToolFormat:
+    """The tool-call format of a chat template (its source text), "generic" when it has none
+    or knows no tools (the templates module then writes the generic prompt)."""
+    src = template_src or ""
+    if "tools" not in src:
+        name = "generic"
+    elif "<tool_call>" in src:
+        name = "hermes"
+    elif "[TOOL_CALLS]" in src:
+        name = "mistral"
+    elif "<function=" in src:
+        name = "functionary"
+    elif "<|python_tag|>" in src or ("<|start_header_id|>" in src and '"parameters"' in src):
+        name = "llama3"
+    else:
+        name = "generic"
+    markers = {}
+    if tok is not None:
+        for m in _MARKERS[name] + tuple(x for pair in _REASONING_MARKERS for x in pair):
+            tid = tok.token_id(m)
+            if tid is not None:
+                markers[m] = tid
+    return ToolFormat(name, markers)
+
+
+@dataclass
+class Reasoning:
+    """Thinking markers; ``starts_open``: the generation prompt ends inside an open block."""
+    open: str
+    close: str
+    starts_open: bool = False
+
+
+_REASONING_MARKERS = (("<think>", "</think>"), ("<seed:think>", "</seed:think>"),
+                      ("[THINK]", "[/THINK]"))
+
+
+def detect_reasoning(template_src: str | None, prompt_text: str) -> Reasoning | None:
+    """The template's thinking markers, if it has any; ``starts_open`` when the rendered
+    prompt ends with the opening marker (DeepSeek-R1's ``<｜Assistant｜><think>\\n``)."""
+    if not template_src:
+        return None
+    for op, cl in _REASONING_MARKERS:
+        if op in template_src and cl in template_src:
+            return Reasoning(op, cl, prompt_text.rstrip().endswith(op))
+    return None
+
+
+# --- parsing -----------------------------------------------------------------------------------
+
+def _json_scan(s: str, k: int, stack: list, in_str: bool, esc: bool):
+    """Scan ``s`` from ``k`` in the state (open brackets, inside a string, after a backslash);
+    returns (end, k, stack, in_str, esc): end is the index after the value, -1 when the
+    brackets cannot match, None while it is incomplete (then the state to resume from)."""
+    n = len(s)
+    while k < n:
+        ch = s[k]
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+            else:       # jump over plain string characters
+                j = k + 1
+                while j < n and s[j] not in '"\\':
+                    j += 1
+                k = j
+                continue
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            stack.append("}" if ch == "{" else "]")
+        elif ch in "}]":
+            if not stack or stack.pop() != ch:
+                return -1, k, stack, in_str, esc
+            if not stack:
+                return k + 1, k + 1, stack, in_str, esc
+        elif not stack:
+            return -1, k, stack, in_str, esc
+        k += 1
+    return None, k, stack, in_str, esc
+
+
+def _json_end(s: str, i: int, memo: dict | None = None) -> int | None:
+    """Where the JSON object or array starting at ``s[i]`` ends (index after it); None while
+    it is incomplete; -1 when the brackets cannot match. With ``memo`` (kept by a parser
+    whose buffer grows at its end) a scan resumes where the last one stopped."""
+    state = memo.get(i) if memo is not None else None
+    if state is not None and s.startswith(state[0]):
+        k, stack, in_str, esc = len(state[0]), list(state[1]), state[2], state[3]
+    else:
+        k, stack, in_str, esc = i, [], False, False
+    end, k, stack, in_str, esc = _json_scan(s, k, stack, in_str, esc)
+    if end is None and memo is not None:
+        memo.clear()
+        memo[i] = (s[:k], stack, in_str, esc)
+    return end
+
+
+def _skip_ws(s: str, i: int) -> int:
+    while i < len(s) and s[i] in " \t\r\n":
+        i += 1
+    return i
+
+
+def _args_object(v):
+    """Arguments as given by a model: an object, or JSON text of one; None if neither."""
+    if isinstance(v, str):
+        try:
+            v = json.loads(v) if v.strip() else {}
+        except json.JSONDecodeError:
+            return None
+    return v if isinstance(v, dict) else None
+
+
+def _call_of(obj, arg_keys=("arguments", "parameters")):
+    """(name, args) from {"name": ..., "arguments"|"parameters": {...}}; None if not a call."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    if obj.get("type") not in (None, "function"):
+        return None
+    if isinstance(obj.get("function"), dict):           # {"type": "function", "function": {}}
+        return _call_of(obj["function"], arg_keys)
+    for k in arg_keys:
+        if k in obj:
+            args = _args_object(obj[k])
+            return None if args is None else (obj["name"], args)
+    return obj["name"], {}
+
+
+_NEED = "need"      # a recogniser needs more text
+_BAD = "bad"        # the text at the marker is not a call
+
+
+class OutputParser:
+    """Incremental splitter of generated text into content, reasoning and tool calls.
+
+    ``push(text)`` and ``finish()`` return events, in order: ("content", s), ("reasoning", s),
+    ("tool_call", index, id, name), ("tool_args", index, json_text). ``tool_calls`` holds the
+    calls in OpenAI's shape; ``content`` and ``reasoning_text`` the whole texts so far."""
+
+    def __init__(self, fmt: ToolFormat | None, reasoning: Reasoning | None, tools: list | None):
+        self.fmt = fmt
+        self.reasoning = reasoning
+        self._fns = _functions(tools)
+        self._check_names = tools is not None
+        self.tool_calls: list[dict] = []
+        self.content = ""
+        self.reasoning_text = ""
+        self._buf = ""
+        self._events: list[tuple] = []
+        name = fmt.name if fmt else None
+        self._json_first = name in ("llama3", "generic")     # a call may be the whole answer
+        self._triggers = {
+            "hermes": ("<tool_call>",), "generic": ("<tool_call>",),
+            "llama3": ("<|python_tag|>",), "mistral": ("[TOOL_CALLS]",),
+            "functionary": ("<function=",), None: (),
+        }[name]
+        if reasoning is None:
+            self._mode = "start"
+        elif reasoning.starts_open:
+            self._mode = "reasoning"
+        else:
+            self._mode = "think?"
+        self._lstrip = True         # drop white space at the start of a section
+        self._memo: dict = {}       # where the last JSON scan of the buffer stopped
+
+    # public
+    def push(self, text: str) -> list[tuple]:
+        self._buf += text
+        return self._run(False)
+
+    def finish(self) -> list[tuple]:
+        return self._run(True)
+
+    # events
+    def _emit(self, kind: str, s: str) -> None:
+        if not s:
+            return
+        if kind == "content":
+            self.content += s
+        else:
+            self.reasoning_text += s
+        if self._events and self._events[-1][0] == kind:
+            self._events[-1] = (kind, self._events[-1][1] + s)
+        else:
+            self._events.append((kind, s))
+
+    def _add_calls(self, calls: list[tuple[str, dict]]) -> bool:
+        if not calls or (self._check_names and any(n not in self._fns for n, _ in calls)):
+            return False
+        for name, args in calls:
+            idx, cid = len(self.tool_calls), new_call_id()
+            text = json.dumps(args, ensure_ascii=False, separators=(",", ":"))
+            self.tool_calls.append({"id": cid, "type": "function",
+                                    "function": {"name": name, "arguments": text}})
+            self._events.append(("tool_call", idx, cid, name))
+            self._events.append(("tool_args", idx, text))
+        return True
+
+    # the state machine
+    def _run(self, final: bool) -> list[tuple]:
+        while self._step(final):
+            pass
+        out, self._events = self._events, []
+        return out
+
+    def _strip_start(self, final: bool) -> bool:
+        """Drop leading white space of a section; False while only white space is buffered."""
+        if self._lstrip:
+            self._buf = self._buf.lstrip(" \t\r\n")
+            if not self._buf:
+                return False
+            self._lstrip = False
+        return True
+
+    def _step(self, final: bool) -> bool:
+        """Consume what can be decided now; True if it should be called again."""
+        buf, mode = self._buf, self._mode
+        if mode == "think?":
+            op = self.reasoning.open
+            s = buf.lstrip(" \t\r\n")
+            if s.startswith(op):
+                self._buf, self._mode, self._lstrip = s[len(op):], "reasoning", True
+                return True
+            if op.startswith(s) and not final:
+                return False
+            self._mode = "start"
+            return True
+        if mode == "reasoning":
+            if not self._strip_start(final):
+                return False
+            cl = self.reasoning.close
+            k = self._buf.find(cl)
+            if k >= 0:
+                self._emit("reasoning", self._buf[:k].rstrip(" \t\r\n"))
+                self._buf, self._mode, self._lstrip = self._buf[k + len(cl):], "start", True
+                return True
+            if final:
+                self._emit("reasoning", self._buf.rstrip(" \t\r\n"))
+                self._buf = ""
+                return False
+            # hold back a possible start of the close marker and the white space before it
+            # (reasoning text is trimmed at its end)
+            keep = _partial_suffix(self._buf, (cl,))
+            head = self._buf[:len(self._buf) - keep]
+            keep += len(head) - len(head.rstrip(" \t\r\n"))
+            self._emit("reasoning", self._buf[:len(self._buf) - keep])
+            self._buf = self._buf[len(self._buf) - keep:]
+            return False
+        if mode == "start":
+            if not self._strip_start(final):
+                return False
+            if self._json_first and self._buf[0] in "{[":
+                self._mode = "json"
+            else:
+                self._mode = "content"
+            return True
+        if mode == "json":
+            end = _json_end(self._buf, 0, self._memo)
+            if end is None and not final:
+                return False
+            if end is not None and end > 0:
+                calls = self._json_calls(self._buf[:end])
+                if calls is not None and self._add_calls(calls):
+                    self._buf, self._lstrip = self._buf[end:], True
+                    self._mode = "after_json"
+                    return True
+            self._mode = "content"
+            return True
+        if mode == "after_json":   # llama3: more calls may follow, separated by ";"
+            if not self._strip_start(final):
+                return False
+            if self._buf[0] == ";":
+                self._buf, self._lstrip = self._buf[1:], True
+                self._mode = "after_json_sep"
+                return True
+            self._mode = "content"
+            return True
+        if mode == "after_json_sep":
+            if not self._strip_start(final):
+                return False
+            self._mode = "json" if self._buf[0] == "{" else "content"
+            if self._mode == "content":
+                self._buf = ";" + self._buf
+            return True
+        if mode == "content":
+            if self._lstrip and self.tool_calls:     # white space between calls is not content
+                if not self._strip_start(final):
+                    return False
+            self._lstrip = False
+            pos, trig = _find_first(self._buf, self._triggers)
+            if pos >= 0:
+                self._emit("content", self._buf[:pos])
+                self._buf, self._mode = self._buf[pos:], "call"
+                return True
+            keep = 0 if final else _partial_suffix(self._buf, self._triggers)
+            self._emit("content", self._buf[:len(self._buf) - keep])
+            self._buf = self._buf[len(self._buf) - keep:]
+            return False
+        if mode == "call":
+            r = self._recognise(self._buf, final)
+            if r == _NEED:
+                if final:
+                    r = _BAD
+                else:
+                    return False
+            if r != _BAD:
+                calls, used = r
+                if self._add_calls(calls):
+                    self._buf, self._mode, self._lstrip = self._buf[used:], "content", True
+                    return True
+            # not a call: the marker is content, and scanning goes on after it
+            _, trig = _find_first(self._buf, self._triggers)
+            self._emit("content", self._buf[:len(trig)])
+            self._buf, self._mode = self._buf[len(trig):], "content"
+            return True
+        raise AssertionError(mode)
+
+    def _json_calls(self, text: str):
+        """A JSON answer read as calls [(name, args)], or None: a call object or a list of
+        them; for "generic" also {"tool_calls": [...]} and {"tool_call": {...}}."""
+        try:
+            v = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        if self.fmt.name == "generic" and isinstance(v, dict):
+            if "tool_calls" in v:
+                v = v["tool_calls"] if isinstance(v["tool_calls"], list) else None
+            elif "tool_call" in v:
+                v = v["tool_call"]
+        items = v if isinstance(v, list) else [v]
+        calls = [_call_of(c) for c in items]
+        return calls if calls and None not in calls else None
+
+    def _recognise(self, buf: str, final: bool):
+        """At a trigger marker: (calls, characters used), _NEED or _BAD."""
+        name = self.fmt.name
+        if name in ("hermes", "generic"):
+            return _tagged_json(buf, "<tool_call>", "</tool_call>", final, self._memo)
+        if name == "functionary":
+            return _function_tag(buf, final, self._memo)
+        if name == "mistral":
+            return _mistral(buf, final, self._memo)
+        if name == "llama3":
+            i = _skip_ws(buf, len("<|python_tag|>"))
+            if i >= len(buf):
+                return _NEED
+            if buf[i] not in "{[":
+                return _BAD
+            end = _json_end(buf, i, self._memo)
+            if end is None:
+                return _NEED
+            if end < 0:
+                return _BAD
+            calls = self._json_calls(buf[i:end])
+            if calls is None:
+                return _BAD
+            out, used = list(calls), end
+            while True:         # more calls separated by ";"
+                j = _skip_ws(buf, used)
+                if j < len(buf) and buf[j] == ";":
+                    k = _skip_ws(buf, j + 1)
+                    if k >= len(buf):
+                        if not final:
+                            return _NEED
+                        return out, j + 1
+                    if buf[k] != "{":
+                        return out, used
+                    e = _json_end(buf, k, self._memo)
+                    if e is None:
+                        return _NEED if not final else (out, used)
+                    more = self._json_calls(buf[k:e]) if e > 0 else None
+                    if more is None:
+                        return out, used
+                    out += more
+                    used = e
+                    continue
+                if j >= len(buf) and not final:
+                    return _NEED
+                return out, used
+        return _BAD
+
+
+def _find_first(buf: str, triggers) -> tuple[int, str]:
+    best, trig = -1, ""
+    for t in triggers:
+        k = buf.find(t)
+        if k >= 0 and (best < 0 or k < best or (k == best and len(t) > len(trig))):
+            best, trig = k, t
+    return best, trig
+
+
+def _partial_suffix(buf: str, markers) -> int:
+    """Length of the longest end of ``buf`` that is a proper beginning of a marker."""
+    best = 0
+    for m in markers:
+        for n in range(min(len(m) - 1, len(buf)), best, -1):
+            if buf.endswith(m[:n]):
+                best = n
+                break
+    return best
+
+
+def _expect(buf: str, i: int, lit: str, final: bool):
+    """After white space at ``i``: index after ``lit``; _NEED if it may still come; None if
+    something else is there (or the text ended)."""
+    j = _skip_ws(buf, i)
+    rest = buf[j:j + len(lit)]
+    if rest == lit:
+        return j + len(lit)
+    if lit.startswith(rest) and not final:
+        return _NEED
+    return None
+
+
+def _tagged_json(buf: str, open_tag: str, close_tag: str, final: bool, memo=None):
+    """<tool_call> {"name", "arguments"} or [{...}, ...] </tool_call> (the close may be
+    missing at the end of the output)."""
+    i = _skip_ws(buf, len(open_tag))
+    if i >= len(buf):
+        return _NEED
+    if buf[i] not in "{[":
+        return _BAD
+    end = _json_end(buf, i, memo)
+    if end is None:
+        return _NEED
+    if end < 0:
+        return _BAD
+    try:
+        v = json.loads(buf[i:end])
+    except json.JSONDecodeError:
+        return _BAD
+    calls = [_call_of(c) for c in (v if isinstance(v, list) else [v])]
+    if not calls or None in calls:
+        return _BAD
+    after = _expect(buf, end, close_tag, final)
+    if after is _NEED:
+        return _NEED
+    return calls, (after if after is not None else end)
+
+
+_FN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def _function_tag(buf: str, final: bool, memo=None):
+    """<function=name>{...}</function>"""
+    i = len("<function=")
+    m = _FN_NAME.match(buf, i)
+    if not m:
+        return _NEED if i == len(buf) else _BAD
+    j = m.end()
+    if j >= len(buf):
+        return _NEED if len(m.group()) < 64 else _BAD
+    if buf[j] != ">":
+        return _BAD
+    k = _skip_ws(buf, j + 1)
+    if k >= len(buf):
+        return _NEED
+    if buf[k] != "{":
+        return _BAD
+    end = _json_end(buf, k, memo)
+    if end is None:
+        return _NEED
+    if end < 0:
+        return _BAD
+    args = _args_object(buf[k:end])
+    if args is None:
+        return _BAD
+    after = _expect(buf, end, "</function>", final)
+    if after is _NEED:
+        return _NEED
+    return [(m.group(), args)], (after if after is not None else end)
+
+
+def _mistral(buf: str, final: bool, memo=None):
+    """[TOOL_CALLS][{"name", "arguments", "id"?}, ...]  or  [TOOL_CALLS]name[ARGS]{...}
+    (newer Mistral tokenizers; [CALL_ID]id may sit before [ARGS])."""
+    i = _skip_ws(buf, len("[TOOL_CALLS]"))
+    if i >= len(buf):
+        return _NEED
+    if buf[i] == "[":
+        end = _json_end(buf, i, memo)
+        if end is None:
+            return _NEED
+        if end < 0:
+            return _BAD
+        try:
+            v = json.loads(buf[i:end])
+        except json.JSONDecodeError:
+            return _BAD
+        calls = [_call_of(c) for c in v] if isinstance(v, list) else []
+        return (calls, end) if calls and None not in calls else _BAD
+    m = _FN_NAME.match(buf, i)
+    if not m:
+        return _BAD
+    j = m.end()
+    if j >= len(buf):
+        return _NEED
+    if buf.startswith("[CALL_ID]", j):
+        k = buf.find("[ARGS]", j)
+        if k < 0:
+            return _NEED if len(buf) - j < 64 else _BAD
+        j = k
+    for lit in ("[ARGS]",):
+        if buf.startswith(lit, j):
+            j += len(lit)
+        elif lit.startswith(buf[j:]) or "[CALL_ID]".startswith(buf[j:]):
+            return _NEED
+        else:
+            return _BAD
+    k = _skip_ws(buf, j)
+    if k >= len(buf):
+        return _NEED
+    if buf[k] != "{":
+        return _BAD
+    end = _json_end(buf, k, memo)
+    if end is None:
+        return _NEED
+    if end < 0:
+        return _BAD
+    args = _args_object(buf[k:end])
+    return ([(m.group(), args)], end) if args is not None else _BAD
+
+
+# --- constraints -------------------------------------------------------------------------------
+
+def _lark_str(s: str) -> str:
+    return json.dumps(s, ensure_ascii=False)
+
+
+# arguments written as json.dumps and the templates' tojson write them: ", " and ": ", no
+# other white space (llguidance would otherwise let a model wander through blank lines)
+_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _json(schema: dict) -> str:
+    return "%json " + json.dumps({**schema, "x-guidance": _JSON_STYLE}, ensure_ascii=False)
+
+
+def _marker(fmt: ToolFormat, text: str) -> str:
+    """A marker in a grammar: its token when it is one token of the vocabulary, else text."""
+    tid = fmt.markers.get(text)
+    return f"<[{tid}]>" if tid is not None else _lark_str(text)
+
+
+def tool_call_constraint(fmt: ToolFormat, tools: list[dict], tool_choice, parallel: bool, *,
+                         reasoning: Reasoning | None = None) -> dict:
+    """An llguidance Lark grammar (``{"type": "lark", "grammar": ...}``) that lets the model
+    write only what ``fmt``'s parser reads as a call (one, or one or more when ``parallel``)
+    of the allowed tools, with arguments valid for each function's parameter schema.
+
+    ``tool_choice`` is "required" (any tool) or {"type": "function", "function": {"name"}}.
+    With ``reasoning``, a thinking block may come first (it must, if the prompt opened it)."""
+    fns = _functions(tools)
+    if isinstance(tool_choice, dict):
+        name = tool_choice.get("function", {}).get("name")
+        if name not in fns:
+            raise ValueError(f"tool_choice.function.name {name!r} is not one of the tools")
+        fns = {name: fns[name]}
+    elif tool_choice != "required":
+        raise ValueError(f"a call is constrained only for tool_choice \"required\" or a named "
+                         f"function, not {tool_choice!r}")
+    if not fns:
+        raise ValueError("tool_choice asks for a call but no tools are given")
+    names = list(fns)
+    rules: list[str] = []
+
+    def call_obj(args_key: str) -> str:
+        schema = {"anyOf": [{"type": "object", "properties": {
+            "name": {"const": n}, args_key: fns[n]}, "required": ["name", args_key],
+            "additionalProperties": False} for n in names]}
+        if len(names) == 1:
+            schema = schema["anyOf"][0]
+        return _json(schema)
+
+    def per_fn(head, tail) -> str:
+        alts = []
+        for k, n in enumerate(names):
+            rules.append(f"fn_{k}: {head(n)} {_json(fns[n])} {tail}".rstrip())
+            alts.append(f"fn_{k}")
+        return " | ".join(alts)
+
+    many = parallel
+    f = fmt.name
+    if f == "hermes":
+        rules.append(f"body: {call_obj('arguments')}")
+        rules.append(f'call: {_marker(fmt, "<tool_call>")} "\\n" body "\\n" '
+                     f'{_marker(fmt, "</tool_call>")}')
+        calls = 'call ("\\n" call)*' if many else "call"
+    elif f == "llama3":
+        rules.append(f"call: {call_obj('parameters')}")
+        calls = 'call (";" call)*' if many else "call"
+    elif f == "functionary":
+        rules.append("call: " + per_fn(lambda n: _lark_str(f"<function={n}>"),
+                                       _lark_str("</function>")))
+        calls = "call+" if many else "call"
+    elif f == "mistral" and "[ARGS]" in fmt.markers:
+        # newer Mistral vocabularies (an [ARGS] token): [TOOL_CALLS]name[ARGS]{...} per call
+        tc, args = _marker(fmt, "[TOOL_CALLS]"), _marker(fmt, "[ARGS]")
+        rules.append("call: " + per_fn(lambda n: f"{tc} {_lark_str(n)} {args}", ""))
+        calls = "call+" if many else "call"
+    elif f == "mistral":
+        rules.append(f"body: {call_obj('arguments')}")
+        calls_list = 'body (", " body)*' if many else "body"
+        rules.append(f'calls: {_marker(fmt, "[TOOL_CALLS]")} "[" {calls_list} "]"')
+        calls = "calls"
+    else:       # generic
+        item = {"anyOf": [{"type": "object", "properties": {
+            "name": {"const": n}, "arguments": fns[n]}, "required": ["name", "arguments"],
+            "additionalProperties": False} for n in names]}
+        arr = {"type": "array", "items": item, "minItems": 1}
+        if not many:
+            arr["maxItems"] = 1
+        schema = {"type": "object", "properties": {"tool_calls": arr},
+                  "required": ["tool_calls"], "additionalProperties": False}
+        rules.append("call: " + _json(schema))
+        calls = "call"
+    start = calls
+    if reasoning is not None:
+        # the thinking text ends at the close marker, written as text or as its token
+        close = re.escape(reasoning.close).replace("/", "\\/")
+        rules.append(f"think_text[lazy]: /(?s:.*){close}/")
+        think = "think_text"
+        if reasoning.close in fmt.markers:
+            rules.append(f"think_tok: /(?s:.*)/ <[{fmt.markers[reasoning.close]}]>")
+            think = "(think_text | think_tok)"
+        op = _lark_str(reasoning.open)
+        if reasoning.open in fmt.markers:
+            op = f"(<[{fmt.markers[reasoning.open]}]> | {op})"
+        if reasoning.starts_open:
+            start = f'{think} /[ \\t\\r\\n]*/ {calls}'
+        else:
+            start = f'({op} {think} /[ \\t\\r\\n]*/)? {calls}'
+    grammar = "%llguidance {}\nstart: " + start + "\n" + "\n".join(rules) + "\n"
+    return {"type": "lark", "grammar": grammar}
+
+
+__all__ = ["FORMATS", "OutputParser", "Reasoning", "ToolFormat", "detect_format",
+           "detect_reasoning", "new_call_id", "tool_call_constraint", "validate_tools"]
