@@ -129,8 +129,7 @@ def chat_messages(body: dict) -> list[dict]:
                 tid = b.get("tool_use_id")
                 if not isinstance(tid, str):
                     raise P.bad(f"{q}.tool_use_id", f"{q}.tool_use_id must be a string")
-                c = b.get("content", "")
-                c = _text_blocks(c, f"{q}.content")
+                c = _text_blocks(b.get("content") or "", f"{q}.content")
                 is_error = b.get("is_error")
                 if is_error is not None and not isinstance(is_error, bool):
                     raise P.bad(f"{q}.is_error", f"{q}.is_error must be true or false")
