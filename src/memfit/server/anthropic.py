@@ -283,7 +283,7 @@ def parse(ctx, body: dict, count_only: bool = False):
     from .chat import ChatCall
     from .responses import thinking_kwargs
     m = ctx.state.model
-    model = ctx.check_model(body)
+    model = ctx.check_model(body, lenient=True)
     msgs = chat_messages(body)
     max_tokens = None
     if not count_only:

@@ -380,7 +380,8 @@ def build_app(state: ServerState) -> Starlette:
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/apply-template", apply_template_route, methods=["POST"]),
     ]
-    from . import embeddings, page
-    routes += embeddings.routes(ctx) + page.routes(ctx)
+    from . import anthropic, embeddings, page, responses
+    routes += (responses.routes(ctx) + anthropic.routes(ctx) + embeddings.routes(ctx)
+               + page.routes(ctx))
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error,
                                                         Exception: server_error})

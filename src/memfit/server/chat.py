@@ -22,6 +22,7 @@ import asyncio
 import json
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 
 from starlette.requests import ClientDisconnect, Request
@@ -118,13 +119,18 @@ class AppContext:
             raise P.APIError(400, "the request body must be a JSON object")
         return body
 
-    def check_model(self, body: dict) -> str:
+    def check_model(self, body: dict, lenient: bool = False) -> str:
+        """The served model's name; an unknown name is a 404 (OpenAI's and vLLM's behaviour)
+        unless ``lenient`` (Anthropic clients send their own model names; the one loaded
+        model answers, as llama-server does)."""
         ids = self.state.model_ids
         name = body.get("model")
         if name is None:
             return ids[0]
         if not isinstance(name, str):
             raise P.bad("model", f"model={name!r} must be a string")
+        if name not in ids and lenient:
+            return name
         if name not in ids:
             raise P.APIError(404, f"the model {name!r} does not exist; this server has "
                                   f"{ids[0]!r} (see GET /v1/models)",
@@ -287,6 +293,12 @@ class AppContext:
         return gen
 
 
+def _abort_jobs(worker, jobs) -> None:
+    for j in jobs:
+        if not j.done:
+            worker.abort(j)  # a no-op for a job that finished meanwhile
+
+
 def raise_item_error(item: Exception):
     if isinstance(item, QueueTimeout):
         raise P.APIError(429, f"the server is busy: the request {item}; retry later",
@@ -316,6 +328,9 @@ class Generation:
         self.t_last: dict[int, float] = {}
         self.finished: dict[int, object] = {}   # index -> final StepOutput
         self.t_checked = time.perf_counter()
+        # a run dropped without being read to its end (a stream that never started, a handler
+        # that failed) still stops its engine requests
+        self._fin = weakref.finalize(self, _abort_jobs, ctx.state.worker, list(jobs))
 
     async def _get(self):
         """The next (index, item); checks every _POLL_S that the client is still there (also
@@ -370,8 +385,7 @@ class Generation:
             yield idx, item
 
     def abort(self) -> None:
-        for j in self.jobs:
-            self.ctx.state.worker.abort(j)  # a no-op for a job that already finished
+        _abort_jobs(self.ctx.state.worker, self.jobs)
 
     def usage(self) -> dict:
         """OpenAI usage: the prompt counted once per prompt (n choices share it)."""
@@ -423,6 +437,10 @@ class ChatRun:
         self.prompt_n = prompt_n
         self.logprob_entries: dict[int, list] = {}  # choice -> [(token, logprob, top)]
         self.forced_calls = bool(cp.tools) and call.tool_choice not in ("auto", "none")
+
+    def abort(self) -> None:
+        """Stop the run's engine requests now (their KV blocks are freed)."""
+        self.gen.abort()
 
     def _parser(self):
         cp = self.cp

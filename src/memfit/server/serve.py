@@ -141,7 +141,8 @@ def serve(a) -> int:
                  on_reject=lambda p, s: metrics.requests.labels("guard", str(s)).inc())
     if a.cors_origin:
         asgi = CORSMiddleware(asgi, allow_origins=a.cors_origin, allow_methods=["GET", "POST"],
-                              allow_headers=["Authorization", "Content-Type"])
+                              allow_headers=["Authorization", "Content-Type", "x-api-key",
+                                             "anthropic-version", "anthropic-beta"])
     try:
         sock = _bind(a.host, a.port)
     except BaseException:
