@@ -145,15 +145,27 @@ class Model:
                                f"--ctx-size or shorten the prompt") from None
 
     # --- generation (clients of self.engine)
-    def _steps(self, prompt, n_top: int, state: GenerationState | None, **sampling):
+    def constraint(self, json_schema: dict | str | None = None, grammar: str | None = None,
+                   regex: str | None = None):
+        """The compiled constraint (constrain.Grammar) of generate's keywords, or None:
+        ``json_schema`` a JSON schema (dict or JSON text), ``grammar`` a Lark or GBNF grammar
+        (told apart by its syntax), ``regex`` a regular expression; at most one.
+        constrain.ConstraintError (a RequestError) when it cannot be compiled."""
+        from .constrain import compile_constraint, spec_from_kwargs
+        spec = spec_from_kwargs(json_schema, grammar, regex)
+        return None if spec is None else compile_constraint(self.tokenizer, spec)
+
+    def _steps(self, prompt, n_top: int, state: GenerationState | None, json_schema=None,
+               grammar=None, regex=None, **sampling):
         self._check_open()
         params = SamplingParams(**sampling)
+        constraint = self.constraint(json_schema, grammar, regex)
         ids = self._prompt_ids_ctx(prompt)
         st = state if state is not None else GenerationState(ids)
         st.prompt_ids = ids
         return st, generate_steps(self.model, self.tokenizer, ids, params, self.n_ctx,
                                   n_top=n_top, state=st, n_batch=self.n_batch,
-                                  engine=self.engine)
+                                  engine=self.engine, constraint=constraint)
 
     @staticmethod
     def _is_batch(prompt) -> bool:
@@ -162,24 +174,32 @@ class Model:
                         for p in prompt))
 
     def generate(self, prompt: str | Sequence[int] | list, max_tokens: int = 128,
-                 top_logprobs: int = 0, **sampling) -> Completion | list[Completion]:
+                 top_logprobs: int = 0, *, json_schema: dict | str | None = None,
+                 grammar: str | None = None, regex: str | None = None,
+                 **sampling) -> Completion | list[Completion]:
         """Complete ``prompt`` (text or ids). Sampling keywords: temperature, top_k, top_p,
-        min_p, repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty, seed, stop.
+        min_p, repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty, seed, stop,
+        logit_bias ({token id: bias in [-100, 100]}). At most one constraint: ``json_schema``
+        (a dict or JSON text: the text is JSON that validates), ``grammar`` (Lark or GBNF),
+        ``regex``; the text then ends with "stop" where the grammar is complete.
         A list of prompts (texts or id lists) runs them together (up to n_parallel at once)
         and returns a list of Completions in the same order."""
         if not self._is_batch(prompt):
-            st, steps = self._steps(prompt, top_logprobs, None, max_tokens=max_tokens, **sampling)
+            st, steps = self._steps(prompt, top_logprobs, None, json_schema, grammar, regex,
+                                    max_tokens=max_tokens, **sampling)
             for _ in steps:
                 pass
             return Completion(st.prompt_ids, st.ids, st.text, st.finish_reason, st.timings,
                               st.top if top_logprobs > 0 else None)
+        self._check_open()
         params = SamplingParams(max_tokens=max_tokens, **sampling)
+        constraint = self.constraint(json_schema, grammar, regex)
         eng = self.engine
         all_ids = [self._prompt_ids_ctx(p) for p in prompt]
         rids, seqs = [], {}
         try:
             for ids in all_ids:
-                rid = eng.add_request(ids, params, n_top=top_logprobs)
+                rid = eng.add_request(ids, params, n_top=top_logprobs, constraint=constraint)
                 rids.append(rid)
                 seqs[rid] = eng.sequence(rid)
             done: dict[str, Completion] = {}
@@ -196,9 +216,13 @@ class Model:
                     eng.abort(rid)
         return [done[r] for r in rids]
 
-    def stream(self, prompt: str | Sequence[int], max_tokens: int = 128, **sampling) -> Iterator[str]:
-        """Yield text pieces as they are decoded (never a broken UTF-8 sequence)."""
-        _, steps = self._steps(prompt, 0, None, max_tokens=max_tokens, **sampling)
+    def stream(self, prompt: str | Sequence[int], max_tokens: int = 128, *,
+               json_schema: dict | str | None = None, grammar: str | None = None,
+               regex: str | None = None, **sampling) -> Iterator[str]:
+        """Yield text pieces as they are decoded (never a broken UTF-8 sequence); keywords
+        as generate's."""
+        _, steps = self._steps(prompt, 0, None, json_schema, grammar, regex,
+                               max_tokens=max_tokens, **sampling)
         for step in steps:
             if step.text:
                 yield step.text

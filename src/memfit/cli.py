@@ -182,6 +182,46 @@ def _sampling_kwargs(a) -> dict:
                 seed=a.seed, stop=a.stop)
 
 
+def _constraint_file(kind: str):
+    """--json-schema FILE / --grammar FILE: the file's text, checked by llguidance (without
+    a vocabulary) before the model loads; a bad file is an argument error."""
+    def conv(path: str):
+        from .constrain import ConstraintError, spec_from_kwargs, validate_spec
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise argparse.ArgumentTypeError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+        try:
+            if kind == "json_schema":
+                try:
+                    value = json.loads(text)
+                except json.JSONDecodeError as e:
+                    raise ConstraintError(f"{path} is not JSON: {e}") from None
+                if not isinstance(value, dict):
+                    raise ConstraintError(f"{path} must hold a JSON object (a JSON schema)")
+            else:
+                value = text
+            validate_spec(spec_from_kwargs(**{kind: value}))
+        except ConstraintError as e:
+            raise argparse.ArgumentTypeError(f"{path}: {e}") from None
+        return value
+    return conv
+
+
+def _regex(text: str) -> str:
+    from .constrain import ConstraintError, validate_spec
+    try:
+        validate_spec({"type": "regex", "regex": text})
+    except ConstraintError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _constraint_kwargs(a) -> dict:
+    return dict(json_schema=a.json_schema, grammar=a.grammar, regex=a.regex)
+
+
 def _load(a, n_ctx=None, n_parallel=1):
     import time
 
@@ -251,7 +291,8 @@ def cmd_run(a) -> int:
             raise RequestError("the prompt is empty (no tokens); give some text")
         kw = _sampling_kwargs(a)
         if a.json:
-            r = m.generate(ids, max_tokens=a.n_predict, top_logprobs=a.top_logprobs, **kw)
+            r = m.generate(ids, max_tokens=a.n_predict, top_logprobs=a.top_logprobs, **kw,
+                           **_constraint_kwargs(a))
             d = r.to_dict()
             d["peak_rss_bytes"] = peak_rss_bytes()
             d["load"] = m.runtime.summary()  # the configuration `memfit plan` showed
@@ -264,7 +305,7 @@ def cmd_run(a) -> int:
             return 0
         from .engine.generate import GenerationState
         st = GenerationState([])
-        _, steps = m._steps(ids, 0, st, max_tokens=a.n_predict, **kw)
+        _, steps = m._steps(ids, 0, st, max_tokens=a.n_predict, **kw, **_constraint_kwargs(a))
         last = ""
         if not a.no_echo and not a.chat:
             sys.stdout.write(prompt)
@@ -732,6 +773,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--top-logprobs", type=_int_at_least(0), default=0, metavar="K",
                    help="with --json: the K most probable [id, prob] of the pre-sampling softmax per step")
     r.add_argument("--no-echo", action="store_true", help="do not print the prompt before the generated text")
+    c = r.add_argument_group("constrained output (llguidance; at most one)").add_mutually_exclusive_group()
+    c.add_argument("--json-schema", type=_constraint_file("json_schema"), default=None, metavar="FILE",
+                   help="the output is JSON valid under the JSON schema in FILE")
+    c.add_argument("--grammar", type=_constraint_file("grammar"), default=None, metavar="FILE",
+                   help="the output follows the grammar in FILE: Lark (llguidance) or GBNF (llama.cpp)")
+    c.add_argument("--regex", type=_regex, default=None, metavar="RE",
+                   help="the output matches the regular expression RE")
     _add_sampling_args(r)
     _add_cache_type_args(r)
     _add_runtime_args(r)

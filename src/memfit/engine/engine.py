@@ -9,12 +9,25 @@
 One step = schedule (scheduler.py, integers), run (runner.py -> Model.forward), postprocess
 (sample, detokenize, stop strings, EOG, max_tokens). Prefix reuse is automatic: full KV blocks
 are keyed by their tokens (kv/pool.py). Not thread-safe: one thread owns an Engine.
+
+Constrained requests (``add_request(..., constraint=compile_constraint(tok, spec))``,
+memfit/constrain): while the forward runs, a worker thread has llguidance compute the token
+masks of the step's constrained rows (GIL released) into one int32 bitmask; after it, every
+row's logit_bias and the masks are applied in one batched call (sampler.prepare_logits), then
+each row samples as usual. End-of-generation is allowed only where the grammar may end; a
+complete grammar ends the sequence with "stop". Tokens the grammar forces after a sampled one
+are appended at once and emitted as StepOutputs of their own in the same step (logprob 0.0,
+top [[token, 0.0]] when n_top > 0: they were not sampled); the next decode step computes them
+together as rows of their sequence, so they cost no forward each. They count toward
+max_tokens. ``fast_forward = False`` (env MEMFIT_FF=0) feeds them one per step instead: the
+same tokens and the same outputs, one forward each (the comparison for tests and benches).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -26,7 +39,7 @@ from ..kv.storage import kv_layout
 from ..kv.storage import kv_pool_blocks  # the planner's pool size (the API imports it here)
 from .generate import Timings
 from .runner import Runner
-from .sampler import Sampler, SamplingParams, StopMatcher, top_logprobs
+from .sampler import Sampler, SamplingParams, StopMatcher, prepare_logits, top_logprobs
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 
@@ -67,10 +80,18 @@ class Engine:
         self._pending: list[StepOutput] = []  # abort notices for the next step()
         self._ids = itertools.count()
         self.n_steps = 0
+        # forced tokens join the next forward together (False: one per step, see module doc)
+        self.fast_forward = os.environ.get("MEMFIT_FF", "1") != "0"
+        self.n_forced = 0          # generated tokens a grammar forced (not sampled)
+        self.n_constrained = 0     # generated tokens of constrained sequences, forced included
+        self._masker = None        # constrain.MaskWorker, made for the first constraint
 
     # --- requests
     def add_request(self, prompt_ids, params: SamplingParams, *, n_top: int = 0,
-                    request_id: str | None = None, ignore_eos: bool = False) -> str:
+                    request_id: str | None = None, ignore_eos: bool = False,
+                    constraint=None) -> str:
+        """Queue a request; ``constraint``: a constrain.Grammar compiled for this engine's
+        tokenizer (every generated token then obeys it). Returns the request id."""
         from ..tokenizer import StreamDecoder
 
         ids = [int(i) for i in prompt_ids]
@@ -83,6 +104,17 @@ class Engine:
         if len(ids) >= self.n_ctx:
             raise RequestError(f"the prompt has {len(ids)} tokens but the context is {self.n_ctx}; "
                                f"raise --ctx-size or shorten the prompt")
+        bias = None
+        if params.logit_bias:
+            bad = [i for i in params.logit_bias if not 0 <= i < nv]
+            if bad:
+                raise RequestError(f"logit_bias token id {bad[0]} is outside the vocabulary "
+                                   f"(0..{nv - 1})")
+            bias = (np.fromiter(params.logit_bias.keys(), np.int64, len(params.logit_bias)),
+                    np.fromiter(params.logit_bias.values(), np.float32, len(params.logit_bias)))
+        if constraint is not None and getattr(constraint, "tokenizer", None) is not self.tokenizer:
+            raise RequestError("the constraint was compiled for another tokenizer; compile it "
+                               "with this model's (constrain.compile_constraint)")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.seqs:
             raise RequestError(f"request id {rid!r} is already running")
@@ -97,6 +129,13 @@ class Engine:
         seq = Sequence(rid, ids, params, mt,
                        Sampler(params, self.tokenizer.n_vocab), StreamDecoder(self.tokenizer),
                        StopMatcher(params.stop or []), n_top=int(n_top), ignore_eos=ignore_eos)
+        seq.bias = bias
+        if constraint is not None:
+            seq.matcher = constraint.matcher()
+            seq.forced = seq.matcher.forced()  # the grammar's start may be forced already
+            if self._masker is None:
+                from ..constrain.masks import MaskWorker
+                self._masker = MaskWorker(self.tokenizer.n_vocab)
         self.seqs[rid] = seq
         self.scheduler.add(seq)
         return rid
@@ -126,7 +165,8 @@ class Engine:
                 "kv_v_in_k": p.v_in_k, "kv_bytes": p.nbytes,
                 "prefix_cache_queries": s.prefix_queries, "prefix_cache_hits": s.prefix_hits,
                 "preempted": s.n_preempted, "prefill_steps": s.n_prefill_steps,
-                "prefill_chunks": s.n_prefill_chunks, "steps": self.n_steps, "n_parallel": self.n_parallel}
+                "prefill_chunks": s.n_prefill_chunks, "steps": self.n_steps, "n_parallel": self.n_parallel,
+                "constrained_tokens": self.n_constrained, "forced_tokens": self.n_forced}
 
     # --- one step
     def step(self) -> list[StepOutput]:
@@ -139,22 +179,41 @@ class Engine:
         for s in sched.seqs:
             if not s.t_prefill_start:
                 s.t_prefill_start = now
-        logits = self.runner.run(sched)
+        # the rows that sample this step, in the runner's order: (sequence, logits row)
+        rows = []
+        for s, k in zip(sched.seqs, sched.n_tokens):
+            if s.n_computed + k == len(s.tokens):
+                rows.append(s)
+        masked = [r for r, s in enumerate(rows) if s.matcher is not None and not s.forced]
+        if masked:  # llguidance fills them in a worker thread while the forward runs
+            self._masker.start([rows[r].matcher for r in masked])
+        try:
+            logits = self.runner.run(sched)
+        finally:
+            masks = self._masker.join() if masked else None
         self.scheduler.after_step(sched)
-        j = 0
-        for s in sched.seqs:
-            if s.n_computed < len(s.tokens):
-                continue  # a prefill chunk short of the end: nothing to sample yet
-            outs.append(self._sample(s, logits[j]))
-            j += 1
-        assert j == logits.shape[0]
+        assert len(rows) == logits.shape[0]
+        biases = [s.bias for s in rows]
+        if masked or any(b is not None for b in biases):
+            prepare_logits(logits, biases, masks, np.asarray(masked, np.int64))
+        for s, lg in zip(rows, logits):
+            outs.extend(self._sample(s, lg))
         return outs
 
-    def _sample(self, s: Sequence, logits: np.ndarray) -> StepOutput:
+    def _sample(self, s: Sequence, logits: np.ndarray) -> list[StepOutput]:
         if not s.t_first:
             s.t_first = time.perf_counter()
         if s.n_generated >= s.max_tokens:  # max_tokens 0 (or a full context): nothing to sample
-            return self._finish(s, None, "", None, None, "length")
+            return [self._finish(s, None, "", None, None, "length")]
+        if s.forced:  # the grammar's forced start, or (fast_forward off) the next forced token
+            toks = s.forced[:] if self.fast_forward else s.forced[:1]
+            del s.forced[:len(toks)]
+            return self._push_forced(s, toks)
+        m = s.matcher
+        if m is not None and not np.isfinite(logits.max()):
+            # no token allowed: llguidance's matcher is in error (cannot happen for a grammar
+            # that compiled); end the text here rather than emit a token it rejects
+            return [self._finish(s, None, "", None, None, "stop")]
         top = top_logprobs(logits, s.n_top) if s.n_top > 0 else None
         tok = int(s.sampler.sample(logits, s.tokens))
         s.tokens.append(tok)
@@ -165,16 +224,54 @@ class Engine:
             logz = mx + math.log(float(np.exp(logits - mx, dtype=np.float64).sum()))
             lp = float(logits[tok]) - logz
             top = [[i, math.log(p) if p > 0 else -math.inf] for i, p in top]
-        if tok in self.tokenizer.eog_ids and not s.ignore_eos:
-            return self._finish(s, tok, "", top, lp, "stop")
+        if m is not None:
+            self.n_constrained += 1
+        if tok in self.tokenizer.eog_ids and (not s.ignore_eos or m is not None):
+            # (a grammar allows end-of-generation only where it may end: it ends the text)
+            return [self._finish(s, tok, "", top, lp, "stop")]
+        if m is not None and not m.consume([tok]):
+            return [self._finish(s, tok, "", top, lp, "stop")]
         emit, stopped = s.stops.push(s.decoder.push(tok))
-        if stopped:
-            return self._finish(s, tok, emit, top, lp, "stop")
+        if stopped or (m is not None and m.stopped):
+            return [self._finish(s, tok, emit, top, lp, "stop")]
         if s.n_generated >= s.max_tokens:
-            return self._finish(s, tok, emit, top, lp, "length")
+            return [self._finish(s, tok, emit, top, lp, "length")]
         s.text += emit
-        return StepOutput(s.request_id, tok, emit, top, lp, False, None, s.n_prompt, s.cache_n,
-                          s.n_generated)
+        out = [StepOutput(s.request_id, tok, emit, top, lp, False, None, s.n_prompt, s.cache_n,
+                          s.n_generated)]
+        if m is not None:
+            ff = m.forced()
+            if ff and self.fast_forward:
+                out.extend(self._push_forced(s, ff))
+            else:
+                s.forced = ff
+        return out
+
+    def _push_forced(self, s: Sequence, toks: list[int]) -> list[StepOutput]:
+        """Append tokens the grammar forces (consumed by its matcher at once) and emit one
+        StepOutput each; stop strings, the grammar's end and max_tokens apply per token."""
+        assert s.matcher.consume(toks), s.matcher.error
+        outs = []
+        for i, tok in enumerate(toks):
+            s.tokens.append(tok)
+            s.n_forced += 1
+            self.n_forced += 1
+            self.n_constrained += 1
+            top = lp = None
+            if s.n_top > 0:  # not sampled: certain given the grammar
+                s.top.append([[tok, 1.0]])
+                top, lp = [[tok, 0.0]], 0.0
+            emit, stopped = s.stops.push(s.decoder.push(tok))
+            if stopped or (i == len(toks) - 1 and s.matcher.stopped):
+                outs.append(self._finish(s, tok, emit, top, lp, "stop"))
+                return outs
+            if s.n_generated >= s.max_tokens:
+                outs.append(self._finish(s, tok, emit, top, lp, "length"))
+                return outs
+            s.text += emit
+            outs.append(StepOutput(s.request_id, tok, emit, top, lp, False, None, s.n_prompt,
+                                   s.cache_n, s.n_generated))
+        return outs
 
     def _finish(self, s: Sequence, tok, emit: str, top, lp, reason: str) -> StepOutput:
         if not s.stops.stopped:

@@ -57,17 +57,18 @@ class GenerationState:
 
 def generate_steps(model, tokenizer, prompt_ids: list[int], params: SamplingParams,
                    n_ctx: int, n_top: int = 0, state: GenerationState | None = None,
-                   n_batch: int = 512, engine=None) -> Iterator[Step]:
+                   n_batch: int = 512, engine=None, constraint=None) -> Iterator[Step]:
     """Yield a Step per generated token (and a last Step(-1, text) for text held back to the
     end); fills ``state`` (ids, text, finish_reason, timings). Runs on ``engine`` when given
-    (others' requests may share its steps), else on a one-sequence Engine of its own."""
+    (others' requests may share its steps), else on a one-sequence Engine of its own.
+    ``constraint``: a constrain.Grammar the tokens obey (engine.py)."""
     from .engine import Engine
 
     if not prompt_ids:
         raise RequestError("the prompt is empty (no tokens); give some text")
     st = state if state is not None else GenerationState(list(prompt_ids))
     eng = engine if engine is not None else Engine(model, tokenizer, n_ctx, 1, n_batch)
-    rid = eng.add_request(prompt_ids, params, n_top=n_top)
+    rid = eng.add_request(prompt_ids, params, n_top=n_top, constraint=constraint)
     seq = eng.sequence(rid)
     done = False
     try:
@@ -77,10 +78,13 @@ def generate_steps(model, tokenizer, prompt_ids: list[int], params: SamplingPara
                     continue
                 if o.token is not None:
                     st.ids.append(o.token)
+                    # seq.top[i] belongs to generated token i (a step may emit several: forced
+                    # tokens of a grammar)
+                    top = seq.top[len(st.ids) - 1] if n_top > 0 else None
                     if n_top > 0:
-                        st.top.append(seq.top[-1])
+                        st.top.append(top)
                     st.text += o.text
-                    yield Step(o.token, o.text, seq.top[-1] if n_top > 0 else None)
+                    yield Step(o.token, o.text, top)
                 elif o.text:
                     st.text += o.text
                     yield Step(-1, o.text, None)

@@ -33,6 +33,9 @@ class SamplingParams:
 
     top_k 0 = off; top_p 1 = off; min_p 0 = off; repeat_last_n 0 = off, -1 = whole history;
     seed None or -1 = random; max_tokens None or -1 = until end-of-generation/context full.
+    logit_bias {token id: bias in [-100, 100]} is added to the logits before anything else
+    (OpenAI's range; llama.cpp's order): -100 bans a token, +100 all but forces it. Keys may be
+    ints or decimal strings (JSON object keys); the engine checks them against the vocabulary.
     presence/frequency are OpenAI's (logit -= count * frequency + (count > 0) * presence),
     counted over the same window as the repeat penalty (llama.cpp's penalty_last_n).
     """
@@ -48,6 +51,7 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         def number(name: str, lo: float, hi: float, lo_open: bool = False) -> float:
@@ -91,10 +95,46 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise RequestError(f"stop={self.stop!r}: every stop must be a non-empty string")
+        if self.logit_bias is not None:
+            self.logit_bias = _check_bias(self.logit_bias) or None
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0
+
+
+def _check_bias(bias) -> dict[int, float]:
+    if not isinstance(bias, dict):
+        raise RequestError(f"logit_bias must be an object mapping token ids to numbers, got "
+                           f"{type(bias).__name__}")
+    out = {}
+    for k, v in bias.items():
+        if isinstance(k, str) and k.strip().lstrip("-").isdigit():
+            k = int(k)
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+            raise RequestError(f"logit_bias key {k!r} must be a token id (an integer)")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                or not -100 <= v <= 100:
+            raise RequestError(f"logit_bias[{k}]={v!r} must be a number in [-100, 100]")
+        out[int(k)] = float(v)
+    return out
+
+
+def prepare_logits(logits: np.ndarray, biases: list, masks: np.ndarray | None = None,
+                   mask_rows: np.ndarray | None = None) -> None:
+    """The batched step before per-row sampling, in place on logits f32 [rows, n_vocab]:
+    each row's logit_bias (biases[r]: (ids int64, values f32) or None), then the grammar masks
+    of the constrained rows in one vectorised call: masks int32 [len(mask_rows), words] of
+    llguidance bits (bit t of word t // 32: token t allowed); a token not allowed gets -inf."""
+    for r, b in enumerate(biases):
+        if b is not None:
+            logits[r, b[0]] += b[1]
+    if masks is not None and len(mask_rows):
+        nv = logits.shape[1]
+        bits = np.unpackbits(masks.view(np.uint8), axis=1, count=nv, bitorder="little")
+        sub = logits[mask_rows]
+        np.putmask(sub, bits == 0, np.float32(-np.inf))
+        logits[mask_rows] = sub
 
 
 def _softmax64(x: np.ndarray) -> np.ndarray:

@@ -4,20 +4,23 @@ Policy: sequences are admitted in arrival order while a slot is free (at most ``
 running) and the pool has blocks for the part of the prompt the prefix cache does not hold.
 A step is either a prefill step (prompt chunks of the sequences still prefilling, in admission
 order, at most ``n_batch`` tokens in all: a burst of prompts is prefilled in one forward) or
-one decode row for every sequence past its prefill; the two alternate while both kinds
-wait, so a long prompt does not stall the others. A decode row that needs a new block when
-none is free preempts the most recently admitted other sequence: its blocks go back to the
-pool (its full ones stay in the prefix cache) and it waits at the front of the queue to be
-recomputed.
+a decode step: the pending generated tokens of every sequence past its prefill (one sampled
+token each, plus any tokens a grammar forced after it or a recomputed run, at most
+``n_batch`` rows in all: a run that does not fit continues next step); the two alternate
+while both kinds wait, so a long prompt does not stall the others. A decode row that needs a
+new block when none is free preempts the most recently admitted other sequence: its blocks go
+back to the pool (its full ones stay in the prefix cache) and it waits at the front of the
+queue to be recomputed.
 
 Batch invariance: every position of a sequence has one kind for its whole life. Prompt
 positions are prompt rows (the prefill kernels), generated ones decode rows (the decode
 kernels), whatever the step: a recomputed sequence feeds its generated tokens as decode rows
-(a chunk of them in one decode-kind step), a step never mixes the kinds, and a block holding
-decode rows is keyed with where they start (kv/manager.py block_key), so a new prompt never
-reuses K/V that a cold run would compute otherwise. The kernels make a row independent of the
-others in its forward, so chunks of any size are packed, and a sequence's tokens do not
-depend on what else runs, how its prompt was chunked or what the prefix cache held.
+(a run of them in a decode step, beside other sequences' rows), a step never mixes the
+kinds, and a block holding decode rows is keyed with where they start (kv/manager.py
+block_key), so a new prompt never reuses K/V that a cold run would compute otherwise. The
+kernels make a row independent of the others in its forward, so chunks of any size are
+packed, and a sequence's tokens do not depend on what else runs, how its prompt was chunked
+or what the prefix cache held.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from .sequence import Sequence, Status
 class Scheduled:
     seqs: list[Sequence]
     n_tokens: list[int]    # tokens fed for each sequence this step
-    decode: bool           # decode rows: generated tokens (one per sequence, or a recomputed run)
+    decode: bool           # decode rows: generated tokens (one or a run per sequence)
 
 
 class Scheduler:
@@ -102,22 +105,16 @@ class Scheduler:
             self.running.append(self.waiting.popleft())
         if not self.running:
             return None
-        # prompt rows still to compute (a one-token prompt too), or a recomputed run of
-        # generated tokens; else the one sampled token: a decode row
-        prefill = [s for s in self.running if s.n_pending > 1 or s.n_computed < s.n_prompt]
-        decode = [s for s in self.running if s.n_pending == 1 and s.n_computed >= s.n_prompt]
+        # prompt rows still to compute (a one-token prompt too); else generated tokens: the
+        # one sampled last step, the tokens a grammar forced after it, or a recomputed run
+        prefill = [s for s in self.running if s.n_computed < s.n_prompt]
+        decode = [s for s in self.running if s.n_computed >= s.n_prompt]
         if prefill and (not decode or not self._last_prefill):
             self._last_prefill = True
-            # the first waiting chunk sets the step's kind: prompt rows, or the generated
-            # tokens of a recomputed sequence (decode rows); chunks of the other kind wait
-            kind = prefill[0].n_computed >= prefill[0].n_prompt
             seqs, ks, room = [], [], self.n_batch
             for s in prefill if self.pack else prefill[:1]:
-                if (s.n_computed >= s.n_prompt) != kind:
-                    continue
                 # a chunk of prompt rows ends at the prompt's end (then decode rows follow)
-                end = len(s.tokens) if kind else s.n_prompt
-                k = min(room, end - s.n_computed)
+                k = min(room, s.n_prompt - s.n_computed)
                 seqs.append(s)
                 ks.append(k)
                 room -= k
@@ -125,17 +122,26 @@ class Scheduler:
                     break
             self.n_prefill_steps += 1
             self.n_prefill_chunks += len(seqs)
-            return Scheduled(seqs, ks, kind)
+            return Scheduled(seqs, ks, False)
         self._last_prefill = False
-        # a decode row writes position n_computed: its block must exist
+        # every sequence gets its next row; runs longer than one share the rest of n_batch
+        # in admission order (the rows of a run that do not fit wait for the next step)
+        extra = max(self.n_batch, len(decode)) - len(decode)
+        ks = []
         for s in decode:
-            while s.status is Status.RUNNING and s.n_computed // self.bs >= len(s.block_table):
+            k = 1 + min(s.n_pending - 1, extra)
+            extra -= k - 1
+            ks.append(k)
+        # decode rows write positions n_computed.. n_computed + k - 1: their blocks must exist
+        for s, k in zip(decode, ks):
+            while s.status is Status.RUNNING and \
+                    (s.n_computed + k - 1) // self.bs >= len(s.block_table):
                 if self.pool.n_free > 0:
                     s.block_table.append(self.pool.allocate())
                 elif not self._preempt(s):
                     raise AssertionError("one sequence outgrew the whole pool")
-        decode = [d for d in decode if d.status is Status.RUNNING]
-        return Scheduled(decode, [1] * len(decode), True)
+        run = [(s, k) for s, k in zip(decode, ks) if s.status is Status.RUNNING]
+        return Scheduled([s for s, _ in run], [k for _, k in run], True)
 
     def after_step(self, sched: Scheduled) -> None:
         """Advance n_computed and key the blocks that became full (prefix cache)."""

@@ -1,7 +1,8 @@
 """A Sequence: one request's tokens, sampling state, KV blocks and progress.
 
 ``tokens`` is prompt + generated ids; ``n_computed`` of them have their K/V in the pool (the
-rest are fed by the next steps: a prefill chunk, or the one token sampled last step).
+rest are fed by the next steps: a prefill chunk, or the token sampled last step with the
+tokens a grammar forced after it).
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ class Sequence:
     t_first: float = 0.0              # first token sampled (end of prefill)
     t_prefill_start: float = 0.0
     t_done: float = 0.0
+    matcher: object = None            # constrain.Matcher: the grammar's state (None: free text)
+    forced: list[int] = field(default_factory=list)  # forced tokens not yet fed (engine.py)
+    n_forced: int = 0                 # generated tokens the grammar forced (not sampled)
+    bias: tuple | None = None         # logit_bias as (ids int64, values f32)
 
     def __post_init__(self) -> None:
         if not self.tokens:
