@@ -1,0 +1,122 @@
+"""Constrained decoding speed: decode tok/s free vs under a JSON schema, the share of tokens
+the grammar forces, and schema compile time, on real models (resident, one sequence).
+
+    python benchmarks/constrain_bench.py [--models smollm2-135m gemma3-270m] [--schemas 8]
+                                         [--json out.json]
+
+Per model, greedy:
+  free       the same prompts without a constraint, ignore_eos, as many tokens as the
+             constrained runs made on average (the plain decode speed)
+  json       each schema of tests/schemas.py (the first --schemas) as the constraint, forced
+             tokens fed together in the next forward (the engine's default)
+  json-noff  the same with fast_forward off (MEMFIT_FF=0): forced tokens one forward each
+decode tok/s = generated tokens / time from the first sampled token to the last (the
+engine's Timings: predicted_n / predicted_ms). compile = compile_constraint on a cold cache
+(the tokenizer wrapper is built once before, its time shown apart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+def _generate(m, ids, constraint, max_tokens, fast_forward=True, ignore_eos=False):
+    from memfit.engine.sampler import SamplingParams
+    eng = m.engine
+    eng.fast_forward = fast_forward
+    f0, s0 = eng.n_forced, eng.n_steps
+    rid = eng.add_request(ids, SamplingParams(temperature=0, max_tokens=max_tokens),
+                          constraint=constraint, ignore_eos=ignore_eos)
+    text, t = "", None
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.request_id == rid:
+                text += o.text
+                if o.finished:
+                    t = o.timings
+    eng.fast_forward = True
+    return {"n": t.predicted_n, "ms": t.predicted_ms, "forced": eng.n_forced - f0,
+            "steps": eng.n_steps - s0, "text": text}
+
+
+def bench_model(name: str, n_schemas: int, max_tokens: int) -> dict:
+    import memfit
+    from memfit.constrain import compile_constraint
+    from memfit.constrain.tokenizer import ll_tokenizer
+    from memfit.pull import pull
+    from schemas import SCHEMAS
+
+    m = memfit.load(str(pull(name, quiet=True)), n_ctx=2048)
+    tok = m.tokenizer
+    t0 = time.perf_counter()
+    ll_tokenizer(tok)
+    tok_s = time.perf_counter() - t0
+    chosen = SCHEMAS[:n_schemas]
+    compile_ms = []
+    grammars = []
+    for _, schema in chosen:
+        tok.__dict__.pop("_llg_grammars", None)  # a cold compile each time
+        t0 = time.perf_counter()
+        g = compile_constraint(tok, {"type": "json_schema", "schema": schema, "strict": True})
+        compile_ms.append((time.perf_counter() - t0) * 1e3)
+        grammars.append(g)
+    prompts = [m.tokenize(m.apply_chat_template([{"role": "user", "content":
+               f"Reply with a JSON example of a {n.replace('_', ' ')} following this schema: "
+               f"{json.dumps(s)}"}])) for n, s in chosen]
+    _generate(m, prompts[0], None, 8)  # warm-up
+    rows = {}
+    for mode in ("json", "json-noff"):
+        runs = [_generate(m, ids, g, max_tokens, fast_forward=mode == "json")
+                for ids, g in zip(prompts, grammars)]
+        rows[mode] = runs
+    mean_n = max(8, round(statistics.mean(r["n"] for r in rows["json"])))
+    rows["free"] = [_generate(m, ids, None, mean_n, ignore_eos=True) for ids in prompts]
+    out = {"model": name, "n_vocab": tok.n_vocab, "schemas": len(chosen),
+           "tokenizer_build_s": round(tok_s, 3),
+           "compile_ms_median": round(statistics.median(compile_ms), 2),
+           "compile_ms_max": round(max(compile_ms), 2), "modes": {}}
+    for mode, runs in rows.items():
+        n, ms = sum(r["n"] for r in runs), sum(r["ms"] for r in runs)
+        forced = sum(r["forced"] for r in runs)
+        out["modes"][mode] = {"tokens": n, "decode_tok_s": round(n / (ms / 1e3), 2) if ms else 0.0,
+                              "forced_share": round(forced / n, 3) if n else 0.0,
+                              "forwards": sum(r["steps"] for r in runs)}
+    free = out["modes"]["free"]["decode_tok_s"]
+    for mode in ("json", "json-noff"):
+        out["modes"][mode]["vs_free"] = round(out["modes"][mode]["decode_tok_s"] / free, 3)
+    m.close()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
+    ap.add_argument("--schemas", type=int, default=8, help="how many of tests/schemas.py")
+    ap.add_argument("--max-tokens", type=int, default=200)
+    ap.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    a = ap.parse_args()
+    results = [bench_model(n, a.schemas, a.max_tokens) for n in a.models]
+    print(f"{'model':14s} {'mode':10s} {'tokens':>6s} {'tok/s':>8s} {'vs free':>7s} "
+          f"{'forced':>6s} {'forwards':>8s}")
+    for r in results:
+        for mode, d in r["modes"].items():
+            print(f"{r['model']:14s} {mode:10s} {d['tokens']:6d} {d['decode_tok_s']:8.1f} "
+                  f"{d.get('vs_free', 1.0):7.2f} {d['forced_share']:6.1%} {d['forwards']:8d}")
+        print(f"{r['model']:14s} compile median {r['compile_ms_median']:.1f} ms, max "
+              f"{r['compile_ms_max']:.1f} ms; tokenizer wrapper {r['tokenizer_build_s']:.2f} s "
+              f"({r['n_vocab']} tokens)")
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,261 @@
+"""Constrained decoding (memfit/constrain, engine.py) on the two real models: every schema of
+tests/schemas.py gives JSON that parses and validates (jsonschema), greedy and sampled, with
+each request of a batch under its own constraint; regex, Lark and GBNF grammars; schemas
+llguidance cannot compile are a ConstraintError naming the problem; forced tokens are used
+and give the same tokens as feeding them one forward each; a constrained greedy sequence is
+the same alone and batched; logit_bias bans (-100) and forces (+100) tokens."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+
+import memfit
+from memfit.constrain import ConstraintError, compile_constraint
+from memfit.engine.sampler import SamplingParams
+from memfit.errors import RequestError
+
+from schemas import SCHEMAS, UNSUPPORTED
+
+MODELS = ["smollm2_path", "gemma_path"]
+MAX_TOKENS = 300
+
+
+@pytest.fixture(scope="module", params=MODELS, ids=["smollm2", "gemma3"])
+def model(request):
+    m = memfit.load(str(request.getfixturevalue(request.param)), n_parallel=8, n_ctx=2048)
+    yield m
+    m.close()
+
+
+def _prompt(m, name: str, schema: dict) -> list[int]:
+    text = m.apply_chat_template([{"role": "user", "content":
+                                   f"Reply with a JSON example of a {name.replace('_', ' ')} "
+                                   f"following this schema: {json.dumps(schema)}"}])
+    return m.tokenize(text)
+
+
+def _spec(schema: dict) -> dict:
+    return {"type": "json_schema", "schema": schema, "strict": True}
+
+
+def _run(m, reqs, params: SamplingParams, fast_forward: bool = True, n_top: int = 0):
+    """reqs [(prompt ids, Grammar | None)] together on the model's engine (each with its own
+    constraint) -> per request {ids, text, finish, forced, outs}; and the steps taken."""
+    eng = m.engine
+    eng.fast_forward, steps0 = fast_forward, eng.n_steps
+    try:
+        rids = [eng.add_request(ids, params, constraint=g, n_top=n_top) for ids, g in reqs]
+        res = {r: {"ids": [], "text": "", "finish": None, "outs": []} for r in rids}
+        while eng.has_unfinished():
+            for o in eng.step():
+                d = res[o.request_id]
+                d["outs"].append(o)
+                if o.token is not None:
+                    d["ids"].append(o.token)
+                d["text"] += o.text
+                if o.finished:
+                    d["finish"] = o.finish_reason
+    finally:
+        eng.fast_forward = True
+    assert eng.pool.n_used == 0
+    return [res[r] for r in rids], eng.n_steps - steps0
+
+
+def _check_valid(results, schemas):
+    for (name, schema), r in zip(schemas, results):
+        assert r["finish"] == "stop", (name, r["text"])
+        doc = json.loads(r["text"])
+        jsonschema.validate(doc, schema)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_every_schema_validates_batched(model, temperature):
+    m = model
+    reqs = [(_prompt(m, n, s), compile_constraint(m.tokenizer, _spec(s))) for n, s in SCHEMAS]
+    forced0, con0 = m.engine.n_forced, m.engine.n_constrained
+    results, _ = _run(m, reqs, SamplingParams(temperature=temperature, seed=11,
+                                              max_tokens=MAX_TOKENS))
+    _check_valid(results, SCHEMAS)
+    n_forced, n_con = m.engine.n_forced - forced0, m.engine.n_constrained - con0
+    assert n_con == sum(len(r["ids"]) for r in results)
+    assert 0.2 * n_con < n_forced < n_con  # separators and keys are forced, values are not
+
+
+def test_constrained_greedy_alone_equals_batched(model):
+    m = model
+    chosen = SCHEMAS[:3] + SCHEMAS[-3:]
+    reqs = [(_prompt(m, n, s), compile_constraint(m.tokenizer, _spec(s))) for n, s in chosen]
+    batched, _ = _run(m, reqs + [(m.tokenize("Once upon a time"), None)],
+                      SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    for (name, schema), (ids, _), b in zip(chosen, reqs, batched):
+        alone = m.generate(ids, max_tokens=MAX_TOKENS, temperature=0, json_schema=schema)
+        assert alone.ids == b["ids"], name
+        assert alone.text == b["text"] and alone.finish_reason == "stop"
+
+
+def test_forced_tokens_equal_one_per_forward(model):
+    """Forced tokens appended at once and computed together in the next decode step give the
+    same tokens (hence the same logits) as feeding them one forward each (fast_forward off),
+    in fewer steps; the forced runs share decode steps with other sequences' rows."""
+    m = model
+    chosen = [SCHEMAS[i] for i in (1, 9, 18)]
+    reqs = [(_prompt(m, n, s), compile_constraint(m.tokenizer, _spec(s))) for n, s in chosen]
+    params = SamplingParams(temperature=0.7, seed=5, max_tokens=MAX_TOKENS)
+    seen = []
+    run = m.engine.runner.run
+
+    def spy(sched):
+        seen.append((sched.decode, list(sched.n_tokens)))
+        return run(sched)
+
+    eng = m.engine
+    eng.runner.run = spy
+    f0 = eng.n_forced
+    try:
+        fast, steps_fast = _run(m, reqs, params)
+    finally:
+        del eng.runner.run
+    f1 = eng.n_forced
+    slow, steps_slow = _run(m, reqs, params, fast_forward=False)
+    assert [r["ids"] for r in fast] == [r["ids"] for r in slow]
+    assert [r["text"] for r in fast] == [r["text"] for r in slow]
+    _check_valid(fast, chosen)
+    n_forced = f1 - f0
+    assert n_forced > 10 and eng.n_forced - f1 == n_forced
+    # one forward per token without fast-forward; with it, a forced run costs none of its own
+    assert steps_slow - steps_fast >= n_forced // 3
+    # a decode step carried a forced run (k > 1) beside another sequence's row
+    assert any(d and len(k) > 1 and max(k) > 1 for d, k in seen)
+
+
+def test_forced_tokens_outputs_logprobs_and_max_tokens(model):
+    m = model
+    name, schema = SCHEMAS[1]
+    g = compile_constraint(m.tokenizer, _spec(schema))
+    (r,), _ = _run(m, [(_prompt(m, name, schema), g)],
+                   SamplingParams(temperature=0, max_tokens=MAX_TOKENS), n_top=3)
+    outs = [o for o in r["outs"] if o.token is not None]
+    forced = [o for o in outs if o.logprob == 0.0 and o.top == [[o.token, 0.0]]]
+    assert len(forced) >= 5  # '{"name": "' and the other keys
+    assert all(o.logprob < 0 and len(o.top) == 3 for o in outs if o not in forced)
+    # max_tokens counts forced tokens: a cut JSON text ends with "length"
+    (cut,), _ = _run(m, [(_prompt(m, name, schema), g)], SamplingParams(temperature=0, max_tokens=7))
+    assert cut["finish"] == "length" and len(cut["ids"]) == 7
+    assert cut["ids"] == r["ids"][:7]
+
+
+def test_python_api_stream_and_batch(model):
+    m = model
+    name, schema = SCHEMAS[0]
+    text = m.apply_chat_template([{"role": "user", "content": "Describe a person as JSON."}])
+    pieces = list(m.stream(text, max_tokens=MAX_TOKENS, temperature=0, json_schema=schema))
+    assert len(pieces) > 3
+    jsonschema.validate(json.loads("".join(pieces)), schema)
+    got = m.generate([text, text + " Someone old."], max_tokens=MAX_TOKENS, temperature=0,
+                     json_schema=json.dumps(schema))  # JSON text is accepted too
+    assert got[0].text == "".join(pieces)
+    for c in got:
+        jsonschema.validate(json.loads(c.text), schema)
+
+
+def test_regex_lark_gbnf(model):
+    m = model
+    ask = m.apply_chat_template([{"role": "user", "content": "What is the phone number of the "
+                                                            "office? Is it open today?"}])
+    for temperature in (0.0, 1.0):
+        kw = dict(max_tokens=60, temperature=temperature, seed=3)
+        r = m.generate(ask, regex=r"\(?[0-9]{3}\)? [0-9]{3}-[0-9]{4}", **kw)
+        assert re.fullmatch(r"\(?[0-9]{3}\)? [0-9]{3}-[0-9]{4}", r.text) and r.finish_reason == "stop"
+        lark = ('start: "Answer: " ANSWER " because " REASON "."\n'
+                'ANSWER: "yes" | "no"\nREASON: /[a-z ]{1,30}/\n')
+        r = m.generate(ask, grammar=lark, **kw)
+        assert re.fullmatch(r"Answer: (yes|no) because [a-z ]{1,30}\.", r.text), r.text
+        lark_json = ('start: "Result: " obj\n'
+                     'obj: %json{"type": "object", "properties": {"open": {"type": "boolean"}},'
+                     ' "required": ["open"], "additionalProperties": false}\n')
+        r = m.generate(ask, grammar=lark_json, **kw)
+        assert r.text.startswith("Result: ") and isinstance(json.loads(r.text[8:])["open"], bool)
+        gbnf = 'root ::= ("yes" | "no") ", " digit digit "%"\ndigit ::= [0-9]\n'
+        r = m.generate(ask, grammar=gbnf, **kw)
+        assert re.fullmatch(r"(yes|no), [0-9]{2}%", r.text), r.text
+        assert r.finish_reason == "stop"
+
+
+def test_uncompilable_constraints_are_clear_errors(model):
+    tok = model.tokenizer
+    for name, schema, needle in UNSUPPORTED:
+        with pytest.raises(ConstraintError, match=re.escape(needle)) as e:
+            compile_constraint(tok, _spec(schema))
+        assert "\n" not in str(e.value) and isinstance(e.value, RequestError)
+    bad = [({"type": "regex", "regex": "a("}, "unclosed group"),
+           ({"type": "lark", "grammar": "start: foo"}, "unknown name"),
+           ({"type": "gbnf", "grammar": 'root ::= "a" missing'}, "missing"),
+           ({"type": "xml"}, "unknown constraint type 'xml'"),
+           ({"type": "json_schema", "schema": "{not json"}, "not valid JSON"),
+           ({"type": "json_schema", "schema": [1]}, "must be a JSON object")]
+    for spec, needle in bad:
+        with pytest.raises(ConstraintError, match=re.escape(needle)) as e:
+            compile_constraint(tok, spec)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ConstraintError, match="at most one"):
+        model.generate("hi", json_schema={"type": "object"}, regex="a+")
+
+
+def test_compile_cache_and_json_object(model):
+    tok = model.tokenizer
+    spec = _spec(SCHEMAS[3][1])
+    g1 = compile_constraint(tok, spec)
+    assert compile_constraint(tok, json.loads(json.dumps(spec))) is g1  # cached by content
+    assert g1.compile_s > 0
+    g = compile_constraint(tok, {"type": "json_object"})
+    (r,), _ = _run(model, [(_prompt(model, *SCHEMAS[0]), g)],
+                   SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    assert r["finish"] == "stop" and isinstance(json.loads(r["text"]), dict)
+    other = memfit.load(str(model.path), n_ctx=256)  # another tokenizer object
+    try:
+        with pytest.raises(RequestError, match="another tokenizer"):
+            other.engine.add_request([1, 2], SamplingParams(), constraint=g)
+    finally:
+        other.close()
+
+
+def test_logit_bias_bans_and_forces(model):
+    m = model
+    prompt = "The capital of France is"
+    base = m.generate(prompt, max_tokens=8, temperature=0)
+    banned = sorted(set(base.ids))
+    r = m.generate(prompt, max_tokens=8, temperature=0, logit_bias={t: -100 for t in banned})
+    assert not set(r.ids) & set(banned)
+    # string keys (JSON objects' keys) are token ids too; sampled at temperature 1.5
+    r = m.generate(prompt, max_tokens=8, temperature=1.5, seed=1,
+                   logit_bias={str(t): -100.0 for t in banned})
+    assert not set(r.ids) & set(banned)
+    force = m.tokenize(" banana", add_special=False)[-1]
+    for temperature in (0.0, 1.5):
+        r = m.generate(prompt, max_tokens=6, temperature=temperature, seed=2,
+                       logit_bias={force: 100})
+        assert r.ids == [force] * 6
+    # with a constraint, the bias works inside the grammar's choices
+    no = m.tokenize("no", add_special=False)
+    assert len(no) == 1
+    r = m.generate(prompt, max_tokens=20, temperature=0, regex="(yes|no)", logit_bias={no[0]: 100})
+    assert r.text == "no"
+
+
+def test_logit_bias_validation(model):
+    m = model
+    nv = m.tokenizer.n_vocab
+    for bias, needle in [({1: 101}, "[-100, 100]"), ({1: float("nan")}, "[-100, 100]"),
+                         ({"x": 1}, "token id"), ([1, 2], "object"), ({1: True}, "[-100, 100]")]:
+        with pytest.raises(RequestError, match=re.escape(needle)):
+            SamplingParams(logit_bias=bias)
+    with pytest.raises(RequestError, match=f"outside the vocabulary \\(0..{nv - 1}\\)"):
+        m.generate("hi", max_tokens=1, logit_bias={nv: 5})
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        m.generate("hi", max_tokens=1, logit_bias={-1: 5})
+    assert SamplingParams(logit_bias={}).logit_bias is None
