@@ -5,14 +5,15 @@ the grammar forces, and schema compile time, on real models (resident, one seque
                                          [--json out.json]
 
 Per model, greedy:
-  free       the same prompts without a constraint, ignore_eos, as many tokens as the
-             constrained runs made on average (the plain decode speed)
+  free       the same prompt without a constraint, ignore_eos, as many tokens as the
+             constrained run made (the plain decode speed)
   json       each schema of tests/schemas.py (the first --schemas) as the constraint, forced
              tokens fed together in the next forward (the engine's default)
   json-noff  the same with fast_forward off (MEMFIT_FF=0): forced tokens one forward each
 decode tok/s = generated tokens / time from the first sampled token to the last (the
-engine's Timings: predicted_n / predicted_ms). compile = compile_constraint on a cold cache
-(the tokenizer wrapper is built once before, its time shown apart).
+engine's Timings: predicted_n / predicted_ms); the three modes run one after the other for
+each prompt (a shared machine's load drifts alike for all). compile = compile_constraint on a
+cold cache (the tokenizer wrapper is built once before, its time shown apart).
 """
 
 from __future__ import annotations
@@ -72,13 +73,12 @@ def bench_model(name: str, n_schemas: int, max_tokens: int) -> dict:
                f"Reply with a JSON example of a {n.replace('_', ' ')} following this schema: "
                f"{json.dumps(s)}"}])) for n, s in chosen]
     _generate(m, prompts[0], None, 8)  # warm-up
-    rows = {}
-    for mode in ("json", "json-noff"):
-        runs = [_generate(m, ids, g, max_tokens, fast_forward=mode == "json")
-                for ids, g in zip(prompts, grammars)]
-        rows[mode] = runs
-    mean_n = max(8, round(statistics.mean(r["n"] for r in rows["json"])))
-    rows["free"] = [_generate(m, ids, None, mean_n, ignore_eos=True) for ids in prompts]
+    rows = {"json": [], "json-noff": [], "free": []}
+    for ids, g in zip(prompts, grammars):
+        rows["json"].append(_generate(m, ids, g, max_tokens))
+        rows["json-noff"].append(_generate(m, ids, g, max_tokens, fast_forward=False))
+        n = max(8, rows["json"][-1]["n"])
+        rows["free"].append(_generate(m, ids, None, n, ignore_eos=True))
     out = {"model": name, "n_vocab": tok.n_vocab, "schemas": len(chosen),
            "tokenizer_build_s": round(tok_s, 3),
            "compile_ms_median": round(statistics.median(compile_ms), 2),

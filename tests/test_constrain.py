@@ -137,12 +137,17 @@ def test_forced_tokens_outputs_logprobs_and_max_tokens(model):
     m = model
     name, schema = SCHEMAS[1]
     g = compile_constraint(m.tokenizer, _spec(schema))
+    f0 = m.engine.n_forced
     (r,), _ = _run(m, [(_prompt(m, name, schema), g)],
                    SamplingParams(temperature=0, max_tokens=MAX_TOKENS), n_top=3)
+    n_forced = m.engine.n_forced - f0
     outs = [o for o in r["outs"] if o.token is not None]
-    forced = [o for o in outs if o.logprob == 0.0 and o.top == [[o.token, 0.0]]]
-    assert len(forced) >= 5  # '{"name": "' and the other keys
-    assert all(o.logprob < 0 and len(o.top) == 3 for o in outs if o not in forced)
+    certain = [o for o in outs if o.logprob == 0.0 and o.top == [[o.token, 0.0]]]
+    assert len(certain) >= n_forced >= 5  # '{"name": "' and the other keys
+    # sampled rows: logprobs of the masked distribution, only tokens the grammar allows
+    for o in outs:
+        assert 1 <= len(o.top) <= 3 and all(-1e9 < lp <= 0.0 for _, lp in o.top)
+        assert o.top[0][0] == o.token and o.logprob == pytest.approx(o.top[0][1], abs=1e-6)
     # max_tokens counts forced tokens: a cut JSON text ends with "length"
     (cut,), _ = _run(m, [(_prompt(m, name, schema), g)], SamplingParams(temperature=0, max_tokens=7))
     assert cut["finish"] == "length" and len(cut["ids"]) == 7

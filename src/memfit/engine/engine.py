@@ -21,6 +21,9 @@ top [[token, 0.0]] when n_top > 0: they were not sampled); the next decode step 
 together as rows of their sequence, so they cost no forward each. They count toward
 max_tokens. ``fast_forward = False`` (env MEMFIT_FF=0) feeds them one per step instead: the
 same tokens and the same outputs, one forward each (the comparison for tests and benches).
+``top`` / ``logprob`` of a row with logit_bias or a grammar come from its logits after the
+bias and the mask (the distribution the token is drawn from, before penalties, as
+llama-server's n_probs); tokens they exclude are left out of ``top``.
 """
 
 from __future__ import annotations
@@ -47,10 +50,11 @@ from .sequence import Sequence, Status
 @dataclass
 class StepOutput:
     request_id: str
-    token: int | None          # the token sampled this step (None: an abort notice)
+    token: int | None          # a token generated this step (None: an abort notice); a step
+                               # emits several for one request when a grammar forces tokens
     text: str                  # new text ('' mid UTF-8 / while a stop string is pending)
-    top: list | None           # [[id, logprob], ...] when n_top > 0
-    logprob: float | None      # logprob of `token` (when n_top > 0)
+    top: list | None           # [[id, logprob], ...] when n_top > 0 ([[id, 0.0]]: forced)
+    logprob: float | None      # logprob of `token` (when n_top > 0; 0.0 for a forced token)
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort"
     prompt_n: int              # prompt tokens
@@ -179,7 +183,7 @@ class Engine:
         for s in sched.seqs:
             if not s.t_prefill_start:
                 s.t_prefill_start = now
-        # the rows that sample this step, in the runner's order: (sequence, logits row)
+        # the sequences that sample this step: one logits row each, in the runner's order
         rows = []
         for s, k in zip(sched.seqs, sched.n_tokens):
             if s.n_computed + k == len(s.tokens):
@@ -215,6 +219,8 @@ class Engine:
             # that compiled); end the text here rather than emit a token it rejects
             return [self._finish(s, None, "", None, None, "stop")]
         top = top_logprobs(logits, s.n_top) if s.n_top > 0 else None
+        if top is not None and (m is not None or s.bias is not None):
+            top = [t for t in top if t[1] > 0]  # not the tokens the mask or a -100 bias removed
         tok = int(s.sampler.sample(logits, s.tokens))
         s.tokens.append(tok)
         lp = None
