@@ -264,3 +264,23 @@ def test_logit_bias_validation(model):
     with pytest.raises(RequestError, match="outside the vocabulary"):
         m.generate("hi", max_tokens=1, logit_bias={-1: 5})
     assert SamplingParams(logit_bias={}).logit_bias is None
+
+
+def test_special_tokens_are_never_grammar_text(model):
+    """Control tokens (<|im_start|>, <start_of_turn>, ...) are not text a grammar can produce:
+    with a grammar that takes any text, only end-of-generation ids among them are allowed
+    (where the grammar may end), and the text grammar excludes nothing else."""
+    from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+    from memfit.constrain.tokenizer import _Vocab
+
+    tok = model.tokenizer
+    special = set(_Vocab(tok).special_token_ids)
+    assert len(special) >= 3
+    g = compile_constraint(tok, {"type": "regex", "regex": "(.|\n){0,40}"})
+    mask = allocate_token_bitmask(1, tok.n_vocab)
+    fill_next_token_bitmask(g.matcher().ll, mask)
+    bits = np.unpackbits(mask.view(np.uint8), count=tok.n_vocab, bitorder="little").astype(bool)
+    allowed = set(np.flatnonzero(bits).tolist())
+    assert allowed & special == set(tok.eog_ids) & special
+    assert len(allowed) > 0.9 * tok.n_vocab - len(special)
