@@ -284,3 +284,53 @@ def test_special_tokens_are_never_grammar_text(model):
     allowed = set(np.flatnonzero(bits).tolist())
     assert allowed & special == set(tok.eog_ids) & special
     assert len(allowed) > 0.9 * tok.n_vocab - len(special)
+
+
+TOOL_CALL = {
+    "type": "object",
+    "properties": {
+        "name": {"enum": ["get_weather", "get_time"]},
+        "arguments": {"type": "object",
+                      "properties": {"city": {"type": "string", "maxLength": 12},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                      "required": ["city", "days"], "additionalProperties": False}},
+    "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def test_random_weights_follow_the_schema_alone_batched_preempted(tmp_path):
+    """A tiny model with random weights still writes valid JSON under the constraint; each
+    sequence (greedy or sampled with its seed) gets the same tokens alone, batched with the
+    others, and evicted and recomputed from a pool too small for all (forced tokens too)."""
+    from memfit.engine.engine import Engine
+    from memfit.gguf import open_gguf
+    from memfit.models import load_model
+    from memfit.models.synthetic import write_tiny_model
+    from memfit.ops import get_ops
+    from memfit.tokenizer import Tokenizer
+
+    f = open_gguf(write_tiny_model(tmp_path / "q.gguf", "qwen2", "Q4_K", seed=3))
+    model, tok = load_model(f, ops=get_ops("native")), Tokenizer.from_metadata(f.metadata)
+    g = compile_constraint(tok, _spec(TOOL_CALL))
+    prompts = [[5, 17, 200], [33, 290, 0, 64], list(range(40, 69)), [255], [9, 9, 9]]
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=120)
+              for t, s in [(0, None), (1.0, 1), (0.7, 2), (1.5, 3), (0, None)]]
+
+    def run(eng, idx):
+        rids = {eng.add_request(prompts[i], params[i], constraint=g): i for i in idx}
+        got = {i: [] for i in idx}
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.token is not None:
+                    got[rids[o.request_id]].append(o.token)
+        assert eng.pool.n_used == 0
+        return got
+
+    alone = {i: run(Engine(model, tok, n_ctx=256), [i])[i] for i in range(len(prompts))}
+    for i, ids in alone.items():
+        jsonschema.validate(json.loads(tok.decode(ids)), TOOL_CALL)
+    eng = Engine(model, tok, n_ctx=256, n_parallel=4)
+    assert run(eng, range(len(prompts))) == alone
+    assert eng.stats()["forced_tokens"] > 0.3 * eng.stats()["constrained_tokens"]
+    small = Engine(model, tok, n_ctx=256, n_parallel=4, n_blocks=6)
+    assert run(small, range(len(prompts))) == alone
+    assert small.scheduler.n_preempted > 0
