@@ -2,7 +2,7 @@
 the grammar forces, and schema compile time, on real models (resident, one sequence).
 
     python benchmarks/constrain_bench.py [--models smollm2-135m gemma3-270m] [--schemas 8]
-                                         [--json out.json]
+                                         [--repeat 3] [--lean] [--json out.json]
 
 Per model, greedy:
   free       the same prompt without a constraint, ignore_eos, as many tokens as the
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -89,6 +90,7 @@ def bench_model(name: str, n_schemas: int, max_tokens: int, repeat: int) -> dict
         for k in rows:
             rows[k].append(best(got[k]))
     out = {"model": name, "n_vocab": tok.n_vocab, "schemas": len(chosen), "repeat": repeat,
+           "llg_slices": os.environ["MEMFIT_LLG_SLICES"] == "1",
            "tokenizer_build_s": round(tok_s, 3),
            "compile_ms_median": round(statistics.median(compile_ms), 2),
            "compile_ms_max": round(max(compile_ms), 2), "modes": {}}
@@ -111,8 +113,11 @@ def main() -> int:
     ap.add_argument("--schemas", type=int, default=8, help="how many of tests/schemas.py")
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--repeat", type=int, default=3, help="runs per prompt and mode; the fastest counts")
+    ap.add_argument("--lean", action="store_true",
+                    help="llguidance's tables without slices, as under a memory budget")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     a = ap.parse_args()
+    os.environ["MEMFIT_LLG_SLICES"] = "0" if a.lean else "1"
     results = [bench_model(n, a.schemas, a.max_tokens, a.repeat) for n in a.models]
     print(f"{'model':14s} {'mode':10s} {'tokens':>6s} {'tok/s':>8s} {'vs free':>7s} "
           f"{'forced':>6s} {'forwards':>8s}")
@@ -124,7 +129,6 @@ def main() -> int:
               f"{r['compile_ms_max']:.1f} ms; tokenizer wrapper {r['tokenizer_build_s']:.2f} s "
               f"({r['n_vocab']} tokens)")
     if a.json:
-        import os
         import platform
         cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
                     if ln.startswith("model name")), platform.processor())

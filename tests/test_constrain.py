@@ -334,3 +334,19 @@ def test_random_weights_follow_the_schema_alone_batched_preempted(tmp_path):
     small = Engine(model, tok, n_ctx=256, n_parallel=4, n_blocks=6)
     assert run(small, range(len(prompts))) == alone
     assert small.scheduler.n_preempted > 0
+
+
+def test_under_a_budget_the_tables_are_lean(smollm2_path):
+    """With a memory budget the engine asks for llguidance's tables without slices (half the
+    bytes, constrain/tokenizer.py); constrained output is the same text either way."""
+    name, schema = SCHEMAS[0]
+    with memfit.load(str(smollm2_path), n_ctx=512, mem_budget="200MiB") as m:
+        assert m.ledger is not None and m.tokenizer.llg_lean is True
+        lean = m.generate(_prompt(m, name, schema), max_tokens=MAX_TOKENS, temperature=0,
+                          json_schema=schema)
+    jsonschema.validate(json.loads(lean.text), schema)
+    with memfit.load(str(smollm2_path), n_ctx=512) as m:
+        assert not getattr(m.tokenizer, "llg_lean", False)
+        full = m.generate(_prompt(m, name, schema), max_tokens=MAX_TOKENS, temperature=0,
+                          json_schema=schema)
+    assert full.ids == lean.ids

@@ -72,6 +72,8 @@ class Engine:
         c = model.config
         cache_type = cache_type or ("f16" if getattr(model, "kv_f16", True) else "f32")
         self.model, self.tokenizer = model, tokenizer
+        if ledger is not None and ledger.budget is not None:
+            tokenizer.llg_lean = True  # constrain/tokenizer.py: llguidance's smaller tables
         self.n_ctx, self.n_parallel, self.n_batch = n_ctx, n_parallel, n_batch
         self.pool = KVPool.of(kv_layout(c), n_blocks or kv_pool_blocks(n_ctx, n_parallel),
                               cache_type, ledger=ledger, cache_type_v=cache_type_v)
