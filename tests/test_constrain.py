@@ -339,8 +339,11 @@ def test_random_weights_follow_the_schema_alone_batched_preempted(tmp_path):
 def test_under_a_budget_the_tables_are_lean(smollm2_path):
     """With a memory budget the engine asks for llguidance's tables without slices (half the
     bytes, constrain/tokenizer.py); constrained output is the same text either way."""
+    from memfit.memory.budget import current_rss
+
     name, schema = SCHEMAS[0]
-    with memfit.load(str(smollm2_path), n_ctx=512, mem_budget="200MiB") as m:
+    # the floor counts this process's baseline (other tests' models may be loaded)
+    with memfit.load(str(smollm2_path), n_ctx=512, mem_budget=current_rss() + 300 * 2**20) as m:
         assert m.ledger is not None and m.tokenizer.llg_lean is True
         lean = m.generate(_prompt(m, name, schema), max_tokens=MAX_TOKENS, temperature=0,
                           json_schema=schema)
@@ -350,3 +353,24 @@ def test_under_a_budget_the_tables_are_lean(smollm2_path):
         full = m.generate(_prompt(m, name, schema), max_tokens=MAX_TOKENS, temperature=0,
                           json_schema=schema)
     assert full.ids == lean.ids
+
+
+def test_unbounded_numbers_end(model):
+    """An integer without bounds is held to 16 digits (llama.cpp's limit): a small model that
+    repeats a digit still ends its JSON; bounds and enum data of the schema are kept."""
+    from memfit.constrain import NUMBER_LIMIT, _bound_numbers
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "population": {"type": "integer"}},
+              "required": ["city", "population"], "additionalProperties": False}
+    text = model.apply_chat_template([{"role": "user", "content": "The largest city in France"}])
+    r = model.generate(text, max_tokens=60, temperature=0, json_schema=schema)
+    assert r.finish_reason == "stop"
+    doc = json.loads(r.text)
+    jsonschema.validate(doc, schema)
+    assert abs(doc["population"]) <= NUMBER_LIMIT
+    s = {"type": "object", "properties": {"a": {"type": ["integer", "null"], "minimum": 3},
+                                          "b": {"enum": [{"type": "integer"}]}}}
+    b = _bound_numbers(s)
+    assert b["properties"]["a"] == {"type": ["integer", "null"], "minimum": 3, "maximum": NUMBER_LIMIT}
+    assert b["properties"]["b"] == s["properties"]["b"] and "maximum" not in s["properties"]["a"]

@@ -19,7 +19,9 @@ Spec forms (``compile_constraint``):
 JSON is generated in one fixed layout, ``{"a": 1, "b": [2, 3]}`` (no free whitespace): the
 layout models write most, it makes the separators forced tokens, and it keeps a small model
 from filling its answer with newlines. A schema may choose another with llguidance's
-``"x-guidance"`` key (e.g. ``{"whitespace_flexible": true}``).
+``"x-guidance"`` key (e.g. ``{"whitespace_flexible": true}``). Unbounded integers and numbers
+are held to 16 integral digits (llama.cpp's limit). ``strict`` is accepted and changes
+nothing: the schema is always enforced, and what llguidance cannot enforce is an error.
 """
 
 from __future__ import annotations
@@ -104,6 +106,31 @@ def _one_line(msg: str) -> str:
     return text if len(text) <= _MAX_MESSAGE else text[:_MAX_MESSAGE - 3] + "..."
 
 
+# Integers and numbers without a bound get one of 16 integral digits, as llama.cpp's schema
+# converter gives them: a small model can otherwise write digits until max_tokens
+NUMBER_LIMIT = 10**16 - 1
+# keywords whose values are data or maps of names, not schemas of numbers
+_DATA_KEYS = {"enum", "const", "default", "examples", "required", "x-guidance"}
+
+
+def _bound_numbers(node):
+    """A copy of a JSON schema where every integer/number schema without a minimum or a
+    maximum gets +-NUMBER_LIMIT."""
+    if isinstance(node, list):
+        return [_bound_numbers(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: v if k in _DATA_KEYS else _bound_numbers(v) for k, v in node.items()}
+    t = node.get("type")
+    types = t if isinstance(t, list) else [t]
+    if "integer" in types or "number" in types:
+        if "minimum" not in node and "exclusiveMinimum" not in node:
+            out["minimum"] = -NUMBER_LIMIT
+        if "maximum" not in node and "exclusiveMaximum" not in node:
+            out["maximum"] = NUMBER_LIMIT
+    return out
+
+
 def _ll_grammar(spec: dict) -> tuple[str, str]:
     """spec -> (llguidance grammar text, what it is for messages); ConstraintError if malformed."""
     import llguidance as llg
@@ -126,7 +153,8 @@ def _ll_grammar(spec: dict) -> tuple[str, str]:
         if not isinstance(strict, bool) and strict is not None:
             raise ConstraintError(f"json_schema.strict must be a boolean, got {strict!r}")
         try:
-            g = llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            g = llg.LLMatcher.grammar_from_json_schema(_bound_numbers(schema),
+                                                        defaults=JSON_OPTIONS)
         except (ValueError, TypeError) as e:
             raise ConstraintError(f"json_schema.schema: {_one_line(e)}") from None
         return g, "json_schema.schema"
