@@ -22,8 +22,8 @@ together as rows of their sequence, so they cost no forward each. They count tow
 max_tokens. ``fast_forward = False`` (env MEMFIT_FF=0) feeds them one per step instead: the
 same tokens and the same outputs, one forward each (the comparison for tests and benches).
 ``top`` / ``logprob`` of a row with logit_bias or a grammar come from its logits after the
-bias and the mask (the distribution the token is drawn from, before penalties, as
-llama-server's n_probs); tokens they exclude are left out of ``top``.
+bias and the mask (the distribution the token is drawn from, before penalties and
+temperature); tokens they exclude are left out of ``top``.
 """
 
 from __future__ import annotations
