@@ -66,3 +66,26 @@ def smollm2_path() -> Path:
 def gemma_path() -> Path:
     from memfit.pull import pull
     return pull("gemma3-270m", quiet=True)
+
+
+TEMPLATES = Path(__file__).parent / "data" / "templates"
+
+
+def template_model(tmp_path_factory, template: str) -> Path:
+    """A tiny random qwen2 file (ChatML-like vocabulary, 4096 context) carrying a real chat
+    template from tests/data/templates: tool-call and reasoning tests on random weights."""
+    from memfit.models.synthetic import write_tiny_model
+    return write_tiny_model(tmp_path_factory.mktemp("tpl") / "tiny.gguf", "qwen2", "Q8_0",
+                            n_ctx=4096, chat_template=(TEMPLATES / template).read_text())
+
+
+@pytest.fixture(scope="session")
+def qwen_tools_model(tmp_path_factory) -> Path:
+    """Qwen2.5's template: tools, Hermes-style <tool_call> calls."""
+    return template_model(tmp_path_factory, "Qwen-Qwen2.5-7B-Instruct.jinja")
+
+
+@pytest.fixture(scope="session")
+def r1_model(tmp_path_factory) -> Path:
+    """DeepSeek-R1-Distill's template: the generation prompt opens <think>."""
+    return template_model(tmp_path_factory, "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja")

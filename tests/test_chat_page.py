@@ -9,7 +9,6 @@ MEMFIT_SCREENSHOT=PATH saves a screenshot of the page after an answer (docs/chat
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -194,10 +193,6 @@ def test_stop_aborts_generation(server, browser):
 
 # ----------------------------------------------------------------------------- tools, reasoning
 
-needs_parsers = pytest.mark.skipif(importlib.util.find_spec("memfit.server.toolcalls") is None,
-                                   reason="needs the tool-call and reasoning parsers "
-                                          "(memfit/server/toolcalls.py)")
-
 WEATHER = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -222,7 +217,6 @@ def _new_chat(d) -> None:
     _wait(d, lambda: not d.find_elements(By.CSS_SELECTOR, ".msg"), 5, "an empty conversation")
 
 
-@needs_parsers
 def test_tool_call_conversation(server, browser):
     d = browser
     _ready(d, server)
@@ -276,7 +270,6 @@ def think_server(smollm2_path, tmp_path_factory):
     s.stop()
 
 
-@needs_parsers
 def test_reasoning_shown_apart(think_server, browser):
     d = browser
     d.get(think_server.url + "/")    # no API key on this server: no key box

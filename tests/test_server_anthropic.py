@@ -234,42 +234,18 @@ TOOLS = [{"name": "get_weather", "description": "The weather in a city.",
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-def _tiny_model(tmp_path_factory, template: str):
-    """A tiny random qwen2 file with a real chat template from tests/data/templates, with
-    room for tool definitions (until tests/conftest.py has qwen_tools_model)."""
-    from pathlib import Path
-
-    from memfit.models import synthetic
-    src = Path(__file__).parent / "data" / "templates" / template
-    if not src.is_file():
-        pytest.skip(f"{src} is not there")
-    before = synthetic.CHAT_TEMPLATE
-    synthetic.CHAT_TEMPLATE = src.read_text()   # write_tiny_model writes this template
-    try:
-        return synthetic.write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny.gguf",
-                                          "qwen2", "Q8_0", n_ctx=4096)
-    finally:
-        synthetic.CHAT_TEMPLATE = before
-
-
 @pytest.fixture(scope="module")
 def tools_client(request):
     """A server on a tiny random-weight model whose template supports tools (the chat core's
     fixture); the tool-call constraint makes even random weights produce a valid call."""
-    pytest.importorskip("memfit.server.toolcalls")
-    pytest.importorskip("memfit.constrain")
-    try:
-        path = request.getfixturevalue("qwen_tools_model")
-    except pytest.FixtureLookupError:
-        path = _tiny_model(request.getfixturevalue("tmp_path_factory"),
-                           "Qwen-Qwen2.5-7B-Instruct.jinja")
+    path = request.getfixturevalue("qwen_tools_model")
     s = ServerProcess([str(path), "--alias", "qwen-tools", "-np", "2"])
     request.addfinalizer(s.stop)
     return anthropic.Anthropic(base_url=s.url, api_key="unused", max_retries=0, timeout=120)
 
 
 def test_tool_use_conversation(tools_client):
-    jsonschema = pytest.importorskip("jsonschema")
+    import jsonschema
     c = tools_client
     m = c.messages.create(model="qwen-tools", max_tokens=200, tools=TOOLS, messages=ASK,
                           tool_choice={"type": "any", "disable_parallel_tool_use": True},
@@ -292,7 +268,7 @@ def test_tool_use_conversation(tools_client):
 
 
 def test_tool_use_streamed(tools_client):
-    jsonschema = pytest.importorskip("jsonschema")
+    import jsonschema
     with tools_client.messages.stream(model="qwen-tools", max_tokens=200, tools=TOOLS,
                                       messages=ASK, extra_body=T0,
                                       tool_choice={"type": "tool", "name": "get_weather",
@@ -314,8 +290,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 
 def test_output_config_json_schema(client):
-    pytest.importorskip("memfit.constrain")
-    jsonschema = pytest.importorskip("jsonschema")
+    import jsonschema
     m = client.messages.create(model="smollm2", max_tokens=200, extra_body=T0,
                                messages=[{"role": "user", "content": "Describe a person as JSON."}],
                                output_config={"format": {"type": "json_schema", "schema": PERSON}})
@@ -343,7 +318,6 @@ def test_stream_disconnect_stops_generation(server):
 
 
 def test_unsupported_schema_is_400(server):
-    pytest.importorskip("memfit.constrain")
     r = httpx.post(server.url + "/v1/messages", timeout=30, json={
         "model": "smollm2", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
         "output_config": {"format": {"type": "json_schema",
@@ -357,12 +331,10 @@ def test_unsupported_schema_is_400(server):
 # ----------------------------------------------------------------------------- reasoning
 
 @pytest.fixture(scope="module")
-def reasoning_server(request, tmp_path_factory):
+def reasoning_server(request, r1_model):
     """A tiny random model with DeepSeek-R1's template, which opens <think> in the generation
     prompt when thinking is on: random weights never close it, so all output is reasoning."""
-    pytest.importorskip("memfit.server.toolcalls")
-    path = _tiny_model(tmp_path_factory, "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja")
-    s = ServerProcess([str(path), "--alias", "r1", "-np", "1"])
+    s = ServerProcess([str(r1_model), "--alias", "r1", "-np", "1"])
     request.addfinalizer(s.stop)
     return s
 

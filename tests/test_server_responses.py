@@ -222,42 +222,18 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather
           "parameters": CITY_SCHEMA, "strict": True}]
 
 
-def _tiny_model(tmp_path_factory, template: str):
-    """A tiny random qwen2 file with a real chat template from tests/data/templates, with
-    room for tool definitions (until tests/conftest.py has qwen_tools_model)."""
-    from pathlib import Path
-
-    from memfit.models import synthetic
-    src = Path(__file__).parent / "data" / "templates" / template
-    if not src.is_file():
-        pytest.skip(f"{src} is not there")
-    before = synthetic.CHAT_TEMPLATE
-    synthetic.CHAT_TEMPLATE = src.read_text()   # write_tiny_model writes this template
-    try:
-        return synthetic.write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny.gguf",
-                                          "qwen2", "Q8_0", n_ctx=4096)
-    finally:
-        synthetic.CHAT_TEMPLATE = before
-
-
 @pytest.fixture(scope="module")
 def tools_client(request):
     """A server on a tiny random-weight model whose template supports tools (the chat core's
     fixture); the tool-call constraint makes even random weights produce a valid call."""
-    pytest.importorskip("memfit.server.toolcalls")
-    pytest.importorskip("memfit.constrain")
-    try:
-        path = request.getfixturevalue("qwen_tools_model")
-    except pytest.FixtureLookupError:
-        path = _tiny_model(request.getfixturevalue("tmp_path_factory"),
-                           "Qwen-Qwen2.5-7B-Instruct.jinja")
+    path = request.getfixturevalue("qwen_tools_model")
     s = ServerProcess([str(path), "--alias", "qwen-tools", "-np", "2"])
     request.addfinalizer(s.stop)
     return openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=120)
 
 
 def _validate(arguments: str) -> dict:
-    jsonschema = pytest.importorskip("jsonschema")
+    import jsonschema
     args = json.loads(arguments)
     jsonschema.validate(args, CITY_SCHEMA)
     return args
@@ -316,8 +292,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 
 def test_text_format_json_schema(client):
-    pytest.importorskip("memfit.constrain")
-    jsonschema = pytest.importorskip("jsonschema")
+    import jsonschema
     r = client.responses.create(model="smollm2", input="Describe a person as JSON.",
                                 max_output_tokens=200, temperature=0,
                                 text={"format": {"type": "json_schema", "name": "person",
@@ -354,7 +329,6 @@ def test_stream_disconnect_stops_generation(server):
 
 
 def test_unsupported_schema_is_400(server):
-    pytest.importorskip("memfit.constrain")
     r = httpx.post(server.url + "/v1/responses", timeout=30, json={
         "model": "smollm2", "input": "x", "text": {"format": {
             "type": "json_schema", "name": "x",
@@ -384,12 +358,10 @@ def test_response_store_bounds():
 # ----------------------------------------------------------------------------- reasoning
 
 @pytest.fixture(scope="module")
-def reasoning_server(request, tmp_path_factory):
+def reasoning_server(request, r1_model):
     """A tiny random model with DeepSeek-R1's template, which opens <think> in the generation
     prompt when thinking is on: random weights never close it, so all output is reasoning."""
-    pytest.importorskip("memfit.server.toolcalls")
-    path = _tiny_model(tmp_path_factory, "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja")
-    s = ServerProcess([str(path), "--alias", "r1", "-np", "1"])
+    s = ServerProcess([str(r1_model), "--alias", "r1", "-np", "1"])
     request.addfinalizer(s.stop)
     return s
 

@@ -64,14 +64,15 @@ class Model:
     def __init__(self, model: str | os.PathLike | None = None, threads: int | None = None,
                  n_ctx: int | None = None, backend: str | None = None, quiet: bool = True,
                  mem_budget: int | str | None = None, n_parallel: int = 1,
-                 cache_type_k: str = "f16", cache_type_v: str = "f16", *, runtime=None):
+                 cache_type_k: str = "f16", cache_type_v: str = "f16", *, runtime=None,
+                 constrained: bool = False):
         """Plan and load (memfit.runtime.Runtime), or load the planned ``runtime`` given
         (serve plans before its port opens)."""
         from .runtime import Runtime
         rt = runtime if runtime is not None else Runtime(
             model, threads=threads, n_ctx=n_ctx, backend=backend, quiet=quiet,
             mem_budget=mem_budget, n_parallel=n_parallel, cache_type_k=cache_type_k,
-            cache_type_v=cache_type_v)
+            cache_type_v=cache_type_v, constrained=constrained)
         self.runtime = rt.load()
         self.path, self.file, self.store, self.ledger = rt.path, rt.file, rt.store, rt.ledger
         self.plan = rt.plan if rt.use_store else None  # the plan a weight store executes

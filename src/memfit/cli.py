@@ -236,7 +236,9 @@ def _load(a, n_ctx=None, n_parallel=1):
               backend=getattr(a, "backend", None), quiet=quiet,
               mem_budget=getattr(a, "mem_budget", None), n_parallel=n_parallel,
               cache_type_k=getattr(a, "cache_type_k", "f16"),
-              cache_type_v=getattr(a, "cache_type_v", "f16"))
+              cache_type_v=getattr(a, "cache_type_v", "f16"),
+              constrained=any(getattr(a, k, None) is not None
+                              for k in ("json_schema", "grammar", "regex")))
     if not quiet:
         tiers = ""
         if m.plan is not None:

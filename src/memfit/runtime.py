@@ -33,7 +33,8 @@ class Runtime:
     def __init__(self, model: str | os.PathLike | None = None, *, threads: int | None = None,
                  n_ctx: int | None = None, backend: str | None = None, quiet: bool = True,
                  mem_budget: int | str | None = None, n_parallel: int = 1,
-                 cache_type_k: str = "f16", cache_type_v: str = "f16", bandwidth=None):
+                 cache_type_k: str = "f16", cache_type_v: str = "f16", bandwidth=None,
+                 constrained: bool = False):
         from .gguf import open_gguf
         from .pull import resolve_model
 
@@ -41,6 +42,7 @@ class Runtime:
         self.routing = None
         self.loaded = self.closed = False
         self.backend, self.quiet = backend, quiet
+        self.constrained = constrained  # the plan reserves the structured-output tables
         self.path = Path(resolve_model(str(model) if model is not None else None, quiet=quiet))
         self.file = open_gguf(self.path)
         try:
@@ -143,7 +145,8 @@ class Runtime:
                 try:
                     memo[key] = plan(d, self.budget, c, threads, self.bandwidth,
                                      baseline_bytes=self.baseline, n_parallel=self.n_parallel,
-                                     expert_counts=counts, expert_policy=policy, **k)
+                                     expert_counts=counts, expert_policy=policy,
+                                     constrained=self.constrained, **k)
                 except BudgetError as e:  # a refusal is remembered as well
                     memo[key] = e
             r = memo[key]

@@ -639,10 +639,13 @@ def _place_experts(m: ModelDesc, room: int, counts) -> _Experts:
 def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Bandwidth,
          *, baseline_bytes: int, n_batch: int = 512, overlap_io: bool = True,
          logits_all: bool = False, kv_bytes_per_elem: float | None = None, n_parallel: int = 1,
-         cache_type_k: str = "f16", cache_type_v: str = "f16", expert_counts=None, expert_policy: str = "lru") -> Plan:
+         cache_type_k: str = "f16", cache_type_v: str = "f16", expert_counts=None, expert_policy: str = "lru",
+         constrained: bool = False) -> Plan:
     """Place every tensor in a tier within `budget` bytes. Pure: no I/O, no measurement.
     baseline_bytes: the measured runtime RSS; kv_bytes_per_elem: 2 for the f16 cache (4 for f32);
-    expert_counts: {layer: [routings per expert]} learned from earlier runs (hotset.py).
+    expert_counts: {layer: [routings per expert]} learned from earlier runs (hotset.py);
+    constrained: reserve the structured-output tables (constrain.tokenizer.table_bytes: built
+    once per vocabulary at the first constrained request; `memfit serve` always reserves them).
     Order: fixed costs (baseline, scratch, KV, staging), the dense trunk, the hot experts, the
     expert cache; below the floor BudgetError names the smallest budget that works."""
     assert n_ctx > 0 and threads > 0 and n_batch > 0 and n_parallel > 0
@@ -653,6 +656,9 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
     kv = kv_bytes(m, n_ctx, kv_bytes_per_elem, n_parallel, cache_type_k, cache_type_v)
     # the larger of the measured RSS and the model's predicted runtime (see RUNTIME_BASE_BYTES)
     baseline = max(baseline_bytes, m.runtime_bytes) + RUNTIME_EXTRA_BYTES + PROMPT_SCRATCH_BYTES
+    if constrained:
+        from ..constrain.tokenizer import table_bytes
+        baseline += table_bytes(m.n_vocab, lean=True)
     n_batch = min(n_batch, n_ctx)  # a prefill batch never exceeds the context
 
     def fixed(nb: int) -> int:

@@ -15,7 +15,8 @@ in _CONFIG_KEYS (n_rot, n_layer_dense_lead, n_layer_nextn, expert_group_*), shap
 ({name: float32 array} written as F32 as given); experts: n_expert, n_expert_used, n_ff_exp,
 n_ff_shexp, gating ("softmax" | "sigmoid"), expert_weights_norm (None: the arch's rule),
 expert_weights_scale (the last three for architectures whose spec reads them, routing_keys),
-metadata ({key: value} written as given, after the rest; lists as arrays).
+metadata ({key: value} written as given, after the rest; lists as arrays), chat_template (the
+jinja text to write instead of the ChatML one).
 arch "mixtral" writes a llama file with experts.
 """
 
@@ -165,6 +166,7 @@ def write_tiny_model(path, arch: str, qtype_name: str, seed: int = 0, **override
     types = dict(p.pop("types", {}) or {})
     arrays = dict(p.pop("arrays", {}) or {})
     extra_md = dict(p.pop("metadata", {}) or {})
+    chat_template = p.pop("chat_template", None) or CHAT_TEMPLATE
     rng = np.random.default_rng(seed)
     tokens, ttypes, merges = tiny_vocab()
     n_vocab = len(tokens)
@@ -194,7 +196,7 @@ def write_tiny_model(path, arch: str, qtype_name: str, seed: int = 0, **override
     w.add_bos_token_id(n_vocab - 3)
     w.add_eos_token_id(n_vocab - 1)
     w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    w.add_chat_template(chat_template)
 
     for t in spec.tensors(cfg):
         if t.name in skip or not (t.required or (t.name == "output.weight" and not p["tied"])

@@ -72,7 +72,7 @@ def _load_kwargs(a) -> dict:
     quantized KV formats come from another branch)."""
     from ..api import Model
     kw = dict(threads=a.threads, n_ctx=a.ctx_size, backend=a.backend, quiet=True,
-              mem_budget=a.mem_budget, n_parallel=a.parallel)
+              mem_budget=a.mem_budget, n_parallel=a.parallel, constrained=True)
     sig = inspect.signature(Model.__init__).parameters
     for k in ("cache_type_k", "cache_type_v"):
         v = getattr(a, k)
@@ -181,6 +181,10 @@ def serve(a) -> int:
         # queue wait is counting
         from ..memory.budget import trim_heap
         m.tokenizer.encode_limited("warm up", m.n_ctx)
+        # structured output's token tables (the plan reserved them): built now, not on the
+        # first constrained request
+        from ..constrain.tokenizer import ll_tokenizer
+        ll_tokenizer(m.tokenizer)
         trim_heap()
         state.model = m
         w = EngineWorker(m.engine, a.parallel, a.queue_timeout)
