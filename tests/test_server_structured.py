@@ -1,0 +1,226 @@
+"""Structured output, tool calls and reasoning through `memfit serve`'s chat completions and
+completions, with the official openai client: every schema of tests/schemas.py on both real
+models (response_format json_schema strict), JSON mode, GBNF/json_schema fields as llama-server
+takes them, 400s for what cannot be compiled; a tool-calling conversation (call -> tool result
+-> answer) streamed and not on a tiny random model with Qwen2.5's template, tool_choice
+required / named always giving arguments that validate; reasoning_content split on a template
+that thinks (DeepSeek-R1's)."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import jsonschema
+import pytest
+
+from _server import ServerProcess
+from schemas import SCHEMAS, UNSUPPORTED
+
+openai = pytest.importorskip("openai")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+MODELS = {"smollm2": "smollm2_path", "gemma": "gemma_path"}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def real(request):
+    path = request.getfixturevalue(MODELS[request.param])
+    s = ServerProcess([str(path), "--alias", request.param, "-c", "2048", "-np", "4"])
+    request.addfinalizer(s.stop)
+    return request.param, s, openai.OpenAI(base_url=s.base_url, api_key="unused",
+                                           max_retries=0, timeout=300)
+
+
+@pytest.mark.realmodel
+def test_every_schema_strict_parses_and_validates(real):
+    name, _, client = real
+    assert len(SCHEMAS) >= 20
+
+    def one(item):
+        sname, schema = item
+        r = client.chat.completions.create(
+            model=name, temperature=0, max_tokens=400,
+            messages=[{"role": "user", "content": f"Give an example {sname} as JSON."}],
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": sname, "schema": schema, "strict": True}})
+        c = r.choices[0]
+        assert c.finish_reason == "stop", (sname, c.message.content)
+        jsonschema.validate(json.loads(c.message.content), schema)
+        return sname
+    with ThreadPoolExecutor(4) as ex:       # the server batches them (-np 4)
+        assert sorted(ex.map(one, SCHEMAS)) == sorted(n for n, _ in SCHEMAS)
+
+
+@pytest.mark.realmodel
+def test_json_mode_streamed_and_completions(real):
+    name, s, client = real
+    parts = []
+    for ch in client.chat.completions.create(
+            model=name, temperature=0, max_tokens=300, stream=True,
+            messages=[{"role": "user", "content": "Give a JSON object with a cat's name and age."}],
+            response_format={"type": "json_object"}):
+        if ch.choices and ch.choices[0].delta.content:
+            parts.append(ch.choices[0].delta.content)
+        if ch.choices and ch.choices[0].finish_reason:
+            assert ch.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads("".join(parts)), dict)
+    # /v1/completions takes response_format too, and llama-server's json_schema and grammar
+    r = client.completions.create(model=name, prompt="A number:", max_tokens=20, temperature=0,
+                                  extra_body={"json_schema": {"type": "integer", "minimum": 3,
+                                                              "maximum": 9}})
+    assert 3 <= json.loads(r.choices[0].text) <= 9
+    r = client.completions.create(model=name, prompt="Say a:", max_tokens=10, temperature=0,
+                                  extra_body={"grammar": 'root ::= "a"{5,5}'})
+    assert r.choices[0].text == "aaaaa" and r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.realmodel
+def test_bad_formats_are_400(real):
+    name, s, client = real
+    msgs = [{"role": "user", "content": "hi"}]
+    for rf, param in [({"type": "sound"}, "response_format.type"),
+                      ({"type": "json_schema"}, "response_format.json_schema")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=name, messages=msgs, response_format=rf)
+        assert e.value.body["param"] == param
+    for sname, schema, needle in UNSUPPORTED:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(
+                model=name, messages=msgs, response_format={
+                    "type": "json_schema", "json_schema": {"name": sname, "schema": schema}})
+        assert needle in e.value.body["message"] and "\n" not in e.value.body["message"]
+    r = httpx.post(s.base_url + "/chat/completions", timeout=30,
+                   json={"messages": msgs, "grammar": "root ::= this is (not valid GBNF"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+
+
+# ----------------------------------------------------------------------------- tools
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                            "unit": {"enum": ["C", "F"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather.",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "description": "The time.",
+                                           "parameters": {"type": "object", "properties": {
+                                               "tz": {"type": "string", "maxLength": 10}},
+                                               "required": ["tz"],
+                                               "additionalProperties": False}}}]
+
+
+@pytest.fixture(scope="module")
+def tools_client(qwen_tools_model):
+    s = ServerProcess([str(qwen_tools_model), "--alias", "qwen-tools", "-np", "2"])
+    yield s, openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=120)
+    s.stop()
+
+
+def _check_call(call, names=("get_weather", "get_time")):
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name in names
+    args = json.loads(call.function.arguments)
+    schema = TOOLS[0 if call.function.name == "get_weather" else 1]["function"]["parameters"]
+    jsonschema.validate(args, schema)
+
+
+def test_tool_call_conversation(tools_client):
+    s, c = tools_client
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = c.chat.completions.create(model="qwen-tools", messages=msgs, tools=TOOLS,
+                                  tool_choice="required", parallel_tool_calls=False,
+                                  temperature=0, max_tokens=300)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1
+    call = ch.message.tool_calls[0]
+    _check_call(call)
+    # the call and its result go back through Qwen's template (tool_calls + tool message)
+    msgs2 = msgs + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                    {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    p = httpx.post(s.url + "/apply-template", json={"messages": msgs2, "tools": TOOLS}).json()["prompt"]
+    assert "<tool_call>" in p and call.function.name in p and "sunny, 21 C" in p
+    assert "<tool_response>" in p
+    r2 = c.chat.completions.create(model="qwen-tools", messages=msgs2, tools=TOOLS,
+                                   tool_choice="none", temperature=0, max_tokens=8)
+    assert r2.choices[0].message.tool_calls is None and r2.choices[0].message.content
+    # the call and its result are in the prompt (tool_choice none leaves the tool list out)
+    r0 = c.chat.completions.create(model="qwen-tools", messages=msgs, tools=TOOLS,
+                                   tool_choice="none", temperature=0, max_tokens=1)
+    assert r2.usage.prompt_tokens > r0.usage.prompt_tokens + 20
+
+
+def test_tool_calls_streamed_equal_plain(tools_client):
+    _, c = tools_client
+    kw = dict(model="qwen-tools", messages=[{"role": "user", "content": "Time in Tokyo?"}],
+              tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}},
+              parallel_tool_calls=False, temperature=0, max_tokens=300)
+    plain = c.chat.completions.create(**kw).choices[0]
+    calls, finish = {}, None
+    for ch in c.chat.completions.create(stream=True, **kw):
+        if not ch.choices:
+            continue
+        d = ch.choices[0].delta
+        for tc in d.tool_calls or []:
+            e = calls.setdefault(tc.index, {"id": None, "name": None, "args": ""})
+            e["id"] = tc.id or e["id"]
+            if tc.function and tc.function.name:
+                e["name"] = tc.function.name
+            e["args"] += (tc.function.arguments or "") if tc.function else ""
+        finish = ch.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and len(calls) == 1
+    pc = plain.message.tool_calls[0]
+    assert calls[0]["name"] == pc.function.name == "get_time"
+    assert calls[0]["args"] == pc.function.arguments
+    _check_call(pc, ("get_time",))
+
+
+def test_tool_choice_required_always_validates(tools_client):
+    _, c = tools_client
+    for seed in range(6):   # sampled: whatever the random weights prefer, the call parses
+        r = c.chat.completions.create(
+            model="qwen-tools", messages=[{"role": "user", "content": f"Question {seed}"}],
+            tools=TOOLS, tool_choice="required", temperature=1.0, seed=seed, max_tokens=300,
+            parallel_tool_calls=False)   # random weights would repeat calls to max_tokens
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls", ch.message
+        for call in ch.message.tool_calls:
+            _check_call(call)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="qwen-tools", messages=[{"role": "user", "content": "x"}],
+                                  tools=TOOLS, tool_choice={"type": "function",
+                                                            "function": {"name": "nope"}})
+    assert e.value.body["param"] in ("tools", "tool_choice")
+
+
+# ----------------------------------------------------------------------------- reasoning
+
+def test_reasoning_content_split(r1_model):
+    s = ServerProcess([str(r1_model), "--alias", "r1", "-np", "1"])
+    try:
+        c = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=120)
+        msgs = [{"role": "user", "content": "Think about it."}]
+        r = c.chat.completions.create(model="r1", messages=msgs, temperature=0, max_tokens=12)
+        m = r.choices[0].message
+        # R1's generation prompt opens <think>: random weights never close it, so it is all
+        # reasoning, none of it content
+        assert getattr(m, "reasoning_content", None) and not m.content
+        streamed = ""
+        for ch in c.chat.completions.create(model="r1", messages=msgs, temperature=0,
+                                            max_tokens=12, stream=True):
+            if ch.choices:
+                d = ch.choices[0].delta
+                assert not d.content
+                streamed += getattr(d, "reasoning_content", None) or ""
+        assert streamed == m.reasoning_content
+    finally:
+        s.stop()
+    # --reasoning-format none leaves the thinking in content
+    s = ServerProcess([str(r1_model), "--alias", "r1", "-np", "1", "--reasoning-format", "none"])
+    try:
+        c = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=120)
+        r2 = c.chat.completions.create(model="r1", messages=msgs, temperature=0, max_tokens=12)
+        assert r2.choices[0].message.content == m.reasoning_content
+    finally:
+        s.stop()
