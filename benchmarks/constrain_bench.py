@@ -46,18 +46,21 @@ def _generate(m, ids, constraint, max_tokens, fast_forward=True, ignore_eos=Fals
                 if o.finished:
                     t = o.timings
     eng.fast_forward = True
-    return {"n": t.predicted_n, "ms": t.predicted_ms, "forced": eng.n_forced - f0,
+    return {"n": t.predicted_n, "ms": t.predicted_ms, "ttft_ms": t.prompt_ms,
+            "forced": eng.n_forced - f0,
             "steps": eng.n_steps - s0, "text": text}
 
 
-def bench_model(name: str, n_schemas: int, max_tokens: int, repeat: int) -> dict:
+def bench_model(name: str, n_schemas: int, max_tokens: int, repeat: int,
+                mem_budget: str | None = None) -> dict:
     import memfit
     from memfit.constrain import compile_constraint
     from memfit.constrain.tokenizer import ll_tokenizer
     from memfit.pull import pull
     from schemas import SCHEMAS
 
-    m = memfit.load(str(pull(name, quiet=True)), n_ctx=2048)
+    path = name if os.path.isfile(name) else str(pull(name, quiet=True))
+    m = memfit.load(path, n_ctx=2048, mem_budget=mem_budget, constrained=True)
     tok = m.tokenizer
     t0 = time.perf_counter()
     ll_tokenizer(tok)
@@ -89,7 +92,7 @@ def bench_model(name: str, n_schemas: int, max_tokens: int, repeat: int) -> dict
             got["free"].append(_generate(m, ids, None, n, ignore_eos=True))
         for k in rows:
             rows[k].append(best(got[k]))
-    out = {"model": name, "n_vocab": tok.n_vocab, "schemas": len(chosen), "repeat": repeat,
+    out = {"model": os.path.basename(name), "mem_budget": mem_budget, "n_vocab": tok.n_vocab, "schemas": len(chosen), "repeat": repeat,
            "llg_slices": os.environ["MEMFIT_LLG_SLICES"] == "1",
            "tokenizer_build_s": round(tok_s, 3),
            "compile_ms_median": round(statistics.median(compile_ms), 2),
@@ -99,7 +102,9 @@ def bench_model(name: str, n_schemas: int, max_tokens: int, repeat: int) -> dict
         forced = sum(r["forced"] for r in runs)
         out["modes"][mode] = {"tokens": n, "decode_tok_s": round(n / (ms / 1e3), 2) if ms else 0.0,
                               "forced_share": round(forced / n, 3) if n else 0.0,
-                              "forwards": sum(r["steps"] for r in runs)}
+                              "forwards": sum(r["steps"] for r in runs),
+                              "ttft_ms_median": round(statistics.median(
+                                  r["ttft_ms"] for r in runs), 1)}
     free = out["modes"]["free"]["decode_tok_s"]
     for mode in ("json", "json-noff"):
         out["modes"][mode]["vs_free"] = round(out["modes"][mode]["decode_tok_s"] / free, 3)
@@ -115,16 +120,18 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3, help="runs per prompt and mode; the fastest counts")
     ap.add_argument("--lean", action="store_true",
                     help="llguidance's tables without slices, as under a memory budget")
+    ap.add_argument("--mem-budget", default=None, help="e.g. 2.5GiB: weights streamed from disk")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     a = ap.parse_args()
     os.environ["MEMFIT_LLG_SLICES"] = "0" if a.lean else "1"
-    results = [bench_model(n, a.schemas, a.max_tokens, a.repeat) for n in a.models]
+    results = [bench_model(n, a.schemas, a.max_tokens, a.repeat, a.mem_budget) for n in a.models]
     print(f"{'model':14s} {'mode':10s} {'tokens':>6s} {'tok/s':>8s} {'vs free':>7s} "
-          f"{'forced':>6s} {'forwards':>8s}")
+          f"{'forced':>6s} {'forwards':>8s} {'TTFT ms':>8s}")
     for r in results:
         for mode, d in r["modes"].items():
             print(f"{r['model']:14s} {mode:10s} {d['tokens']:6d} {d['decode_tok_s']:8.1f} "
-                  f"{d.get('vs_free', 1.0):7.2f} {d['forced_share']:6.1%} {d['forwards']:8d}")
+                  f"{d.get('vs_free', 1.0):7.2f} {d['forced_share']:6.1%} {d['forwards']:8d} "
+                  f"{d['ttft_ms_median']:8.1f}")
         print(f"{r['model']:14s} compile median {r['compile_ms_median']:.1f} ms, max "
               f"{r['compile_ms_max']:.1f} ms; tokenizer wrapper {r['tokenizer_build_s']:.2f} s "
               f"({r['n_vocab']} tokens)")
