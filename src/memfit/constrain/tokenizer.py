@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 
 from ..tokenizer.vocab import A_CONTROL, A_UNKNOWN, A_USER_DEFINED
 
@@ -37,7 +38,10 @@ class _Vocab:
     """The duck-typed tokenizer llguidance.TokenizerWrapper wraps."""
 
     def __init__(self, tok):
-        self._tok = tok
+        # weakly: llguidance's (Rust) tokenizer keeps this object alive and the memfit
+        # tokenizer keeps llguidance's; a strong reference would be a cycle through Rust that
+        # Python's collector cannot see, keeping every model's tokenizer and tables forever
+        self._tok = weakref.ref(tok)
         attrs = tok._attrs
         tokens, special = [], []
         cache = dict(tok._piece_cache)
@@ -62,7 +66,10 @@ class _Vocab:
         # llguidance calls this with str only after a bytes probe raises (TokenizerWrapper)
         if not isinstance(text, str):
             raise TypeError("text, not bytes")
-        return self._tok.encode(text, add_special=False, parse_special=False)
+        tok = self._tok()
+        if tok is None:
+            raise RuntimeError("the tokenizer this grammar was built for is gone")
+        return tok.encode(text, add_special=False, parse_special=False)
 
 
 def ll_tokenizer(tok):
