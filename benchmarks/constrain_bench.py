@@ -74,22 +74,26 @@ def bench_model(name: str, n_schemas: int, max_tokens: int, repeat: int,
         g = compile_constraint(tok, {"type": "json_schema", "schema": schema, "strict": True})
         compile_ms.append((time.perf_counter() - t0) * 1e3)
         grammars.append(g)
-    prompts = [m.tokenize(m.apply_chat_template([{"role": "user", "content":
-               f"Reply with a JSON example of a {n.replace('_', ' ')} following this schema: "
-               f"{json.dumps(s)}"}])) for n, s in chosen]
-    _generate(m, prompts[0], None, 8)  # warm-up
+    def prompt(n, s, tag):
+        # each run its own first words: no run takes its prompt from the prefix cache, so the
+        # time to first token compares like with like
+        return m.tokenize(m.apply_chat_template([{"role": "user", "content":
+            f"({tag}) Reply with a JSON example of a {n.replace('_', ' ')} following this "
+            f"schema: {json.dumps(s)}"}]))
+    _generate(m, prompt("x", {}, "warm-up"), None, 8)
     rows = {"json": [], "json-noff": [], "free": []}
 
     def best(runs):  # the fastest of the repeats (the least disturbed by other processes)
         return min(runs, key=lambda r: r["ms"])
 
-    for ids, g in zip(prompts, grammars):
+    for (sn, sc), g in zip(chosen, grammars):
         got = {k: [] for k in rows}
-        for _ in range(repeat):
-            got["json"].append(_generate(m, ids, g, max_tokens))
-            got["json-noff"].append(_generate(m, ids, g, max_tokens, fast_forward=False))
+        for r in range(repeat):
+            got["json"].append(_generate(m, prompt(sn, sc, f"a{r}"), g, max_tokens))
+            got["json-noff"].append(_generate(m, prompt(sn, sc, f"b{r}"), g, max_tokens,
+                                              fast_forward=False))
             n = max(8, got["json"][-1]["n"])
-            got["free"].append(_generate(m, ids, None, n, ignore_eos=True))
+            got["free"].append(_generate(m, prompt(sn, sc, f"c{r}"), None, n, ignore_eos=True))
         for k in rows:
             rows[k].append(best(got[k]))
     out = {"model": os.path.basename(name), "mem_budget": mem_budget, "n_vocab": tok.n_vocab, "schemas": len(chosen), "repeat": repeat,
