@@ -65,6 +65,11 @@ def main(argv: list[str]) -> int:
         else:
             dropped.append(a)
         i += 1
+    # the suite's models have longer training contexts than the stand-in; memfit refuses a
+    # context past the file's (llama-server warns), so cap it at MEMFIT_SUITE_MAX_CTX
+    cap = int(os.environ.get("MEMFIT_SUITE_MAX_CTX", "8192"))
+    if "-c" in out and int(out[out.index("-c") + 1]) > cap:
+        out[out.index("-c") + 1] = str(cap)
     if "--host" in out and out[out.index("--host") + 1] not in ("127.0.0.1", "localhost", "::1") \
             and "--api-key" not in out:
         out[out.index("--host") + 1] = "127.0.0.1"

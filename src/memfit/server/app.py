@@ -143,7 +143,9 @@ def build_app(state: ServerState) -> Starlette:
         finished = False
         try:
             for i in range(call.n):
-                yield chunk(i, {"role": "assistant", "content": ""})
+                # content null, not "": llama-server's first chunk, and clients that reject an
+                # empty content delta (llama.cpp's test client) accept it
+                yield chunk(i, {"role": "assistant", "content": None})
             async for ev in events:
                 kind = ev[0]
                 if kind == "content":
