@@ -610,6 +610,23 @@ def _tagged_json(buf: str, open_tag: str, close_tag: str, final: bool, memo=None
 _FN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
+def _args_at(buf: str, j: int, memo=None):
+    """The JSON object of a call's arguments starting at ``buf[j]`` (after white space):
+    (args, index after it), or _NEED while it is incomplete, _BAD when it is not one."""
+    k = _skip_ws(buf, j)
+    if k >= len(buf):
+        return _NEED
+    if buf[k] != "{":
+        return _BAD
+    end = _json_end(buf, k, memo)
+    if end is None:
+        return _NEED
+    if end < 0:
+        return _BAD
+    args = _args_object(buf[k:end])
+    return (args, end) if args is not None else _BAD
+
+
 def _function_tag(buf: str, final: bool, memo=None):
     """<function=name>{...}</function>"""
     i = len("<function=")
@@ -621,19 +638,10 @@ def _function_tag(buf: str, final: bool, memo=None):
         return _NEED if len(m.group()) < 64 else _BAD
     if buf[j] != ">":
         return _BAD
-    k = _skip_ws(buf, j + 1)
-    if k >= len(buf):
-        return _NEED
-    if buf[k] != "{":
-        return _BAD
-    end = _json_end(buf, k, memo)
-    if end is None:
-        return _NEED
-    if end < 0:
-        return _BAD
-    args = _args_object(buf[k:end])
-    if args is None:
-        return _BAD
+    got = _args_at(buf, j + 1, memo)
+    if got is _NEED or got is _BAD:
+        return got
+    args, end = got
     after = _expect(buf, end, "</function>", final)
     if after is _NEED:
         return _NEED
@@ -676,18 +684,11 @@ def _mistral(buf: str, final: bool, memo=None):
             return _NEED
         else:
             return _BAD
-    k = _skip_ws(buf, j)
-    if k >= len(buf):
-        return _NEED
-    if buf[k] != "{":
-        return _BAD
-    end = _json_end(buf, k, memo)
-    if end is None:
-        return _NEED
-    if end < 0:
-        return _BAD
-    args = _args_object(buf[k:end])
-    return ([(m.group(), args)], end) if args is not None else _BAD
+    got = _args_at(buf, j, memo)
+    if got is _NEED or got is _BAD:
+        return got
+    args, end = got
+    return [(m.group(), args)], end
 
 
 # --- constraints -------------------------------------------------------------------------------
