@@ -905,8 +905,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server on the batch engine (binds 127.0.0.1)",
                         description="Serve a model over HTTP with OpenAI's API (/v1/chat/completions, "
-                                    "/v1/completions, /v1/models) plus /health, /metrics, /tokenize, "
-                                    "/detokenize. The plan is made before the port opens.")
+                                    "/v1/completions, /v1/responses, /v1/embeddings, /v1/models), "
+                                    "Anthropic's /v1/messages, a chat page at /, plus /health, "
+                                    "/metrics, /props, /tokenize, /detokenize, /apply-template. The "
+                                    "plan is made before the port opens.")
     _add_model_arg(sv, optional=True)
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other "
                     "address needs an API key)")
@@ -915,7 +917,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="context size per request (default: min(training context, 4096))")
     sv.add_argument("-np", "--parallel", type=_int_at_least(1), default=4,
                     help="requests decoded together (default 4)")
-    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (prefer "
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (prefer "
                     "--api-key-file or MEMFIT_API_KEY: a command line is visible to other users)")
     sv.add_argument("--api-key-file", default=None, metavar="F", help="read the API key from a file")
     sv.add_argument("--alias", default=None, help="model name in /v1/models (default: the MODEL argument)")
