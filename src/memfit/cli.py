@@ -953,6 +953,23 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--pooling", choices=["mean", "cls", "last"], default=None,
                     help="/v1/embeddings pooling of the final hidden states (default: the GGUF's "
                     "pooling type, else mean)")
+    rg = sv.add_argument_group("Ray Serve (memfit.ray; pip install \"memfit[ray]\")")
+    rg.add_argument("--ray", action="store_true", help="serve with replicas on Ray Serve, one "
+                    "engine each with its own --mem-budget, routed by prompt prefix")
+    rg.add_argument("--replicas", type=_int_at_least(1), default=1, metavar="N",
+                    help="--ray: engine replicas (default 1; the minimum with --max-replicas)")
+    rg.add_argument("--max-replicas", type=_int_at_least(1), default=None, metavar="M",
+                    help="--ray: autoscale between --replicas and M on running + queued requests")
+    rg.add_argument("--address", default=None, metavar="ADDR", help="--ray: the Ray cluster to "
+                    "use (e.g. HEAD:6379 of `ray start --head`; default: start a local one on "
+                    "127.0.0.1)")
+    rg.add_argument("--prefix-imbalance", type=_int_at_least(0), default=16, metavar="N",
+                    help="--ray: send a request to its prefix's replica while that one has at "
+                    "most N more requests than the least loaded (default 16)")
+    rg.add_argument("--drain-timeout", type=_float_in(0.0), default=30.0, metavar="S",
+                    help="--ray: seconds a replica being removed may finish its requests (default 30)")
+    rg.add_argument("--ray-timeout", type=_float_in(0.0), default=300.0, metavar="S",
+                    help="--ray: seconds to wait for the replicas to load (default 300)")
     _add_runtime_args(sv)
     sv.set_defaults(func=cmd_serve)
 

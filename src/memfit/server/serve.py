@@ -85,6 +85,9 @@ def _load_kwargs(a) -> dict:
 
 
 def serve(a) -> int:
+    if getattr(a, "ray", False):  # --ray: replicas on Ray Serve (memfit.ray)
+        from ..ray import serve_ray
+        return serve_ray(a)
     from ..memory.budget import current_rss, peak_rss
     from ..pull import resolve_model
 
