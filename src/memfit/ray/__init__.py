@@ -25,8 +25,9 @@ scaled down stops receiving requests and is stopped once its requests finished, 
 --drain-timeout seconds (Serve's graceful_shutdown_timeout_s). A replica whose process dies is
 replaced by Serve's controller (health check every 2 s).
 
-Without --address a local Ray cluster is started in this process's session, bound to
-127.0.0.1 with no dashboard; with --address (``ray start --head`` on one machine, ``ray start
+Without --address a local Ray cluster is started in this process's session, with no dashboard
+(the HTTP endpoint binds --host, 127.0.0.1 by default; Ray's own ports use the node's address,
+which Ray will not set to loopback, behind its token authentication); with --address (``ray start --head`` on one machine, ``ray start
 --address HEAD:6379`` on the others) the application is deployed there, and the model file
 must exist at the same path on every node (memfit pull on each). Ray is an optional extra:
 ``pip install "memfit[ray]"``.
@@ -110,7 +111,10 @@ def start_cluster(address: str | None = None, num_cpus: int | None = None) -> bo
     if address:
         ray.init(address=address, **kw)
         return False
-    ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=num_cpus, **kw)
+    # Ray itself replaces 127.0.0.1 by the node's address (services.resolve_ip_for_localhost)
+    # and its internal ports are guarded by its token authentication, on by default; the HTTP
+    # endpoint is Serve's proxy, bound to --host
+    ray.init(address="local", num_cpus=num_cpus, **kw)
     return True
 
 
@@ -124,7 +128,7 @@ def deploy(app, host: str, port: int, timeout: float = 300.0) -> None:
     """Start Serve's proxy on host:port (if not running) and deploy ``app``; wait at most
     ``timeout`` seconds for it to run (a failed deploy raises with Serve's message)."""
     from ray import serve
-    serve.start(http_options={"host": host, "port": port, "location": "HeadOnly"})
+    serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})
     serve._run(app, _blocking=False, name=APP_NAME, route_prefix="/")
     wait_running(timeout)
 
