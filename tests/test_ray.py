@@ -197,6 +197,35 @@ def _load(client, n: int, stop: threading.Event | None = None, stream_every: int
     return threads, out
 
 
+def test_stream_cut_mid_way_ends_with_an_error_event(client, cluster):
+    import memfit.ray as mr
+    got, err = [], []
+
+    def long_stream():
+        try:
+            for c in client.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": "Tell a long story."}],
+                    max_tokens=600, stream=True, extra_body={"ignore_eos": True}):
+                got.append(c)
+        except Exception as e:  # noqa: BLE001 - asserted below
+            err.append(e)
+
+    t = threading.Thread(target=long_stream)
+    t.start()
+    t_end = time.monotonic() + 30
+    while len(got) < 3 and time.monotonic() < t_end:
+        time.sleep(0.05)
+    busy = [x for x in fresh_stats(cluster).values() if x["running"] > 0]
+    assert len(got) >= 3 and len(busy) == 1, (len(got), busy)
+    os.kill(busy[0]["pid"], signal.SIGKILL)
+    t.join(timeout=60)
+    assert not t.is_alive(), "the cut stream hung"
+    assert err and isinstance(err[0], openai.APIError), err
+    assert "failed mid-way" in str(err[0]), err[0]
+    assert httpx.get(cluster["url"] + "/ray/replicas", timeout=10).json()["streams_cut"] >= 1
+    mr.wait_running(120, replicas=2)
+
+
 def test_killed_replica_retries_unstarted_requests_and_recovers(client, cluster):
     import memfit.ray as mr
     reps = replicas(cluster)
@@ -251,3 +280,30 @@ def test_scale_1_2_1_under_load_without_failures(client, cluster):
     failures = [e for ok, _, e in out if not ok]
     assert len(out) >= 8 and not failures, failures
     assert mr.running_replicas() == 1
+
+
+def test_autoscaling_on_ongoing_requests(client, cluster):
+    """1..2 replicas on running + queued requests (Serve's target_ongoing_requests = -np):
+    up under load, back down when idle; no request fails meanwhile."""
+    import memfit.ray as mr
+    mr.scale(cluster["cfg"], 1, timeout=120, max_replicas=2, upscale_delay_s=1.0,
+             downscale_delay_s=2.0)
+    stop = threading.Event()
+    threads, out = _load(client, 0, stop)
+    threads2, out2 = _load(client, 0, stop)    # 8 clients: above 4 ongoing per replica
+    try:
+        t_end = time.monotonic() + 90
+        while mr.running_replicas() < 2 and time.monotonic() < t_end:
+            time.sleep(0.5)
+        up = mr.running_replicas()
+    finally:
+        stop.set()
+        for t in threads + threads2:
+            t.join(timeout=120)
+    assert up == 2
+    t_end = time.monotonic() + 90
+    while mr.running_replicas() > 1 and time.monotonic() < t_end:
+        time.sleep(0.5)
+    assert mr.running_replicas() == 1
+    failures = [e for ok, _, e in out + out2 if not ok]
+    assert not failures, failures

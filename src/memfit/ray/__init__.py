@@ -67,8 +67,10 @@ def config_from_args(a, path, key: str | None, budget: int | None) -> dict:
 
 
 def application(cfg: dict, replicas: int = 1, max_replicas: int | None = None,
-                imbalance: int = 16, drain_timeout: float = 30.0):
-    """The Serve application (ingress bound to the replica deployment)."""
+                imbalance: int = 16, drain_timeout: float = 30.0, upscale_delay_s: float = 5.0,
+                downscale_delay_s: float = 30.0):
+    """The Serve application (ingress bound to the replica deployment); with ``max_replicas``
+    above ``replicas`` Serve autoscales between them (the delays are its own settings)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -90,7 +92,7 @@ def application(cfg: dict, replicas: int = 1, max_replicas: int | None = None,
         opts["autoscaling_config"] = {
             "min_replicas": replicas, "initial_replicas": replicas,
             "max_replicas": max_replicas, "target_ongoing_requests": cfg["parallel"],
-            "upscale_delay_s": 5.0, "downscale_delay_s": 30.0}
+            "upscale_delay_s": upscale_delay_s, "downscale_delay_s": downscale_delay_s}
     else:
         opts["num_replicas"] = replicas
     rep = serve.deployment(MemfitReplica).options(**opts)
