@@ -68,9 +68,11 @@ def config_from_args(a, path, key: str | None, budget: int | None) -> dict:
 
 def application(cfg: dict, replicas: int = 1, max_replicas: int | None = None,
                 imbalance: int = 16, drain_timeout: float = 30.0, upscale_delay_s: float = 5.0,
-                downscale_delay_s: float = 30.0):
+                downscale_delay_s: float = 30.0, router: str = "prefix"):
     """The Serve application (ingress bound to the replica deployment); with ``max_replicas``
-    above ``replicas`` Serve autoscales between them (the delays are its own settings)."""
+    above ``replicas`` Serve autoscales between them (the delays are its own settings).
+    ``router="default"`` keeps Serve's own router (power of two random choices, the less
+    loaded of the two) instead of the prefix-affinity one: the benchmark's baseline."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -84,10 +86,13 @@ def application(cfg: dict, replicas: int = 1, max_replicas: int | None = None,
     opts = dict(name="MemfitReplica", ray_actor_options=actor,
                 max_ongoing_requests=cfg["parallel"] + cfg["max_queue"],
                 health_check_period_s=2.0, health_check_timeout_s=30.0,
-                graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=drain_timeout,
-                request_router_config=RequestRouterConfig(
-                    request_router_class=PrefixAffinityRouter,
-                    request_router_kwargs={"imbalance": imbalance}))
+                graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=drain_timeout)
+    if router == "prefix":
+        opts["request_router_config"] = RequestRouterConfig(
+            request_router_class=PrefixAffinityRouter,
+            request_router_kwargs={"imbalance": imbalance})
+    elif router != "default":
+        raise ValueError(f"router {router!r}: 'prefix' or 'default'")
     if max_replicas is not None and max_replicas > replicas:
         opts["autoscaling_config"] = {
             "min_replicas": replicas, "initial_replicas": replicas,
