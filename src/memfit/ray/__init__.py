@@ -152,13 +152,25 @@ def wait_running(timeout: float, replicas: int | None = None) -> None:
         if st is not None:
             last = str(st.status)
             if last.endswith("DEPLOY_FAILED"):
-                raise RequestError(f"the Ray Serve deploy failed: {st.message}")
+                raise RequestError(f"the Ray Serve deploy failed: {_failure(st)}")
             n = running_replicas()
             if last.endswith("RUNNING") and (replicas is None or n == replicas):
                 return
         time.sleep(0.5)
     raise RequestError(f"the Ray Serve application was not running after {timeout:g} s "
                        f"(status {last}); see the Ray logs (/tmp/ray/session_latest/logs)")
+
+
+def _failure(app_status) -> str:
+    """The replica's own error (a memfit refusal such as a budget below the floor, measured
+    in the Ray worker, whose baseline RSS is larger than `memfit serve`'s) out of Serve's
+    traceback, else Serve's message."""
+    import re
+    for d in app_status.deployments.values():
+        found = re.findall(r"memfit\.errors\.\w+: [^\n]+", d.message or "")
+        if found:
+            return found[-1]
+    return app_status.message
 
 
 def running_replicas() -> int:
