@@ -104,6 +104,26 @@ def run_workload(base: str, model: str, label: str, commit: str, out) -> dict:
             "ttft_p99_s": round(pct(99), 4)}
 
 
+def overhead(base: str, model: str, label: str, commit: str, out, n: int = 30) -> dict:
+    """Per-request cost of the path: n sequential one-token chat requests, median latency."""
+    lat = []
+    with httpx.Client(timeout=60) as c:
+        for i in range(n + 3):
+            t0 = time.perf_counter()
+            r = c.post(base + "/v1/chat/completions", json={
+                "model": model, "max_tokens": 1, "temperature": 0,
+                "messages": [{"role": "user", "content": "Hi"}]})
+            r.raise_for_status()
+            if i >= 3:  # warm-up
+                lat.append(time.perf_counter() - t0)
+    for v in lat:
+        out.write(json.dumps({"config": label, "commit": commit, "phase": "overhead",
+                              "latency_s": round(v, 5)}) + "\n")
+    lat.sort()
+    return {"one_token_p50_ms": round(1000 * lat[len(lat) // 2], 1),
+            "one_token_p90_ms": round(1000 * lat[int(len(lat) * 0.9)], 1)}
+
+
 def plain_counters(base: str) -> tuple[float, float]:
     text = httpx.get(base + "/metrics", timeout=10).text
     vals = {}
@@ -142,6 +162,7 @@ def main() -> int:
                 summ = run_workload(s.url, model, "plain", commit, out)
                 h1, q1 = plain_counters(s.url)
                 summ["prefix_hit_rate"] = round((h1 - h0) / max(q1 - q0, 1), 3)
+                summ.update(overhead(s.url, model, "plain", commit, out))
                 summaries.append(summ)
             finally:
                 s.stop()
@@ -161,6 +182,8 @@ def main() -> int:
                     summ = run_workload(base, model, label, commit, out)
                     h1, q1 = ray_counters(base)
                     summ["prefix_hit_rate"] = round((h1 - h0) / max(q1 - q0, 1), 3)
+                    if label == "ray1":
+                        summ.update(overhead(base, model, label, commit, out))
                     summaries.append(summ)
                     from ray import serve
                     serve.delete(mr.APP_NAME)
