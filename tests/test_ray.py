@@ -39,13 +39,22 @@ def test_cli_serve_ray_starts_answers_and_stops(smollm2_path):
     """Before the module's cluster starts: the CLI path with its own local cluster."""
     try:
         s = ServerProcess([str(smollm2_path), "--ray", "--replicas", "1", *REPLICA_ARGS],
-                          timeout=150)
+                          env={"MEMFIT_API_KEY": "sekrit"}, timeout=150)
     except RuntimeError as e:
         if "Ray" in str(e) and "memfit: plan" in str(e) and "deploying" not in str(e):
             pytest.skip(f"ray cannot start here: {str(e).splitlines()[-1]}")
         raise
     try:
-        c = openai.OpenAI(base_url=s.base_url, api_key="x", max_retries=0, timeout=60)
+        # the key is checked by the replica's Guard (forwarded routes) and by the ingress
+        # (/metrics, /ray/replicas); /health answers without one, as in memfit serve
+        bad = openai.OpenAI(base_url=s.base_url, api_key="wrong", max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        for path in ("/metrics", "/ray/replicas"):
+            assert httpx.get(s.url + path, timeout=10).status_code == 401
+            assert httpx.get(s.url + path, timeout=10,
+                             headers={"Authorization": "Bearer sekrit"}).status_code == 200
+        c = openai.OpenAI(base_url=s.base_url, api_key="sekrit", max_retries=0, timeout=60)
         r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
                                       max_tokens=4, temperature=0)
         assert r.choices[0].message.content

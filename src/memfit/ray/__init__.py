@@ -116,6 +116,7 @@ def start_cluster(address: str | None = None, num_cpus: int | None = None) -> bo
     kw = dict(include_dashboard=False, log_to_driver=False, namespace="memfit",
               ignore_reinit_error=True)
     if address:
+        _check_reachable(address)
         ray.init(address=address, **kw)
         return False
     # Ray itself replaces 127.0.0.1 by the node's address (services.resolve_ip_for_localhost)
@@ -123,6 +124,20 @@ def start_cluster(address: str | None = None, num_cpus: int | None = None) -> bo
     # endpoint is Serve's proxy, bound to --host
     ray.init(address="local", num_cpus=num_cpus, **kw)
     return True
+
+
+def _check_reachable(address: str, timeout: float = 5.0) -> None:
+    """A HOST:PORT address must accept a TCP connection within ``timeout`` seconds: ray.init
+    itself keeps retrying an unreachable head for minutes."""
+    from ..errors import RequestError
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "/" in host:
+        return  # "auto", "ray://...": left to Ray
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise RequestError(f"cannot reach the Ray cluster at {address}: "
+                           f"{e.strerror or e}") from None
 
 
 def _free_port(host: str) -> int:
@@ -252,7 +267,14 @@ def serve_ray(a) -> int:
     path = cfg["model_path"]
     port = a.port or _free_port(a.host)
     stop_event = threading.Event()
-    started = start_cluster(a.address)
+    try:
+        started = start_cluster(a.address)
+    except RequestError:
+        raise
+    except Exception as e:  # noqa: BLE001 - Ray's own errors are long; one line here
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        where = f"the Ray cluster at {a.address}" if a.address else "a local Ray cluster"
+        raise RequestError(f"cannot start or reach {where}: {first}") from None
     try:
         where = f"the Ray cluster at {a.address}" if a.address else "a local Ray cluster"
         print(f"memfit: deploying {a.replicas}"

@@ -88,6 +88,11 @@ def serve(a) -> int:
     if getattr(a, "ray", False):  # --ray: replicas on Ray Serve (memfit.ray)
         from ..ray import serve_ray
         return serve_ray(a)
+    for flag, v in (("--replicas", getattr(a, "replicas", 1) != 1),
+                    ("--max-replicas", getattr(a, "max_replicas", None) is not None),
+                    ("--address", getattr(a, "address", None) is not None)):
+        if v:
+            raise RequestError(f"{flag} applies to --ray only; add --ray")
     from ..memory.budget import current_rss, peak_rss
     from ..pull import resolve_model
 
