@@ -128,7 +128,8 @@ def plain_counters(base: str) -> tuple[float, float]:
     text = httpx.get(base + "/metrics", timeout=10).text
     vals = {}
     for line in text.splitlines():
-        if line.startswith(("memfit_prefix_cache_hits_tokens ", "memfit_prefix_cache_queries_tokens ")):
+        if line.startswith(("memfit_prefix_cache_hits_tokens ",
+                            "memfit_prefix_cache_queries_tokens ")):
             k, v = line.split()
             vals[k] = float(v)
     return vals["memfit_prefix_cache_hits_tokens"], vals["memfit_prefix_cache_queries_tokens"]

@@ -181,7 +181,8 @@ def _load(client, n: int, stop: threading.Event | None = None, stream_every: int
     def one(i):
         started = False
         try:
-            kw = dict(model=MODEL, messages=[{"role": "user", "content": f"Count to ten, take {i}."}],
+            kw = dict(model=MODEL,
+                      messages=[{"role": "user", "content": f"Count to ten, take {i}."}],
                       max_tokens=24, temperature=0)
             if i % stream_every == 0:
                 for c in client.chat.completions.create(stream=True, **kw):

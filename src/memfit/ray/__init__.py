@@ -27,8 +27,8 @@ replaced by Serve's controller (health check every 2 s).
 
 Without --address a local Ray cluster is started in this process's session, with no dashboard
 (the HTTP endpoint binds --host, 127.0.0.1 by default; Ray's own ports use the node's address,
-which Ray will not set to loopback, behind its token authentication); with --address (``ray start --head`` on one machine, ``ray start
---address HEAD:6379`` on the others) the application is deployed there, and the model file
+which Ray will not set to loopback, behind its token authentication); with --address
+(``ray start --head`` on one machine, ``ray start --address HEAD:6379`` on the others) the application is deployed there, and the model file
 must exist at the same path on every node (memfit pull on each). Ray is an optional extra:
 ``pip install "memfit[ray]"``.
 
@@ -57,7 +57,8 @@ def config_from_args(a, path, key: str | None, budget: int | None) -> dict:
     """The settings a replica and the ingress need (plain values: Ray ships them)."""
     from ..pull import DEFAULT_MODEL
     cfg = {k: v for k, v in vars(a).items()
-           if isinstance(v, _SIMPLE) or (isinstance(v, list) and all(isinstance(x, str) for x in v))}
+           if isinstance(v, _SIMPLE)
+           or (isinstance(v, list) and all(isinstance(x, str) for x in v))}
     cfg.update(model_path=str(path), model_arg=a.model or DEFAULT_MODEL, ray_app_name=APP_NAME,
                api_key_resolved=key, budget_bytes=budget)
     # the key travels in the deployment's arguments, not the file name a remote node lacks

@@ -198,7 +198,8 @@ class MemfitIngress:
             given = given or request.headers.get("x-api-key", "").strip()
             if not given:
                 return _error(401, "missing API key: send the header 'Authorization: Bearer "
-                                   "<key>' or 'x-api-key: <key>'", headers={"WWW-Authenticate": "Bearer"})
+                                   "<key>' or 'x-api-key: <key>'",
+                              headers={"WWW-Authenticate": "Bearer"})
             if not hmac.compare_digest(given.encode(), self.key.encode()):
                 return _error(401, "invalid API key", headers={"WWW-Authenticate": "Bearer"})
         return None

@@ -83,7 +83,8 @@ class MemfitReplica:
             allowed = set(h.lower() for h in a.allowed_host) | (
                 set(LOOPBACK_HOSTS) if is_loopback(a.host) else set())
         metrics = state.metrics
-        self.asgi = Guard(build_app(state), api_key=cfg.get("api_key_resolved"), allowed_hosts=allowed,
+        self.asgi = Guard(build_app(state), api_key=cfg.get("api_key_resolved"),
+                          allowed_hosts=allowed,
                           max_body=a.max_body, max_connections=a.max_connections,
                           max_header=a.max_header, read_timeout=a.timeout,
                           on_reject=lambda p, s: metrics.requests.labels("guard", str(s)).inc())

@@ -1,8 +1,9 @@
 """Prefix-affinity request router (Ray Serve's RequestRouter interface).
 
 The ingress computes, per request, the hash chain of the prompt's first KV blocks (memfit's own
-block keys, kv/manager.py ``block_key``, over the tokens of the templated prompt: the same
-keys the replica's prefix cache looks up) and passes it to the replica call as the ``prefix``
+block keys, kv/manager.py ``block_key``, over the tokens of the prompt templated from the raw
+request: the replica's prefix cache keys the same blocks, and any difference in how the two
+render a message only costs affinity, never correctness) and passes it to the replica call as the ``prefix``
 keyword. This router, which Serve runs inside the ingress for its deployment handle, keeps the
 last replica that served each block hash and ranks that replica first when its load allows:
 
