@@ -2,10 +2,10 @@
 
 The replica loads the model the way server/serve.py does (the plan first, then the model, the
 KV pool committed, the engine worker started), builds ``server.app.build_app`` and wraps it in
-the same ``security.Guard`` (API key, Host allowlist, body and connection limits), so every
-route, its validation and its error bodies are the ones of `memfit serve`. The ingress hands
-it a request as (method, path, query, headers, body) and gets the app's ASGI messages back as a
-Ray Serve stream:
+the same ``security.Guard`` (API key, Host allowlist, body and connection limits) and, with
+--cors-origin, the same CORS middleware, so every route, its validation and its error bodies
+are the ones of `memfit serve`. The ingress hands it a request as (method, path, query,
+headers, body) and gets the app's ASGI messages back as a Ray Serve stream:
 
 - a streamed answer (``text/event-stream``): first a head ``{"status", "headers",
   "replica"}``, then each body chunk as it is sent;
@@ -88,6 +88,13 @@ class MemfitReplica:
                           max_body=a.max_body, max_connections=a.max_connections,
                           max_header=a.max_header, read_timeout=a.timeout,
                           on_reject=lambda p, s: metrics.requests.labels("guard", str(s)).inc())
+        if a.cors_origin:  # as serve.py: browser origins only when asked for
+            from starlette.middleware.cors import CORSMiddleware
+            self.asgi = CORSMiddleware(self.asgi, allow_origins=a.cors_origin,
+                                       allow_methods=["GET", "POST"],
+                                       allow_headers=["Authorization", "Content-Type",
+                                                      "x-api-key", "anthropic-version",
+                                                      "anthropic-beta"])
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - constructed outside Serve (a unit test)
