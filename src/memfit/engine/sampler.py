@@ -183,7 +183,37 @@ class Sampler:
         x = self.penalize(x, history)
         if p.greedy:
             return int(np.argmax(x))
+        ids, probs = self._distribution(x)
+        cdf = np.cumsum(probs)
+        i = int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
+        return int(ids[min(i, len(ids) - 1)])
 
+    def verify(self, logits: np.ndarray, history, proposal: int) -> int:
+        """The token at this position given a proposed one (speculative decoding): greedy, the
+        argmax (the proposal was right when they are equal); sampling, the proposal with
+        probability p(proposal) under the final distribution, else a draw from that
+        distribution without it -- the rejection rule for a one-hot draft, so the token's
+        distribution is exactly ``sample``'s."""
+        p = self.params
+        x = self.penalize(np.asarray(logits, dtype=np.float32), history)
+        if p.greedy:
+            return int(np.argmax(x))
+        ids, probs = self._distribution(x)
+        hit = np.flatnonzero(ids == proposal)
+        pd = float(probs[hit[0]]) / float(probs.sum()) if len(hit) else 0.0
+        if self.rng.random() < pd:
+            return int(proposal)
+        if len(hit):
+            probs = probs.copy()
+            probs[hit[0]] = 0.0
+        cdf = np.cumsum(probs)
+        i = int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
+        return int(ids[min(i, len(ids) - 1)])
+
+    def _distribution(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The candidates and their probabilities after top_k, top_p, min_p and temperature
+        (x: penalized logits)."""
+        p = self.params
         if 0 < p.top_k < self.n_vocab:
             ids = np.sort(np.argpartition(-x, p.top_k - 1)[:p.top_k])
         else:
@@ -194,11 +224,7 @@ class Sampler:
             # p_i >= min_p * p_max, done on logits as llama.cpp does
             lg = x[ids]
             ids = ids[lg >= lg.max() + np.float32(math.log(p.min_p))]
-
-        probs = _softmax64(x[ids] / np.float32(p.temperature))
-        cdf = np.cumsum(probs)
-        i = int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
-        return int(ids[min(i, len(ids) - 1)])
+        return ids, _softmax64(x[ids] / np.float32(p.temperature))
 
     def _top_p(self, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """The smallest most-probable prefix of ids whose probability reaches top_p, best first."""
