@@ -34,7 +34,7 @@ class Runtime:
                  n_ctx: int | None = None, backend: str | None = None, quiet: bool = True,
                  mem_budget: int | str | None = None, n_parallel: int = 1,
                  cache_type_k: str = "f16", cache_type_v: str = "f16", bandwidth=None,
-                 constrained: bool = False):
+                 constrained: bool = False, spec=None, model_draft=None):
         from .gguf import open_gguf
         from .pull import resolve_model
 
@@ -43,6 +43,10 @@ class Runtime:
         self.loaded = self.closed = False
         self.backend, self.quiet = backend, quiet
         self.constrained = constrained  # the plan reserves the structured-output tables
+        from .spec.build import as_config
+        self.spec = as_config(spec)      # speculative decoding (spec/): checked before loading
+        if model_draft is not None:
+            raise RequestError("--model-draft is not available yet; use --spec ngram or auto")
         self.path = Path(resolve_model(str(model) if model is not None else None, quiet=quiet))
         self.file = open_gguf(self.path)
         try:
@@ -232,9 +236,12 @@ class Runtime:
             # the paged KV pool for n_parallel sequences of n_ctx tokens; it books itself
             kvt = None if self.cache_type_k == "f16" and self.cache_type_v == "f16" else \
                 self.cache_type_k  # None: the model's default (f16, or f32 in exact-math tests)
+            from .spec.build import make_speculator
+            spec = make_speculator(self.spec, model=self.model, tokenizer=self.tokenizer)
             self.engine = Engine(self.model, self.tokenizer, self.n_ctx, self.n_parallel,
                                  self.n_batch, ledger=self.ledger, cache_type=kvt,
-                                 cache_type_v=None if kvt is None else self.cache_type_v)
+                                 cache_type_v=None if kvt is None else self.cache_type_v,
+                                 spec=spec)
         except BaseException:
             self.close()
             raise

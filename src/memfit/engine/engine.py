@@ -264,8 +264,9 @@ class Engine:
             lg = logits[i]
             top = self._top(s, lg)
             prop = d[i] if i < len(d) else -1
-            tok = int(s.sampler.verify(lg, hist, prop)) if prop >= 0 else \
-                int(s.sampler.sample(lg, hist))
+            # the target's own token here, drawn as without speculation (one random draw per
+            # emitted token, in order): a proposal is accepted when it is that token
+            tok = int(s.sampler.sample(lg, hist))
             toks.append(tok)
             tops.append(top)
             hist.append(tok)

@@ -188,28 +188,6 @@ class Sampler:
         i = int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
         return int(ids[min(i, len(ids) - 1)])
 
-    def verify(self, logits: np.ndarray, history, proposal: int) -> int:
-        """The token at this position given a proposed one (speculative decoding): greedy, the
-        argmax (the proposal was right when they are equal); sampling, the proposal with
-        probability p(proposal) under the final distribution, else a draw from that
-        distribution without it -- the rejection rule for a one-hot draft, so the token's
-        distribution is exactly ``sample``'s."""
-        p = self.params
-        x = self.penalize(np.asarray(logits, dtype=np.float32), history)
-        if p.greedy:
-            return int(np.argmax(x))
-        ids, probs = self._distribution(x)
-        hit = np.flatnonzero(ids == proposal)
-        pd = float(probs[hit[0]]) / float(probs.sum()) if len(hit) else 0.0
-        if self.rng.random() < pd:
-            return int(proposal)
-        if len(hit):
-            probs = probs.copy()
-            probs[hit[0]] = 0.0
-        cdf = np.cumsum(probs)
-        i = int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
-        return int(ids[min(i, len(ids) - 1)])
-
     def _distribution(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The candidates and their probabilities after top_k, top_p, min_p and temperature
         (x: penalized logits)."""

@@ -14,13 +14,16 @@ Pieces:
   Speculator   per step, which sequences draft how many tokens (the adaptive policy) and the
                statistics (proposed, accepted, per proposer)
 
-Exactness: greedy acceptance compares each proposed token with the target's argmax at the row
-before it; a decode row's logits do not depend on the other rows of its forward (the kernels'
-batch invariance), so greedy output with speculation equals greedy output without it, token for
-token. With sampling, a proposal (a point mass: proposers are deterministic) is accepted with
-probability p(token) under the sampler's final distribution, else the token is drawn from that
-distribution with the proposal removed (the residual of Leviathan et al.'s rule for a one-hot
-draft), so the output distribution is the target's (engine/sampler.py accept_or_resample).
+Exactness: at each verified row the target draws its own token exactly as it would without
+speculation (greedy: the argmax; sampling: the sampler's chain with one random draw per emitted
+token, in order), and a proposal is accepted when it is that token. A decode row's logits do not
+depend on the other rows of its forward (the kernels' batch invariance), so the output with
+speculation is the output without it, token for token, greedy or seeded. For sampling this is
+the standard rejection rule for a deterministic draft (q one-hot on the proposal d): d is
+accepted with probability p(d) = min(1, p(d)/q(d)), and a rejected row yields a token drawn from
+p conditioned on not being d, the normalised residual max(0, p - q); drawing the target's token
+with the row's own uniform number (the coupling) gives both at once and keeps seeded runs
+reproducible whatever the policy decided.
 """
 
 from __future__ import annotations

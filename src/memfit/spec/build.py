@@ -1,0 +1,43 @@
+"""The Speculator a loaded runtime uses, from the user's SpecConfig (runtime.py calls it)."""
+
+from __future__ import annotations
+
+from ..errors import RequestError
+from .policy import SpecConfig, Speculator
+from .proposers import NGramProposer
+
+
+def as_config(spec, draft_max: int | None = None, draft_min: int | None = None) -> SpecConfig:
+    """SpecConfig from a mode string, a SpecConfig or None (off)."""
+    if spec is None:
+        spec = "off"
+    if isinstance(spec, SpecConfig):
+        cfg = spec
+    elif isinstance(spec, str):
+        kw = {}
+        if draft_max is not None:
+            kw["draft_max"] = draft_max
+        if draft_min is not None:
+            kw["draft_min"] = draft_min
+        cfg = SpecConfig(mode=spec, **kw)
+    else:
+        raise RequestError(f"spec={spec!r}: give a mode (off, ngram, draft, resident, auto)")
+    return cfg
+
+
+def make_speculator(cfg: SpecConfig, *, model, tokenizer, draft=None) -> Speculator | None:
+    """The proposers for cfg.mode: ngram (prompt lookup), draft (``draft``: a loaded draft
+    proposer, spec/draft.py), auto (ngram, and the draft model when one is loaded)."""
+    if cfg.mode == "off" or cfg.draft_max == 0:
+        return None
+    proposers = []
+    if cfg.mode in ("draft", "auto") and draft is not None:
+        proposers.append(draft)
+    if cfg.mode == "draft" and draft is None:
+        raise RequestError("--spec draft needs a draft model: give --model-draft FILE (a GGUF "
+                           "with the same vocabulary)")
+    if cfg.mode in ("ngram", "auto"):
+        proposers.append(NGramProposer(cfg.ngram_min, cfg.ngram_max))
+    if cfg.mode == "resident":
+        raise RequestError("--spec resident is not available yet; use ngram, draft or auto")
+    return Speculator(cfg, proposers)
