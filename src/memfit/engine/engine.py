@@ -228,8 +228,9 @@ class Engine:
         r = 0
         for s in rows:
             if s.draft:
-                outs.extend(self._verify(s, logits[r:r + 1 + len(s.draft)]))
-                r += 1 + len(s.draft)
+                nr = 1 + len(s.draft)
+                outs.extend(self._verify(s, logits[r:r + nr]))
+                r += nr
             else:
                 outs.extend(self._sample(s, logits[r]))
                 r += 1
