@@ -160,6 +160,29 @@ def _add_cache_type_args(p) -> None:
                             f"block formats; less memory, slightly different numbers)")
 
 
+def _add_spec_args(p, bench: bool = False) -> None:
+    from .spec.policy import MODES
+    g = p.add_argument_group("speculative decoding (the output is the same tokens either way)")
+    if bench:
+        g.add_argument("--spec", nargs="?", const="curve", default=None,
+                       choices=list(MODES) + ["curve"],
+                       help="bare --spec: the verify-cost curve (one decode forward of 1, 2, 4, 8, "
+                            "16, 24 rows); --spec MODE: a copying task decoded with MODE and "
+                            "without speculation, alternated (tokens/s and acceptance)")
+    else:
+        g.add_argument("--spec", choices=list(MODES), default="auto",
+                       help="propose tokens and verify them in one forward: ngram (prompt lookup), "
+                            "draft (--model-draft), resident (the budget's pinned layers), auto "
+                            "(default: only where the measured verify cost and acceptance say it "
+                            "pays), off")
+    g.add_argument("-md", "--model-draft", default=None, metavar="FILE",
+                   help="draft model: a GGUF with the same vocabulary, placed inside the same budget")
+    g.add_argument("--draft-max", "--draft", "--draft-n", dest="draft_max", type=_int_at_least(0),
+                   default=None, metavar="N", help="proposed tokens per step at most (default 16)")
+    g.add_argument("--draft-min", dest="draft_min", type=_int_at_least(0), default=None,
+                   metavar="N", help="fewer proposed tokens than N are not verified (default 0)")
+
+
 def _add_sampling_args(p) -> None:
     g = p.add_argument_group("sampling (llama.cpp defaults)")
     g.add_argument("-n", "--n-predict", type=_int_at_least(-1), default=128, help="tokens to generate (default 128; -1 = until the context is full)")
@@ -222,7 +245,7 @@ def _constraint_kwargs(a) -> dict:
     return dict(json_schema=a.json_schema, grammar=a.grammar, regex=a.regex)
 
 
-def _load(a, n_ctx=None, n_parallel=1):
+def _load(a, n_ctx=None, n_parallel=1, spec=None):
     import time
 
     from .api import Model, peak_rss_bytes
@@ -238,7 +261,10 @@ def _load(a, n_ctx=None, n_parallel=1):
               cache_type_k=getattr(a, "cache_type_k", "f16"),
               cache_type_v=getattr(a, "cache_type_v", "f16"),
               constrained=any(getattr(a, k, None) is not None
-                              for k in ("json_schema", "grammar", "regex")))
+                              for k in ("json_schema", "grammar", "regex")),
+              spec=spec if spec is not None else getattr(a, "spec", None) or "off",
+              draft_max=getattr(a, "draft_max", None), draft_min=getattr(a, "draft_min", None),
+              model_draft=getattr(a, "model_draft", None))
     if not quiet:
         tiers = ""
         if m.plan is not None:
@@ -298,6 +324,7 @@ def cmd_run(a) -> int:
             d = r.to_dict()
             d["peak_rss_bytes"] = peak_rss_bytes()
             d["load"] = m.runtime.summary()  # the configuration `memfit plan` showed
+            d["spec"] = m.spec_stats()
             if m.store is not None:
                 d["mem_budget_bytes"] = m.ledger.budget
                 d["store"] = m.store.stats()
@@ -327,6 +354,9 @@ def cmd_run(a) -> int:
               + (f" of budget {_mib(m.ledger.budget)} | {m.store.format_stats()}"
                  if m.store is not None else ""),
               file=sys.stderr)
+        if m.spec_stats() is not None:
+            from .spec.policy import format_stats
+            print(f"memfit: {format_stats(m.spec_stats())}", file=sys.stderr)
     return 0
 
 
@@ -701,6 +731,8 @@ def cmd_bench(a) -> int:
         with _load(a, n_ctx=a.n_prompt + a.n_gen + 8) as m:
             return run_profile(m.model, n_gen=max(1, a.n_gen), n_prompt=a.n_prompt, as_json=a.json,
                                pool=m.engine.pool)
+    if a.spec is not None:
+        return _bench_spec(a)
     parallel = _parallel_list(a.parallel)
     n_par = max(parallel) if parallel else 1
     n_ctx = a.n_prompt + a.n_gen + 8 + (n_par if parallel else 0)
@@ -739,6 +771,40 @@ def cmd_bench(a) -> int:
                             pool=m.engine.pool)
         if not a.json:
             print(markdown_table(res, m.ops.name))
+    return 0
+
+
+def _bench_spec(a) -> int:
+    from .api import peak_rss_bytes
+    from .bench import spec as sb
+    curve = a.spec == "curve"
+    n_ctx = (a.n_prompt if curve else 512) + 24 * (a.repetitions + 1) + a.n_gen + 16
+    with _load(a, n_ctx=n_ctx, spec="off" if curve else a.spec) as m:
+        name = m.path.name
+        if curve:
+            rows = sb.verify_curve(m, a.n_prompt, a.repetitions, progress=not a.json)
+        else:
+            rows = [sb.mode_vs_off(m, a.spec, max(1, a.n_gen), a.repetitions,
+                                   progress=not a.json)]
+        for r in rows:
+            r.update(model=name, peak_rss_bytes=peak_rss_bytes())
+            if m.store is not None:
+                r["mem_budget_bytes"] = m.ledger.budget
+                r["bytes_read"] = m.store.stats()["bytes_read"]
+        if a.json:
+            for r in rows:
+                print(json.dumps(r), flush=True)
+        elif curve:
+            print(f"| model | rows | ms / forward | spread | vs 1 row |\n|---|---:|---:|---:|---:|")
+            for r in rows:
+                print(f"| {name} | {r['rows']} | {r['ms']:.2f} | {r['ms_spread']:.2f} | "
+                      f"{r['ratio']:.2f}x |")
+        else:
+            from .spec.policy import format_stats
+            r = rows[0]
+            print(f"{name} {r['test']}: off {r['off_tokens_per_s']:.2f} tok/s, {a.spec} "
+                  f"{r['spec_tokens_per_s']:.2f} tok/s ({r['ratio']:.2f}x), same tokens: "
+                  f"{r['same_tokens']}\n{format_stats(r['spec'])}")
     return 0
 
 
@@ -783,6 +849,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--regex", type=_regex, default=None, metavar="RE",
                    help="the output matches the regular expression RE")
     _add_sampling_args(r)
+    _add_spec_args(r)
     _add_cache_type_args(r)
     _add_runtime_args(r)
     r.set_defaults(func=cmd_run, text=None)
@@ -795,6 +862,7 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("-c", "--ctx-size", type=int, default=None, help="context size (default: min(training context, 4096))")
     ch.add_argument("--system", default=None, help="system message")
     _add_sampling_args(ch)
+    _add_spec_args(ch)
     _add_cache_type_args(ch)
     _add_runtime_args(ch)
     ch.set_defaults(func=cmd_chat, json=False)
@@ -868,6 +936,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(scalar, avx2, avx512vnni; default: the active one)")
     b.add_argument("--cpu-time", action="store_true",
                    help="with --kernels -t 1: time by this thread's CPU time (other processes on a shared machine do not count)")
+    _add_spec_args(b, bench=True)
     _add_cache_type_args(b)
     _add_runtime_args(b)
     b.set_defaults(func=cmd_bench)
@@ -953,6 +1022,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--pooling", choices=["mean", "cls", "last"], default=None,
                     help="/v1/embeddings pooling of the final hidden states (default: the GGUF's "
                     "pooling type, else mean)")
+    _add_spec_args(sv)
     _add_runtime_args(sv)
     sv.set_defaults(func=cmd_serve)
 

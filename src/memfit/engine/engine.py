@@ -92,9 +92,14 @@ class Engine:
         self.n_constrained = 0     # generated tokens of constrained sequences, forced included
         self._masker = None        # constrain.MaskWorker, made for the first constraint
         # speculative decoding (spec/): proposals verified as decode rows of their sequence
+        self.spec = None
+        self.set_spec(spec)
+
+    def set_spec(self, spec) -> None:
+        """Speculate with ``spec`` (a spec.Speculator; None or a disabled one: no
+        speculation) from the next step on; benches switch it between repetitions."""
         self.spec = spec if spec is not None and spec.enabled else None
-        if self.spec is not None:
-            self.scheduler.propose = self._propose
+        self.scheduler.propose = self._propose if self.spec is not None else None
 
     # --- requests
     def add_request(self, prompt_ids, params: SamplingParams, *, n_top: int = 0,
@@ -142,6 +147,7 @@ class Engine:
                        Sampler(params, self.tokenizer.n_vocab), StreamDecoder(self.tokenizer),
                        StopMatcher(params.stop or []), n_top=int(n_top), ignore_eos=ignore_eos)
         seq.bias = bias
+        draft_max = params.draft_max if draft_max is None else draft_max
         if draft_max is not None:
             if isinstance(draft_max, bool) or not isinstance(draft_max, int) or draft_max < 0:
                 raise RequestError(f"draft_max={draft_max!r} must be an integer >= 0")

@@ -52,6 +52,8 @@ class SamplingParams:
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
     logit_bias: dict[int, float] | None = None
+    draft_max: int | None = None  # speculative decoding: proposed tokens per step at most
+                                  # (0: none; None: the engine's setting; spec/)
 
     def __post_init__(self) -> None:
         def number(name: str, lo: float, hi: float, lo_open: bool = False) -> float:
@@ -97,6 +99,8 @@ class SamplingParams:
                 raise RequestError(f"stop={self.stop!r}: every stop must be a non-empty string")
         if self.logit_bias is not None:
             self.logit_bias = _check_bias(self.logit_bias) or None
+        if self.draft_max is not None:
+            self.draft_max = integer("draft_max", 0)
 
     @property
     def greedy(self) -> bool:
