@@ -663,7 +663,8 @@ def cmd_plan(a) -> int:
     # the floor is checked with the default bandwidth before any probe runs
     rt = Runtime(a.model, threads=a.threads, n_ctx=a.ctx_size, mem_budget=a.mem_budget,
                  n_parallel=a.parallel, cache_type_k=a.cache_type_k,
-                 cache_type_v=a.cache_type_v, bandwidth=Bandwidth(source="default"))
+                 cache_type_v=a.cache_type_v, bandwidth=Bandwidth(source="default"),
+                 spec=getattr(a, "spec", "auto"))
     try:
         bw = get_bandwidth(rt.path, measure=not a.no_measure or a.reprobe, refresh=a.reprobe)
         rt.replan(bw)
@@ -677,6 +678,10 @@ def cmd_plan(a) -> int:
         d["n_parallel"] = rt.n_parallel
         d["load_notes"] = rt.notes
         d["bandwidth_notes"] = {"memory": bw.mem_note, "disk": bw.disk_note}
+        if rt.spec.mode != "off":
+            from .spec.policy import predicted_slope
+            d["spec"] = {"mode": rt.spec.mode, "draft_max": rt.spec.draft_max,
+                         "verify_cost_slope": round(predicted_slope(p), 4)}
         print(json.dumps(d, indent=1))
     else:
         print(f"budget: {_mib(budget)} ({why})")
@@ -685,6 +690,9 @@ def cmd_plan(a) -> int:
             print(f"note: {note}")
         print(f"memory bandwidth {bw.mem_read_bytes_per_s / 1e9:.1f} GB/s: {bw.mem_note}")
         print(f"disk bandwidth {bw.disk_read_bytes_per_s / 1e9:.2f} GB/s: {bw.disk_note}")
+        if rt.spec.mode != "off":
+            from .spec.policy import format_cost_model, predicted_slope
+            print(format_cost_model(predicted_slope(p)))
     return 0
 
 
@@ -953,6 +961,9 @@ def build_parser() -> argparse.ArgumentParser:
     pn.add_argument("--no-measure", action="store_true", help="use cached/default bandwidths instead of measuring")
     pn.add_argument("--reprobe", action="store_true", help="measure memory and disk bandwidth now, whatever is cached")
     pn.add_argument("--json", action="store_true", help="min_budget_bytes, disk_bytes_per_token, predicted_tg_tokens_per_s, tiers...")
+    from .spec.policy import MODES
+    pn.add_argument("--spec", choices=list(MODES), default="auto",
+                    help="the speculative-decoding mode to show the verify-cost model for (default auto)")
     pn.set_defaults(func=cmd_plan)
 
     sy = sub.add_parser("synth", help="write a synthetic GGUF with real shapes and random valid blocks (for budget tests)")

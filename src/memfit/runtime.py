@@ -237,7 +237,8 @@ class Runtime:
             kvt = None if self.cache_type_k == "f16" and self.cache_type_v == "f16" else \
                 self.cache_type_k  # None: the model's default (f16, or f32 in exact-math tests)
             from .spec.build import make_speculator
-            spec = make_speculator(self.spec, model=self.model, tokenizer=self.tokenizer)
+            spec = make_speculator(self.spec, model=self.model, tokenizer=self.tokenizer,
+                                   plan=self.plan)
             self.engine = Engine(self.model, self.tokenizer, self.n_ctx, self.n_parallel,
                                  self.n_batch, ledger=self.ledger, cache_type=kvt,
                                  cache_type_v=None if kvt is None else self.cache_type_v,

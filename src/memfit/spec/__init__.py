@@ -29,6 +29,6 @@ reproducible whatever the policy decided.
 from __future__ import annotations
 
 from .policy import CostModel, SpecConfig, Speculator, SpecStats
-from .proposers import NGramProposer, Proposer
+from .proposers import NGramProposer, OracleProposer, Proposer
 
-__all__ = ["CostModel", "NGramProposer", "Proposer", "SpecConfig", "SpecStats", "Speculator"]
+__all__ = ["CostModel", "NGramProposer", "OracleProposer", "Proposer", "SpecConfig", "SpecStats", "Speculator"]

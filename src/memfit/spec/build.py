@@ -25,7 +25,8 @@ def as_config(spec, draft_max: int | None = None, draft_min: int | None = None) 
     return cfg
 
 
-def make_speculator(cfg: SpecConfig, *, model, tokenizer, draft=None) -> Speculator | None:
+def make_speculator(cfg: SpecConfig, *, model, tokenizer, draft=None,
+                    plan=None) -> Speculator | None:
     """The proposers for cfg.mode: ngram (prompt lookup), draft (``draft``: a loaded draft
     proposer, spec/draft.py), auto (ngram, and the draft model when one is loaded)."""
     if cfg.mode == "off" or cfg.draft_max == 0:
@@ -40,4 +41,6 @@ def make_speculator(cfg: SpecConfig, *, model, tokenizer, draft=None) -> Specula
         proposers.append(NGramProposer(cfg.ngram_min, cfg.ngram_max))
     if cfg.mode == "resident":
         raise RequestError("--spec resident is not available yet; use ngram, draft or auto")
-    return Speculator(cfg, proposers)
+    from .policy import CostModel, predicted_slope
+    return Speculator(cfg, proposers,
+                      CostModel(predicted_slope(plan) if plan is not None else None))

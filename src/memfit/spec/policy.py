@@ -111,12 +111,12 @@ class CostModel:
         return 1 in self.t
 
     def slope(self) -> float:
+        t1 = self.t.get(1)
+        if t1 and self._pf_row:  # measured: the prefill's time per row over a decode token's
+            return min(1.0, self._pf_row / t1)
         if self.slope_hint is not None:
             return self.slope_hint
-        t1 = self.t.get(1)
-        if t1 and self._pf_row:
-            return min(1.0, self._pf_row / t1)
-        return 1.0  # nothing measured: no row is assumed free
+        return 1.0  # nothing known: no row is assumed free
 
     def cost(self, w: int) -> float:
         if w in self.t:
@@ -135,6 +135,28 @@ class CostModel:
     def curve(self, widths=(1, 2, 4, 8, 16, 24, 32)) -> list[dict]:
         return [{"rows": w, "ms": round(self.cost(w) * 1e3, 3), "measured": w in self.t}
                 for w in widths]
+
+
+# one more decode row's compute, in units of the time one token's weights take to read from
+# memory: measured with `memfit bench --spec` on SmolLM2 and Gemma resident (AMD EPYC Zen 4,
+# 2 threads; BENCHMARKS.md "Speculative decoding"); the run replaces it with its own measurement
+ROW_COMPUTE = 0.6
+
+
+def predicted_slope(plan) -> float:
+    """The verify-cost slope a plan predicts before anything is measured: an extra row costs
+    ROW_COMPUTE x the token's memory time, over the whole token's time (memory + disk)."""
+    bw = plan.bandwidth
+    t_mem = plan.mem_bytes_per_token / bw.mem_read_bytes_per_s
+    t_tok = 1.0 / plan.predicted_tg_tokens_per_s if plan.predicted_tg_tokens_per_s > 0 else t_mem
+    return min(1.0, ROW_COMPUTE * t_mem / max(t_tok, 1e-9))
+
+
+def format_cost_model(slope: float, widths=(1, 4, 8, 16, 24)) -> str:
+    """`memfit plan`'s line: verify cost per width relative to one token."""
+    pts = ", ".join(f"{w} rows {1 + slope * (w - 1):.2f}x" for w in widths[1:])
+    return (f"speculation: a verify pass of w rows costs ~1 + {slope:.3f}(w - 1) tokens ({pts}); "
+            f"the run measures its own curve and speculates where accepted tokens pay for it")
 
 
 def expected_tokens(a: float, k: int) -> float:

@@ -88,3 +88,25 @@ class NGramProposer(Proposer):
 
     def release(self, request_id: str) -> None:
         self._idx.pop(request_id, None)
+
+
+class OracleProposer(Proposer):
+    """Proposes the continuation of a known text (benchmarks: a model's own greedy output from
+    an earlier run, so every proposal is right): the ceiling of the mechanism on a model whose
+    random weights make real acceptance meaningless. ``texts``: full token lists (prompt +
+    output); a sequence whose tokens are a prefix of one gets the rest of it."""
+    name = "oracle"
+
+    def __init__(self, texts):
+        self.texts = [list(t) for t in texts]
+
+    def propose(self, seqs, ks):
+        out = []
+        for s, k in zip(seqs, ks):
+            n, d = len(s.tokens), []
+            for t in self.texts:
+                if len(t) > n and t[:n] == s.tokens:
+                    d = t[n:n + k]
+                    break
+            out.append(d)
+        return out
