@@ -679,9 +679,10 @@ def cmd_plan(a) -> int:
         d["load_notes"] = rt.notes
         d["bandwidth_notes"] = {"memory": bw.mem_note, "disk": bw.disk_note}
         if rt.spec.mode != "off":
-            from .spec.policy import predicted_slope
+            from .spec.policy import predicted_cost
             d["spec"] = {"mode": rt.spec.mode, "draft_max": rt.spec.draft_max,
-                         "verify_cost_slope": round(predicted_slope(p), 4)}
+                         "verify_cost": {w: round(predicted_cost(p, w), 3)
+                                         for w in (1, 2, 4, 8, 16, 24)}}
         print(json.dumps(d, indent=1))
     else:
         print(f"budget: {_mib(budget)} ({why})")
@@ -691,8 +692,8 @@ def cmd_plan(a) -> int:
         print(f"memory bandwidth {bw.mem_read_bytes_per_s / 1e9:.1f} GB/s: {bw.mem_note}")
         print(f"disk bandwidth {bw.disk_read_bytes_per_s / 1e9:.2f} GB/s: {bw.disk_note}")
         if rt.spec.mode != "off":
-            from .spec.policy import format_cost_model, predicted_slope
-            print(format_cost_model(predicted_slope(p)))
+            from .spec.policy import format_cost_model
+            print(format_cost_model(p))
     return 0
 
 

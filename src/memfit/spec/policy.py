@@ -143,20 +143,39 @@ class CostModel:
 ROW_COMPUTE = 0.6
 
 
-def predicted_slope(plan) -> float:
-    """The verify-cost slope a plan predicts before anything is measured: an extra row costs
-    ROW_COMPUTE x the token's memory time, over the whole token's time (memory + disk)."""
+def _union(n: int, k: int, w: int) -> float:
+    """Expected distinct experts w rows route to, k of n each (uniform routing)."""
+    return n * (1.0 - (1.0 - k / n) ** w) if n and k else 0.0
+
+
+def predicted_cost(plan, w: int) -> float:
+    """A verify pass of w rows in tokens' time, before anything is measured: the token's
+    memory time, plus ROW_COMPUTE x that per extra row, plus its disk time -- for a
+    mixture-of-experts model whose experts stream, the disk time grows with the union of the
+    experts the w rows route to (uniform routing: n (1 - (1 - k/n)^w) of n experts), which is
+    why speculation rarely pays there."""
     bw = plan.bandwidth
     t_mem = plan.mem_bytes_per_token / bw.mem_read_bytes_per_s
-    t_tok = 1.0 / plan.predicted_tg_tokens_per_s if plan.predicted_tg_tokens_per_s > 0 else t_mem
-    return min(1.0, ROW_COMPUTE * t_mem / max(t_tok, 1e-9))
+    t_disk = plan.disk_bytes_per_token / bw.disk_read_bytes_per_s
+    t1 = 1.0 / plan.predicted_tg_tokens_per_s if plan.predicted_tg_tokens_per_s > 0 \
+        else t_mem + t_disk
+    grow = 1.0
+    if plan.n_expert and plan.n_expert_used and t_disk > 0:
+        grow = _union(plan.n_expert, plan.n_expert_used, w) / plan.n_expert_used
+    return (t1 + ROW_COMPUTE * t_mem * (w - 1) + t_disk * (grow - 1.0)) / t1
 
 
-def format_cost_model(slope: float, widths=(1, 4, 8, 16, 24)) -> str:
-    """`memfit plan`'s line: verify cost per width relative to one token."""
-    pts = ", ".join(f"{w} rows {1 + slope * (w - 1):.2f}x" for w in widths[1:])
-    return (f"speculation: a verify pass of w rows costs ~1 + {slope:.3f}(w - 1) tokens ({pts}); "
-            f"the run measures its own curve and speculates where accepted tokens pay for it")
+def predicted_slope(plan) -> float:
+    """The verify-cost slope a plan predicts before anything is measured (per extra row, in
+    tokens): from predicted_cost over 8 rows."""
+    return min(1.0, (predicted_cost(plan, 8) - 1.0) / 7.0)
+
+
+def format_cost_model(plan, widths=(1, 4, 8, 16, 24)) -> str:
+    """`memfit plan`'s line: the predicted verify cost per width relative to one token."""
+    pts = ", ".join(f"{w} rows {predicted_cost(plan, w):.2f}x" for w in widths[1:])
+    return (f"speculation: a verify pass of w rows is predicted to cost {pts} one token; the "
+            f"run measures its own curve and speculates where accepted tokens pay for it")
 
 
 def expected_tokens(a: float, k: int) -> float:
