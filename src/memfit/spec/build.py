@@ -26,9 +26,11 @@ def as_config(spec, draft_max: int | None = None, draft_min: int | None = None) 
 
 
 def make_speculator(cfg: SpecConfig, *, model, tokenizer, draft=None,
-                    plan=None) -> Speculator | None:
+                    resident=None, plan=None) -> Speculator | None:
     """The proposers for cfg.mode: ngram (prompt lookup), draft (``draft``: a loaded draft
-    proposer, spec/draft.py), auto (ngram, and the draft model when one is loaded)."""
+    proposer, spec/draft.py), resident (``resident``: the budget's pinned layers as the draft,
+    spec/resident.py), auto (ngram, and the draft model when one is loaded; never resident,
+    whose measured acceptance does not pay: spec/resident.py)."""
     if cfg.mode == "off" or cfg.draft_max == 0:
         return None
     proposers = []
@@ -40,7 +42,10 @@ def make_speculator(cfg: SpecConfig, *, model, tokenizer, draft=None,
     if cfg.mode in ("ngram", "auto"):
         proposers.append(NGramProposer(cfg.ngram_min, cfg.ngram_max))
     if cfg.mode == "resident":
-        raise RequestError("--spec resident is not available yet; use ngram, draft or auto")
+        if resident is None:
+            raise RequestError("--spec resident needs a budget that streams part of a dense "
+                               "model (--mem-budget); use ngram, draft or auto")
+        proposers.append(resident)
     from .policy import CostModel, predicted_slope
     return Speculator(cfg, proposers,
                       CostModel(predicted_slope(plan) if plan is not None else None))
