@@ -59,11 +59,11 @@ class Runtime:
     def _open_draft(self, model_draft) -> None:
         """The draft model's file (speculative decoding, spec/draft.py), checked against the
         model's vocabulary before anything is planned; only modes that use it open it."""
-        self.draft_path = None
+        self.draft_path, self._draft_notes = None, []
         if model_draft is None:
             return
         if self.spec.mode not in ("draft", "auto"):
-            self.notes_pre = [f"--model-draft is not used with --spec {self.spec.mode}"]
+            self._draft_notes = [f"--model-draft is not used with --spec {self.spec.mode}"]
             return
         from .gguf import open_gguf
         from .models import config_from_gguf
@@ -101,7 +101,7 @@ class Runtime:
         # KV cache types (llama.cpp's -ctk/-ctv): checked before the planner counts them
         self.cache_type_k = NAMES[cache_type(cache_type_k)]
         self.cache_type_v = NAMES[cache_type(cache_type_v)]
-        self.notes: list[str] = list(getattr(self, "notes_pre", []))
+        self.notes: list[str] = list(self._draft_notes)
         if kv_layout(cfg).v_in_k:
             # MLA: the cache holds K only and V is K's first values, so V has K's type
             check_v_in_k(cache_type(self.cache_type_k), cfg.head_dim_k, cfg.head_dim_v)

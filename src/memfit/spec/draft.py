@@ -22,6 +22,7 @@ DraftProposer also serves the resident-layers draft (spec/resident.py): the same
 from __future__ import annotations
 
 import os
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -51,9 +52,13 @@ class _Shadow:
 
 
 class DraftProposer(Proposer):
-    """Greedy proposals of ``model`` (its logits' argmax) on a KV pool of its own."""
+    """Greedy proposals of ``model`` (its logits' argmax) on a KV pool of its own. A sequence's
+    proposal stops at the first token whose draft probability is below ``p_min`` (llama.cpp's
+    --draft-p-min, default 0.75 there too): a guess the draft itself doubts is rarely accepted,
+    and every guess costs a draft forward and a verify row."""
 
     name = "draft"
+    P_MIN = 0.75
 
     def __init__(self, model, *, n_ctx: int, n_parallel: int = 1, n_batch: int = 512,
                  ledger=None, cache_type: str | None = None, layout=None, eog_ids=(),
@@ -74,7 +79,9 @@ class DraftProposer(Proposer):
         self.eog = frozenset(int(i) for i in eog_ids)
         self._shadows: OrderedDict[str, _Shadow] = OrderedDict()   # least recently used first
         self._free_slots = list(range(self.n_parallel - 1, -1, -1))
-        self.n_forwards = 0
+        self.p_min = self.P_MIN
+        self.n_forwards = 0     # draft forwards run
+        self.seconds = 0.0      # time spent proposing (the policy's verify cost leaves it out)
 
     def _book(self, cat: str, nm: str, n: int) -> None:
         if self.ledger is not None:
@@ -116,6 +123,13 @@ class DraftProposer(Proposer):
 
     # --- proposals
     def propose(self, seqs, ks) -> list[list[int]]:
+        t0 = time.perf_counter()
+        try:
+            return self._propose(seqs, ks)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _propose(self, seqs, ks) -> list[list[int]]:
         outs: list[list[int]] = [[] for _ in seqs]
         busy = {s.request_id for s in seqs}
         act = []  # [index, shadow, k]
@@ -168,8 +182,15 @@ class DraftProposer(Proposer):
                 if a is None:
                     continue
                 i, sh, k = a
-                tok = int(np.argmax(logits[r]))
+                row = logits[r]
                 r += 1
+                tok = int(np.argmax(row))
+                if self.p_min > 0.0:
+                    # the draft's probability of its own token: 1 / sum(exp(l - max))
+                    p = 1.0 / float(np.exp(row - row[tok], dtype=np.float64).sum())
+                    if p < self.p_min:
+                        done.append(a)
+                        continue
                 outs[i].append(tok)
                 sh.tokens.append(tok)
                 if len(outs[i]) >= k or tok in self.eog:
