@@ -1,8 +1,8 @@
 """The draft-model proposer: a second, smaller GGUF with the target's vocabulary guesses the
 next tokens greedily (llama.cpp's ``--model-draft``).
 
-    draft = load_draft(path, target_model, target_tokenizer, n_ctx=4096, n_parallel=4,
-                       n_batch=512, ledger=ledger)
+    draft = load_draft(path, target_model, target_tokenizer, target_file.metadata,
+                       n_ctx=4096, n_parallel=4, n_batch=512, ledger=ledger)
     spec = make_speculator(cfg, model=target, tokenizer=tok, draft=draft)   # spec/build.py
 
 The proposer owns its model (weights read once into buffers it owns and books in the ledger
@@ -317,13 +317,13 @@ def load_draft(source, target, tokenizer, target_metadata: dict, *, n_ctx: int,
     with a ledger its weights are read into memory and booked (resident_weights/draft_weights),
     its scratch (scratch/draft_model: ``scratch`` bytes, the plan's figure) and KV pool too."""
     from ..gguf import open_gguf
-    from ..models import load_model
-    f = opened = open_gguf(source) if isinstance(source, (str, os.PathLike)) else None
-    f = f or source
+    from ..models import config_from_gguf, load_model
+    opened = open_gguf(source) if isinstance(source, (str, os.PathLike)) else None
+    f = opened or source
     try:
-        from ..models import config_from_gguf
         cfg = config_from_gguf(f, check=True)
-        check_vocab(target_metadata, target.config.n_vocab, f.metadata, cfg.n_vocab, Path(f.paths[0]).name)
+        check_vocab(target_metadata, target.config.n_vocab, f.metadata, cfg.n_vocab,
+                    Path(f.paths[0]).name)
         owned = []
         weights = None
         if ledger is not None:
