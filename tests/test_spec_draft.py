@@ -41,7 +41,7 @@ def _streaming(path, extra_mib: float, **kw):
     """The model loaded at a budget extra_mib above its floor (measured now: the baseline is
     this process's RSS), which must stream part of the weights."""
     m = memfit.load(path, n_ctx=CTX, mem_budget=_floor(path, **kw) + int(extra_mib * 2**20),
-                    n_parallel=1, **kw)
+                    n_parallel=2, **kw)
     assert m.plan is not None and m.plan.tiers["file"], "the budget should stream the target"
     return m
 
