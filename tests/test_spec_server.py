@@ -52,7 +52,8 @@ def test_run_summary_and_json(smollm2_path):
     r = run_cli(["run", str(smollm2_path), "-p", COPY, "--temp", "0", "-n", "32", "--spec",
                  "ngram"])
     assert r.returncode == 0, r.stderr
-    assert "memfit: spec ngram: ngram " in r.stderr and "accepted" in r.stderr
+    summary = r.stderr.strip().splitlines()[-1]
+    assert "generated 32 tok" in summary and "| spec ngram: ngram " in summary and "accepted" in summary
     j = run_cli(["run", str(smollm2_path), "-p", COPY, "--temp", "0", "-n", "32", "--json",
                  "--spec", "ngram"])
     d = json.loads(j.stdout)

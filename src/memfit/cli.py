@@ -348,15 +348,15 @@ def cmd_run(a) -> int:
             sys.stdout.write("\n")
         sys.stdout.flush()
         t = st.timings
+        from .spec.policy import format_stats
+        spec = m.spec_stats()
         print(f"memfit: prompt {t.prompt_n} tok, {t.prompt_per_second:.1f} tok/s | "
               f"generated {t.predicted_n} tok, {t.predicted_per_second:.1f} tok/s | "
               f"finish {st.finish_reason} | peak RSS {_mib(peak_rss_bytes())}"
               + (f" of budget {_mib(m.ledger.budget)} | {m.store.format_stats()}"
-                 if m.store is not None else ""),
+                 if m.store is not None else "")
+              + (f" | {format_stats(spec)}" if spec and spec["proposed"] else ""),
               file=sys.stderr)
-        if m.spec_stats() is not None:
-            from .spec.policy import format_stats
-            print(f"memfit: {format_stats(m.spec_stats())}", file=sys.stderr)
     return 0
 
 
