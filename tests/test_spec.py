@@ -187,7 +187,7 @@ def test_rejected_tokens_never_keyed(tmp_path):
 
         def cost(self, w):
             return 1.0
-    spec = Speculator(SpecConfig(mode="ngram", draft_max=40), [Wrong(nv)], Flat())
+    spec = Speculator(SpecConfig(mode="ngram", draft_max=40, draft_min=40), [Wrong(nv)], Flat())
     eng = Engine(model, tok, n_ctx=256, n_parallel=1, n_batch=64, spec=spec)
     rid = eng.add_request(PLAIN, SamplingParams(temperature=0, max_tokens=60))
     seq = eng.sequence(rid)

@@ -664,7 +664,7 @@ def cmd_plan(a) -> int:
     rt = Runtime(a.model, threads=a.threads, n_ctx=a.ctx_size, mem_budget=a.mem_budget,
                  n_parallel=a.parallel, cache_type_k=a.cache_type_k,
                  cache_type_v=a.cache_type_v, bandwidth=Bandwidth(source="default"),
-                 spec=getattr(a, "spec", "auto"))
+                 spec=getattr(a, "spec", "auto"), model_draft=getattr(a, "model_draft", None))
     try:
         bw = get_bandwidth(rt.path, measure=not a.no_measure or a.reprobe, refresh=a.reprobe)
         rt.replan(bw)
@@ -965,6 +965,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .spec.policy import MODES
     pn.add_argument("--spec", choices=list(MODES), default="auto",
                     help="the speculative-decoding mode to show the verify-cost model for (default auto)")
+    pn.add_argument("-md", "--model-draft", default=None, metavar="FILE",
+                    help="a draft model to place inside the same budget (shown in the plan)")
     pn.set_defaults(func=cmd_plan)
 
     sy = sub.add_parser("synth", help="write a synthetic GGUF with real shapes and random valid blocks (for budget tests)")

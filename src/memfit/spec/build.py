@@ -29,18 +29,18 @@ def make_speculator(cfg: SpecConfig, *, model, tokenizer, draft=None,
                     resident=None, plan=None) -> Speculator | None:
     """The proposers for cfg.mode: ngram (prompt lookup), draft (``draft``: a loaded draft
     proposer, spec/draft.py), resident (``resident``: the budget's pinned layers as the draft,
-    spec/resident.py), auto (ngram, and the draft model when one is loaded; never resident,
+    spec/resident.py), auto (ngram, then the draft model when one is loaded; never resident,
     whose measured acceptance does not pay: spec/resident.py)."""
     if cfg.mode == "off" or cfg.draft_max == 0:
         return None
     proposers = []
-    if cfg.mode in ("draft", "auto") and draft is not None:
-        proposers.append(draft)
     if cfg.mode == "draft" and draft is None:
         raise RequestError("--spec draft needs a draft model: give --model-draft FILE (a GGUF "
                            "with the same vocabulary)")
-    if cfg.mode in ("ngram", "auto"):
+    if cfg.mode in ("ngram", "auto"):  # first: free, and right where the text repeats
         proposers.append(NGramProposer(cfg.ngram_min, cfg.ngram_max))
+    if cfg.mode in ("draft", "auto") and draft is not None:
+        proposers.append(draft)
     if cfg.mode == "resident":
         if resident is None:
             raise RequestError("--spec resident needs a budget that streams part of a dense "

@@ -21,6 +21,7 @@ gets found.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 MODES = ("off", "ngram", "draft", "resident", "auto")
@@ -205,6 +206,7 @@ class Speculator:
         self.cost = cost or CostModel()
         self.stats = SpecStats()
         self._steps = 0
+        self._ptime: dict[str, float] = {}  # proposer -> seconds per proposed token (EMA)
 
     @property
     def enabled(self) -> bool:
@@ -219,42 +221,69 @@ class Speculator:
         acc, rej = st.accepted + 2 * prior, st.rejections + 2 * (1 - prior)
         return acc / (acc + rej)
 
-    def plan_step(self, seqs, caps) -> dict:
+    def plan_step(self, seqs, caps) -> list:
         """Proposals for this decode step: [(sequence, proposer name, tokens)]; ``caps[i]`` is
-        the most tokens seqs[i] may have proposed (max_tokens, context, n_batch)."""
+        the most tokens seqs[i] may have proposed (max_tokens, context, n_batch). Proposers
+        are asked in order (n-gram first: free) for the sequences still without a proposal,
+        each for at most the length the policy would verify if it were all there (a draft
+        model's forwards are not spent on tokens that would be cut)."""
         if not self.enabled or not seqs:
             return []
         self._steps += 1
         cfg = self.config
-        want = [min(cfg.draft_max, c) for c in caps]
-        cands = [(s, w) for s, w in zip(seqs, want) if w > 0 and max(cfg.draft_min, 1) <= w]
+        lo = max(cfg.draft_min, 1)
+        cands = [(s, min(cfg.draft_max, c)) for s, c in zip(seqs, caps)]
+        cands = [(s, w) for s, w in cands if w >= lo]
         if not cands:
             return []
+        explore = self._steps % self.EXPLORE == 0
         out = {}  # id(sequence) -> (sequence, proposer, tokens)
         for p in self.proposers:
-            todo = [(s, w) for s, w in cands if id(s) not in out]
+            todo = []
+            for s, w in cands:
+                if id(s) in out:
+                    continue
+                k = w if cfg.mode != "auto" or explore else \
+                    self._best_k(p.name, len(seqs), float(len(seqs)), w)
+                if k >= lo:
+                    todo.append((s, k))
             if not todo:
-                break
-            drafts = p.propose([s for s, _ in todo], [w for _, w in todo])
-            for (s, w), d in zip(todo, drafts):
-                if len(d) >= max(cfg.draft_min, 1):
-                    out[id(s)] = (s, p.name, list(d[:w]))
+                continue
+            t0 = time.perf_counter()
+            drafts = p.propose([s for s, _ in todo], [k for _, k in todo])
+            n = sum(len(d) for d in drafts)
+            if n:
+                per = (time.perf_counter() - t0) / n
+                old = self._ptime.get(p.name)
+                self._ptime[p.name] = per if old is None else old + 0.25 * (per - old)
+            for (s, k), d in zip(todo, drafts):
+                if len(d) >= lo:
+                    out[id(s)] = (s, p.name, list(d[:k]))
         if not out:
             return []
-        return self._choose(list(out.values()), len(seqs))
+        return self._choose(list(out.values()), len(seqs), explore)
 
-    def _choose(self, props: list, n_rows: int) -> list:
+    def _best_k(self, name: str, rows: int, tokens: float, n_max: int) -> int:
+        """The proposal length (0..n_max) that maximises the step's tokens per second: a pass
+        yields E(k) tokens for this sequence and costs cost(rows + k) plus the proposer's
+        time for k tokens; auto wants a margin over k = 0."""
+        cfg = self.config
+        a = self.acceptance(name)
+        tp = self._ptime.get(name, 0.0)
+        best_k, best = 0, tokens / self.cost.cost(rows)
+        need = 1.0 + (cfg.margin if cfg.mode == "auto" else 0.0)
+        for k in range(max(cfg.draft_min, 1), n_max + 1):
+            r = (tokens - 1 + expected_tokens(a, k)) / (self.cost.cost(rows + k) + tp * k)
+            if r > best * need:
+                best_k, best = k, r
+        return best_k
+
+    def _choose(self, props: list, n_rows: int, explore: bool = False) -> list:
         """The policy: each proposal cut to the length that maximises the step's tokens/s."""
         cfg = self.config
-        explore = self._steps % self.EXPLORE == 0
         rows, tokens, chosen = n_rows, float(n_rows), []
         for s, name, d in props:
-            a = self.acceptance(name)
-            best_k, best = 0, tokens / self.cost.cost(rows)
-            for k in range(max(cfg.draft_min, 1), len(d) + 1):
-                r = (tokens - 1 + expected_tokens(a, k)) / self.cost.cost(rows + k)
-                if r > best * (1.0 + (cfg.margin if cfg.mode == "auto" else 0.0)):
-                    best_k, best = k, r
+            best_k = self._best_k(name, rows, tokens, len(d))
             if best_k == 0 and cfg.mode != "auto":
                 best_k = len(d)   # an explicit mode verifies what was proposed
             if best_k == 0 and explore:
@@ -263,7 +292,7 @@ class Speculator:
             if best_k >= max(cfg.draft_min, 1):
                 chosen.append((s, name, d[:best_k]))
                 rows += best_k
-                tokens += expected_tokens(a, best_k) - 1
+                tokens += expected_tokens(self.acceptance(name), best_k) - 1
         return chosen
 
     def record(self, name: str, proposed: int, accepted: int) -> None:
