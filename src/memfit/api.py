@@ -65,14 +65,21 @@ class Model:
                  n_ctx: int | None = None, backend: str | None = None, quiet: bool = True,
                  mem_budget: int | str | None = None, n_parallel: int = 1,
                  cache_type_k: str = "f16", cache_type_v: str = "f16", *, runtime=None,
-                 constrained: bool = False):
+                 constrained: bool = False, spec: str | None = "auto",
+                 draft_max: int | None = None, draft_min: int | None = None,
+                 model_draft: str | os.PathLike | None = None):
         """Plan and load (memfit.runtime.Runtime), or load the planned ``runtime`` given
-        (serve plans before its port opens)."""
+        (serve plans before its port opens). ``spec``: speculative decoding, off | ngram |
+        draft | resident | auto (memfit.spec; the output is the same tokens either way),
+        with at most ``draft_max`` proposed tokens per step (default 16) and at least
+        ``draft_min``; ``model_draft``: a GGUF with the same vocabulary as the draft model."""
         from .runtime import Runtime
+        from .spec.build import as_config
         rt = runtime if runtime is not None else Runtime(
             model, threads=threads, n_ctx=n_ctx, backend=backend, quiet=quiet,
             mem_budget=mem_budget, n_parallel=n_parallel, cache_type_k=cache_type_k,
-            cache_type_v=cache_type_v, constrained=constrained)
+            cache_type_v=cache_type_v, constrained=constrained,
+            spec=as_config(spec, draft_max, draft_min), model_draft=model_draft)
         self.runtime = rt.load()
         self.path, self.file, self.store, self.ledger = rt.path, rt.file, rt.store, rt.ledger
         self.plan = rt.plan if rt.use_store else None  # the plan a weight store executes
@@ -145,6 +152,11 @@ class Model:
                                f"{e.n_at_least} tokens but the context is {self.n_ctx}; raise "
                                f"--ctx-size or shorten the prompt") from None
 
+    def spec_stats(self) -> dict | None:
+        """Speculative decoding so far: mode, proposed, accepted, acceptance_rate,
+        mean_accepted (per verify pass), per proposer; None when it is off."""
+        return self.engine.stats()["spec"]
+
     # --- generation (clients of self.engine)
     def constraint(self, json_schema: dict | str | None = None, grammar: str | None = None,
                    regex: str | None = None):
@@ -157,7 +169,7 @@ class Model:
         return None if spec is None else compile_constraint(self.tokenizer, spec)
 
     def _steps(self, prompt, n_top: int, state: GenerationState | None, json_schema=None,
-               grammar=None, regex=None, **sampling):
+               grammar=None, regex=None, draft_max=None, **sampling):
         self._check_open()
         params = SamplingParams(**sampling)
         constraint = self.constraint(json_schema, grammar, regex)
@@ -166,7 +178,8 @@ class Model:
         st.prompt_ids = ids
         return st, generate_steps(self.model, self.tokenizer, ids, params, self.n_ctx,
                                   n_top=n_top, state=st, n_batch=self.n_batch,
-                                  engine=self.engine, constraint=constraint)
+                                  engine=self.engine, constraint=constraint,
+                                  draft_max=draft_max)
 
     @staticmethod
     def _is_batch(prompt) -> bool:
@@ -177,17 +190,19 @@ class Model:
     def generate(self, prompt: str | Sequence[int] | list, max_tokens: int = 128,
                  top_logprobs: int = 0, *, json_schema: dict | str | None = None,
                  grammar: str | None = None, regex: str | None = None,
-                 **sampling) -> Completion | list[Completion]:
+                 draft_max: int | None = None, **sampling) -> Completion | list[Completion]:
         """Complete ``prompt`` (text or ids). Sampling keywords: temperature, top_k, top_p,
         min_p, repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty, seed, stop,
         logit_bias ({token id: bias in [-100, 100]}). At most one constraint: ``json_schema``
         (a dict or JSON text: the text is JSON that validates), ``grammar`` (Lark or GBNF),
         ``regex``; the text then ends with "stop" where the grammar is complete.
+        ``draft_max``: proposed tokens per step for this call (0: no speculation; None: the
+        model's setting).
         A list of prompts (texts or id lists) runs them together (up to n_parallel at once)
         and returns a list of Completions in the same order."""
         if not self._is_batch(prompt):
             st, steps = self._steps(prompt, top_logprobs, None, json_schema, grammar, regex,
-                                    max_tokens=max_tokens, **sampling)
+                                    draft_max, max_tokens=max_tokens, **sampling)
             for _ in steps:
                 pass
             return Completion(st.prompt_ids, st.ids, st.text, st.finish_reason, st.timings,
@@ -200,7 +215,8 @@ class Model:
         rids, seqs = [], {}
         try:
             for ids in all_ids:
-                rid = eng.add_request(ids, params, n_top=top_logprobs, constraint=constraint)
+                rid = eng.add_request(ids, params, n_top=top_logprobs, constraint=constraint,
+                                      draft_max=draft_max)
                 rids.append(rid)
                 seqs[rid] = eng.sequence(rid)
             done: dict[str, Completion] = {}
@@ -219,10 +235,11 @@ class Model:
 
     def stream(self, prompt: str | Sequence[int], max_tokens: int = 128, *,
                json_schema: dict | str | None = None, grammar: str | None = None,
-               regex: str | None = None, **sampling) -> Iterator[str]:
+               regex: str | None = None, draft_max: int | None = None,
+               **sampling) -> Iterator[str]:
         """Yield text pieces as they are decoded (never a broken UTF-8 sequence); keywords
         as generate's."""
-        _, steps = self._steps(prompt, 0, None, json_schema, grammar, regex,
+        _, steps = self._steps(prompt, 0, None, json_schema, grammar, regex, draft_max,
                                max_tokens=max_tokens, **sampling)
         for step in steps:
             if step.text:

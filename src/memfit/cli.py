@@ -160,6 +160,29 @@ def _add_cache_type_args(p) -> None:
                             f"block formats; less memory, slightly different numbers)")
 
 
+def _add_spec_args(p, bench: bool = False) -> None:
+    from .spec.policy import MODES
+    g = p.add_argument_group("speculative decoding (the output is the same tokens either way)")
+    if bench:
+        g.add_argument("--spec", nargs="?", const="curve", default=None,
+                       choices=list(MODES) + ["curve"],
+                       help="bare --spec: the verify-cost curve (one decode forward of 1, 2, 4, 8, "
+                            "16, 24 rows); --spec MODE: a copying task decoded with MODE and "
+                            "without speculation, alternated (tokens/s and acceptance)")
+    else:
+        g.add_argument("--spec", choices=list(MODES), default="auto",
+                       help="propose tokens and verify them in one forward: ngram (prompt lookup), "
+                            "draft (--model-draft), resident (the budget's pinned layers), auto "
+                            "(default: only where the measured verify cost and acceptance say it "
+                            "pays), off")
+    g.add_argument("-md", "--model-draft", default=None, metavar="FILE",
+                   help="draft model: a GGUF with the same vocabulary, placed inside the same budget")
+    g.add_argument("--draft-max", "--draft", "--draft-n", dest="draft_max", type=_int_at_least(0),
+                   default=None, metavar="N", help="proposed tokens per step at most (default 16)")
+    g.add_argument("--draft-min", dest="draft_min", type=_int_at_least(0), default=None,
+                   metavar="N", help="fewer proposed tokens than N are not verified (default 0)")
+
+
 def _add_sampling_args(p) -> None:
     g = p.add_argument_group("sampling (llama.cpp defaults)")
     g.add_argument("-n", "--n-predict", type=_int_at_least(-1), default=128, help="tokens to generate (default 128; -1 = until the context is full)")
@@ -222,7 +245,7 @@ def _constraint_kwargs(a) -> dict:
     return dict(json_schema=a.json_schema, grammar=a.grammar, regex=a.regex)
 
 
-def _load(a, n_ctx=None, n_parallel=1):
+def _load(a, n_ctx=None, n_parallel=1, spec=None):
     import time
 
     from .api import Model, peak_rss_bytes
@@ -238,7 +261,10 @@ def _load(a, n_ctx=None, n_parallel=1):
               cache_type_k=getattr(a, "cache_type_k", "f16"),
               cache_type_v=getattr(a, "cache_type_v", "f16"),
               constrained=any(getattr(a, k, None) is not None
-                              for k in ("json_schema", "grammar", "regex")))
+                              for k in ("json_schema", "grammar", "regex")),
+              spec=spec if spec is not None else getattr(a, "spec", None) or "off",
+              draft_max=getattr(a, "draft_max", None), draft_min=getattr(a, "draft_min", None),
+              model_draft=getattr(a, "model_draft", None))
     if not quiet:
         tiers = ""
         if m.plan is not None:
@@ -298,6 +324,7 @@ def cmd_run(a) -> int:
             d = r.to_dict()
             d["peak_rss_bytes"] = peak_rss_bytes()
             d["load"] = m.runtime.summary()  # the configuration `memfit plan` showed
+            d["spec"] = m.spec_stats()
             if m.store is not None:
                 d["mem_budget_bytes"] = m.ledger.budget
                 d["store"] = m.store.stats()
@@ -321,11 +348,14 @@ def cmd_run(a) -> int:
             sys.stdout.write("\n")
         sys.stdout.flush()
         t = st.timings
+        from .spec.policy import format_stats
+        spec = m.spec_stats()
         print(f"memfit: prompt {t.prompt_n} tok, {t.prompt_per_second:.1f} tok/s | "
               f"generated {t.predicted_n} tok, {t.predicted_per_second:.1f} tok/s | "
               f"finish {st.finish_reason} | peak RSS {_mib(peak_rss_bytes())}"
               + (f" of budget {_mib(m.ledger.budget)} | {m.store.format_stats()}"
-                 if m.store is not None else ""),
+                 if m.store is not None else "")
+              + (f" | {format_stats(spec)}" if spec and spec["proposed"] else ""),
               file=sys.stderr)
     return 0
 
@@ -633,7 +663,8 @@ def cmd_plan(a) -> int:
     # the floor is checked with the default bandwidth before any probe runs
     rt = Runtime(a.model, threads=a.threads, n_ctx=a.ctx_size, mem_budget=a.mem_budget,
                  n_parallel=a.parallel, cache_type_k=a.cache_type_k,
-                 cache_type_v=a.cache_type_v, bandwidth=Bandwidth(source="default"))
+                 cache_type_v=a.cache_type_v, bandwidth=Bandwidth(source="default"),
+                 spec=getattr(a, "spec", "auto"), model_draft=getattr(a, "model_draft", None))
     try:
         bw = get_bandwidth(rt.path, measure=not a.no_measure or a.reprobe, refresh=a.reprobe)
         rt.replan(bw)
@@ -647,6 +678,11 @@ def cmd_plan(a) -> int:
         d["n_parallel"] = rt.n_parallel
         d["load_notes"] = rt.notes
         d["bandwidth_notes"] = {"memory": bw.mem_note, "disk": bw.disk_note}
+        if rt.spec.mode != "off":
+            from .spec.policy import predicted_cost
+            d["spec"] = {"mode": rt.spec.mode, "draft_max": rt.spec.draft_max,
+                         "verify_cost": {w: round(predicted_cost(p, w), 3)
+                                         for w in (1, 2, 4, 8, 16, 24)}}
         print(json.dumps(d, indent=1))
     else:
         print(f"budget: {_mib(budget)} ({why})")
@@ -655,6 +691,9 @@ def cmd_plan(a) -> int:
             print(f"note: {note}")
         print(f"memory bandwidth {bw.mem_read_bytes_per_s / 1e9:.1f} GB/s: {bw.mem_note}")
         print(f"disk bandwidth {bw.disk_read_bytes_per_s / 1e9:.2f} GB/s: {bw.disk_note}")
+        if rt.spec.mode != "off":
+            from .spec.policy import format_cost_model
+            print(format_cost_model(p))
     return 0
 
 
@@ -701,6 +740,8 @@ def cmd_bench(a) -> int:
         with _load(a, n_ctx=a.n_prompt + a.n_gen + 8) as m:
             return run_profile(m.model, n_gen=max(1, a.n_gen), n_prompt=a.n_prompt, as_json=a.json,
                                pool=m.engine.pool)
+    if a.spec is not None:
+        return _bench_spec(a)
     parallel = _parallel_list(a.parallel)
     n_par = max(parallel) if parallel else 1
     n_ctx = a.n_prompt + a.n_gen + 8 + (n_par if parallel else 0)
@@ -739,6 +780,40 @@ def cmd_bench(a) -> int:
                             pool=m.engine.pool)
         if not a.json:
             print(markdown_table(res, m.ops.name))
+    return 0
+
+
+def _bench_spec(a) -> int:
+    from .api import peak_rss_bytes
+    from .bench import spec as sb
+    curve = a.spec == "curve"
+    n_ctx = (a.n_prompt if curve else 512) + 24 * (a.repetitions + 1) + a.n_gen + 16
+    with _load(a, n_ctx=n_ctx, spec="off" if curve else a.spec) as m:
+        name = m.path.name
+        if curve:
+            rows = sb.verify_curve(m, a.n_prompt, a.repetitions, progress=not a.json)
+        else:
+            rows = [sb.mode_vs_off(m, a.spec, max(1, a.n_gen), a.repetitions,
+                                   progress=not a.json)]
+        for r in rows:
+            r.update(model=name, peak_rss_bytes=peak_rss_bytes())
+            if m.store is not None:
+                r["mem_budget_bytes"] = m.ledger.budget
+                r["bytes_read"] = m.store.stats()["bytes_read"]
+        if a.json:
+            for r in rows:
+                print(json.dumps(r), flush=True)
+        elif curve:
+            print(f"| model | rows | ms / forward | spread | vs 1 row |\n|---|---:|---:|---:|---:|")
+            for r in rows:
+                print(f"| {name} | {r['rows']} | {r['ms']:.2f} | {r['ms_spread']:.2f} | "
+                      f"{r['ratio']:.2f}x |")
+        else:
+            from .spec.policy import format_stats
+            r = rows[0]
+            print(f"{name} {r['test']}: off {r['off_tokens_per_s']:.2f} tok/s, {a.spec} "
+                  f"{r['spec_tokens_per_s']:.2f} tok/s ({r['ratio']:.2f}x), same tokens: "
+                  f"{r['same_tokens']}\n{format_stats(r['spec'])}")
     return 0
 
 
@@ -783,6 +858,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--regex", type=_regex, default=None, metavar="RE",
                    help="the output matches the regular expression RE")
     _add_sampling_args(r)
+    _add_spec_args(r)
     _add_cache_type_args(r)
     _add_runtime_args(r)
     r.set_defaults(func=cmd_run, text=None)
@@ -795,6 +871,7 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("-c", "--ctx-size", type=int, default=None, help="context size (default: min(training context, 4096))")
     ch.add_argument("--system", default=None, help="system message")
     _add_sampling_args(ch)
+    _add_spec_args(ch)
     _add_cache_type_args(ch)
     _add_runtime_args(ch)
     ch.set_defaults(func=cmd_chat, json=False)
@@ -868,6 +945,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(scalar, avx2, avx512vnni; default: the active one)")
     b.add_argument("--cpu-time", action="store_true",
                    help="with --kernels -t 1: time by this thread's CPU time (other processes on a shared machine do not count)")
+    _add_spec_args(b, bench=True)
     _add_cache_type_args(b)
     _add_runtime_args(b)
     b.set_defaults(func=cmd_bench)
@@ -884,6 +962,11 @@ def build_parser() -> argparse.ArgumentParser:
     pn.add_argument("--no-measure", action="store_true", help="use cached/default bandwidths instead of measuring")
     pn.add_argument("--reprobe", action="store_true", help="measure memory and disk bandwidth now, whatever is cached")
     pn.add_argument("--json", action="store_true", help="min_budget_bytes, disk_bytes_per_token, predicted_tg_tokens_per_s, tiers...")
+    from .spec.policy import MODES
+    pn.add_argument("--spec", choices=list(MODES), default="auto",
+                    help="the speculative-decoding mode to show the verify-cost model for (default auto)")
+    pn.add_argument("-md", "--model-draft", default=None, metavar="FILE",
+                    help="a draft model to place inside the same budget (shown in the plan)")
     pn.set_defaults(func=cmd_plan)
 
     sy = sub.add_parser("synth", help="write a synthetic GGUF with real shapes and random valid blocks (for budget tests)")
@@ -961,8 +1044,7 @@ def build_parser() -> argparse.ArgumentParser:
     rg.add_argument("--max-replicas", type=_int_at_least(1), default=None, metavar="M",
                     help="--ray: autoscale between --replicas and M on running + queued requests")
     rg.add_argument("--address", default=None, metavar="ADDR", help="--ray: the Ray cluster to "
-                    "use (e.g. HEAD:6379 of `ray start --head`; default: start a local one on "
-                    "127.0.0.1)")
+                    "use (e.g. HEAD:6379 of `ray start --head`; default: start a local one)")
     rg.add_argument("--prefix-imbalance", type=_int_at_least(0), default=16, metavar="N",
                     help="--ray: send a request to its prefix's replica while that one has at "
                     "most N more requests than the least loaded (default 16)")
@@ -970,6 +1052,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="--ray: seconds a replica being removed may finish its requests (default 30)")
     rg.add_argument("--ray-timeout", type=_float_in(0.0), default=300.0, metavar="S",
                     help="--ray: seconds to wait for the replicas to load (default 300)")
+    _add_spec_args(sv)
     _add_runtime_args(sv)
     sv.set_defaults(func=cmd_serve)
 

@@ -34,23 +34,49 @@ class Runtime:
                  n_ctx: int | None = None, backend: str | None = None, quiet: bool = True,
                  mem_budget: int | str | None = None, n_parallel: int = 1,
                  cache_type_k: str = "f16", cache_type_v: str = "f16", bandwidth=None,
-                 constrained: bool = False):
+                 constrained: bool = False, spec=None, model_draft=None):
         from .gguf import open_gguf
         from .pull import resolve_model
 
         self.store = self.ledger = self.engine = self.model = None
+        self.draft = self.draft_file = self.draft_desc = None
         self.routing = None
         self.loaded = self.closed = False
         self.backend, self.quiet = backend, quiet
         self.constrained = constrained  # the plan reserves the structured-output tables
+        from .spec.build import as_config
+        self.spec = as_config(spec)      # speculative decoding (spec/): checked before loading
         self.path = Path(resolve_model(str(model) if model is not None else None, quiet=quiet))
         self.file = open_gguf(self.path)
         try:
+            self._open_draft(model_draft)
             self._plan(threads, n_ctx, mem_budget, n_parallel, cache_type_k, cache_type_v,
                        bandwidth)
         except BaseException:
             self.close()
             raise
+
+    def _open_draft(self, model_draft) -> None:
+        """The draft model's file (speculative decoding, spec/draft.py), checked against the
+        model's vocabulary before anything is planned; only modes that use it open it."""
+        self.draft_path, self._draft_notes = None, []
+        if model_draft is None:
+            return
+        if self.spec.mode not in ("draft", "auto"):
+            self._draft_notes = [f"--model-draft is not used with --spec {self.spec.mode}"]
+            return
+        from .gguf import open_gguf
+        from .models import config_from_gguf
+        from .pull import resolve_model
+        from .spec.draft import check_vocab
+        self.draft_path = Path(resolve_model(str(model_draft), quiet=self.quiet))
+        self.draft_file = open_gguf(self.draft_path)
+        dc = config_from_gguf(self.draft_file, check=True)
+        if dc.n_expert:
+            raise RequestError(f"--model-draft {self.draft_path.name}: a mixture-of-experts "
+                               f"draft is not supported; use a small dense model")
+        check_vocab(self.file.metadata, config_from_gguf(self.file).n_vocab,
+                    self.draft_file.metadata, dc.n_vocab, self.draft_path.name)
 
     # ---- planning (nothing loaded) ----
     def _plan(self, threads, n_ctx, mem_budget, n_parallel, cache_type_k, cache_type_v,
@@ -75,7 +101,7 @@ class Runtime:
         # KV cache types (llama.cpp's -ctk/-ctv): checked before the planner counts them
         self.cache_type_k = NAMES[cache_type(cache_type_k)]
         self.cache_type_v = NAMES[cache_type(cache_type_v)]
-        self.notes: list[str] = []
+        self.notes: list[str] = list(self._draft_notes)
         if kv_layout(cfg).v_in_k:
             # MLA: the cache holds K only and V is K's first values, so V has K's type
             check_v_in_k(cache_type(self.cache_type_k), cfg.head_dim_k, cfg.head_dim_v)
@@ -121,6 +147,8 @@ class Runtime:
         from .memory.planner import EXPERT_POLICIES, ModelDesc, expert_switch, plan
 
         self.desc = d = ModelDesc.from_gguf(self.file)
+        if self.draft_file is not None:
+            self.draft_desc = ModelDesc.from_gguf(self.draft_file, self.draft_path.stem)
         policy = os.environ.get("MEMFIT_EXPERT_POLICY", "") or "lru"
         if policy not in EXPERT_POLICIES:
             raise RequestError(f"expert cache policy {policy!r} is not one of "
@@ -146,7 +174,8 @@ class Runtime:
                     memo[key] = plan(d, self.budget, c, threads, self.bandwidth,
                                      baseline_bytes=self.baseline, n_parallel=self.n_parallel,
                                      expert_counts=counts, expert_policy=policy,
-                                     constrained=self.constrained, **k)
+                                     constrained=self.constrained, draft=self.draft_desc,
+                                     resident_draft=self.spec.mode == "resident", **k)
                 except BudgetError as e:  # a refusal is remembered as well
                     memo[key] = e
             r = memo[key]
@@ -198,6 +227,8 @@ class Runtime:
                      pinned_bytes=p.tier_bytes["pinned"], streamed_tensors=len(p.tiers["file"]),
                      cached_tensors=len(p.tiers["cache"]),
                      disk_bytes_per_token=p.disk_bytes_per_token, planned_bytes=p.planned_bytes)
+            if p.draft:
+                d["draft_bytes"] = p.draft_bytes
         return d
 
     # ---- loading ----
@@ -232,9 +263,26 @@ class Runtime:
             # the paged KV pool for n_parallel sequences of n_ctx tokens; it books itself
             kvt = None if self.cache_type_k == "f16" and self.cache_type_v == "f16" else \
                 self.cache_type_k  # None: the model's default (f16, or f32 in exact-math tests)
+            if self.draft_file is not None:
+                from .spec.draft import load_draft
+                dp = self.plan.draft if self.plan is not None else {}
+                self.draft = load_draft(
+                    self.draft_file, self.model, self.tokenizer, self.file.metadata,
+                    n_ctx=self.n_ctx, n_parallel=self.n_parallel, n_batch=self.n_batch,
+                    ledger=self.ledger, cache_type=self.cache_type_k if kvt else None,
+                    ops=self.ops, scratch=dp.get("scratch_bytes"))
+            from .spec.build import make_speculator
+            if self.spec.mode == "resident":
+                from .spec.resident import ResidentProposer
+                self.draft = ResidentProposer.for_runtime(self)
+            spec = make_speculator(self.spec, model=self.model, tokenizer=self.tokenizer,
+                                   draft=self.draft if self.draft_file is not None else None,
+                                   resident=self.draft if self.spec.mode == "resident" else None,
+                                   plan=self.plan)
             self.engine = Engine(self.model, self.tokenizer, self.n_ctx, self.n_parallel,
                                  self.n_batch, ledger=self.ledger, cache_type=kvt,
-                                 cache_type_v=None if kvt is None else self.cache_type_v)
+                                 cache_type_v=None if kvt is None else self.cache_type_v,
+                                 spec=spec)
         except BaseException:
             self.close()
             raise
@@ -247,9 +295,13 @@ class Runtime:
             return
         self.closed = True
         try:
+            if self.draft is not None:
+                self.draft.close()
             if self.store is not None:
                 self.store.close()
         finally:
+            if self.draft_file is not None:
+                self.draft_file.close()
             self.file.close()
 
 

@@ -66,7 +66,7 @@ class StepOutput:
 class Engine:
     def __init__(self, model, tokenizer, n_ctx: int, n_parallel: int = 1, n_batch: int = 512,
                  cache_type: str | None = None, n_blocks: int | None = None, ledger=None,
-                 cache_type_v: str | None = None):
+                 cache_type_v: str | None = None, spec=None):
         if n_parallel < 1:
             raise RequestError(f"n_parallel must be >= 1, got {n_parallel}")
         c = model.config
@@ -91,13 +91,24 @@ class Engine:
         self.n_forced = 0          # generated tokens a grammar forced (not sampled)
         self.n_constrained = 0     # generated tokens of constrained sequences, forced included
         self._masker = None        # constrain.MaskWorker, made for the first constraint
+        # speculative decoding (spec/): proposals verified as decode rows of their sequence
+        self.spec = None
+        self.set_spec(spec)
+
+    def set_spec(self, spec) -> None:
+        """Speculate with ``spec`` (a spec.Speculator; None or a disabled one: no
+        speculation) from the next step on; benches switch it between repetitions."""
+        self.spec = spec if spec is not None and spec.enabled else None
+        self.scheduler.propose = self._propose if self.spec is not None else None
 
     # --- requests
     def add_request(self, prompt_ids, params: SamplingParams, *, n_top: int = 0,
                     request_id: str | None = None, ignore_eos: bool = False,
-                    constraint=None) -> str:
+                    constraint=None, draft_max: int | None = None) -> str:
         """Queue a request; ``constraint``: a constrain.Grammar compiled for this engine's
-        tokenizer (every generated token then obeys it). Returns the request id."""
+        tokenizer (every generated token then obeys it); ``draft_max``: proposed tokens per
+        step at most for this request (0: no speculation; None: the engine's). Returns the
+        request id."""
         from ..tokenizer import StreamDecoder
 
         ids = [int(i) for i in prompt_ids]
@@ -136,6 +147,11 @@ class Engine:
                        Sampler(params, self.tokenizer.n_vocab), StreamDecoder(self.tokenizer),
                        StopMatcher(params.stop or []), n_top=int(n_top), ignore_eos=ignore_eos)
         seq.bias = bias
+        draft_max = params.draft_max if draft_max is None else draft_max
+        if draft_max is not None:
+            if isinstance(draft_max, bool) or not isinstance(draft_max, int) or draft_max < 0:
+                raise RequestError(f"draft_max={draft_max!r} must be an integer >= 0")
+            seq.draft_max = draft_max
         if constraint is not None:
             seq.matcher = constraint.matcher()
             seq.forced = seq.matcher.forced()  # the grammar's start may be forced already
@@ -154,6 +170,9 @@ class Engine:
         if seq in self.scheduler.waiting:
             self.scheduler.waiting.remove(seq)
         self.scheduler.free(seq)
+        seq.draft = []
+        if self.spec is not None:
+            self.spec.release(request_id)
         seq.status, seq.finish_reason = Status.FINISHED, "abort"
         self._pending.append(StepOutput(request_id, None, "", None, None, True, "abort",
                                         seq.n_prompt, seq.cache_n, seq.n_generated,
@@ -172,7 +191,8 @@ class Engine:
                 "prefix_cache_queries": s.prefix_queries, "prefix_cache_hits": s.prefix_hits,
                 "preempted": s.n_preempted, "prefill_steps": s.n_prefill_steps,
                 "prefill_chunks": s.n_prefill_chunks, "steps": self.n_steps, "n_parallel": self.n_parallel,
-                "constrained_tokens": self.n_constrained, "forced_tokens": self.n_forced}
+                "constrained_tokens": self.n_constrained, "forced_tokens": self.n_forced,
+                "spec": self.spec.summary() if self.spec is not None else None}
 
     # --- one step
     def step(self) -> list[StepOutput]:
@@ -185,25 +205,92 @@ class Engine:
         for s in sched.seqs:
             if not s.t_prefill_start:
                 s.t_prefill_start = now
-        # the sequences that sample this step: one logits row each, in the runner's order
-        rows = []
+        # the sequences that sample this step, in the runner's order: one logits row each, a
+        # drafted one 1 + len(draft) rows (row i scores the token after its i-th proposal)
+        rows, row_of = [], []
         for s, k in zip(sched.seqs, sched.n_tokens):
-            if s.n_computed + k == len(s.tokens):
+            if s.n_computed + k == len(s.tokens) + len(s.draft):
                 rows.append(s)
-        masked = [r for r, s in enumerate(rows) if s.matcher is not None and not s.forced]
+                row_of.extend([s] * (1 + len(s.draft)))
+        masked = [r for r, s in enumerate(row_of) if s.matcher is not None and not s.forced]
         if masked:  # llguidance fills them in a worker thread while the forward runs
-            self._masker.start([rows[r].matcher for r in masked])
+            self._masker.start([row_of[r].matcher for r in masked])
+        t0 = time.perf_counter()
         try:
             logits = self.runner.run(sched)
         finally:
             masks = self._masker.join() if masked else None
+        if self.spec is not None:
+            dt, width = time.perf_counter() - t0, sum(sched.n_tokens)
+            if sched.decode:
+                self.spec.cost.observe(width, dt)
+            else:
+                self.spec.cost.observe_prefill(width, dt)
         self.scheduler.after_step(sched)
-        assert len(rows) == logits.shape[0]
-        biases = [s.bias for s in rows]
+        assert len(row_of) == logits.shape[0]
+        biases = [s.bias for s in row_of]
         if masked or any(b is not None for b in biases):
             prepare_logits(logits, biases, masks, np.asarray(masked, np.int64))
-        for s, lg in zip(rows, logits):
-            outs.extend(self._sample(s, lg))
+        r = 0
+        for s in rows:
+            if s.draft:
+                nr = 1 + len(s.draft)
+                outs.extend(self._verify(s, logits[r:r + nr]))
+                r += nr
+            else:
+                outs.extend(self._sample(s, logits[r]))
+                r += 1
+        return outs
+
+    # --- speculative decoding
+    def _propose(self, seqs: list[Sequence], room: int) -> None:
+        """Scheduler hook in a decode step: proposals for the sequences that may draft (one
+        pending token, no grammar: forced tokens are a grammar's own certain proposals)."""
+        cand, caps = [], []
+        for s in seqs:
+            if s.matcher is not None or s.forced or s.draft_max == 0:
+                continue
+            cap = min(room, s.max_tokens - s.n_generated - 1,
+                      s.draft_max if s.draft_max is not None else room)
+            if cap > 0:
+                cand.append(s)
+                caps.append(cap)
+        if not cand:
+            return
+        for s, name, d in self.spec.plan_step(cand, caps):
+            s.draft, s.draft_by = list(d), name
+
+    def _verify(self, s: Sequence, logits: np.ndarray) -> list[StepOutput]:
+        """Accept the longest prefix of s.draft the target agrees with, plus the target's own
+        token after it; take the rejected rows back out of the KV cache and key the blocks
+        that the accepted tokens filled."""
+        d, s.draft = s.draft, []
+        toks, tops, acc = [], [], 0
+        hist = list(s.tokens)
+        for i in range(len(d) + 1):
+            lg = logits[i]
+            top = self._top(s, lg)
+            prop = d[i] if i < len(d) else -1
+            # the target's own token here, drawn as without speculation (one random draw per
+            # emitted token, in order): a proposal is accepted when it is that token
+            tok = int(s.sampler.sample(lg, hist))
+            toks.append(tok)
+            tops.append(top)
+            hist.append(tok)
+            if tok != prop:
+                break
+            acc += 1
+            if tok in self.tokenizer.eog_ids and not s.ignore_eos:
+                break
+        self.spec.record(s.draft_by or "?", len(d), acc)
+        self.pool.rollback(s, len(d) - acc)
+        self.pool.manager.commit(s, 0, s.tokens + toks, n_prompt=s.n_prompt)
+        outs = []
+        for i, tok in enumerate(toks):
+            o, done = self._emit(s, tok, logits[i], tops[i])
+            outs.extend(o)
+            if done:
+                break
         return outs
 
     def _sample(self, s: Sequence, logits: np.ndarray) -> list[StepOutput]:
@@ -220,10 +307,21 @@ class Engine:
             # no token allowed: llguidance's matcher is in error (cannot happen for a grammar
             # that compiled); end the text here rather than emit a token it rejects
             return [self._finish(s, None, "", None, None, "stop")]
-        top = top_logprobs(logits, s.n_top) if s.n_top > 0 else None
-        if top is not None and (m is not None or s.bias is not None):
-            top = [t for t in top if t[1] > 0]  # not the tokens the mask or a -100 bias removed
+        top = self._top(s, logits)
         tok = int(s.sampler.sample(logits, s.tokens))
+        return self._emit(s, tok, logits, top)[0]
+
+    @staticmethod
+    def _top(s: Sequence, logits: np.ndarray):
+        top = top_logprobs(logits, s.n_top) if s.n_top > 0 else None
+        if top is not None and (s.matcher is not None or s.bias is not None):
+            top = [t for t in top if t[1] > 0]  # not the tokens the mask or a -100 bias removed
+        return top
+
+    def _emit(self, s: Sequence, tok: int, logits: np.ndarray, top) -> tuple[list, bool]:
+        """Append a chosen token and emit it: end-of-generation, the grammar, stop strings and
+        max_tokens apply; returns (outputs, whether s finished)."""
+        m = s.matcher
         s.tokens.append(tok)
         lp = None
         if top is not None:
@@ -236,14 +334,14 @@ class Engine:
             self.n_constrained += 1
         if tok in self.tokenizer.eog_ids and (not s.ignore_eos or m is not None):
             # (a grammar allows end-of-generation only where it may end: it ends the text)
-            return [self._finish(s, tok, "", top, lp, "stop")]
+            return [self._finish(s, tok, "", top, lp, "stop")], True
         if m is not None and not m.consume([tok]):
-            return [self._finish(s, tok, "", top, lp, "stop")]
+            return [self._finish(s, tok, "", top, lp, "stop")], True
         emit, stopped = s.stops.push(s.decoder.push(tok))
         if stopped or (m is not None and m.stopped):
-            return [self._finish(s, tok, emit, top, lp, "stop")]
+            return [self._finish(s, tok, emit, top, lp, "stop")], True
         if s.n_generated >= s.max_tokens:
-            return [self._finish(s, tok, emit, top, lp, "length")]
+            return [self._finish(s, tok, emit, top, lp, "length")], True
         s.text += emit
         out = [StepOutput(s.request_id, tok, emit, top, lp, False, None, s.n_prompt, s.cache_n,
                           s.n_generated)]
@@ -251,9 +349,9 @@ class Engine:
             ff = m.forced()
             if ff and self.fast_forward:
                 out.extend(self._push_forced(s, ff))
-            else:
-                s.forced = ff
-        return out
+                return out, out[-1].finished
+            s.forced = ff
+        return out, False
 
     def _push_forced(self, s: Sequence, toks: list[int]) -> list[StepOutput]:
         """Append tokens the grammar forces (consumed by its matcher at once) and emit one
@@ -289,6 +387,9 @@ class Engine:
         s.text += emit
         s.status, s.finish_reason = Status.FINISHED, reason
         s.t_done = time.perf_counter()
+        s.draft = []
+        if self.spec is not None:
+            self.spec.release(s.request_id)
         self.scheduler.free(s)
         self.seqs.pop(s.request_id, None)
         return StepOutput(s.request_id, tok, emit, top, lp, True, reason, s.n_prompt, s.cache_n,

@@ -57,7 +57,8 @@ class GenerationState:
 
 def generate_steps(model, tokenizer, prompt_ids: list[int], params: SamplingParams,
                    n_ctx: int, n_top: int = 0, state: GenerationState | None = None,
-                   n_batch: int = 512, engine=None, constraint=None) -> Iterator[Step]:
+                   n_batch: int = 512, engine=None, constraint=None,
+                   draft_max: int | None = None) -> Iterator[Step]:
     """Yield a Step per generated token (and a last Step(-1, text) for text held back to the
     end); fills ``state`` (ids, text, finish_reason, timings). Runs on ``engine`` when given
     (others' requests may share its steps), else on a one-sequence Engine of its own.
@@ -68,7 +69,8 @@ def generate_steps(model, tokenizer, prompt_ids: list[int], params: SamplingPara
         raise RequestError("the prompt is empty (no tokens); give some text")
     st = state if state is not None else GenerationState(list(prompt_ids))
     eng = engine if engine is not None else Engine(model, tokenizer, n_ctx, 1, n_batch)
-    rid = eng.add_request(prompt_ids, params, n_top=n_top, constraint=constraint)
+    rid = eng.add_request(prompt_ids, params, n_top=n_top, constraint=constraint,
+                          draft_max=draft_max)
     seq = eng.sequence(rid)
     done = False
     try:

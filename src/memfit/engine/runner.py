@@ -26,20 +26,24 @@ class Runner:
 
     def run(self, sched: Scheduled) -> np.ndarray:
         """Logits f32 [rows, n_vocab] for the sequences of sched that sample this step (decode
-        rows; a prefill chunk that reaches the end of its tokens), in sched's order."""
+        rows; a prefill chunk that reaches the end of its tokens), in sched's order; a
+        sequence with a draft gets 1 + len(draft) rows (its last token and each proposed one)."""
         bs = self.pool.block_size
         n = t = 0
         out = []
         for s, k in zip(sched.seqs, sched.n_tokens):
             p0, tab = s.n_computed, s.block_table
+            toks = s.tokens + s.draft if s.draft else s.tokens
             self._tables[t:t + len(tab)] = tab
             p = np.arange(p0, p0 + k, dtype=np.int32)
-            self._ids[n:n + k] = s.tokens[p0:p0 + k]
+            self._ids[n:n + k] = toks[p0:p0 + k]
             self._pos[n:n + k] = p
             self._seq[n:n + k] = s.slot
             self._slots[n:n + k] = self._tables[t + p // bs] * bs + p % bs
             self._qtab[n:n + k] = t
-            if p0 + k == len(s.tokens):
+            if s.draft:  # the last token and each proposed one: a logits row each
+                out.extend(range(n + k - 1 - len(s.draft), n + k))
+            elif p0 + k == len(s.tokens):
                 out.append(n + k - 1)
             n += k
             t += len(tab)

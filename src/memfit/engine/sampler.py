@@ -52,6 +52,8 @@ class SamplingParams:
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
     logit_bias: dict[int, float] | None = None
+    draft_max: int | None = None  # speculative decoding: proposed tokens per step at most
+                                  # (0: none; None: the engine's setting; spec/)
 
     def __post_init__(self) -> None:
         def number(name: str, lo: float, hi: float, lo_open: bool = False) -> float:
@@ -97,6 +99,8 @@ class SamplingParams:
                 raise RequestError(f"stop={self.stop!r}: every stop must be a non-empty string")
         if self.logit_bias is not None:
             self.logit_bias = _check_bias(self.logit_bias) or None
+        if self.draft_max is not None:
+            self.draft_max = integer("draft_max", 0)
 
     @property
     def greedy(self) -> bool:
@@ -183,7 +187,15 @@ class Sampler:
         x = self.penalize(x, history)
         if p.greedy:
             return int(np.argmax(x))
+        ids, probs = self._distribution(x)
+        cdf = np.cumsum(probs)
+        i = int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
+        return int(ids[min(i, len(ids) - 1)])
 
+    def _distribution(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The candidates and their probabilities after top_k, top_p, min_p and temperature
+        (x: penalized logits)."""
+        p = self.params
         if 0 < p.top_k < self.n_vocab:
             ids = np.sort(np.argpartition(-x, p.top_k - 1)[:p.top_k])
         else:
@@ -194,11 +206,7 @@ class Sampler:
             # p_i >= min_p * p_max, done on logits as llama.cpp does
             lg = x[ids]
             ids = ids[lg >= lg.max() + np.float32(math.log(p.min_p))]
-
-        probs = _softmax64(x[ids] / np.float32(p.temperature))
-        cdf = np.cumsum(probs)
-        i = int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
-        return int(ids[min(i, len(ids) - 1)])
+        return ids, _softmax64(x[ids] / np.float32(p.temperature))
 
     def _top_p(self, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """The smallest most-probable prefix of ids whose probability reaches top_p, best first."""

@@ -53,6 +53,9 @@ class Scheduler:
         self.n_preempted = 0
         self.n_prefill_steps = 0   # prefill steps run
         self.n_prefill_chunks = 0  # prompt chunks they carried (> steps: chunks were packed)
+        # speculative decoding: called in a decode step with (sequences that may draft, room
+        # in rows); it sets their ``draft`` (engine.py), which this step then verifies
+        self.propose = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -94,6 +97,7 @@ class Scheduler:
         self.free(v)
         v.n_computed = v.n_hashed = 0
         v.last_key = None
+        v.draft = []
         v.status = Status.WAITING
         self.waiting.appendleft(v)
         self.n_preempted += 1
@@ -124,20 +128,32 @@ class Scheduler:
             self.n_prefill_chunks += len(seqs)
             return Scheduled(seqs, ks, False)
         self._last_prefill = False
-        # every sequence gets its next row; runs longer than one share the rest of n_batch
-        # in admission order (the rows of a run that do not fit wait for the next step)
         extra = max(self.n_batch, len(decode)) - len(decode)
+        if self.propose is not None:
+            room = extra - sum(s.n_pending - 1 for s in decode)
+            ready = [s for s in decode if s.n_pending == 1]
+            if ready and room > 0:
+                self.propose(ready, room)
+        # every sequence gets its next row; runs longer than one share the rest of n_batch
+        # in admission order (the rows of a run that do not fit wait for the next step; a
+        # draft is cut to what fits)
         ks = []
         for s in decode:
             k = 1 + min(s.n_pending - 1, extra)
             extra -= k - 1
             ks.append(k)
+            if s.draft and s.n_computed + k < len(s.tokens) + len(s.draft):
+                del s.draft[max(0, s.n_computed + k - len(s.tokens)):]
         # decode rows write positions n_computed.. n_computed + k - 1: their blocks must exist
-        for s, k in zip(decode, ks):
+        for i, (s, k) in enumerate(zip(decode, ks)):
             while s.status is Status.RUNNING and \
                     (s.n_computed + k - 1) // self.bs >= len(s.block_table):
                 if self.pool.n_free > 0:
                     s.block_table.append(self.pool.allocate())
+                elif s.draft:  # a guess never preempts anyone: cut it to the blocks there are
+                    k = max(1, len(s.block_table) * self.bs - s.n_computed)
+                    del s.draft[max(0, s.n_computed + k - len(s.tokens)):]
+                    k = ks[i] = min(k, s.n_pending)
                 elif not self._preempt(s):
                     raise AssertionError("one sequence outgrew the whole pool")
         run = [(s, k) for s, k in zip(decode, ks) if s.status is Status.RUNNING]
@@ -146,4 +162,6 @@ class Scheduler:
     def after_step(self, sched: Scheduled) -> None:
         """Advance n_computed and key the blocks that became full (prefix cache)."""
         for s, k in zip(sched.seqs, sched.n_tokens):
-            self.pool.manager.commit(s, k, s.tokens, n_prompt=s.n_prompt)
+            # a verified draft's blocks are keyed once the engine has taken back its rejected
+            # rows (engine.py _verify): a block holding a rejected token is never keyed
+            self.pool.manager.commit(s, k, None if s.draft else s.tokens, n_prompt=s.n_prompt)

@@ -2,7 +2,9 @@
 
 ``tokens`` is prompt + generated ids; ``n_computed`` of them have their K/V in the pool (the
 rest are fed by the next steps: a prefill chunk, or the token sampled last step with the
-tokens a grammar forced after it).
+tokens a grammar forced after it). ``draft`` holds tokens a proposer guessed after the last
+one (speculative decoding): fed and verified in the same decode step, never part of ``tokens``
+until accepted.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ class Sequence:
     forced: list[int] = field(default_factory=list)  # forced tokens not yet fed (engine.py)
     n_forced: int = 0                 # generated tokens the grammar forced (not sampled)
     bias: tuple | None = None         # logit_bias as (ids int64, values f32)
+    draft: list[int] = field(default_factory=list)  # proposed tokens verified this step (spec/)
+    draft_by: str | None = None       # the proposer that made them
+    draft_max: int | None = None      # per request: proposed tokens at most (0: no speculation)
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -70,5 +75,5 @@ class Sequence:
 
     @property
     def n_pending(self) -> int:
-        """Tokens whose K/V the next steps must compute."""
-        return len(self.tokens) - self.n_computed
+        """Tokens whose K/V the next steps must compute (proposed ones included)."""
+        return len(self.tokens) + len(self.draft) - self.n_computed

@@ -262,6 +262,14 @@ class Plan:
     cache_type_v: str = "f16"
     kv_v_in_k: bool = False          # the cache holds K only, V is read from it (MLA)
     kv_aux: int = 0                  # indexer key values per token in kv_bytes (glm-dsa)
+    # a draft model (speculative decoding, spec/draft.py), pinned whole before the target's
+    # weights get the rest: {"name", "weights_bytes", "kv_bytes", "scratch_bytes"}
+    draft: dict = field(default_factory=dict)
+
+    @property
+    def draft_bytes(self) -> int:
+        d = self.draft
+        return d["weights_bytes"] + d["kv_bytes"] + d["scratch_bytes"] if d else 0
 
     @property
     def n_layer_moe(self) -> int:
@@ -277,12 +285,14 @@ class Plan:
     def planned_bytes(self) -> int:
         return (self.baseline_bytes + self.scratch_bytes + self.kv_bytes + self.io_staging_bytes
                 + self.stream_slot_bytes + self.tier_bytes["pinned"] + self.hot_bytes
-                + self.cache_bytes)
+                + self.cache_bytes + self.draft_bytes)
 
     def breakdown(self) -> dict[str, int]:
         """Ledger categories -> planned bytes."""
-        return {"baseline": self.baseline_bytes, "scratch": self.scratch_bytes,
-                "kv": self.kv_bytes, "resident_weights": self.tier_bytes["pinned"] + self.hot_bytes,
+        d = self.draft or {"weights_bytes": 0, "kv_bytes": 0, "scratch_bytes": 0}
+        return {"baseline": self.baseline_bytes, "scratch": self.scratch_bytes + d["scratch_bytes"],
+                "kv": self.kv_bytes + d["kv_bytes"],
+                "resident_weights": self.tier_bytes["pinned"] + self.hot_bytes + d["weights_bytes"],
                 "weight_cache": self.cache_bytes + self.stream_slot_bytes,
                 "io_staging": self.io_staging_bytes}
 
@@ -317,6 +327,7 @@ class Plan:
             "disk_read_bytes_per_s": self.bandwidth.disk_read_bytes_per_s,
             "bandwidth_source": self.bandwidth.source, "overlap_io": self.overlap_io,
             "predicted_tg_tokens_per_s": self.predicted_tg_tokens_per_s,
+            "draft": dict(self.draft, bytes=self.draft_bytes) if self.draft else None,
             "notes": self.notes,
         }
 
@@ -342,6 +353,16 @@ class Plan:
                  row("stream slots (2 units)", self.stream_slot_bytes,
                      f"largest unit {format_size(self.stream_slot_bytes // 2)}"),
                  ]
+        if self.draft:
+            d = self.draft
+            if d["weights_bytes"]:
+                lines.append(row(f"draft model {d['name']}", self.draft_bytes,
+                                 f"pinned whole: weights {format_size(d['weights_bytes'])}, KV "
+                                 f"{format_size(d['kv_bytes'])}, scratch "
+                                 f"{format_size(d['scratch_bytes'])}"))
+            else:
+                lines.append(row("resident-layers draft KV", self.draft_bytes,
+                                 "the pinned layers' own KV (at most every layer's)"))
         for tier, label in (("pinned", "pinned weights"), ("cache", "weight cache"),
                             ("file", "file tier (streamed)")):
             names = self.tiers[tier]
@@ -506,7 +527,9 @@ def _refuse(budget: int, fl: _Floor, n_ctx: int, cache_type_k: str) -> BudgetErr
              + (f"the {fl.best_k} largest units pinned plus " if fl.best_k else "")
              + f"2 streaming slots of {unit})"
              + (f", expert slots for one layer {format_size(p['expert_slot_bytes'])}"
-                if p["expert_slot_bytes"] else ""))
+                if p["expert_slot_bytes"] else "")
+             + (f", {p.get('draft_what', 'the draft model pinned whole')} "
+                f"{format_size(p['draft_bytes'])}" if p.get("draft_bytes") else ""))
     return BudgetError(
         f"memory budget {format_size(budget)} ({budget} bytes) is below the floor for this "
         f"model: the smallest budget that works is {format_size(fl.bytes)} ({fl.bytes} bytes) "
@@ -640,12 +663,18 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
          *, baseline_bytes: int, n_batch: int = 512, overlap_io: bool = True,
          logits_all: bool = False, kv_bytes_per_elem: float | None = None, n_parallel: int = 1,
          cache_type_k: str = "f16", cache_type_v: str = "f16", expert_counts=None, expert_policy: str = "lru",
-         constrained: bool = False) -> Plan:
+         constrained: bool = False, draft: ModelDesc | None = None,
+         resident_draft: bool = False) -> Plan:
     """Place every tensor in a tier within `budget` bytes. Pure: no I/O, no measurement.
     baseline_bytes: the measured runtime RSS; kv_bytes_per_elem: 2 for the f16 cache (4 for f32);
     expert_counts: {layer: [routings per expert]} learned from earlier runs (hotset.py);
     constrained: reserve the structured-output tables (constrain.tokenizer.table_bytes: built
-    once per vocabulary at the first constrained request; `memfit serve` always reserves them).
+    once per vocabulary at the first constrained request; `memfit serve` always reserves them);
+    draft: a draft model (speculative decoding), pinned whole with its own KV pool (K's cache
+    type for K and V) and scratch: a fixed cost, counted before the target's weights;
+    resident_draft: the resident-layers draft (spec/resident.py) runs the target's own pinned
+    weights with a KV pool of its own, reserved at the size of every layer's (an upper bound:
+    which layers it runs depends on this placement).
     Order: fixed costs (baseline, scratch, KV, staging), the dense trunk, the hot experts, the
     expert cache; below the floor BudgetError names the smallest budget that works."""
     assert n_ctx > 0 and threads > 0 and n_batch > 0 and n_parallel > 0
@@ -661,11 +690,26 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
         baseline += table_bytes(m.n_vocab, lean=True)
     n_batch = min(n_batch, n_ctx)  # a prefill batch never exceeds the context
 
+    dparts = {}
+    if draft is not None:
+        dparts = {"name": draft.name or draft.arch, "weights_bytes": draft.weight_bytes,
+                  "kv_bytes": kv_bytes(draft, n_ctx, kv_bytes_per_elem, n_parallel,
+                                       cache_type_k, cache_type_k),
+                  "scratch_bytes": scratch_bytes(draft, n_batch, n_ctx, threads)}
+    elif resident_draft:
+        dparts = {"name": "(resident layers)", "weights_bytes": 0, "kv_bytes": kv,
+                  "scratch_bytes": 0}
+    draft_total = sum(v for k, v in dparts.items() if k != "name")
+
     def fixed(nb: int) -> int:
-        return baseline + scratch_bytes(m, nb, n_ctx, threads, logits_all) + kv + IO_STAGING_BYTES
+        return (baseline + scratch_bytes(m, nb, n_ctx, threads, logits_all) + kv
+                + IO_STAGING_BYTES + draft_total)
 
     min_batch = min(n_batch, MIN_BATCH)
     fl = _floor(m, fixed, baseline, kv, min_batch, n_ctx, threads, logits_all)
+    fl.parts["draft_bytes"] = draft_total
+    if dparts and not dparts["weights_bytes"]:
+        fl.parts["draft_what"] = "the resident-layers draft's KV"
     if budget < fl.bytes:
         raise _refuse(budget, fl, n_ctx, cache_type_k)
     x_floor = fl.parts["expert_slot_bytes"]
@@ -731,7 +775,7 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
         expert_bytes=sum(t.nbytes for t in experts), hot_experts=x.hot,
         hot_bytes=x.hot_bytes, hot_coverage=x.hot_coverage, expert_policy=expert_policy,
         cache_type_k=str(cache_type_k).lower(), cache_type_v=str(cache_type_v).lower(),
-        kv_v_in_k=m.v_in_k, kv_aux=m.kv_aux)
+        kv_v_in_k=m.v_in_k, kv_aux=m.kv_aux, draft=dparts)
 
 
 def _predict(m: ModelDesc, streamed: set[str], x: _Experts, emb_rows, bandwidth: Bandwidth,

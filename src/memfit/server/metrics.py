@@ -49,6 +49,14 @@ class Metrics:
         ]:
             g[name] = Gauge(f"memfit_{name}", doc, registry=r)
         self.gauges = g
+        # speculative decoding (spec/), per proposer: running totals of the engine's counters
+        self.spec = {name: Gauge(f"memfit_spec_{name}", doc, ["proposer"], registry=r)
+                     for name, doc in [
+                         ("drafts", "verify passes that carried proposed tokens"),
+                         ("proposed_tokens", "proposed tokens verified"),
+                         ("accepted_tokens", "proposed tokens accepted"),
+                         ("acceptance_rate", "accepted / proposed"),
+                         ("mean_accepted", "accepted tokens per verify pass")]}
 
     def render(self, worker, model) -> bytes:
         from ..memory.budget import current_rss, peak_rss
@@ -62,6 +70,12 @@ class Metrics:
                 g[k].set(s.get(k, 0))
             g["prefix_cache_queries_tokens"].set(s.get("prefix_cache_queries", 0))
             g["prefix_cache_hits_tokens"].set(s.get("prefix_cache_hits", 0))
+            for name, st in ((s.get("spec") or {}).get("proposers") or {}).items():
+                for key, metric in (("drafts", "drafts"), ("proposed", "proposed_tokens"),
+                                    ("accepted", "accepted_tokens"),
+                                    ("acceptance_rate", "acceptance_rate"),
+                                    ("mean_accepted", "mean_accepted")):
+                    self.spec[metric].labels(proposer=name).set(st.get(key) or 0)
         if model is not None:
             store = getattr(model, "store", None)
             if store is not None:

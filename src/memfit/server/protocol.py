@@ -189,6 +189,12 @@ def common_fields(body: dict, n_ctx: int, max_tokens_default: int | None,
         seed=None if seed is None or seed == -1 else seed,
         stop=get_stop(body),
     )
+    dm = body.get("speculative.n_max")  # llama-server's per-request draft length
+    if dm is not None:
+        if not _is_int(dm) or dm < 0:
+            raise bad("speculative.n_max", f"speculative.n_max={dm!r} must be an integer >= 0 "
+                                           f"(0: no speculation)")
+        sampling["draft_max"] = dm
     if n_vocab is not None:
         lb = logit_bias(body, n_vocab)
         if lb:

@@ -73,6 +73,9 @@ def _load_kwargs(a) -> dict:
     from ..api import Model
     kw = dict(threads=a.threads, n_ctx=a.ctx_size, backend=a.backend, quiet=True,
               mem_budget=a.mem_budget, n_parallel=a.parallel, constrained=True)
+    from ..spec.build import as_config
+    kw["spec"] = as_config(a.spec, a.draft_max, a.draft_min)
+    kw["model_draft"] = a.model_draft
     sig = inspect.signature(Model.__init__).parameters
     for k in ("cache_type_k", "cache_type_v"):
         v = getattr(a, k)
