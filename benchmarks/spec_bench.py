@@ -114,13 +114,15 @@ def curve(out, reps: int) -> None:
 def _inner(args: dict) -> None:
     """One configuration in this process: tasks x modes, off and on alternated."""
     import memfit
-    from memfit.spec import OracleProposer, SpecConfig, Speculator
+    from memfit.spec import CostModel, NGramProposer, OracleProposer, SpecConfig, Speculator
+    from memfit.spec.policy import predicted_slope
     kw = {"n_ctx": args.get("n_ctx", 1024), "spec": "ngram", "draft_max": args.get("draft_max", 16)}
     if args.get("budget"):
         kw["mem_budget"] = args["budget"]
     with memfit.load(args["path"], **kw) as m:
         eng = m.engine
-        ngram = eng.spec
+        rt = m.runtime
+        slope = predicted_slope(rt.plan) if rt.plan is not None else None
         res = []
         for task in args["tasks"]:
             msg = TASKS.get(task, task)
@@ -129,15 +131,15 @@ def _inner(args: dict) -> None:
             ids = m.tokenize(text)
             n = args.get("n", 96)
             ref = None
-            rows = {"off": [], "ngram": [], "oracle": []}
+            rows = {"off": [], "ngram": [], "auto": [], "oracle": []}
             stats = {}
             for r in range(args.get("reps", 2)):
                 for mode in ["off"] + args["modes"]:
                     if mode == "off":
                         eng.set_spec(None)
-                    elif mode == "ngram":
-                        ngram.stats.by.clear()
-                        eng.set_spec(ngram)
+                    elif mode in ("ngram", "auto"):  # a fresh policy per run: no carried state
+                        eng.set_spec(Speculator(SpecConfig(mode=mode, draft_max=args.get("draft_max", 16)),
+                                                [NGramProposer()], CostModel(slope)))
                     elif mode == "oracle":
                         sp = Speculator(SpecConfig(mode="ngram", draft_max=args.get("draft_max", 16)),
                                         [OracleProposer([ids + ref])])
@@ -184,7 +186,7 @@ def accept(out, reps: int) -> None:
             cfgs.append(f"{int(Path(path).stat().st_size * 0.4 / 2**20) + 200}MiB")
         for budget in cfgs:
             rows = _run_inner({"path": path, "budget": budget, "tasks": list(TASKS),
-                               "modes": ["ngram"], "reps": reps, "n": 96})
+                               "modes": ["ngram", "auto"], "reps": reps, "n": 96})
             for r in rows:
                 emit(out, {"bench": "accept", "which": which, **r})
     del pull
