@@ -662,7 +662,7 @@ def cmd_synth(a) -> int:
     from .synth import synth
     r = synth(a.output, arch=a.arch, size=a.size, quant=a.quant, seed=a.seed,
               progress=not a.json, routing_skew=a.routing_skew, force=a.force, pure=a.pure,
-              layers=a.layers)
+              layers=a.layers, routing_overlap=a.routing_overlap)
     if a.json:
         print(json.dumps({"path": str(r.path), "bytes": r.nbytes, "tensors": r.n_tensors,
                           "seconds": round(r.seconds, 3)}))
@@ -899,6 +899,8 @@ def build_parser() -> argparse.ArgumentParser:
     sy.add_argument("--seed", type=_int_at_least(0), default=0)
     sy.add_argument("--routing-skew", type=_float_in(0.0), default=0.0, metavar="S",
                     help="MoE only: 0 = random router (near-uniform expert use); S > 0 makes some experts popular and choices persist across tokens (synthetic routing, see README)")
+    sy.add_argument("--routing-overlap", type=_float_in(0.0, 1.0), default=None, metavar="F",
+                    help="MoE only: calibrate the routers on the real forward so that F of a token's experts were also chosen by the previous token (published: ~0.30-0.45 for top-8 of 128-256 experts; F <= top-k/n_expert: as uniform as the model allows); --routing-skew S is then the spread of per-layer expert popularity. The asked and measured statistics are stored in the file (memfit info)")
     sy.add_argument("--force", action="store_true", help="overwrite an existing regular file")
     sy.add_argument("--json", action="store_true")
     sy.set_defaults(func=cmd_synth)
