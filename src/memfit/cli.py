@@ -297,6 +297,8 @@ def cmd_run(a) -> int:
                            **_constraint_kwargs(a))
             d = r.to_dict()
             d["peak_rss_bytes"] = peak_rss_bytes()
+            from .memory.procmem import process_memory
+            d["memory"] = process_memory()   # private against file-backed (page cache) pages
             d["load"] = m.runtime.summary()  # the configuration `memfit plan` showed
             if m.store is not None:
                 d["mem_budget_bytes"] = m.ledger.budget
@@ -321,11 +323,13 @@ def cmd_run(a) -> int:
             sys.stdout.write("\n")
         sys.stdout.flush()
         t = st.timings
+        from .memory.procmem import format_memory, process_memory
         print(f"memfit: prompt {t.prompt_n} tok, {t.prompt_per_second:.1f} tok/s | "
               f"generated {t.predicted_n} tok, {t.predicted_per_second:.1f} tok/s | "
               f"finish {st.finish_reason} | peak RSS {_mib(peak_rss_bytes())}"
-              + (f" of budget {_mib(m.ledger.budget)} | {m.store.format_stats()}"
-                 if m.store is not None else ""),
+              + (f" of budget {_mib(m.ledger.budget)}" if m.store is not None else "")
+              + f" ({format_memory(process_memory())})"
+              + (f" | {m.store.format_stats()}" if m.store is not None else ""),
               file=sys.stderr)
     return 0
 
@@ -720,6 +724,9 @@ def cmd_bench(a) -> int:
                     k: now[k] for k in ("bytes_read", "io_stall_s")}})
                 last[0] = now
             r.extra["peak_rss_bytes"] = peak_rss_bytes()
+            from .memory.procmem import process_memory
+            # private against file-backed pages (and the cgroup's page cache) after the test
+            r.extra.update({k: v for k, v in process_memory().items() if k != "peak_rss_bytes"})
             if parallel:
                 st = m.engine.stats()
                 r.extra.update(kv_pool_bytes=st["kv_bytes"], kv_blocks_total=st["kv_blocks_total"])
