@@ -56,7 +56,9 @@ def test_coalesced_reads_are_the_same_bytes_in_fewer_reads(moe_path, monkeypatch
     assert used == direct or not hasattr(os, "O_DIRECT")   # O_DIRECT where the fs takes it
     assert n_off == 6 * 3 + 3 * 3
     assert n_on == 7 + 4
-    assert b_on == b_off               # the same experts' spans accounted for
+    # the same experts; merged runs read a page two neighbours share once (slices of 7680
+    # bytes: every neighbour shares one)
+    assert b_off - 6 * 4096 * 3 <= b_on < b_off
 
 
 def test_prefetch_hint_is_coalesced_too(moe_path, monkeypatch):

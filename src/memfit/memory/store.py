@@ -304,7 +304,7 @@ class WeightStore:
         pieces is read once, into the first, and copied into the second); runs are cut into
         requests of at most IO_CHUNK bytes that the I/O pool issues IO_WORKERS at a time.
         Returns (one Future per piece, in the order given: done when every byte of the piece
-        is there), number of requests."""
+        is there), number of requests, bytes they read."""
         order = sorted(range(len(pieces)), key=lambda i: (pieces[i][0], pieces[i][1]))
         runs: list[list] = []    # [file_index, start, end, need_end, [(i, skip)]]
         for i in order:
@@ -380,7 +380,7 @@ class WeightStore:
         with self._lock:
             self.reads += n_req
             self.read_bytes += nbytes
-        return [when_all(d) for d in done], n_req
+        return [when_all(d) for d in done], n_req, nbytes
 
     def _preadv(self, file_index: int, offset: int, bufs: list, need: int, copies) -> None:
         """One read request into several page-aligned buffers (preadv: one system call for
@@ -612,9 +612,9 @@ class WeightStore:
             for fi, off, dst, need in ranges:
                 pieces.append((fi, off, dst, need, j))
                 owner.append(j)
-        futs, n_req = self._read_coalesced(pieces, prio)
+        futs, n_req, nbytes = self._read_coalesced(pieces, prio)
         xs["reads"] += n_req
-        xs["read_bytes"] += sum(self._x_span(k) for k, _ in items)
+        xs["read_bytes"] += nbytes     # a page two experts share counts once
         per = [[] for _ in items]
         for j, f in zip(owner, futs):
             per[j].append(f)
@@ -812,6 +812,11 @@ class WeightStore:
             served = after["expert_served"] - before["expert_served"]
             routed = after["prefetch_routed"] - before["prefetch_routed"]
             hit = after["prefetch_routed_predicted"] - before["prefetch_routed_predicted"]
+            xr = after["expert_reads"] - before["expert_reads"]
+            xb = after["expert_read_bytes"] - before["expert_read_bytes"]
+            d.update({"expert_reads": xr,
+                      "expert_reads_per_token": xr / n_tokens if n_tokens else 0.0,
+                      "expert_bytes_per_read": xb / xr if xr else 0.0})
             d.update({"expert_hit_rate": served / req if req else 1.0,
                       "expert_misses": after["expert_misses"] - before["expert_misses"],
                       "prefetch_recall": hit / routed if routed else 0.0,
