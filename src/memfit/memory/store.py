@@ -18,8 +18,8 @@ where they touch (neighbouring experts of one stacked tensor are adjacent in the
 merged run one preadv into the experts' slots (a page two experts share is read once and
 copied), so a layer's misses cost a few large reads instead of three per expert;
 MEMFIT_COALESCE=0 reads each expert's three ranges apart (the old path, for comparison).
-stats() counts read requests and bytes per request; so neither RSS nor the page cache grows; where O_DIRECT is refused (tmpfs),
-buffered pread + POSIX_FADV_DONTNEED. A slot holds a unit only after every byte arrived: a
+stats() counts read requests and bytes per request. Neither RSS nor the page cache grows;
+where O_DIRECT is refused (tmpfs), buffered pread + POSIX_FADV_DONTNEED. A slot holds a unit only after every byte arrived: a
 failed read drains the unit's other reads, frees the slot and raises WeightReadError once;
 the next call reads again.
 
@@ -297,7 +297,7 @@ class WeightStore:
             self.read_bytes += nbytes
         return when_all(futs)
 
-    def _read_coalesced(self, pieces, prio: int) -> tuple[list[Future], int]:
+    def _read_coalesced(self, pieces, prio: int) -> tuple[list[Future], int, int]:
         """Read pieces (file_index, offset, dst, need, tag), page-aligned, sorted and merged:
         pieces whose file ranges touch or share a page (neighbouring experts of one stacked
         tensor) become one run read by preadv into the pieces' buffers (a page shared by two
@@ -344,8 +344,8 @@ class WeightStore:
                     # the shared bytes come from the previous piece's tail, after its read
                     pj, pdst = prev
                     copies_for = (pdst[len(pdst) - skip:], dst[:skip])
-                    # attach the copy to the request reading the source (the current one,
-                    # or the last one flushed: then it is done already when this waits)
+                    # the copy runs in the request that read its source when that is the
+                    # current one (the previous piece's tail is its last bytes)
                     if req_len >= skip:
                         copies.append(copies_for)
                         req_pieces.add(i)
