@@ -777,8 +777,9 @@ def calibrate_routing(path, overlap: float, skew: float, seed: int,
     """Replace the router rows of a written MoE file (F32, in place) by rows computed from the
     real forward's router inputs (_router_rows) so that the model, run on a sequence of
     random tokens, routes with consecutive-token overlap ``overlap`` and popularity offsets
-    of spread ``skew``. One prefill of n_tokens random tokens computes every layer in turn
-    (layer l's rows are chosen, and routed with, before layer l+1 sees its inputs). Then
+    of spread ``skew``. n_seqs sequences of n_tokens random tokens go through the layers
+    side by side (layer l's rows are chosen from all of them, and routed with, before layer
+    l+1 sees its inputs). Then
     n_check other random tokens are decoded one at a time from a fresh load of the patched
     file and their choices measured: returns {"overlap", "top_share"} (means over the MoE
     layers) and the per-layer lists."""
@@ -791,27 +792,45 @@ def calibrate_routing(path, overlap: float, skew: float, seed: int,
     seqs = [rng.integers(3, c.n_vocab, n_tokens) for _ in range(n_seqs)]
     try:
         orig = m.route
+
+        def route(l, x):
+            if l in rows:
+                logits = np.ascontiguousarray(x @ rows[l].T, dtype=np.float32)
+                return m.ops.route(logits, m.route_spec, m.vec.get(f"blk.{l}.exp_probs_b.bias"))
+            return orig(l, x)
+
+        # the forward (Model._forward) layer by layer, all sequences side by side, so that
+        # each layer's router rows are chosen from every sequence's inputs before the next
+        # layer runs on what the chosen routing produced
+        emb = m.weights.get("token_embd.weight")
+        state = []
+        for ids in seqs:
+            cache = m.new_cache(n_tokens)
+            kv = cache.view(n_tokens)
+            x = m.ops.get_rows(emb, ids)
+            if c.embd_scale != 1.0:
+                x = x * np.float32(c.embd_scale)
+            state.append([x, kv, cache])
         for il in range(c.n_layer):
-            if not c.is_moe(il):
-                continue
-            xs: list[np.ndarray] = []
+            if c.is_moe(il):
+                xs: list[np.ndarray] = []
 
-            def route(l, x, il=il, xs=xs):
-                if l == il:   # this layer's inputs: all that is needed of this forward
+                def capture(l, x, xs=xs):
                     xs.append(np.array(x, np.float32))
-                    raise _StopForward
-                if l in rows:
-                    logits = np.ascontiguousarray(x @ rows[l].T, dtype=np.float32)
-                    return m.ops.route(logits, m.route_spec, m.vec.get(f"blk.{l}.exp_probs_b.bias"))
-                return orig(l, x)
+                    raise _StopForward   # this layer's router inputs: all that is needed
 
+                m.route = capture
+                for x, kv, _ in state:   # (its attention's K/V are written again below, the same)
+                    m._rows_seq, m._rows_pos = m._zero_seq(n_tokens), kv.pos
+                    try:
+                        m.block(il, x, kv.pos, kv, None)
+                    except _StopForward:
+                        pass
+                rows[il], _ = _router_rows(xs, c.n_expert, c.n_expert_used, overlap, skew, rng)
             m.route = route
-            for ids in seqs:
-                try:   # every row reaches the last layer with all_logits
-                    m.forward(ids, m.new_cache(n_tokens), all_logits=True)
-                except _StopForward:
-                    pass
-            rows[il], _ = _router_rows(xs, c.n_expert, c.n_expert_used, overlap, skew, rng)
+            for st in state:
+                m._rows_seq, m._rows_pos = m._zero_seq(n_tokens), st[1].pos
+                st[0] = m.block(il, st[0], st[1].pos, st[1], None)
     finally:
         m.file.close()
     with open_gguf(path) as f:
