@@ -889,5 +889,6 @@ def measure_routing(path, n_tokens: int = ROUTING_CHECK_TOKENS, seed: int = 1, o
 
 
 __all__ = ["CONFIGS", "FILE_TYPES", "LLAMA_FTYPES", "LOWBIT_MIXES", "SINGLE_TYPES", "SynthResult",
-           "synth", "check_output", "calibrate_routing", "measure_routing", "routing_stats", "tensor_type", "plan_types", "resolve_quant",
+           "synth", "check_output", "calibrate_routing", "measure_routing", "routing_stats",
+           "tensor_type", "plan_types", "resolve_quant",
            "model_tensors", "model_config"]

@@ -19,9 +19,9 @@ merged run one preadv into the experts' slots (a page two experts share is read 
 copied), so a layer's misses cost a few large reads instead of three per expert;
 MEMFIT_COALESCE=0 reads each expert's three ranges apart (the old path, for comparison).
 stats() counts read requests and bytes per request. Neither RSS nor the page cache grows;
-where O_DIRECT is refused (tmpfs), buffered pread + POSIX_FADV_DONTNEED. A slot holds a unit only after every byte arrived: a
-failed read drains the unit's other reads, frees the slot and raises WeightReadError once;
-the next call reads again.
+where O_DIRECT is refused (tmpfs), buffered pread + POSIX_FADV_DONTNEED. A slot holds a unit
+only after every byte arrived: a failed read drains the unit's other reads, frees the slot
+and raises WeightReadError once; the next call reads again.
 
 Model code never knows which tier served a tensor. A QTensor from a streamed unit is valid
 until the model has moved two units further (the slot is then reused); experts are valid
