@@ -323,6 +323,8 @@ def cmd_run(a) -> int:
                            **_constraint_kwargs(a))
             d = r.to_dict()
             d["peak_rss_bytes"] = peak_rss_bytes()
+            from .memory.procmem import process_memory
+            d["memory"] = process_memory()   # private against file-backed (page cache) pages
             d["load"] = m.runtime.summary()  # the configuration `memfit plan` showed
             d["spec"] = m.spec_stats()
             if m.store is not None:
@@ -348,13 +350,15 @@ def cmd_run(a) -> int:
             sys.stdout.write("\n")
         sys.stdout.flush()
         t = st.timings
+        from .memory.procmem import format_memory, process_memory
         from .spec.policy import format_stats
         spec = m.spec_stats()
         print(f"memfit: prompt {t.prompt_n} tok, {t.prompt_per_second:.1f} tok/s | "
               f"generated {t.predicted_n} tok, {t.predicted_per_second:.1f} tok/s | "
               f"finish {st.finish_reason} | peak RSS {_mib(peak_rss_bytes())}"
-              + (f" of budget {_mib(m.ledger.budget)} | {m.store.format_stats()}"
-                 if m.store is not None else "")
+              + (f" of budget {_mib(m.ledger.budget)}" if m.store is not None else "")
+              + f" ({format_memory(process_memory())})"
+              + (f" | {m.store.format_stats()}" if m.store is not None else "")
               + (f" | {format_stats(spec)}" if spec and spec["proposed"] else ""),
               file=sys.stderr)
     return 0
@@ -701,7 +705,7 @@ def cmd_synth(a) -> int:
     from .synth import synth
     r = synth(a.output, arch=a.arch, size=a.size, quant=a.quant, seed=a.seed,
               progress=not a.json, routing_skew=a.routing_skew, force=a.force, pure=a.pure,
-              layers=a.layers)
+              layers=a.layers, routing_overlap=a.routing_overlap)
     if a.json:
         print(json.dumps({"path": str(r.path), "bytes": r.nbytes, "tensors": r.n_tensors,
                           "seconds": round(r.seconds, 3)}))
@@ -761,6 +765,9 @@ def cmd_bench(a) -> int:
                     k: now[k] for k in ("bytes_read", "io_stall_s")}})
                 last[0] = now
             r.extra["peak_rss_bytes"] = peak_rss_bytes()
+            from .memory.procmem import process_memory
+            # private against file-backed pages (and the cgroup's page cache) after the test
+            r.extra.update({k: v for k, v in process_memory().items() if k != "peak_rss_bytes"})
             if parallel:
                 st = m.engine.stats()
                 r.extra.update(kv_pool_bytes=st["kv_bytes"], kv_blocks_total=st["kv_blocks_total"])
@@ -982,6 +989,8 @@ def build_parser() -> argparse.ArgumentParser:
     sy.add_argument("--seed", type=_int_at_least(0), default=0)
     sy.add_argument("--routing-skew", type=_float_in(0.0), default=0.0, metavar="S",
                     help="MoE only: 0 = random router (near-uniform expert use); S > 0 makes some experts popular and choices persist across tokens (synthetic routing, see README)")
+    sy.add_argument("--routing-overlap", type=_float_in(0.0, 1.0), default=None, metavar="F",
+                    help="MoE only: calibrate the routers on the real forward so that F of a token's experts were also chosen by the previous token (published: ~0.30-0.45 for top-8 of 128-256 experts; F <= top-k/n_expert: as uniform as the model allows); --routing-skew S is then the spread of per-layer expert popularity. The asked and measured statistics are stored in the file (memfit info)")
     sy.add_argument("--force", action="store_true", help="overwrite an existing regular file")
     sy.add_argument("--json", action="store_true")
     sy.set_defaults(func=cmd_synth)

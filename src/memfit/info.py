@@ -140,6 +140,9 @@ def describe_file(f: GGUFFile) -> dict[str, Any]:
         "types": types,
         "roles": roles,
         "unsupported_types": unsupported,
+        # how `memfit synth` made the file's routing (synth.py), where it did
+        "synth": {k[len("memfit.synth."):]: v for k, v in md.items()
+                  if k.startswith("memfit.synth.")},
     }
 
 
@@ -209,4 +212,9 @@ def format_info(d: dict[str, Any]) -> str:
         for role, ts in d["roles"].items():
             parts = ", ".join(f"{t} {e['tensors']} ({_size(e['bytes'])})" for t, e in ts.items())
             lines.append(f"  {role:<{w}}  {parts}")
+    sy = d.get("synth") or {}
+    if sy:
+        lines.append("synthetic      weights and routing made by memfit synth")
+        for k, v in sy.items():
+            lines.append(f"  {k:<28}  {v:.3f}" if isinstance(v, float) else f"  {k:<28}  {v}")
     return "\n".join(lines)

@@ -12,10 +12,16 @@ get_experts / prefetch_experts for mixture-of-experts models).
   (and FADV_DONTNEED) each time it is fetched again, so its touched rows do not accumulate.
 
 Reads use O_DIRECT in large aligned chunks on an I/O pool where demand reads go ahead of
-prefetches, so neither RSS nor the page cache grows; where O_DIRECT is refused (tmpfs),
-buffered pread + POSIX_FADV_DONTNEED. A slot holds a unit only after every byte arrived: a
-failed read drains the unit's other reads, frees the slot and raises WeightReadError once;
-the next call reads again.
+prefetches (IO_WORKERS requests in flight: the queue depth). The experts one call needs (or
+one look-ahead hint names) are read as one batch: their page-aligned ranges sorted and merged
+where they touch (neighbouring experts of one stacked tensor are adjacent in the file), each
+merged run one preadv into the experts' slots (a page two experts share is read once and
+copied), so a layer's misses cost a few large reads instead of three per expert;
+MEMFIT_COALESCE=0 reads each expert's three ranges apart (the old path, for comparison).
+stats() counts read requests and bytes per request. Neither RSS nor the page cache grows;
+where O_DIRECT is refused (tmpfs), buffered pread + POSIX_FADV_DONTNEED. A slot holds a unit
+only after every byte arrived: a failed read drains the unit's other reads, frees the slot
+and raises WeightReadError once; the next call reads again.
 
 Model code never knows which tier served a tensor. A QTensor from a streamed unit is valid
 until the model has moved two units further (the slot is then reused); experts are valid
@@ -84,6 +90,10 @@ class WeightStore:
         self.hits = 0               # served without waiting for I/O
         self.io_stall_s = 0.0
         self.read_errors = 0        # failed reads surfaced (or dropped prefetches)
+        self.reads = 0              # read requests issued (one pread/preadv call's worth each)
+        self.read_bytes = 0         # bytes those requests asked for
+        # MEMFIT_COALESCE=0: one request per expert range (the old path, for comparison)
+        self.coalesce = expert_switch("MEMFIT_COALESCE")
         self._stream_bytes = 0      # file-tier bytes read, and seconds spent reading them
         self._stream_s = 0.0
         self._lock = threading.Lock()
@@ -276,12 +286,140 @@ class WeightStore:
         """Read (file_index, offset, dst, need) ranges in IO_CHUNK requests; the Future is done
         when every request is (first error carried). need: bytes of dst that must come from
         the file; past them (the aligned tail at the end of the file) zeros may stand in."""
-        futs = []
+        futs, nbytes = [], 0
         for fi, off, dst, need in ranges:
             for c in range(0, len(dst), IO_CHUNK):
                 futs.append(self._io.submit(prio, self._pread, fi, off + c,
                                             dst[c: c + IO_CHUNK], need - c))
+                nbytes += len(dst[c: c + IO_CHUNK])
+        with self._lock:
+            self.reads += len(futs)
+            self.read_bytes += nbytes
         return when_all(futs)
+
+    def _read_coalesced(self, pieces, prio: int) -> tuple[list[Future], int, int]:
+        """Read pieces (file_index, offset, dst, need, tag), page-aligned, sorted and merged:
+        pieces whose file ranges touch or share a page (neighbouring experts of one stacked
+        tensor) become one run read by preadv into the pieces' buffers (a page shared by two
+        pieces is read once, into the first, and copied into the second); runs are cut into
+        requests of at most IO_CHUNK bytes that the I/O pool issues IO_WORKERS at a time.
+        Returns (one Future per piece, in the order given: done when every byte of the piece
+        is there), number of requests, bytes they read."""
+        order = sorted(range(len(pieces)), key=lambda i: (pieces[i][0], pieces[i][1]))
+        runs: list[list] = []    # [file_index, start, end, need_end, [(i, skip)]]
+        for i in order:
+            fi, off, dst, need, _ = pieces[i]
+            end = off + len(dst)
+            r = runs[-1] if runs else None
+            if r is not None and r[0] == fi and off <= r[2] < end and r[2] - off < len(dst):
+                r[4].append((i, r[2] - off))   # skip the bytes already read into the run
+                r[2] = end
+                r[3] = max(r[3], off + need)
+            else:
+                runs.append([fi, off, end, off + need, [(i, 0)]])
+        done = [[] for _ in pieces]     # request futures each piece waits for
+        n_req = nbytes = 0
+        for fi, start, end, need_end, members in runs:
+            # requests: iovec lists of <= IO_CHUNK bytes; copies run after the request that
+            # read their source
+            req, req_off, req_len, req_pieces, copies = [], start, 0, set(), []
+            prev = None    # (piece index, its dst) of the previous member
+
+            def flush():
+                nonlocal req, req_off, req_len, req_pieces, copies, n_req, nbytes
+                if not req:
+                    return
+                fut = self._io.submit(prio, self._preadv, fi, req_off, req,
+                                      need_end - req_off, copies)
+                for j in req_pieces:
+                    done[j].append(fut)
+                n_req += 1
+                nbytes += req_len
+                req_off += req_len
+                req, req_len, req_pieces, copies = [], 0, set(), []
+
+            for i, skip in members:
+                dst = pieces[i][2]
+                if skip:
+                    # the shared bytes come from the previous piece's tail, after its read
+                    pj, pdst = prev
+                    copies_for = (pdst[len(pdst) - skip:], dst[:skip])
+                    # the copy runs in the request that read its source when that is the
+                    # current one (the previous piece's tail is its last bytes)
+                    if req_len >= skip:
+                        copies.append(copies_for)
+                        req_pieces.add(i)
+                    else:
+                        # source split across requests: copy after both, in a request of its own
+                        flush()
+                        src_fut = when_all(done[pj])
+                        cp = copies_for
+                        fut = Future()
+                        fut.set_running_or_notify_cancel()
+
+                        def after(f, cp=cp, fut=fut):
+                            if f.exception() is None:
+                                cp[1][:] = cp[0]
+                                fut.set_result(None)
+                            else:
+                                fut.set_exception(f.exception())
+                        src_fut.add_done_callback(after)
+                        done[i].append(fut)
+                body = dst[skip:]
+                pos = 0
+                while pos < len(body):
+                    take = min(len(body) - pos, IO_CHUNK - req_len)
+                    req.append(body[pos: pos + take])
+                    req_len += take
+                    req_pieces.add(i)
+                    pos += take
+                    if req_len >= IO_CHUNK:
+                        flush()
+                prev = (i, dst)
+            flush()
+        with self._lock:
+            self.reads += n_req
+            self.read_bytes += nbytes
+        return [when_all(d) for d in done], n_req, nbytes
+
+    def _preadv(self, file_index: int, offset: int, bufs: list, need: int, copies) -> None:
+        """One read request into several page-aligned buffers (preadv: one system call for
+        the lot with the default reader; an injected reader is called per buffer), then the
+        copies (src, dst) of bytes shared with a buffer before."""
+        if len(bufs) == 1 or self._reader is not os_pread:
+            pos = 0
+            for b in bufs:
+                self._pread(file_index, offset + pos, b, need - pos)
+                pos += len(b)
+        else:
+            fd = self._fds[file_index]
+            views = [memoryview(b) for b in bufs]
+            total = sum(len(v) for v in views)
+            done = 0
+            while done < total:
+                # skip the buffers already filled; cut the first partly filled one
+                rest, acc = [], 0
+                for v in views:
+                    if acc + len(v) <= done:
+                        acc += len(v)
+                        continue
+                    rest.append(v[max(0, done - acc):])
+                    acc += len(v)
+                n = os.preadv(fd, rest, offset + done)
+                if n == 0:
+                    if done < need:
+                        raise WeightReadError(
+                            f"short read from {self.file.paths[file_index]}: end of file at "
+                            f"offset {offset + done}, {min(need, total) - done} bytes of weights "
+                            "missing (was the file truncated or replaced?)")
+                    for v in rest:   # aligned tail past the end of the file
+                        v[:] = b"\0" * len(v)
+                    break
+                done += n
+            if not self.direct:
+                os.posix_fadvise(fd, offset, total, os.POSIX_FADV_DONTNEED)
+        for src, dst in copies:
+            dst[:] = src
 
     def _pread(self, file_index: int, offset: int, dst: np.ndarray, need: int) -> None:
         fd = self._fds[file_index]
@@ -332,7 +470,7 @@ class WeightStore:
         self.xstats = {"requests": 0, "hits": 0, "hot_hits": 0, "misses": 0,
                        "prefetch_hits": 0, "prefetched": 0, "prefetch_wasted_bytes": 0,
                        "predicted_routed": 0, "routed_predicted": 0, "demand_bytes": 0,
-                       "prefetch_bytes": 0}
+                       "prefetch_bytes": 0, "reads": 0, "read_bytes": 0}
         if not self._x_tensors or not self.n_expert:
             self._x_nslots = 0
             return
@@ -343,14 +481,15 @@ class WeightStore:
         if hot:
             self._register("resident_weights", "hot_experts", hot_bytes)
             self._hot_mm = mmap.mmap(-1, hot_bytes)
-            hbuf, pos, futs = np.frombuffer(self._hot_mm, np.uint8), 0, []
+            hbuf, pos, items = np.frombuffer(self._hot_mm, np.uint8), 0, []
             for k in hot:
                 n = self._x_span(k)
-                lay, ranges = self._x_ranges(k, hbuf[pos: pos + n])
-                futs.append(self._read_ranges(ranges, DEMAND))
-                self._hot[k] = (hbuf[pos: pos + n], lay)
+                items.append((k, hbuf[pos: pos + n]))
                 pos += n
-            self._wait(when_all(futs), "the hot experts")
+            started = self._x_read(items, DEMAND)
+            for (k, buf), (lay, _f) in zip(items, started):
+                self._hot[k] = (buf, lay)
+            self._wait(when_all([f for _l, f in started]), "the hot experts")
         # the cache: n slots of one expert each
         self._x_nslots = int(getattr(plan, "cache_slots", 0) or 0)
         self._x_slot_bytes = int(getattr(plan, "cache_slot_bytes", 0) or 0)
@@ -452,15 +591,46 @@ class WeightStore:
             self.xstats["prefetch_wasted_bytes"] += self._x_span(key)
         return slot
 
-    def _x_start(self, key, slot: int, prio: int) -> Future:
-        lay, ranges = self._x_ranges(key, self._x_buf[slot])
-        self._x_lay[slot] = lay
-        n = self._x_span(key)
-        self._count(n)
-        self.xstats["prefetch_bytes" if prio == PREFETCH else "demand_bytes"] += n
-        fut = self._read_ranges(ranges, prio)
-        self._x_loading[key] = (slot, fut, prio == PREFETCH)
-        return fut
+    def _x_read(self, items, prio: int) -> list[tuple[list, Future]]:
+        """Read experts [(key, buf)] into their buffers: (layout, Future) per item. Coalesced
+        (the default): every range of every item in one sorted, merged batch
+        (_read_coalesced); MEMFIT_COALESCE=0: each expert's three ranges read apart."""
+        xs = self.xstats
+        if not self.coalesce:
+            out = []
+            for key, buf in items:
+                lay, ranges = self._x_ranges(key, buf)
+                r0 = self.reads
+                out.append((lay, self._read_ranges(ranges, prio)))
+                xs["reads"] += self.reads - r0
+                xs["read_bytes"] += sum(len(r[2]) for r in ranges)
+            return out
+        lays, pieces, owner = [], [], []
+        for j, (key, buf) in enumerate(items):
+            lay, ranges = self._x_ranges(key, buf)
+            lays.append(lay)
+            for fi, off, dst, need in ranges:
+                pieces.append((fi, off, dst, need, j))
+                owner.append(j)
+        futs, n_req, nbytes = self._read_coalesced(pieces, prio)
+        xs["reads"] += n_req
+        xs["read_bytes"] += nbytes     # a page two experts share counts once
+        per = [[] for _ in items]
+        for j, f in zip(owner, futs):
+            per[j].append(f)
+        return [(lay, when_all(fs)) for lay, fs in zip(lays, per)]
+
+    def _x_start(self, batch: list, prio: int) -> None:
+        """Start the reads of [(key, slot)] (one coalesced batch); each key is loading."""
+        if not batch:
+            return
+        started = self._x_read([(k, self._x_buf[slot]) for k, slot in batch], prio)
+        for (key, slot), (lay, fut) in zip(batch, started):
+            self._x_lay[slot] = lay
+            n = self._x_span(key)
+            self._count(n)
+            self.xstats["prefetch_bytes" if prio == PREFETCH else "demand_bytes"] += n
+            self._x_loading[key] = (slot, fut, prio == PREFETCH)
 
     def _x_finish(self, key) -> BaseException | None:
         """Wait for key's read; on success the slot holds it, else the slot is freed."""
@@ -511,7 +681,7 @@ class WeightStore:
             policy.advance()
         self._x_in_use = set(uniq)
         t0 = time.perf_counter()
-        waits, errors = [], []
+        waits, errors, start = [], [], []
         for k in uniq:
             if k in self._hot:
                 xs["hot_hits"] += 1
@@ -528,8 +698,9 @@ class WeightStore:
                 if slot is None:  # every slot holds an expert of this call or a prefetch
                     slot = self._x_reclaim_prefetch()
                 assert slot is not None, "the slot count was checked above"
-                self._x_start(k, slot, DEMAND)
+                start.append((k, slot))
                 waits.append(k)
+        self._x_start(start, DEMAND)   # the misses' ranges, sorted and merged
         for k in waits:
             err = self._x_finish(k)
             if err is not None and not errors:
@@ -577,6 +748,7 @@ class WeightStore:
         if not self._x_nslots:
             return
         self._x_harvest()
+        start = []
         for k in keys:
             if k in self._hot or k in self._x_slot_of or k in self._x_loading:
                 continue
@@ -585,7 +757,8 @@ class WeightStore:
                 break
             self.xstats["prefetched"] += 1
             self._x_unused_prefetch.add(k)
-            self._x_start(k, slot, PREFETCH)
+            start.append((k, slot))
+        self._x_start(start, PREFETCH)
 
     # ---- statistics / lifetime ----
     def stats(self) -> dict:
@@ -596,7 +769,11 @@ class WeightStore:
                                          if self._stream_s > 0 else 0.0),
              "pinned_bytes": self.plan.tier_bytes["pinned"],
              "slot_bytes": sum(s.nbytes for s in self._slots),
-             "read_errors": self.read_errors}
+             "read_errors": self.read_errors,
+             # read requests (a preadv of merged ranges counts once) and their mean size
+             "reads": self.reads, "read_bytes": self.read_bytes,
+             "bytes_per_read": self.read_bytes / self.reads if self.reads else 0.0,
+             "coalesce": self.coalesce}
         if self._x_tensors:
             xs = self.xstats
             served = xs["hits"] + xs["hot_hits"] + xs["prefetch_hits"]
@@ -614,6 +791,8 @@ class WeightStore:
                 "expert_demand_bytes": xs["demand_bytes"],
                 "expert_prefetch_bytes": xs["prefetch_bytes"],
                 "expert_slots": self._x_nslots, "hot_experts": len(getattr(self, "_hot", ())),
+                "expert_reads": xs["reads"], "expert_read_bytes": xs["read_bytes"],
+                "expert_bytes_per_read": xs["read_bytes"] / xs["reads"] if xs["reads"] else 0.0,
             })
         return d
 
@@ -623,11 +802,21 @@ class WeightStore:
         one test): bytes read (and per token), expert hit rate, prefetch recall, waste."""
         d = {"bytes_read": after["bytes_read"] - before["bytes_read"]}
         d["bytes_read_per_token"] = d["bytes_read"] / n_tokens if n_tokens else 0.0
+        reads = after.get("reads", 0) - before.get("reads", 0)
+        rbytes = after.get("read_bytes", 0) - before.get("read_bytes", 0)
+        d["reads"] = reads
+        d["reads_per_token"] = reads / n_tokens if n_tokens else 0.0
+        d["bytes_per_read"] = rbytes / reads if reads else 0.0
         if "expert_requests" in after:
             req = after["expert_requests"] - before["expert_requests"]
             served = after["expert_served"] - before["expert_served"]
             routed = after["prefetch_routed"] - before["prefetch_routed"]
             hit = after["prefetch_routed_predicted"] - before["prefetch_routed_predicted"]
+            xr = after["expert_reads"] - before["expert_reads"]
+            xb = after["expert_read_bytes"] - before["expert_read_bytes"]
+            d.update({"expert_reads": xr,
+                      "expert_reads_per_token": xr / n_tokens if n_tokens else 0.0,
+                      "expert_bytes_per_read": xb / xr if xr else 0.0})
             d.update({"expert_hit_rate": served / req if req else 1.0,
                       "expert_misses": after["expert_misses"] - before["expert_misses"],
                       "prefetch_recall": hit / routed if routed else 0.0,
@@ -638,12 +827,15 @@ class WeightStore:
     def format_stats(self) -> str:
         s = self.stats()
         out = (f"store: read {s['bytes_read'] / 1e6:.1f} MB, hit rate {s['hit_rate']:.0%}, "
-               f"I/O stall {s['io_stall_s']:.2f} s" + ("" if s["o_direct"] else " (buffered)"))
+               f"I/O stall {s['io_stall_s']:.2f} s" + ("" if s["o_direct"] else " (buffered)")
+               + f", {s['reads']} reads of {s['bytes_per_read'] / 1e3:.0f} kB"
+               + ("" if s["coalesce"] else " (not coalesced)"))
         if "expert_hit_rate" in s:
             out += (f" | experts: hit rate {s['expert_hit_rate']:.0%} ({s['expert_hits']} cached, "
                     f"{s['expert_hot_hits']} hot, {s['expert_prefetch_hits']} prefetched, "
                     f"{s['expert_misses']} missed), prefetch recall {s['prefetch_recall']:.0%}, "
-                    f"wasted {s['prefetch_wasted_bytes'] / 1e6:.1f} MB")
+                    f"wasted {s['prefetch_wasted_bytes'] / 1e6:.1f} MB, "
+                    f"{s['expert_reads']} expert reads of {s['expert_bytes_per_read'] / 1e3:.0f} kB")
         return out
 
     def close(self) -> None:

@@ -46,6 +46,12 @@ class Metrics:
             ("mem_budget_bytes", "the memory budget (peak RSS cap), 0 when none"),
             ("rss_bytes", "resident set size of the server process"),
             ("peak_rss_bytes", "peak resident set size (VmHWM) of the server process"),
+            ("rss_anon_bytes", "private (anonymous) resident memory of the server process"),
+            ("rss_file_bytes", "file-backed resident memory (mapped file pages, page cache)"),
+            ("rss_shmem_bytes", "shared-memory resident pages of the server process"),
+            ("cgroup_page_cache_bytes", "page cache charged to the process's memory cgroup"),
+            ("weight_store_reads", "read requests the weight store issued"),
+            ("weight_store_bytes_per_read", "mean bytes per weight store read request"),
         ]:
             g[name] = Gauge(f"memfit_{name}", doc, registry=r)
         self.gauges = g
@@ -82,10 +88,17 @@ class Metrics:
                 st = store.stats()
                 g["weight_store_bytes_read"].set(st.get("bytes_read", 0))
                 g["weight_store_io_stall_seconds"].set(st.get("io_stall_s", 0.0))
+                g["weight_store_reads"].set(st.get("reads", 0))
+                g["weight_store_bytes_per_read"].set(st.get("bytes_per_read", 0.0))
                 if "expert_hit_rate" in st:
                     g["expert_cache_hit_rate"].set(st["expert_hit_rate"])
             ledger = getattr(model, "ledger", None)
             g["mem_budget_bytes"].set(ledger.budget if ledger is not None else 0)
         g["rss_bytes"].set(current_rss())
         g["peak_rss_bytes"].set(peak_rss())
+        from ..memory.procmem import process_memory
+        pm = process_memory()
+        for k in ("rss_anon_bytes", "rss_file_bytes", "rss_shmem_bytes"):
+            g[k].set(pm[k])
+        g["cgroup_page_cache_bytes"].set(pm.get("cgroup_file_bytes", 0))
         return generate_latest(self.registry)

@@ -1,0 +1,104 @@
+"""Calibrated synthetic routing (memfit synth --routing-overlap, synth.calibrate_routing): a
+tiny qwen3moe is written with the knob, then decoded through the public API (memfit.load,
+the weight store) with sampled tokens, the router's choices recorded where the store is asked
+for them (WeightStore.get_experts, as tests/_lookahead_recall.py does); the consecutive-token
+overlap must be what was asked within a tolerance, and the file calibrated to k/n_expert
+(uniform, independent routing) must measure near k/n_expert."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import memfit
+from memfit.errors import RequestError
+from memfit.gguf import open_gguf
+from memfit.runtime import Runtime
+from memfit.synth import synth
+
+N_DECODE = 48
+K, N_EXPERT = 4, 16     # qwen3moe tiny
+
+
+def _decoded_overlap(path) -> tuple[float, int]:
+    """Mean |S_t & S_t-1| / k over decode steps and layers, and the pairs counted."""
+    rt = Runtime(str(path), n_ctx=128, mem_budget=16 << 30)   # the floor as this load plans it
+    floor = rt.plan.min_budget_bytes
+    rt.close()
+    # under a budget the experts come from the store (unconstrained: from the mapped file)
+    with memfit.load(path, n_ctx=128, mem_budget=floor + os.path.getsize(path) // 2) as m:
+        calls = []
+        get = m.store.get_experts
+
+        def spy(il, experts, *a, **kw):   # records, then the store does its real work
+            if calls and calls[-1][0] == il:   # one layer's experts asked in groups
+                calls[-1][1].extend(int(e) for e in experts)
+            else:
+                calls.append((il, [int(e) for e in experts]))
+            return get(il, experts, *a, **kw)
+
+        m.store.get_experts = spy
+        ids = [int(i) for i in np.random.default_rng(7).integers(3, 2000, 4)]
+        m.generate(ids, max_tokens=N_DECODE, temperature=1.0, seed=3)
+        n_layer = m.config.n_layer
+    steps = [calls[i:i + n_layer] for i in range(n_layer, len(calls), n_layer)]  # decode only
+    ov, n = [], 0
+    for prev, cur in zip(steps[:-1], steps[1:]):
+        for (la, a), (lb, b) in zip(prev, cur):
+            assert la == lb and len(a) == len(b) == K
+            ov.append(len(set(a) & set(b)) / K)
+    return float(np.mean(ov)), len(ov)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("routing")
+    out = {}
+    for name, f in (("realistic", 0.4), ("uniform", K / N_EXPERT)):
+        out[name] = synth(d / f"{name}.gguf", "qwen3moe", "tiny", seed=4, progress=False,
+                          routing_overlap=f).path
+    return out
+
+
+def test_calibrated_overlap_is_what_was_asked(files):
+    ov, n = _decoded_overlap(files["realistic"])
+    print(f"\nasked 0.40: decoded overlap {ov:.3f} over {n} pairs")
+    assert n >= 4 * (N_DECODE - 3)
+    assert abs(ov - 0.40) < 0.1, ov
+    with open_gguf(files["realistic"]) as f:
+        md = f.metadata
+        assert md["memfit.synth.routing_overlap"] == pytest.approx(0.4)
+        # the synth's own held-out measurement, stored in the file
+        assert abs(md["memfit.synth.routing_overlap_measured"] - 0.4) < 0.1
+        assert 0.25 <= md["memfit.synth.routing_top_share_measured"] <= 1.0
+
+
+def test_uniform_calibration_is_near_k_over_n(files):
+    ov, n = _decoded_overlap(files["uniform"])
+    print(f"\nasked k/n = {K / N_EXPERT}: decoded overlap {ov:.3f} over {n} pairs")
+    assert abs(ov - K / N_EXPERT) < 0.1, ov
+    ov_real, _ = _decoded_overlap(files["realistic"])
+    assert ov_real > ov + 0.05
+
+
+def test_info_shows_the_routing_statistics(files):
+    p = subprocess.run([sys.executable, "-m", "memfit", "info", str(files["realistic"])],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "routing_overlap               0.400" in p.stdout
+    assert "routing_overlap_measured" in p.stdout and "routing_top_share_measured" in p.stdout
+
+
+def test_bad_routing_overlap_is_refused(tmp_path):
+    with pytest.raises(RequestError, match="dense"):
+        synth(tmp_path / "d.gguf", "llama", "tiny", routing_overlap=0.3, progress=False)
+    with pytest.raises(RequestError, match="between 0 and 1"):
+        synth(tmp_path / "d.gguf", "qwen3moe", "tiny", routing_overlap=1.5, progress=False)
+    p = subprocess.run([sys.executable, "-m", "memfit", "synth", str(tmp_path / "e.gguf"),
+                        "--arch", "qwen3moe", "--size", "tiny", "--routing-overlap", "2"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "Traceback" not in p.stderr and "routing-overlap" in p.stderr
