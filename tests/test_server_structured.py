@@ -176,6 +176,66 @@ def test_tool_calls_streamed_equal_plain(tools_client):
     _check_call(pc, ("get_time",))
 
 
+NOTE = {"type": "function", "function": {"name": "write_note", "parameters": {
+    "type": "object", "properties": {
+        "title": {"type": "string", "minLength": 30, "maxLength": 40},
+        "tags": {"type": "array", "items": {"enum": ["home", "work", "misc"]}, "minItems": 3,
+                 "maxItems": 4}},
+    "required": ["title", "tags"], "additionalProperties": False}}}
+
+
+def _stream_calls(c, **kw):
+    """Streamed tool-call deltas folded: ({index: [id, name, [argument pieces]]}, finish)."""
+    calls, finish = {}, None
+    for ch in c.chat.completions.create(stream=True, **kw):
+        if not ch.choices:
+            continue
+        for tc in ch.choices[0].delta.tool_calls or []:
+            if tc.index not in calls:
+                # the first delta of a call: id, type, name and empty arguments
+                assert tc.id and tc.type == "function" and tc.function.name
+                assert tc.function.arguments == ""
+                calls[tc.index] = [tc.id, tc.function.name, []]
+            else:
+                assert tc.id is None and tc.function.name is None
+                calls[tc.index][2].append(tc.function.arguments)
+        finish = ch.choices[0].finish_reason or finish
+    return calls, finish
+
+
+def test_tool_arguments_stream_in_pieces(tools_client):
+    _, c = tools_client
+    kw = dict(model="qwen-tools", messages=[{"role": "user", "content": "Write a note."}],
+              tools=TOOLS + [NOTE], tool_choice={"type": "function",
+                                                 "function": {"name": "write_note"}},
+              parallel_tool_calls=False, temperature=0, max_tokens=300)
+    plain = c.chat.completions.create(**kw).choices[0]
+    assert plain.finish_reason == "tool_calls"
+    args = plain.message.tool_calls[0].function.arguments
+    jsonschema.validate(json.loads(args), NOTE["function"]["parameters"])
+    calls, finish = _stream_calls(c, **kw)
+    assert finish == "tool_calls" and list(calls) == [0] and calls[0][1] == "write_note"
+    pieces = calls[0][2]
+    assert "".join(pieces) == args
+    assert len(pieces) > 3, pieces     # not one delta at the end
+
+
+def test_tool_call_cut_by_max_tokens(tools_client):
+    """A call cut off by max_tokens once its name is out stays a call, its arguments closed
+    where they were cut (so they parse), finish_reason "length" (llama-server does the same)."""
+    _, c = tools_client
+    kw = dict(model="qwen-tools", messages=[{"role": "user", "content": "Write a note."}],
+              tools=[NOTE], tool_choice="required", temperature=0, max_tokens=60)
+    ch = c.chat.completions.create(**kw).choices[0]
+    assert ch.finish_reason == "length" and not ch.message.content
+    (call,) = ch.message.tool_calls
+    assert call.function.name == "write_note"
+    args = json.loads(call.function.arguments)
+    assert isinstance(args, dict) and len(call.function.arguments) > 2, args
+    calls, finish = _stream_calls(c, **kw)
+    assert finish == "length" and "".join(calls[0][2]) == call.function.arguments
+
+
 def test_tool_choice_required_always_validates(tools_client):
     _, c = tools_client
     for seed in range(6):   # sampled: whatever the random weights prefer, the call parses

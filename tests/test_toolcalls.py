@@ -284,18 +284,70 @@ def test_parse_whole_and_streamed(case):
 
 
 @pytest.mark.parametrize("fmt,text", [
-    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'),  # cut off
-    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": Paris}}\n</tool_call>'),
     ("hermes", '<tool_call>\n{"name": "no_such_tool", "arguments": {}}\n</tool_call>'),
     ("hermes", "<tool_call>\nnot json\n</tool_call>"),
     ("functionary", "<function=get_weather>[1, 2]</function>"),
     ("mistral", "[TOOL_CALLS] I cannot call tools"),
-    ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"'),
+    ("llama3", '{"name": "get_weather", "parameters": "Paris"'),   # string arguments, cut
+    ("hermes", '<tool_call>\n{"arguments": {"city": "Par'),       # cut before the name
     ("generic", '{"tool_calls": [{"name": "get_weather", "arguments": "oops"}]}'),
 ])
 def test_unparseable_calls_are_content(fmt, text):
     for pieces in (None, [3] * len(text)):
         assert _parse(fmt, text, pieces=pieces) == (text.lstrip(), "", [])
+
+
+@pytest.mark.parametrize("fmt,text,content,args", [
+    # cut off by the token limit once the name is known: the call stays, its arguments closed
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', "",
+     {"city": "Par"}),
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"', "", {"city": "Paris"}),
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"n": 12', "", {"n": 12}),
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"a": "x\\u00', "", {"a": "x"}),
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"a": [1, {"b": tr', "",
+     {"a": [1, {}]}),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit', "", {"city": "Paris"}),
+    # a syntax error inside announced arguments: they close before it, the rest is text
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": Paris}}\n</tool_call>',
+     "Paris}}\n</tool_call>", {}),
+])
+def test_cut_and_broken_arguments_are_closed(fmt, text, content, args):
+    for pieces in (None, [3] * len(text), [1] * len(text)):
+        assert _parse(fmt, text, pieces=pieces) == (content, "", [("get_weather", args)])
+
+
+LONG = {"city": "Paris", "notes": "x " * 40, "days": [1, 2, 3], "deep": {"k": None, "b": True}}
+
+
+@pytest.mark.parametrize("fmt,text", [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": ' + json.dumps(LONG, indent=1)
+     + '}\n</tool_call>'),
+    ("generic", json.dumps({"tool_calls": [{"name": "get_weather", "arguments": LONG}]})),
+    ("llama3", '{"name": "get_weather", "parameters": ' + json.dumps(LONG) + "}"),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": ' + json.dumps(LONG)
+     + ', "id": "abcDEF123"}]'),
+    ("mistral", "[TOOL_CALLS]get_weather[ARGS]" + json.dumps(LONG)),
+    ("functionary", "<function=get_weather>" + json.dumps(LONG) + "</function>"),
+    ("hermes", '{"name": "get_weather", "arguments": ' + json.dumps(LONG) + "}"),  # llama-3 style
+])
+def test_arguments_stream_in_pieces(fmt, text):
+    """The call is announced once its name is read, before its arguments are complete, and
+    the arguments follow in pieces (white space outside strings dropped) that add up to the
+    whole call's arguments."""
+    p = OutputParser(ToolFormat(fmt), None, TOOLS)
+    events, announced_at, k = [], None, 0
+    while k < len(text):
+        events += p.push(text[k:k + 5])
+        k += 5
+        if announced_at is None and any(e[0] == "tool_call" for e in events):
+            announced_at = k
+    events += p.finish()
+    assert announced_at is not None and announced_at < text.index('"notes"')
+    pieces = [e[2] for e in events if e[0] == "tool_args"]
+    assert len(pieces) > 10
+    assert "".join(pieces) == json.dumps(LONG, separators=(",", ":"))
+    assert p.tool_calls[0]["function"]["arguments"] == "".join(pieces)
+    assert p.content == ""
 
 
 def test_markers_are_held_back_while_streaming():

@@ -295,6 +295,176 @@ def _call_of(obj, arg_keys=("arguments", "parameters")):
     return obj["name"], {}
 
 
+# --- streamed arguments ------------------------------------------------------------------------
+
+_WS = " \t\r\n"
+_ESCAPES = '"\\/bfnrtu'
+_NUM_RE = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+_LITERALS = ("true", "false", "null")
+
+
+class _ArgsStream:
+    """Reads one JSON object (a call's arguments) as it streams in, checking its syntax, and
+    gives back its text without the white space outside strings, in pieces that are each
+    safe to send: what has been given back can always be closed into valid JSON. Text that
+    cannot be closed yet (a key and its colon, a comma, a number or literal being written,
+    an escape) is held until the value after it begins.
+
+    ``feed(s)`` -> (piece, used): ``used`` is how much of ``s`` was read (less than all once
+    the object has closed, or at a syntax error: then ``error`` is set). ``heal()`` -> the
+    text that closes what was given back (the open string and brackets), for a call cut off
+    by the token limit or broken off by a syntax error."""
+
+    def __init__(self):
+        self.stack: list[str] = []      # closing brackets of the open objects/arrays
+        self.state = "value"
+        self.done = False
+        self.error = False
+        self._held = ""                 # read but not yet safe to give back
+        self._tok = ""                  # the number or literal being read
+        self._closer = ""               # what closes the text given back so far
+        self._hex = 0                   # hex digits still expected in a \\u escape
+
+    def _safe(self, out: list, in_str: bool) -> None:
+        out.append(self._held)
+        self._held = ""
+        self._closer = ('"' if in_str else "") + "".join(reversed(self.stack))
+
+    def heal(self) -> str:
+        if self.done:
+            return ""
+        if (self.state == "num" and _NUM_RE.fullmatch(self._tok)) or \
+                (self.state == "lit" and self._tok in _LITERALS):
+            return self._held + self._tok + "".join(reversed(self.stack))
+        return self._closer
+
+    def feed(self, s: str) -> tuple[str, int]:
+        out: list[str] = []
+        i, n = 0, len(s)
+        while i < n and not self.done and not self.error:
+            ch = s[i]
+            st = self.state
+            if st in ("str", "key"):
+                if self._hex:           # the four digits of a \\u escape
+                    if ch not in "0123456789abcdefABCDEF":
+                        self.error = True
+                        break
+                    self._held += ch
+                    self._hex -= 1
+                    i += 1
+                elif ch == "\\":
+                    if i + 1 >= n:
+                        break           # the escape letter is still to come
+                    e = s[i + 1]
+                    if e not in _ESCAPES:
+                        self.error = True
+                        break
+                    self._held += ch + e
+                    self._hex = 4 if e == "u" else 0
+                    i += 2
+                elif ch == '"':
+                    self._held += ch
+                    i += 1
+                    if st == "key":
+                        self.state = "colon"
+                    else:
+                        self.state = "after"
+                        self._safe(out, False)
+                    continue
+                elif ord(ch) < 0x20:
+                    self.error = True
+                    break
+                else:                   # plain characters: take the run at once
+                    j = i + 1
+                    while j < n and s[j] not in '"\\' and ord(s[j]) >= 0x20:
+                        j += 1
+                    self._held += s[i:j]
+                    i = j
+                if st == "str" and not self._hex:
+                    self._safe(out, True)
+                continue
+            if st in ("num", "lit"):
+                if (st == "num" and ch in "0123456789+-.eE") or (st == "lit" and ch.isalpha()):
+                    self._tok += ch
+                    i += 1
+                    if st == "lit" and not any(w.startswith(self._tok) for w in _LITERALS):
+                        self.error = True
+                    continue
+                if (st == "num" and not _NUM_RE.fullmatch(self._tok)) or \
+                        (st == "lit" and self._tok not in _LITERALS):
+                    self.error = True
+                    break
+                self._held += self._tok
+                self._tok = ""
+                self.state = "after"
+                self._safe(out, False)
+                continue            # the character that ended it is read in "after"
+            if ch in _WS:
+                i += 1
+                continue
+            i += 1
+            if st == "value" or st == "first_item":
+                if st == "first_item" and ch == "]":
+                    self._close(ch, out)
+                elif ch in "{[":
+                    if not self.stack and ch != "{":
+                        self.error = True
+                        i -= 1
+                        break
+                    self.stack.append("}" if ch == "{" else "]")
+                    self._held += ch
+                    self.state = "first_key" if ch == "{" else "first_item"
+                    self._safe(out, False)
+                elif not self.stack:
+                    self.error = True       # arguments are an object
+                    i -= 1
+                elif ch == '"':
+                    self._held += ch
+                    self.state = "str"
+                    self._safe(out, True)
+                elif ch in "-0123456789":
+                    self._tok, self.state = ch, "num"
+                elif ch in "tfn":
+                    self._tok, self.state = ch, "lit"
+                else:
+                    self.error = True
+                    i -= 1
+            elif st in ("first_key", "key_next"):
+                if st == "first_key" and ch == "}":
+                    self._close(ch, out)
+                elif ch == '"':
+                    self._held += ch
+                    self.state = "key"
+                else:
+                    self.error = True
+                    i -= 1
+            elif st == "colon":
+                if ch == ":":
+                    self._held += ch
+                    self.state = "value"
+                else:
+                    self.error = True
+                    i -= 1
+            elif st == "after":
+                if ch == ",":
+                    self._held += ch
+                    self.state = "key_next" if self.stack[-1] == "}" else "value"
+                elif ch in "}]" and ch == self.stack[-1]:
+                    self._close(ch, out)
+                else:
+                    self.error = True
+                    i -= 1
+        return "".join(out), i
+
+    def _close(self, ch: str, out: list) -> None:
+        self.stack.pop()
+        self._held += ch
+        self.state = "after"
+        self._safe(out, False)
+        if not self.stack:
+            self.done = True
+
+
 _NEED = "need"      # a recogniser needs more text
 _BAD = "bad"        # the text at the marker is not a call
 
@@ -331,6 +501,11 @@ class OutputParser:
             self._mode = "think?"
         self._lstrip = True         # drop white space at the start of a section
         self._memo: dict = {}       # where the last JSON scan of the buffer stopped
+        self._heads = _FORMAT_HEADS.get(name, ((), ()))
+        self._args: _ArgsStream | None = None    # the arguments being streamed
+        self._outer = ""            # brackets still open around them (innermost last)
+        self._tag = None            # the closing tag expected after the call
+        self._after = "content"     # the mode after the call
 
     # public
     def push(self, text: str) -> list[tuple]:
@@ -364,6 +539,35 @@ class OutputParser:
             self._events.append(("tool_call", idx, cid, name))
             self._events.append(("tool_args", idx, text))
         return True
+
+    def _commit(self, head: str, name: str, buf: str, j: int, outer: str | None = None) -> bool:
+        """Announce a call whose arguments start at ``buf[j]`` and stream them from there;
+        False (nothing announced) when the request has no tool of that name."""
+        if self._check_names and name not in self._fns:
+            return False
+        _, brackets, tag = _HEADS[head]
+        idx, cid = len(self.tool_calls), new_call_id()
+        self.tool_calls.append({"id": cid, "type": "function",
+                                "function": {"name": name, "arguments": ""}})
+        self._events.append(("tool_call", idx, cid, name))
+        self._args = _ArgsStream()
+        self._outer = brackets if outer is None else outer
+        self._tag = tag
+        self._after = "after_json" if head in ("object", "python_tag", "wrapped_list",
+                                               "wrapped_one") else "content"
+        self._buf, self._mode = buf[j:], "args"
+        return True
+
+    def _arg_piece(self, text: str) -> None:
+        if not text:
+            return
+        idx = len(self.tool_calls) - 1
+        self.tool_calls[idx]["function"]["arguments"] += text
+        last = self._events[-1] if self._events else None
+        if last is not None and last[0] == "tool_args" and last[1] == idx:
+            self._events[-1] = ("tool_args", idx, last[2] + text)
+        else:
+            self._events.append(("tool_args", idx, text))
 
     # the state machine
     def _run(self, final: bool) -> list[tuple]:
@@ -418,11 +622,42 @@ class OutputParser:
         if mode == "start":
             if not self._strip_start(final):
                 return False
-            if self._json_first and self._buf[0] in "{[":
+            if self._buf[0] == "{" and self._heads[1]:
+                self._mode = "head_json"
+            elif self._json_first and self._buf[0] == "[":
                 self._mode = "json"
             else:
                 self._mode = "content"
             return True
+        if mode == "head_json":     # an answer that starts with "{": is it a call's head?
+            r = _match_heads(self._heads[1], self._buf)
+            if r is _NEED and not final:
+                return False
+            if r not in (_NEED, None) and self._commit(r[0], r[1], self._buf, r[2]):
+                return True
+            # not a streamable call: the JSON-first formats read it whole, others as text
+            self._mode = "json" if self._json_first else "content"
+            return True
+        if mode == "args":
+            a = self._args
+            piece, used = a.feed(self._buf)
+            self._arg_piece(piece)
+            self._buf = self._buf[used:]
+            if a.done:
+                self._mode = "rest"
+                return True
+            if a.error or final:
+                # a syntax error or the end of the output inside the arguments: the call was
+                # announced, so it stays, its arguments closed where they were cut; what
+                # follows a syntax error is content
+                self._arg_piece(a.heal())
+                if final:
+                    self._buf = ""
+                self._mode, self._lstrip = "content", False
+                return True
+            return False
+        if mode == "rest":
+            return self._rest(final)
         if mode == "json":
             end = _json_end(self._buf, 0, self._memo)
             if end is None and not final:
@@ -447,7 +682,7 @@ class OutputParser:
         if mode == "after_json_sep":
             if not self._strip_start(final):
                 return False
-            self._mode = "json" if self._buf[0] == "{" else "content"
+            self._mode = "head_json" if self._buf[0] == "{" else "content"
             if self._mode == "content":
                 self._buf = ";" + self._buf
             return True
@@ -466,6 +701,11 @@ class OutputParser:
             self._buf = self._buf[len(self._buf) - keep:]
             return False
         if mode == "call":
+            h = _match_heads(self._heads[0], self._buf)
+            if h is _NEED and not final:
+                return False
+            if h not in (_NEED, None) and self._commit(h[0], h[1], self._buf, h[2]):
+                return True
             r = self._recognise(self._buf, final)
             if r == _NEED:
                 if final:
@@ -483,6 +723,63 @@ class OutputParser:
             self._buf, self._mode = self._buf[len(trig):], "content"
             return True
         raise AssertionError(mode)
+
+    def _rest(self, final: bool) -> bool:
+        """After a streamed call's arguments: the rest of the JSON around them (more keys of
+        the call object, more calls of a list), then the closing tag. Anything else there
+        ends the call's structure and is content."""
+        b = self._buf.lstrip(" \t\r\n")
+        self._buf = b
+        if not b and not final:
+            return False
+        if not self._outer:
+            if self._tag:
+                r = _expect(b, 0, self._tag, final)
+                if r is _NEED:
+                    return False
+                if r is not None:
+                    self._buf = b[r:]
+            self._mode, self._lstrip = self._after, True
+            return True
+        if not b:
+            self._mode = "content"
+            return True
+        top = self._outer[-1]
+        if b[0] == top:
+            self._outer = self._outer[:-1]
+            self._buf = b[1:]
+            return True
+        if b[0] == "," and top == "}":      # other keys of the object ("id": ...)
+            end = _json_scan(b, 1, ["}"], False, False)[0]
+            if end is None and not final:
+                return False
+            if end is not None and end > 0:
+                self._outer = self._outer[:-1]
+                self._buf = b[end:]
+                return True
+        elif b[0] == "," and top == "]":    # the next call of a list
+            j = _skip_ws(b, 1)
+            if j >= len(b) and not final:
+                return False
+            if j < len(b) and b[j] == "{":
+                r = _match_head(_OBJ, b, j)
+                if r is _NEED and not final:
+                    return False
+                tag, after = self._tag, self._after     # those of the list
+                if r not in (_NEED, None) and self._commit(
+                        "object", r[0], b, r[1], outer=self._outer + "}"):
+                    self._tag, self._after = tag, after
+                    return True
+                end = _json_end(b, j)
+                if end is None and not final:
+                    return False
+                if end is not None and end > 0:
+                    calls = self._json_calls(b[j:end])
+                    if calls is not None and self._add_calls(calls):
+                        self._buf = b[end:]
+                        return True
+        self._mode, self._lstrip = "content", False
+        return True
 
     def _json_calls(self, text: str):
         """A JSON answer read as calls [(name, args)], or None: a call object or a list of
@@ -608,6 +905,97 @@ def _tagged_json(buf: str, open_tag: str, close_tag: str, final: bool, memo=None
 
 
 _FN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+# The beginnings of calls whose arguments can be streamed: the name comes before the argument
+# object. Items: a literal, None (optional white space), ("name",) a JSON string holding the
+# function's name, ("raw",) a bare name, ("alt", ...) one of literals, ("callid",) Mistral's
+# optional [CALL_ID]id, ("args",) the "{" that opens the arguments (not consumed).
+_OBJ = ("{", None, '"name"', None, ":", None, ("name",), None, ",", None,
+        ("alt", '"arguments"', '"parameters"'), None, ":", ("args",))
+# head -> (items, closing brackets still open around the arguments, closing tag after them)
+_HEADS = {
+    "tagged": (("<tool_call>", None) + _OBJ, "}", "</tool_call>"),
+    "python_tag": (("<|python_tag|>", None) + _OBJ, "}", None),
+    "mistral_list": (("[TOOL_CALLS]", None, "[", None) + _OBJ, "]}", None),
+    "mistral_args": (("[TOOL_CALLS]", None, ("raw",), ("callid",), "[ARGS]", ("args",)), "",
+                     None),
+    "functionary": (("<function=", ("raw",), ">", ("args",)), "", "</function>"),
+    "object": (_OBJ, "}", None),
+    "wrapped_list": (("{", None, '"tool_calls"', None, ":", None, "[", None) + _OBJ, "}]}",
+                     None),
+    "wrapped_one": (("{", None, '"tool_call"', None, ":", None) + _OBJ, "}}", None),
+}
+# format -> (heads at its trigger marker, heads of an answer that starts with "{")
+_FORMAT_HEADS = {
+    "hermes": (("tagged",), ("object",)),
+    "generic": (("tagged",), ("wrapped_list", "wrapped_one", "object")),
+    "llama3": (("python_tag",), ("object",)),
+    "mistral": (("mistral_list", "mistral_args"), ("object",)),
+    "functionary": (("functionary",), ("object",)),
+}
+
+
+def _match_head(items, buf: str, i: int):
+    """(name, index of the arguments' "{") when ``buf[i:]`` begins with the head; _NEED
+    while it may still; None when it does not."""
+    name = None
+    for it in items:
+        if it is None:
+            i = _skip_ws(buf, i)
+        elif isinstance(it, str) or it[0] == "alt":
+            alts = (it,) if isinstance(it, str) else it[1:]
+            for a in alts:
+                if buf.startswith(a, i):
+                    i += len(a)
+                    break
+            else:
+                rest = buf[i:]
+                return _NEED if any(a.startswith(rest) for a in alts) else None
+        elif it[0] in ("name", "raw"):
+            q = it[0] == "name"
+            if q:
+                if i >= len(buf):
+                    return _NEED
+                if buf[i] != '"':
+                    return None
+            m = _FN_NAME.match(buf, i + q)
+            if not m:
+                return _NEED if i + q >= len(buf) else None
+            k = m.end()
+            if k >= len(buf):
+                return _NEED if len(m.group()) < 64 else None
+            if q:
+                if buf[k] != '"':
+                    return None
+                k += 1
+            name, i = m.group(), k
+        elif it[0] == "callid":
+            if buf.startswith("[CALL_ID]", i):
+                k = buf.find("[ARGS]", i)
+                if k < 0:
+                    return _NEED if len(buf) - i < 80 else None
+                i = k
+            elif i < len(buf) and len(buf) - i < 9 and "[CALL_ID]".startswith(buf[i:]):
+                return _NEED
+        else:       # args
+            i = _skip_ws(buf, i)
+            if i >= len(buf):
+                return _NEED
+            return (name, i) if buf[i] == "{" else None
+    return None
+
+
+def _match_heads(names, buf: str, i: int = 0):
+    """The first of the heads ``names`` at ``buf[i]``: (head, name, index), _NEED or None."""
+    need = False
+    for h in names:
+        r = _match_head(_HEADS[h][0], buf, i)
+        if r is _NEED:
+            need = True
+        elif r is not None:
+            return (h, *r)
+    return _NEED if need else None
 
 
 def _args_at(buf: str, j: int, memo=None):
