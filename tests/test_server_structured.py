@@ -236,6 +236,40 @@ def test_tool_call_cut_by_max_tokens(tools_client):
     assert finish == "length" and "".join(calls[0][2]) == call.function.arguments
 
 
+@pytest.mark.parametrize("template,marker", [
+    ("Qwen3-Coder.jinja", "<function=write_note>\n<parameter=title>"),
+    ("llama-cpp-deepseek-r1.jinja", "<｜tool▁call▁begin｜>function<｜tool▁sep｜>write_note"),
+    ("openai-gpt-oss-120b.jinja", "to=functions.write_note<|channel|>commentary json"),
+])
+def test_native_call_formats(tmp_path_factory, template, marker):
+    """Qwen3-Coder's XML parameters, DeepSeek-R1's tool tokens and gpt-oss's harmony
+    channels: a forced call comes out in the template's own format, is parsed the same
+    streamed and not, and goes back into the next prompt in that format. (Reasoning is off:
+    random weights in an open thinking block would think to max_tokens.)"""
+    from conftest import template_model
+    path = template_model(tmp_path_factory, template)
+    s = ServerProcess([str(path), "--alias", "m", "-np", "1", "--reasoning-format", "none"])
+    try:
+        c = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=120)
+        msgs = [{"role": "user", "content": "Write a note."}]
+        kw = dict(model="m", messages=msgs, tools=[NOTE], tool_choice="required",
+                  parallel_tool_calls=False, temperature=0, max_tokens=400)
+        ch = c.chat.completions.create(**kw).choices[0]
+        assert ch.finish_reason == "tool_calls", ch.message
+        (call,) = ch.message.tool_calls
+        assert call.function.name == "write_note" and not ch.message.content
+        jsonschema.validate(json.loads(call.function.arguments), NOTE["function"]["parameters"])
+        calls, finish = _stream_calls(c, **kw)
+        assert finish == "tool_calls" and "".join(calls[0][2]) == call.function.arguments
+        history = msgs + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                          {"role": "tool", "tool_call_id": call.id, "content": "saved"}]
+        p = httpx.post(s.url + "/apply-template",
+                       json={"messages": history, "tools": [NOTE]}).json()["prompt"]
+        assert marker in p and "saved" in p
+    finally:
+        s.stop()
+
+
 def test_tool_choice_required_always_validates(tools_client):
     _, c = tools_client
     for seed in range(6):   # sampled: whatever the random weights prefer, the call parses

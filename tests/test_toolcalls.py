@@ -55,6 +55,9 @@ CASES = {
     "mistralai-Mistral-Nemo-Instruct-2407.jinja": ("mistral", None),
     "meetkai-functionary-medium-v3.1.jinja": ("functionary", None),
     "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja": ("generic", "<think>"),
+    "llama-cpp-deepseek-r1.jinja": ("deepseek", "<think>"),
+    "Qwen3-Coder.jinja": ("qwen3_coder", None),
+    "openai-gpt-oss-120b.jinja": ("harmony", "<|channel|>analysis<|message|>"),
 }
 
 
@@ -83,7 +86,10 @@ def test_real_template_renders_tools_calls_and_results(tiny_tok, name):
     assert where.endswith("(jinja file)")
     assert "get_weather" in prompt and "search-web" in prompt          # the tool definitions
     assert "RESULT-17C-SUNNY" in prompt                                 # the tool result
-    assert '"city": "Paris"' in prompt                                  # arguments as JSON
+    if name == "Qwen3-Coder.jinja":                                     # as XML parameters
+        assert "<function=get_weather>\n<parameter=city>\nParis\n</parameter>" in prompt
+    else:
+        assert '"city": "Paris"' in prompt                              # arguments as JSON
     assert '\\"city\\"' not in prompt                                   # not JSON-in-a-string
     assert "It is 17C and sunny." in prompt and "Thanks!" in prompt
     # the history is really in the prompt: without the call and result it is shorter
@@ -174,8 +180,10 @@ def test_detect_format_and_reasoning(tiny_tok, name):
         p3, _ = apply_template(tiny_tok, "x", HISTORY[:2], True, str(TEMPLATES / name),
                                reasoning_effort="none")
         assert p3 == p2
+    elif name == "llama-cpp-deepseek-r1.jinja":     # always opens the block
+        assert prompt.endswith("<think>\n") and r.starts_open
     elif r is not None:
-        assert not r.starts_open
+        assert not r.starts_open and r.harmony == ("gpt-oss" in name)
 
 
 @pytest.mark.realmodel
@@ -268,6 +276,33 @@ OUTPUTS = [
     ("generic", None, "Paris is sunny {today}.", "Paris is sunny {today}.", "", []),
     (None, Reasoning("<think>", "</think>"), "<think>a < b</think>\nAnswer <tool_call> x",
      "Answer <tool_call> x", "a < b", []),
+    # DeepSeek R1 (type<sep>name, a ```json fence) and V3.1 (name<sep>{...}); the generic
+    # format reads them too (DeepSeek's own templates know no tools)
+    ("deepseek", Reasoning("<think>", "</think>", True), "Weather first.</think>\n\n"
+     "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+     + json.dumps(W) + "\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+     "now\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>", "", "Weather first.",
+     [("get_weather", W), ("now", {})]),
+    ("generic", None, "Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>search-web<｜tool▁sep｜>"
+     + json.dumps(S) + "<｜tool▁call▁end｜><｜tool▁calls▁end｜> Done.", "Sure.Done.", "",
+     [("search-web", S)]),
+    # Qwen3-Coder: XML parameters, a string's value as text, others as JSON
+    ("qwen3_coder", None, "Let me see.\n<tool_call>\n<function=get_weather>\n<parameter=city>"
+     "\nSan José, \"CA\"\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n"
+     "</tool_call>\n<tool_call>\n<function=search-web>\n<parameter=q>\n[x]\n</parameter>\n"
+     "<parameter=top>\n[1, 2.5]\n</parameter>\n</function>\n</tool_call>", "Let me see.\n", "",
+     [("get_weather", {"city": 'San José, "CA"', "days": 3}),
+      ("search-web", {"q": "[x]", "top": [1, 2.5]})]),
+    ("qwen3_coder", None, '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>', "", "",
+     [("now", {})]),
+    # gpt-oss harmony: the analysis channel is reasoning, final content, a recipient a call
+    ("harmony", Reasoning("<|channel|>analysis<|message|>", "<|end|>", harmony=True),
+     "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>"
+     "commentary to=functions.get_weather <|constrain|>json<|message|>" + json.dumps(W)
+     + "<|call|>", "", "Need the weather.", [("get_weather", W)]),
+    (None, Reasoning("<|channel|>analysis<|message|>", "<|end|>", harmony=True),
+     "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>"
+     "Hello <b>there</b>.<|return|>", "Hello <b>there</b>.", "Easy.", []),
 ]
 
 
@@ -472,17 +507,33 @@ def smol_llg(smol_tok):
     return llguidance, _lltokenizer(tok), short, closers
 
 
+# Qwen3-Coder's string parameters are text up to a closing tag, which random sampling does
+# not write: its tools bound every string, so the grammar closes them
+BOUNDED = [{"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city"]}}},
+    {"type": "function", "function": {
+        "name": "search-web", "parameters": {"type": "object", "properties": {
+            "q": {"type": "string", "minLength": 2, "maxLength": 9},
+            "top": {"type": "array", "items": {"type": "number"}, "maxItems": 3}},
+            "required": ["q", "top"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "now"}}]
+
+
 @pytest.mark.realmodel
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_constraint_forces_valid_calls(smol_tok, smol_llg, fmt):
     import numpy as np
     jsonschema = pytest.importorskip("jsonschema")
     llguidance, llt, short, closers = smol_llg
-    params = {t["function"]["name"]: t["function"].get("parameters", {}) for t in TOOLS}
+    tools = BOUNDED if fmt == "qwen3_coder" else TOOLS
+    params = {t["function"]["name"]: t["function"].get("parameters", {}) for t in tools}
     rng = np.random.default_rng(7)
     named = {"type": "function", "function": {"name": "search-web"}}
     for choice, parallel in (("required", False), ("required", True), (named, False)):
-        spec = tool_call_constraint(ToolFormat(fmt), TOOLS, choice, parallel)
+        spec = tool_call_constraint(ToolFormat(fmt), tools, choice, parallel)
         assert spec["type"] == "lark"
         grammar = llguidance.LLMatcher.grammar_from_lark(spec["grammar"])
         assert llguidance.LLMatcher.validate_grammar(grammar, llt) == "", spec["grammar"]
@@ -492,7 +543,7 @@ def test_constraint_forces_valid_calls(smol_tok, smol_llg, fmt):
             if text is None:
                 continue
             done += 1
-            content, _, calls = _parse(fmt, text)
+            content, _, calls = _parse(fmt, text, tools=tools)
             assert content == "" and calls, text
             if not parallel:
                 assert len(calls) == 1, text
@@ -501,7 +552,7 @@ def test_constraint_forces_valid_calls(smol_tok, smol_llg, fmt):
                     assert name == "search-web"
                 jsonschema.validate(args, params[name])
             # streamed in pieces, the same calls
-            assert _parse(fmt, text, pieces=[2] * len(text))[2] == calls
+            assert _parse(fmt, text, tools=tools, pieces=[2] * len(text))[2] == calls
         assert done >= 5, f"only {done} of 6 samples finished"
 
 

@@ -43,7 +43,8 @@ import secrets
 import string
 from dataclasses import dataclass, field
 
-FORMATS = ("hermes", "llama3", "mistral", "functionary", "generic")
+FORMATS = ("hermes", "llama3", "mistral", "functionary", "generic", "deepseek", "qwen3_coder",
+           "harmony")
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _ALNUM = string.ascii_letters + string.digits
@@ -152,6 +153,7 @@ class ToolFormat:
     token's id, so that a constraint can ask for the token itself rather than its spelling."""
     name: str
     markers: dict[str, int] = field(default_factory=dict)
+    variant: str = ""       # deepseek: "r1" (function<sep>NAME ```json) or "v3.1" (NAME<sep>{})
 
 
 _MARKERS = {
@@ -160,7 +162,16 @@ _MARKERS = {
     "mistral": ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
     "functionary": ("<function=",),
     "generic": ("<tool_call>", "</tool_call>"),
+    "deepseek": ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>",
+                 "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"),
+    "qwen3_coder": ("<tool_call>", "</tool_call>"),
+    "harmony": ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>",
+                "<|call|>", "<|return|>"),
 }
+
+# DeepSeek's tool tokens (fullwidth bars, U+2581 for the spaces)
+_DS_CALLS, _DS_CALL = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>"
+_DS_SEP, _DS_END, _DS_CALLS_END = "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"
 
 
 def detect_format(template_src: str | None, tok) -> ToolFormat:
@@ -169,6 +180,12 @@ def detect_format(template_src: str | None, tok) -> ToolFormat:
     src = template_src or ""
     if "tools" not in src:
         name = "generic"
+    elif "<|channel|>" in src and "to=" in src and "functions." in src:
+        name = "harmony"            # gpt-oss
+    elif _DS_CALLS in src:
+        name = "deepseek"
+    elif "<function=" in src and "<parameter=" in src:
+        name = "qwen3_coder"
     elif "<tool_call>" in src:
         name = "hermes"
     elif "[TOOL_CALLS]" in src:
@@ -181,19 +198,37 @@ def detect_format(template_src: str | None, tok) -> ToolFormat:
         name = "generic"
     markers = {}
     if tok is not None:
-        for m in _MARKERS[name] + tuple(x for pair in _REASONING_MARKERS for x in pair):
+        for m in _MARKERS[name] + tuple(x for pair in _REASONING_MARKERS for x in pair[:2]):
             tid = tok.token_id(m)
             if tid is not None:
                 markers[m] = tid
-    return ToolFormat(name, markers)
+    variant = ""
+    if name == "deepseek":
+        variant = "r1" if "```json" in src else "v3.1"
+    return ToolFormat(name, markers, variant)
 
 
 @dataclass
 class Reasoning:
-    """Thinking markers; ``starts_open``: the generation prompt ends inside an open block."""
+    """Thinking markers; ``starts_open``: the generation prompt ends inside an open block;
+    ``harmony``: gpt-oss's channels (the analysis channel is the reasoning, the final channel
+    the answer), read by the parser's harmony mode rather than as a marked block."""
     open: str
     close: str
     starts_open: bool = False
+    harmony: bool = False
+
+    @property
+    def close_text(self) -> str:
+        """What ends the reasoning when the server closes it (the thinking budget): the close
+        marker, and for harmony the header of the final channel's message."""
+        if self.harmony:
+            return _HARMONY_CLOSE
+        return "\n" + self.close + "\n\n"
+
+
+_HARMONY_OPEN = "<|channel|>analysis<|message|>"
+_HARMONY_CLOSE = "<|end|><|start|>assistant<|channel|>final<|message|>"
 
 
 _REASONING_MARKERS = (("<think>", "</think>"), ("<seed:think>", "</seed:think>"),
@@ -205,6 +240,8 @@ def detect_reasoning(template_src: str | None, prompt_text: str) -> Reasoning | 
     prompt ends with the opening marker (DeepSeek-R1's ``<｜Assistant｜><think>\\n``)."""
     if not template_src:
         return None
+    if "<|channel|>analysis<|message|>" in template_src:
+        return Reasoning(_HARMONY_OPEN, "<|end|>", False, harmony=True)
     for op, cl in _REASONING_MARKERS:
         if op in template_src and cl in template_src:
             return Reasoning(op, cl, prompt_text.rstrip().endswith(op))
@@ -491,9 +528,14 @@ class OutputParser:
         self._triggers = {
             "hermes": ("<tool_call>",), "generic": ("<tool_call>",),
             "llama3": ("<|python_tag|>",), "mistral": ("[TOOL_CALLS]",),
-            "functionary": ("<function=",), None: (),
+            "functionary": ("<function=",), "deepseek": (_DS_CALLS, _DS_CALL),
+            "qwen3_coder": ("<tool_call>", "<function="), "harmony": (), None: (),
         }[name]
-        if reasoning is None:
+        if name == "generic":       # DeepSeek models write their own tokens whatever told
+            self._triggers += (_DS_CALLS, _DS_CALL)
+        if name == "harmony" or (reasoning is not None and reasoning.harmony):
+            self._mode = "h_head"
+        elif reasoning is None:
             self._mode = "start"
         elif reasoning.starts_open:
             self._mode = "reasoning"
@@ -504,7 +546,7 @@ class OutputParser:
         self._heads = _FORMAT_HEADS.get(name, ((), ()))
         self._args: _ArgsStream | None = None    # the arguments being streamed
         self._outer = ""            # brackets still open around them (innermost last)
-        self._tag = None            # the closing tag expected after the call
+        self._tags: list[str] = []  # the closing tags expected after the call ("?": may miss)
         self._after = "content"     # the mode after the call
 
     # public
@@ -545,17 +587,22 @@ class OutputParser:
         False (nothing announced) when the request has no tool of that name."""
         if self._check_names and name not in self._fns:
             return False
-        _, brackets, tag = _HEADS[head]
+        _, brackets, tags = _HEADS[head]
         idx, cid = len(self.tool_calls), new_call_id()
         self.tool_calls.append({"id": cid, "type": "function",
                                 "function": {"name": name, "arguments": ""}})
         self._events.append(("tool_call", idx, cid, name))
-        self._args = _ArgsStream()
         self._outer = brackets if outer is None else outer
-        self._tag = tag
+        self._tags = list(tags)
         self._after = "after_json" if head in ("object", "python_tag", "wrapped_list",
                                                "wrapped_one") else "content"
-        self._buf, self._mode = buf[j:], "args"
+        if head.startswith("xml"):     # Qwen3-Coder: <parameter=k>value</parameter>...
+            self._xml_params = 0
+            self._arg_piece("{")
+            self._buf, self._mode = buf[j:], "xml"
+        else:
+            self._args = _ArgsStream()
+            self._buf, self._mode = buf[j:], "args"
         return True
 
     def _arg_piece(self, text: str) -> None:
@@ -658,6 +705,10 @@ class OutputParser:
             return False
         if mode == "rest":
             return self._rest(final)
+        if mode == "xml":
+            return self._xml(final)
+        if mode in ("h_head", "h_body"):
+            return self._harmony(final)
         if mode == "json":
             end = _json_end(self._buf, 0, self._memo)
             if end is None and not final:
@@ -733,12 +784,16 @@ class OutputParser:
         if not b and not final:
             return False
         if not self._outer:
-            if self._tag:
-                r = _expect(b, 0, self._tag, final)
+            while self._tags:
+                t = self._tags[0]
+                r = _expect(self._buf, 0, t.lstrip("?"), final)
                 if r is _NEED:
                     return False
+                if r is None and not t.startswith("?"):
+                    break
+                self._tags.pop(0)
                 if r is not None:
-                    self._buf = b[r:]
+                    self._buf = self._buf[r:]
             self._mode, self._lstrip = self._after, True
             return True
         if not b:
@@ -765,10 +820,10 @@ class OutputParser:
                 r = _match_head(_OBJ, b, j)
                 if r is _NEED and not final:
                     return False
-                tag, after = self._tag, self._after     # those of the list
+                tags, after = self._tags, self._after   # those of the list
                 if r not in (_NEED, None) and self._commit(
                         "object", r[0], b, r[1], outer=self._outer + "}"):
-                    self._tag, self._after = tag, after
+                    self._tags, self._after = tags, after
                     return True
                 end = _json_end(b, j)
                 if end is None and not final:
@@ -779,6 +834,103 @@ class OutputParser:
                         self._buf = b[end:]
                         return True
         self._mode, self._lstrip = "content", False
+        return True
+
+    def _xml(self, final: bool) -> bool:
+        """Qwen3-Coder's parameters, each sent as one piece of the arguments once it is
+        complete: ``<parameter=k>\nvalue\n</parameter>``, up to ``</function>``. A value is
+        text for a string parameter, else JSON when it parses (text when not)."""
+        b = self._buf.lstrip(" \t\r\n")
+        if b.startswith("<parameter="):
+            k = b.find(">")
+            e = b.find("</parameter>", k) if k >= 0 else -1
+            if e < 0 and not final:
+                return False
+            if k >= 0:
+                key = b[len("<parameter="):k]
+                raw = b[k + 1:e] if e >= 0 else b[k + 1:]
+                if raw.startswith("\n"):
+                    raw = raw[1:]
+                if raw.endswith("\n"):
+                    raw = raw[:-1]
+                self._arg_piece(("," if self._xml_params else "") + json.dumps(key) + ":"
+                                + self._xml_value(key, raw))
+                self._xml_params += 1
+            self._buf = b[e + len("</parameter>"):] if e >= 0 else ""
+            return True
+        if not final and (not b or any(t.startswith(b) for t in ("<parameter=", "</function>"))):
+            self._buf = b
+            return False
+        self._arg_piece("}")
+        if b.startswith("</function>"):
+            self._tags.pop(0)
+            b = b[len("</function>"):]
+        self._buf, self._mode = b, "rest"
+        return True
+
+    def _xml_value(self, key: str, raw: str) -> str:
+        fn = self._fns.get(self.tool_calls[-1]["function"]["name"]) or {}
+        prop = (fn.get("properties") or {}).get(key)
+        types = prop.get("type") if isinstance(prop, dict) else None
+        types = types if isinstance(types, list) else [types]
+        if "string" not in types:
+            try:
+                return json.dumps(json.loads(raw), ensure_ascii=False, separators=(",", ":"))
+            except json.JSONDecodeError:
+                pass
+        return json.dumps(raw, ensure_ascii=False)
+
+    def _harmony(self, final: bool) -> bool:
+        """gpt-oss's harmony messages: ``<|start|>assistant`` (absent for the first, which the
+        prompt opened), a header with ``<|channel|>NAME`` and, for a call,
+        ``to=functions.NAME``, then ``<|message|>`` and the body up to ``<|end|>``,
+        ``<|call|>`` or ``<|return|>`` (those end the output, so they are often absent). The
+        analysis channel is reasoning, final and commentary without a recipient content, a
+        call's body its arguments."""
+        b = self._buf
+        if self._mode == "h_head":
+            if not b:
+                return False
+            k = b.find("<|message|>")
+            if k < 0:
+                if not final and len(b) < 256 and (b.startswith("<|") or "<|".startswith(b)):
+                    return False
+                self._mode, self._lstrip = "content", False     # not harmony: plain text
+                return True
+            head = b[:k]
+            if head.startswith("<|start|>"):
+                head = head[len("<|start|>"):]
+            rest = b[k + len("<|message|>"):]
+            m = re.search(r"to=functions\.([A-Za-z0-9_.-]{1,64})", head)
+            if m and self.fmt is not None and self._commit_harmony(m.group(1), rest):
+                return True
+            ch = re.search(r"<\|channel\|>(\w+)", head)
+            self._h_kind = "reasoning" if ch and ch.group(1) == "analysis" and \
+                self.reasoning is not None else "content"
+            self._buf, self._mode = rest, "h_body"
+            return True
+        ends = ("<|end|>", "<|call|>", "<|return|>", "<|start|>")
+        pos, trig = _find_first(b, ends)
+        if pos >= 0:
+            self._emit(self._h_kind, b[:pos])
+            self._buf = b[pos + (0 if trig == "<|start|>" else len(trig)):]
+            self._mode = "h_head"
+            return True
+        keep = 0 if final else _partial_suffix(b, ends)
+        self._emit(self._h_kind, b[:len(b) - keep])
+        self._buf = b[len(b) - keep:]
+        return False
+
+    def _commit_harmony(self, name: str, rest: str) -> bool:
+        if self._check_names and name not in self._fns:
+            return False
+        idx, cid = len(self.tool_calls), new_call_id()
+        self.tool_calls.append({"id": cid, "type": "function",
+                                "function": {"name": name, "arguments": ""}})
+        self._events.append(("tool_call", idx, cid, name))
+        self._outer, self._tags, self._after = "", ["?<|call|>", "?<|end|>"], "h_head"
+        self._args = _ArgsStream()
+        self._buf, self._mode = rest.lstrip(" \t\r\n"), "args"
         return True
 
     def _json_calls(self, text: str):
@@ -910,29 +1062,42 @@ _FN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 # The beginnings of calls whose arguments can be streamed: the name comes before the argument
 # object. Items: a literal, None (optional white space), ("name",) a JSON string holding the
 # function's name, ("raw",) a bare name, ("alt", ...) one of literals, ("callid",) Mistral's
-# optional [CALL_ID]id, ("args",) the "{" that opens the arguments (not consumed).
+# optional [CALL_ID]id, ("dsname",) DeepSeek's "function<sep>NAME" (R1) or "NAME<sep>" (V3.1),
+# ("fence",) an optional ```json fence, ("args",) the "{" that opens the arguments (not
+# consumed; a head without it ends after its last item: Qwen3-Coder's XML parameters).
+# The closing tags after a call are a tuple; "?" marks one that may be missing.
 _OBJ = ("{", None, '"name"', None, ":", None, ("name",), None, ",", None,
         ("alt", '"arguments"', '"parameters"'), None, ":", ("args",))
 # head -> (items, closing brackets still open around the arguments, closing tag after them)
+_DS_TAGS = ("?```", _DS_END, "?" + _DS_CALLS_END)
 _HEADS = {
-    "tagged": (("<tool_call>", None) + _OBJ, "}", "</tool_call>"),
-    "python_tag": (("<|python_tag|>", None) + _OBJ, "}", None),
-    "mistral_list": (("[TOOL_CALLS]", None, "[", None) + _OBJ, "]}", None),
-    "mistral_args": (("[TOOL_CALLS]", None, ("raw",), ("callid",), "[ARGS]", ("args",)), "",
-                     None),
-    "functionary": (("<function=", ("raw",), ">", ("args",)), "", "</function>"),
-    "object": (_OBJ, "}", None),
-    "wrapped_list": (("{", None, '"tool_calls"', None, ":", None, "[", None) + _OBJ, "}]}",
-                     None),
-    "wrapped_one": (("{", None, '"tool_call"', None, ":", None) + _OBJ, "}}", None),
+    "tagged": (("<tool_call>", None) + _OBJ, "}", ("?</tool_call>",)),
+    "python_tag": (("<|python_tag|>", None) + _OBJ, "}", ()),
+    "mistral_list": (("[TOOL_CALLS]", None, "[", None) + _OBJ, "]}", ()),
+    "mistral_args": (("[TOOL_CALLS]", None, ("raw",), ("callid",), "[ARGS]", ("args",)), "", ()),
+    "functionary": (("<function=", ("raw",), ">", ("args",)), "", ("?</function>",)),
+    "object": (_OBJ, "}", ()),
+    "wrapped_list": (("{", None, '"tool_calls"', None, ":", None, "[", None) + _OBJ, "}]}", ()),
+    "wrapped_one": (("{", None, '"tool_call"', None, ":", None) + _OBJ, "}}", ()),
+    "deepseek": ((_DS_CALLS, None, _DS_CALL, ("dsname",), None, ("fence",), ("args",)), "",
+                 _DS_TAGS),
+    "deepseek_next": ((_DS_CALL, ("dsname",), None, ("fence",), ("args",)), "", _DS_TAGS),
+    "xml_tagged": (("<tool_call>", None, "<function=", ("raw",), ">"), "",
+                   ("?</function>", "?</tool_call>")),
+    "xml": (("<function=", ("raw",), ">"), "", ("?</function>",)),
 }
-# format -> (heads at its trigger marker, heads of an answer that starts with "{")
+_DS_HEADS = ("deepseek", "deepseek_next")
+# format -> (heads at its trigger marker, in order of preference; heads of an answer that
+# starts with "{")
 _FORMAT_HEADS = {
     "hermes": (("tagged",), ("object",)),
-    "generic": (("tagged",), ("wrapped_list", "wrapped_one", "object")),
+    "generic": (("tagged",) + _DS_HEADS, ("wrapped_list", "wrapped_one", "object")),
     "llama3": (("python_tag",), ("object",)),
     "mistral": (("mistral_list", "mistral_args"), ("object",)),
     "functionary": (("functionary",), ("object",)),
+    "deepseek": (_DS_HEADS, ("object",)),
+    "qwen3_coder": (("tagged", "functionary", "xml_tagged", "xml"), ("object",)),
+    "harmony": ((), ()),
 }
 
 
@@ -970,6 +1135,32 @@ def _match_head(items, buf: str, i: int):
                     return None
                 k += 1
             name, i = m.group(), k
+        elif it[0] == "dsname":
+            m = _FN_NAME.match(buf, i)
+            if not m:
+                return _NEED if i >= len(buf) else None
+            k = m.end()
+            rest = buf[k:k + len(_DS_SEP)]
+            if rest != _DS_SEP:
+                return _NEED if _DS_SEP.startswith(rest) and len(m.group()) < 64 else None
+            k += len(_DS_SEP)
+            name, i = m.group(), k
+            if name == "function":      # R1: the type, then the name after the separator
+                if k >= len(buf):
+                    return _NEED
+                m = _FN_NAME.match(buf, k)
+                if m:
+                    if m.end() >= len(buf):
+                        return _NEED if len(m.group()) < 64 else None
+                    name, i = m.group(), m.end()
+        elif it[0] == "fence":
+            rest = buf[i:i + 7]
+            if len(rest) < 7 and "```json".startswith(rest) and i + len(rest) == len(buf):
+                return _NEED
+            if buf.startswith("```", i):
+                i += 3
+                if buf.startswith("json", i):
+                    i += 4
         elif it[0] == "callid":
             if buf.startswith("[CALL_ID]", i):
                 k = buf.find("[ARGS]", i)
@@ -983,19 +1174,19 @@ def _match_head(items, buf: str, i: int):
             if i >= len(buf):
                 return _NEED
             return (name, i) if buf[i] == "{" else None
-    return None
+    return name, i
 
 
 def _match_heads(names, buf: str, i: int = 0):
-    """The first of the heads ``names`` at ``buf[i]``: (head, name, index), _NEED or None."""
-    need = False
+    """The first of the heads ``names`` (in order: one that may still match is waited for
+    before a later one is taken) at ``buf[i]``: (head, name, index), _NEED or None."""
     for h in names:
         r = _match_head(_HEADS[h][0], buf, i)
         if r is _NEED:
-            need = True
-        elif r is not None:
+            return _NEED
+        if r is not None:
             return (h, *r)
-    return _NEED if need else None
+    return None
 
 
 def _args_at(buf: str, j: int, memo=None):
@@ -1161,6 +1352,63 @@ def tool_call_constraint(fmt: ToolFormat, tools: list[dict], tool_choice, parall
         calls_list = 'body (", " body)*' if many else "body"
         rules.append(f'calls: {_marker(fmt, "[TOOL_CALLS]")} "[" {calls_list} "]"')
         calls = "calls"
+    elif f == "deepseek":
+        b, sep = _marker(fmt, _DS_CALL), _marker(fmt, _DS_SEP)
+        end = _marker(fmt, _DS_END)
+        if fmt.variant == "v3.1":
+            rules.append("call: " + per_fn(lambda n: f"{b} {_lark_str(n)} {sep}", end))
+        else:
+            rules.append("call: " + per_fn(
+                lambda n: f'{b} "function" {sep} {_lark_str(n + chr(10) + "```json" + chr(10))}',
+                f'"\\n```" {end}'))
+        one = 'call ("\\n" call)*' if many else "call"
+        calls = f"{_marker(fmt, _DS_CALLS)} {one} {_marker(fmt, _DS_CALLS_END)}"
+    elif f == "qwen3_coder":
+        alts = []
+        for k, n in enumerate(names):
+            params = []
+            schema = fns[n]
+            req = set(schema.get("required") or [])
+            for j, (key, prop) in enumerate((schema.get("properties") or {}).items()):
+                prop = prop if isinstance(prop, dict) else {}
+                head = _lark_str(f"<parameter={key}>\n")
+                tail = _lark_str("\n</parameter>\n")
+                if prop.get("type") == "string" and "enum" not in prop:
+                    lo, hi = prop.get("minLength", 0), prop.get("maxLength")
+                    body = "(?s:.{%d,%s})" % (lo, "" if hi is None else hi) \
+                        if (lo or hi is not None) else "(?s:.*)"
+                    # the value is text up to the closing tag (the first one ends it)
+                    rules.append(f"v_{k}_{j}[lazy]: /{body}\\n<\\/parameter>\\n/")
+                    rules.append(f"p_{k}_{j}: {head} v_{k}_{j}")
+                elif prop.get("type") == "string":
+                    rules.append(f"p_{k}_{j}: {head} ("
+                                 + " | ".join(_lark_str(str(e)) for e in prop["enum"])
+                                 + f") {tail}")
+                else:
+                    rules.append(f"p_{k}_{j}: {head} {_json(prop)} {tail}")
+                params.append(f"p_{k}_{j}" + ("" if key in req else "?"))
+            rules.append(f"fn_{k}: {_lark_str(f'<function={n}>' + chr(10))} "
+                         + " ".join(params) + ' "</function>\\n"')
+            alts.append(f"fn_{k}")
+        rules.append(f'call: {_marker(fmt, "<tool_call>")} "\\n" ({" | ".join(alts)}) '
+                     f'{_marker(fmt, "</tool_call>")}')
+        calls = 'call ("\\n" call)*' if many else "call"
+    elif f == "harmony":
+        # one call per message; <|call|> ends the output
+        ch, msg = _marker(fmt, "<|channel|>"), _marker(fmt, "<|message|>")
+        con = _marker(fmt, "<|constrain|>")
+        rules.append("call: " + per_fn(
+            lambda n: f'{ch} {_lark_str(f"commentary to=functions.{n} ")} {con} "json" {msg}',
+            ""))
+        calls = "call"
+        if reasoning is not None:
+            st = _marker(fmt, "<|start|>")
+            if "<|end|>" in fmt.markers:
+                rules.append(f"think_text: /(?s:.*)/ <[{fmt.markers['<|end|>']}]>")
+            else:
+                rules.append("think_text[lazy]: /(?s:.*)<\\|end\\|>/")
+            calls = f'({ch} "analysis" {msg} think_text {st} "assistant")? call'
+            reasoning = None
     else:       # generic
         item = {"anyOf": [{"type": "object", "properties": {
             "name": {"const": n}, "arguments": fns[n]}, "required": ["name", "arguments"],

@@ -29,8 +29,16 @@ def _raise_exception(message):
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # a filter chain such as `tools | map(attribute='function') | tojson` (llama.cpp's
+    # DeepSeek-R1 template) hands over a generator: written as the list it yields
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+                      sort_keys=sort_keys, default=_json_iterable)
+
+
+def _json_iterable(x):
+    if hasattr(x, "__iter__") and not isinstance(x, (str, bytes, dict)):
+        return list(x)
+    raise TypeError(f"Object of type {type(x).__name__} is not JSON serializable")
 
 
 def _strftime_now(fmt):

@@ -198,8 +198,10 @@ class TemplateCaps:
             out = render(msgs, tools)
         except Exception:  # noqa: BLE001 - a probe the template rejects means "not supported"
             return False
-        if quoted:      # the argument's key as JSON renders it, not JSON-in-a-string (\"...\")
-            return f'"{needle}":' in out or f"'{needle}':" in out
+        if quoted:      # the argument's key as JSON renders it, not JSON-in-a-string (\"...\"),
+            # or as Qwen3-Coder's XML parameter
+            return f'"{needle}":' in out or f"'{needle}':" in out or \
+                f"<parameter={needle}>" in out
         return needle in out
 
 
