@@ -356,3 +356,24 @@ def test_thinking_blocks(reasoning_server):
     # thinking off: the template closes the block at once; no thinking block comes back
     off = c.messages.create(**{**kw, "thinking": {"type": "disabled"}})
     assert "thinking" not in [b.type for b in off.content]
+
+
+def test_thinking_budget_closes_the_reasoning(reasoning_server):
+    """budget_tokens is a token count: when the thinking reaches it the server closes the
+    block (appends </think> as forced tokens) and the answer goes on in a text block. Random
+    weights never close it themselves (above: all thinking to max_tokens)."""
+    c = anthropic.Anthropic(base_url=reasoning_server.url, api_key="x", max_retries=0)
+    kw = dict(model="r1", max_tokens=30, thinking={"type": "enabled", "budget_tokens": 4},
+              messages=[{"role": "user", "content": "Think about it."}], extra_body=T0)
+    m = c.messages.create(**kw)
+    assert [b.type for b in m.content] == ["thinking", "text"], m.content
+    assert m.content[0].thinking and m.content[1].text and m.stop_reason == "max_tokens"
+    with c.messages.stream(**kw) as s:
+        final = s.get_final_message()
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None))
+            for b in final.content] == [(b.type, getattr(b, "thinking", None) or
+                                         getattr(b, "text", None)) for b in m.content]
+    # a larger budget thinks longer before the answer
+    m2 = c.messages.create(**{**kw, "thinking": {"type": "enabled", "budget_tokens": 12}})
+    assert [b.type for b in m2.content] == ["thinking", "text"]
+    assert len(m2.content[0].thinking) > len(m.content[0].thinking)

@@ -318,3 +318,39 @@ def test_reasoning_content_split(r1_model):
         assert r2.choices[0].message.content == m.reasoning_content
     finally:
         s.stop()
+
+
+def test_reasoning_budget(r1_model):
+    """llama-server's thinking_budget_tokens / reasoning_budget: the server closes the
+    reasoning after that many tokens (</think> forced) and the answer follows as content; 0
+    closes it at once; -1 is no limit. Random weights never close it themselves."""
+    s = ServerProcess([str(r1_model), "--alias", "r1", "-np", "1"])
+    try:
+        c = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=120)
+        kw = dict(model="r1", messages=[{"role": "user", "content": "Think about it."}],
+                  temperature=0, max_tokens=30)
+
+        def run(**extra):
+            m = c.chat.completions.create(extra_body=extra, **kw).choices[0].message
+            return getattr(m, "reasoning_content", None) or "", m.content or ""
+        free, none = run(reasoning_budget=-1)
+        assert free and not none                     # all reasoning, to max_tokens
+        think5, answer5 = run(thinking_budget_tokens=5)
+        think10, answer10 = run(reasoning_budget=10)
+        assert think5 and answer5 and think10 and answer10
+        assert len(think5) < len(think10) < len(free) and free.startswith(think5)
+        think0, answer0 = run(reasoning_budget=0)
+        assert not think0 and answer0
+        streamed_think = streamed = ""
+        for ch in c.chat.completions.create(stream=True, extra_body={"reasoning_budget": 5},
+                                            **kw):
+            if ch.choices:
+                d = ch.choices[0].delta
+                streamed_think += getattr(d, "reasoning_content", None) or ""
+                streamed += d.content or ""
+        assert (streamed_think, streamed) == (think5, answer5)
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(extra_body={"reasoning_budget": "many"}, **kw)
+        assert e.value.body["param"] == "reasoning_budget"
+    finally:
+        s.stop()

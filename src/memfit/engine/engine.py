@@ -212,7 +212,8 @@ class Engine:
             if s.n_computed + k == len(s.tokens) + len(s.draft):
                 rows.append(s)
                 row_of.extend([s] * (1 + len(s.draft)))
-        masked = [r for r, s in enumerate(row_of) if s.matcher is not None and not s.forced]
+        masked = [r for r, s in enumerate(row_of) if s.matcher is not None and not s.forced
+                  and s.matcher.ll is not None]  # (a thinking budget alone masks nothing)
         if masked:  # llguidance fills them in a worker thread while the forward runs
             self._masker.start([row_of[r].matcher for r in masked])
         t0 = time.perf_counter()

@@ -303,9 +303,11 @@ def parse(ctx, body: dict, count_only: bool = False):
     tool_choice, parallel = chat_tool_choice(body)
     rf, effort = output_config(body)
     effort = thinking_effort(body) or effort
+    th = body.get("thinking")
+    budget = th.get("budget_tokens") if effort and th and th.get("type") == "enabled" else None
     return ChatCall(model, msgs, sampling, max_tokens, chat_tools(body), tool_choice, parallel,
                     rf, reasoning_effort=effort, template_kwargs=thinking_kwargs(effort),
-                    ignore_eos=P.get_bool(body, "ignore_eos", False))
+                    ignore_eos=P.get_bool(body, "ignore_eos", False), thinking_budget=budget)
 
 
 # ----------------------------------------------------------------------------- answers

@@ -65,6 +65,8 @@ class ChatCall:
     include_usage: bool = False
     prefill: str = ""             # a final assistant message to continue (llama-server's
     #                               assistant prefill, vLLM's continue_final_message)
+    thinking_budget: int | None = None    # reasoning tokens before the server closes the
+    #                                       reasoning (toolcalls.ThinkingBudget); None: no limit
 
 
 # ----------------------------------------------------------------------------- app context
@@ -525,6 +527,10 @@ async def start_chat(ctx: AppContext, request: Request, call: ChatCall) -> ChatR
             raise P.bad("tools", str(e)) from None
     cp, ids = await ctx.chat_prompt(call)
     grammar = await ctx.constraint(call, cp)
+    if call.thinking_budget is not None and cp.reasoning is not None:
+        from .toolcalls import ThinkingBudget
+        grammar = ThinkingBudget(ctx.state.model.tokenizer, cp.reasoning, call.thinking_budget,
+                                 grammar)
     t0 = getattr(request.state, "t0", time.perf_counter())
     out: asyncio.Queue = asyncio.Queue()
     jobs = [ctx.make_job(ids, s, call.max_tokens, max(call.n_top, 1) if call.logprobs else 0, t0,
@@ -564,6 +570,13 @@ def chat_call_from_openai(ctx: AppContext, body: dict) -> ChatCall:
     if effort is not None and effort not in ("none", "minimal", "low", "medium", "high"):
         raise P.bad("reasoning_effort", f"reasoning_effort={effort!r} must be one of none, "
                                         f"minimal, low, medium, high")
+    # llama-server's thinking budget in tokens (-1: no limit; 0: close the reasoning at once)
+    budget = None
+    for name in ("thinking_budget_tokens", "reasoning_budget"):
+        v = P.get_int(body, name, None, lo=-1)
+        if v is not None:
+            budget = None if v < 0 else v
     return ChatCall(model, msgs, sampling, max_tokens, tools, tool_choice, parallel,
                     P.response_format_of(body), P.get_n(body), lp, top, effort, kwargs,
-                    P.get_bool(body, "ignore_eos", False), stream, include_usage, prefill)
+                    P.get_bool(body, "ignore_eos", False), stream, include_usage, prefill,
+                    thinking_budget=budget)

@@ -1440,5 +1440,91 @@ def tool_call_constraint(fmt: ToolFormat, tools: list[dict], tool_choice, parall
     return {"type": "lark", "grammar": grammar}
 
 
-__all__ = ["FORMATS", "OutputParser", "Reasoning", "ToolFormat", "detect_format",
-           "detect_reasoning", "new_call_id", "tool_call_constraint", "validate_tools"]
+# --- thinking budget ---------------------------------------------------------------------------
+
+class ThinkingBudget:
+    """A thinking budget as a constraint the engine runs like a grammar (``tokenizer``,
+    ``matcher()``): the matcher counts the tokens of the reasoning and, once they reach
+    ``budget``, has the engine append the reasoning's close text (``Reasoning.close_text``,
+    e.g. ``\n</think>\n\n``) as forced tokens, after which the answer goes on as usual. The
+    model closing its reasoning itself ends the count. ``inner`` is the call's grammar, if it
+    has one (a forced tool call): it masks the tokens, and the close is forced only where it
+    allows it. Anthropic's ``thinking.budget_tokens`` and llama-server's
+    ``reasoning_budget`` / ``thinking_budget_tokens``."""
+
+    def __init__(self, tokenizer, reasoning: "Reasoning", budget: int, inner=None):
+        self.tokenizer = tokenizer
+        self.reasoning = reasoning
+        self.budget = budget
+        self.inner = inner
+        self.close_ids = tokenizer.encode(reasoning.close_text, add_special=False,
+                                          parse_special=True)
+
+    def matcher(self) -> "_BudgetMatcher":
+        return _BudgetMatcher(self, self.inner.matcher() if self.inner is not None else None)
+
+    def __repr__(self) -> str:
+        return f"ThinkingBudget({self.budget}, inner={self.inner!r})"
+
+
+class _BudgetMatcher:
+    """The engine's matcher interface (consume, forced, stopped, accepting, error; ``ll`` for
+    the mask worker, None when only the budget applies)."""
+
+    def __init__(self, spec: ThinkingBudget, inner):
+        self.spec, self.inner = spec, inner
+        self.ll = inner.ll if inner is not None else None
+        r = spec.reasoning
+        # "wait": the output has not shown yet whether it opens a thinking block
+        self.state = "think" if r.starts_open else "wait"
+        self.n = 0              # reasoning tokens so far
+        self.text = ""          # the output's text while it matters (up to the close)
+
+    def consume(self, tokens: list[int]) -> bool:
+        if self.inner is not None and not self.inner.consume(tokens):
+            return False
+        if self.state in ("wait", "think"):
+            r, tok = self.spec.reasoning, self.spec.tokenizer
+            for t in tokens:
+                self.text += tok.token_to_bytes(t).decode("utf-8", "replace")
+                if self.state == "wait":
+                    s = self.text.lstrip(" \t\r\n")
+                    if s.startswith(r.open):
+                        self.state, self.text = "think", s[len(r.open):]
+                    elif not r.open.startswith(s):
+                        self.state = "done"         # an answer without thinking
+                        break
+                elif r.close in self.text:
+                    self.state = "done"             # the model closed it
+                    break
+                else:
+                    self.n += 1
+                    self.text = self.text[-len(r.close):]
+        return True
+
+    def forced(self) -> list[int]:
+        f = self.inner.forced() if self.inner is not None else []
+        if f or self.state != "think" or self.n < self.spec.budget:
+            return f
+        ids = self.spec.close_ids
+        if self.inner is not None and self.inner.ll.validate_tokens(ids) < len(ids):
+            return []           # the grammar does not allow the close here
+        self.state = "done"     # (consume then sees the close tokens while "done")
+        return list(ids)
+
+    @property
+    def stopped(self) -> bool:
+        return self.inner.stopped if self.inner is not None else False
+
+    @property
+    def accepting(self) -> bool:
+        return self.inner.accepting if self.inner is not None else True
+
+    @property
+    def error(self) -> str:
+        return self.inner.error if self.inner is not None else ""
+
+
+__all__ = ["FORMATS", "OutputParser", "Reasoning", "ThinkingBudget", "ToolFormat",
+           "detect_format", "detect_reasoning", "new_call_id", "tool_call_constraint",
+           "validate_tools"]
