@@ -11,7 +11,9 @@ are the chat path's:
 - ``tools`` ({name, description, input_schema}) -> chat tools; ``tool_choice`` auto / any /
   tool / none (+ ``disable_parallel_tool_use``) -> auto / required / a named function / none;
 - ``thinking`` {"type": "enabled", "budget_tokens"} -> reasoning on (``reasoning_effort`` from
-  the budget: up to 2048 low, up to 8192 medium, else high), {"type": "disabled"} -> "none";
+  the budget: up to 2048 low, up to 8192 medium, else high) and the budget enforced as a token
+  count (the server closes the thinking there: toolcalls.ThinkingBudget), {"type":
+  "disabled"} -> "none";
 - ``output_config`` {"format": {"type": "json_schema", "schema"}} -> a strict JSON schema
   response format (structured output), its ``effort`` -> ``reasoning_effort``;
 - the answer -> ``thinking``, ``text`` and ``tool_use`` blocks; ``stop_reason`` end_turn /

@@ -1,7 +1,7 @@
 """Tool calls and reasoning in a model's output: formats, an incremental parser, constraints.
 
-Pure functions and one parser class, no HTTP: the server's chat, Responses and Messages paths
-use them alike.
+Pure functions and classes, no HTTP: the server's chat, Responses and Messages paths use them
+alike.
 
 - ``validate_tools`` checks ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` as OpenAI
   does, raising ValueError with a one-line message that names the field.
@@ -9,30 +9,44 @@ use them alike.
   (Qwen2.5/Qwen3, Hermes: ``<tool_call>{"name", "arguments"}</tool_call>``), "llama3" (a JSON
   object ``{"name", "parameters"}`` as the whole answer, or after ``<|python_tag|>``),
   "mistral" (``[TOOL_CALLS][{...}]`` or ``[TOOL_CALLS]name[ARGS]{...}``), "functionary"
-  (``<function=name>{...}</function>``), and "generic" for a template that knows no tools:
-  memfit then tells the model the JSON form ``{"tool_calls": [{"name", "arguments"}]}``
-  (tokenizer/templates.generic_tool_prompt), and the parser also takes Hermes tags.
-- ``detect_reasoning`` finds the template's thinking markers (``<think>``...``</think>``) and
-  whether the generation prompt already opened the block (DeepSeek-R1, Qwen3 thinking).
+  (``<function=name>{...}</function>``), "deepseek" (``<｜tool▁calls▁begin｜>``, R1's
+  ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>name`` + a ```json fence or V3.1's
+  ``name<｜tool▁sep｜>{...}``), "qwen3_coder" (``<tool_call><function=name><parameter=k>v``
+  ``</parameter></function></tool_call>``), "harmony" (gpt-oss: ``<|channel|>commentary
+  to=functions.name <|constrain|>json<|message|>{...}``), and "generic" for a template that
+  knows no tools: memfit then tells the model the JSON form ``{"tool_calls": [{"name",
+  "arguments"}]}`` (tokenizer/templates.generic_tool_prompt), and the parser also takes
+  Hermes tags and DeepSeek's tokens. Every format also reads a Llama-3 style answer
+  ``{"name": ..., "parameters"|"arguments": {...}}`` (models write it whatever told).
+- ``detect_reasoning`` finds the template's thinking markers (``<think>``...``</think>``, or
+  gpt-oss's analysis channel) and whether the generation prompt already opened the block
+  (DeepSeek-R1, Qwen3 thinking).
 - ``OutputParser`` splits generated text, as it streams in, into content, reasoning and tool
   calls. It holds back text that may be the start of a marker, as a stop matcher does, so
-  streamed and whole output give the same events. A call is reported once its arguments are
-  complete JSON (so a call is never announced and then taken back): its ``tool_call`` event
-  and one ``tool_args`` event with the whole arguments text come together. A call that does
-  not parse, or names a tool the request does not have, is given back as content.
+  streamed and whole output give the same events. A call is announced (``tool_call``) once
+  its name is read and the text can only be a call (never announced and then taken back);
+  its arguments then follow in ``tool_args`` pieces as they are generated, checked as JSON
+  by ``_ArgsStream`` and written without white space outside strings (the whole call's
+  arguments are the same pieces joined, streamed or not). Arguments cut off by the end of the
+  output (max_tokens) or broken by a syntax error are closed where they stop, so they parse
+  (llama-server does the same); what follows an error is content. Shapes whose name comes
+  after the arguments, string arguments and lists that do not start with a call are read
+  whole, once complete; one that does not parse, or names a tool the request does not have,
+  is given back as content.
 - ``tool_call_constraint`` writes an llguidance Lark grammar that forces exactly the text the
-  format's parser reads as a call, each function's arguments embedded as ``%json{schema}``,
-  for ``tool_choice: "required"`` or a named function.
+  format's parser reads as a call, each function's arguments embedded as ``%json{schema}``
+  (Qwen3-Coder: a parameter per property, text for strings), for ``tool_choice: "required"``
+  or a named function.
+- ``ThinkingBudget`` closes the reasoning after a number of tokens (forced tokens).
 
-Not covered: DeepSeek's own ``<｜tool▁calls▁begin｜>`` format (the R1 distills' templates know
-no tools, so they get the generic one), Qwen3-Coder's XML parameters, Llama's built-in
-``<|python_tag|>name.call(...)`` tools and gpt-oss's harmony channels. In the JSON-first
-formats (llama3, generic) an answer that starts with "{" is held back until the JSON value
-is complete, since only then is it known whether it is a call.
+Not covered: Llama's built-in ``<|python_tag|>name.call(...)`` tools. In the JSON-first
+formats (llama3, generic) an answer that starts with "{" and is not a call's head is held
+back until the JSON value is complete, since only then is it known whether it is a call.
 
 The parsing is hand-written: the formats are small and fixed, llguidance has no parser that
 reports where a call starts in free text, and neither jinja nor a JSON library can split a
-stream; each format's recogniser below is a few lines over one shared JSON-extent scanner.
+stream; each format is a head (a few items matched as text streams in) or a recogniser over
+one shared JSON-extent scanner, and one incremental JSON reader streams the arguments.
 """
 
 from __future__ import annotations
