@@ -677,3 +677,51 @@ def test_constraint_mistral_args_style(smol_tok, smol_llg):
     assert llguidance.LLMatcher.validate_grammar(g, llt) == ""
     text = "[TOOL_CALLS]search-web[ARGS]" + json.dumps(S) + "[TOOL_CALLS]now[ARGS]{}"
     assert _parse("mistral", text)[2] == [("search-web", S), ("now", {})]
+
+
+# --- thinking budget ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("reasoning,head", [
+    (Reasoning("<think>", "</think>", starts_open=True), ""),
+    (Reasoning("<think>", "</think>"), "\n<think>"),
+    (Reasoning("<|channel|>analysis<|message|>", "<|end|>", harmony=True),
+     "<|channel|>analysis<|message|>"),
+])
+def test_thinking_budget_matcher(tiny_tok, reasoning, head):
+    """The budget counts the reasoning's tokens (after the open marker, when the prompt did
+    not open it) and then forces the close text once; a model that closes the reasoning
+    itself, or answers without it, is never forced."""
+    from memfit.server.toolcalls import ThinkingBudget
+    tok = tiny_tok
+    enc = lambda s: tok.encode(s, add_special=False, parse_special=True)  # noqa: E731
+    b = ThinkingBudget(tok, reasoning, 3)
+    assert tok.decode(b.close_ids) == reasoning.close_text
+    m = b.matcher()
+    assert m.ll is None and m.forced() == [] and m.accepting and not m.stopped
+    words = enc("one two three four five six")
+    assert m.consume(enc(head))
+    fed = 0
+    while fed < len(words) and not m.forced():
+        assert m.consume(words[fed:fed + 1])
+        fed += 1
+    assert fed == 3                 # the close is due after three reasoning tokens
+    # it is forced once
+    m2 = b.matcher()
+    if head:
+        m2.consume(enc(head))
+    m2.consume(words[:3])
+    close = m2.forced()
+    assert close == b.close_ids and m2.consume(close) and m2.forced() == []
+    m2.consume(words[3:])
+    assert m2.forced() == []
+    # closed by the model before the budget: nothing forced
+    m3 = b.matcher()
+    if head:
+        m3.consume(enc(head))
+    m3.consume(words[:1] + enc(reasoning.close) + words[1:])
+    assert m3.forced() == []
+    # an answer that does not open the reasoning (the prompt did not): nothing forced
+    if not reasoning.starts_open:
+        m4 = b.matcher()
+        m4.consume(enc("Hello there, no thinking at all"))
+        assert m4.forced() == []
