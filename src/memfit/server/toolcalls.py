@@ -588,13 +588,16 @@ class OutputParser:
         if not calls or (self._check_names and any(n not in self._fns for n, _ in calls)):
             return False
         for name, args in calls:
-            idx, cid = len(self.tool_calls), new_call_id()
-            text = json.dumps(args, ensure_ascii=False, separators=(",", ":"))
-            self.tool_calls.append({"id": cid, "type": "function",
-                                    "function": {"name": name, "arguments": text}})
-            self._events.append(("tool_call", idx, cid, name))
-            self._events.append(("tool_args", idx, text))
+            self._announce(name)
+            self._arg_piece(json.dumps(args, ensure_ascii=False, separators=(",", ":")))
         return True
+
+    def _announce(self, name: str) -> None:
+        """A new call: its entry in ``tool_calls`` (arguments to come) and its event."""
+        idx, cid = len(self.tool_calls), new_call_id()
+        self.tool_calls.append({"id": cid, "type": "function",
+                                "function": {"name": name, "arguments": ""}})
+        self._events.append(("tool_call", idx, cid, name))
 
     def _commit(self, head: str, name: str, buf: str, j: int, outer: str | None = None) -> bool:
         """Announce a call whose arguments start at ``buf[j]`` and stream them from there;
@@ -602,10 +605,7 @@ class OutputParser:
         if self._check_names and name not in self._fns:
             return False
         _, brackets, tags = _HEADS[head]
-        idx, cid = len(self.tool_calls), new_call_id()
-        self.tool_calls.append({"id": cid, "type": "function",
-                                "function": {"name": name, "arguments": ""}})
-        self._events.append(("tool_call", idx, cid, name))
+        self._announce(name)
         self._outer = brackets if outer is None else outer
         self._tags = list(tags)
         self._after = "after_json" if head in ("object", "python_tag", "wrapped_list",
@@ -938,10 +938,7 @@ class OutputParser:
     def _commit_harmony(self, name: str, rest: str) -> bool:
         if self._check_names and name not in self._fns:
             return False
-        idx, cid = len(self.tool_calls), new_call_id()
-        self.tool_calls.append({"id": cid, "type": "function",
-                                "function": {"name": name, "arguments": ""}})
-        self._events.append(("tool_call", idx, cid, name))
+        self._announce(name)
         self._outer, self._tags, self._after = "", ["?<|call|>", "?<|end|>"], "h_head"
         self._args = _ArgsStream()
         self._buf, self._mode = rest.lstrip(" \t\r\n"), "args"
