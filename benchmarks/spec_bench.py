@@ -3,6 +3,7 @@
     python benchmarks/spec_bench.py curve   [--out F]   verify-cost curves (memfit bench --spec)
     python benchmarks/spec_bench.py accept  [--out F]   acceptance and tok/s per task (real models)
     python benchmarks/spec_bench.py oracle  [--out F]   the 7B-class file at 2.5 GiB, oracle drafts
+    python benchmarks/spec_bench.py safety  [--out F]   auto vs off where speculation cannot pay
 
 Every configuration runs in a fresh process (`memfit bench` or this file's `_inner`), so each
 budget is a real process's budget; off and on are alternated inside it. Raw rows go to
@@ -86,19 +87,26 @@ def _model(which: str) -> str:
     return str(pull({"smollm2": "smollm2-135m", "gemma": "gemma3-270m"}[which]))
 
 
+def streaming_budget(path: str, share: float) -> str:
+    """The plan's floor plus ``share`` of the file: the rest of the weights stream."""
+    from memfit.runtime import Runtime
+    rt = Runtime(path, mem_budget="64GiB", n_ctx=1024)
+    try:
+        floor = rt.plan.min_budget_bytes
+    finally:
+        rt.close()
+    return f"{int((floor + share * Path(path).stat().st_size) / 2**20) + 1}MiB"
+
+
 def curve(out, reps: int) -> None:
-    from memfit.gguf import open_gguf
-    cfgs = [("smollm2", None), ("gemma", None), ("gemma", 0.4), ("7b", "2.5GiB")]
+    cfgs = [("smollm2", None), ("gemma", None), ("gemma", 0.02), ("7b", "2.5GiB")]
     for which, budget in cfgs:
         path = _model(which)
         if not Path(path).exists():
             print(f"skip {which}: {path} missing", file=sys.stderr)
             continue
-        if isinstance(budget, float):  # a share of the file
-            size = Path(path).stat().st_size
-            with open_gguf(path):
-                pass
-            budget = f"{int(size * budget / 2**20) + 200}MiB"  # + the process's baseline
+        if isinstance(budget, float):  # the floor plus this share of the file
+            budget = streaming_budget(path, budget)
         cmd = [sys.executable, "-m", "memfit", "bench", path, "--spec", "-p", "64", "-r",
                str(reps), "--json", "-t", str(os.cpu_count() or 1)]
         if budget:
@@ -145,7 +153,8 @@ def _inner(args: dict) -> None:
                                         [OracleProposer([ids + ref])])
                         eng.set_spec(sp)
                     t0 = time.perf_counter()
-                    c = m.generate(ids, max_tokens=n, temperature=0)
+                    c = m.generate(ids, max_tokens=n, temperature=args.get("temperature", 0.0),
+                                   seed=args.get("seed", 1))
                     dt = time.perf_counter() - t0 - c.timings.prompt_ms / 1e3
                     if ref is None:
                         ref = c.ids
@@ -183,7 +192,7 @@ def accept(out, reps: int) -> None:
         path = _model(which)
         cfgs = [None]
         if which == "gemma":
-            cfgs.append(f"{int(Path(path).stat().st_size * 0.4 / 2**20) + 200}MiB")
+            cfgs.append(streaming_budget(path, 0.02))
         for budget in cfgs:
             rows = _run_inner({"path": path, "budget": budget, "tasks": list(TASKS),
                                "modes": ["ngram", "auto"], "reps": reps, "n": 96})
@@ -203,16 +212,31 @@ def oracle(out, reps: int) -> None:
             emit(out, {"bench": "oracle_7b", "draft_max": dm, **r})
 
 
+def safety(out, reps: int) -> None:
+    """auto against off where speculation should not pay: sampled free text (temperature 1,
+    seeded: the same tokens either way) on SmolLM2 resident and on the 30B-A3B-shaped MoE at
+    30% of its file (synthetic weights and routing)."""
+    moe = os.environ.get("MEMFIT_MOE", "/tmp/models/qwen3moe-30b-a3b.gguf")
+    cfgs = [("smollm2", _model("smollm2"), None, 128, max(reps, 6))]
+    if Path(moe).exists():
+        cfgs.append(("moe30b", moe, f"{int(Path(moe).stat().st_size * 0.3 / 2**20)}MiB", 48, reps))
+    for which, path, budget, n, r in cfgs:
+        rows = _run_inner({"path": path, "budget": budget, "tasks": ["free"], "modes": ["auto"],
+                           "reps": r, "n": n, "temperature": 1.0, "seed": 3, "n_ctx": 512})
+        for row in rows:
+            emit(out, {"bench": "policy_safety", "which": which, "temperature": 1.0, **row})
+
+
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "_inner":
         _inner(json.loads(sys.argv[2]))
         return
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["curve", "accept", "oracle"])
+    ap.add_argument("what", choices=["curve", "accept", "oracle", "safety"])
     ap.add_argument("--out", default=str(HERE / "spec_bench.jsonl"))
     ap.add_argument("-r", "--reps", type=int, default=3)
     a = ap.parse_args()
-    {"curve": curve, "accept": accept, "oracle": oracle}[a.what](a.out, a.reps)
+    {"curve": curve, "accept": accept, "oracle": oracle, "safety": safety}[a.what](a.out, a.reps)
 
 
 if __name__ == "__main__":

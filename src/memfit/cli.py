@@ -794,7 +794,7 @@ def _bench_spec(a) -> int:
     from .api import peak_rss_bytes
     from .bench import spec as sb
     curve = a.spec == "curve"
-    n_ctx = (a.n_prompt if curve else 512) + 24 * (a.repetitions + 1) + a.n_gen + 16
+    n_ctx = (a.n_prompt if curve else 512) + 55 * (a.repetitions + 1) + a.n_gen + 16
     with _load(a, n_ctx=n_ctx, spec="off" if curve else a.spec) as m:
         name = m.path.name
         if curve:

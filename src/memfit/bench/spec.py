@@ -40,9 +40,10 @@ class _Fixed(Proposer):
     name = "fixed"
 
     def __init__(self, n_vocab: int, seed: int = 0):
-        self.k, self.rng, self.n_vocab = 0, np.random.default_rng(seed), n_vocab
+        self.k, self.rng, self.n_vocab, self.sizes = 0, np.random.default_rng(seed), n_vocab, []
 
     def propose(self, seqs, ks):
+        self.sizes.extend(min(self.k, k) for k in ks)
         return [self.rng.integers(0, self.n_vocab, min(self.k, k)).tolist() for k in ks]
 
 
@@ -55,21 +56,24 @@ def verify_curve(m, n_prompt: int, reps: int, widths=WIDTHS, progress: bool = Tr
     eng, nv = m.engine, m.tokenizer.n_vocab
     old = eng.spec
     prop = _Fixed(nv)
-    eng.set_spec(Speculator(SpecConfig(mode="ngram", draft_max=max(widths)), [prop], _Flat()))
+    # each width forced: w - 1 proposed tokens, none cut (draft_min = draft_max = w - 1)
+    specs = {w: Speculator(SpecConfig(mode="ngram", draft_max=w - 1, draft_min=w - 1), [prop],
+                           _Flat()) if w > 1 else None for w in widths}
     times = {w: [] for w in widths}
     try:
+        eng.set_spec(None)
         rng = np.random.default_rng(1)
-        need = max(widths) * (reps + 1) + 8
+        need = sum(widths) * (reps + 1) + 8
         n_prompt = max(1, min(n_prompt, m.n_ctx - need))
         rid = eng.add_request(rng.integers(0, nv, n_prompt).tolist(),
                               SamplingParams(temperature=0, max_tokens=need), ignore_eos=True)
         seq = eng.sequence(rid)
-        prop.k = 0
         while seq.n_computed < seq.n_prompt:
             eng.step()
         for r in range(reps + 1):  # the first round warms up
             for w in widths:
                 prop.k = w - 1
+                eng.set_spec(specs[w])
                 t0 = time.perf_counter()
                 eng.step()
                 dt = time.perf_counter() - t0
@@ -84,7 +88,9 @@ def verify_curve(m, n_prompt: int, reps: int, widths=WIDTHS, progress: bool = Tr
     t1 = statistics.median(times[widths[0]])
     return [{"test": "verify", "rows": w, "ms": round(statistics.median(times[w]) * 1e3, 3),
              "ms_spread": round((max(times[w]) - min(times[w])) * 1e3, 3),
-             "ratio": round(statistics.median(times[w]) / t1, 3)} for w in widths]
+             "ratio": round(statistics.median(times[w]) / t1, 3),
+             "verified_rows": 1 + (specs[w].stats.totals().proposed // (reps + 1) if specs[w] else 0)}
+            for w in widths]
 
 
 def task_ids(m) -> list[int]:
