@@ -39,6 +39,20 @@ class Scheduled:
     decode: bool           # decode rows: generated tokens (one or a run per sequence)
 
 
+def pack_prompt_chunks(seqs, n_batch: int) -> tuple[list, list[int]]:
+    """The next prompt chunk of each of seqs in order, at most n_batch rows in all (a chunk
+    ends at its prompt's end): (sequences, rows of each)."""
+    out, ks, room = [], [], n_batch
+    for s in seqs:
+        k = min(room, s.n_prompt - s.n_computed)
+        out.append(s)
+        ks.append(k)
+        room -= k
+        if room == 0:
+            break
+    return out, ks
+
+
 class Scheduler:
     def __init__(self, pool: KVPool, max_seqs: int, n_batch: int, n_ctx: int, pack: bool = True):
         self.pool, self.max_seqs, self.n_batch, self.n_ctx = pool, max_seqs, n_batch, n_ctx
@@ -115,15 +129,8 @@ class Scheduler:
         decode = [s for s in self.running if s.n_computed >= s.n_prompt]
         if prefill and (not decode or not self._last_prefill):
             self._last_prefill = True
-            seqs, ks, room = [], [], self.n_batch
-            for s in prefill if self.pack else prefill[:1]:
-                # a chunk of prompt rows ends at the prompt's end (then decode rows follow)
-                k = min(room, s.n_prompt - s.n_computed)
-                seqs.append(s)
-                ks.append(k)
-                room -= k
-                if room == 0:
-                    break
+            # a chunk of prompt rows ends at the prompt's end (then decode rows follow)
+            seqs, ks = pack_prompt_chunks(prefill if self.pack else prefill[:1], self.n_batch)
             self.n_prefill_steps += 1
             self.n_prefill_chunks += len(seqs)
             return Scheduled(seqs, ks, False)

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from ..engine.runner import Runner
-from ..engine.scheduler import Scheduled
+from ..engine.scheduler import Scheduled, pack_prompt_chunks
 from ..errors import RequestError
 from ..kv.pool import KVPool
 from ..kv.storage import kv_layout, kv_pool_blocks
@@ -203,15 +203,7 @@ class DraftProposer(Proposer):
         every shadow has generated tokens after its prompt)."""
         todo = [sh for sh in shadows if sh.n_computed < sh.n_prompt]
         while todo:
-            seqs_, ns, room = [], [], self.n_batch
-            for sh in todo:
-                n = min(room, sh.n_prompt - sh.n_computed)
-                seqs_.append(sh)
-                ns.append(n)
-                room -= n
-                if room == 0:
-                    break
-            self._run(Scheduled(seqs_, ns, False))
+            self._run(Scheduled(*pack_prompt_chunks(todo, self.n_batch), False))
             todo = [sh for sh in todo if sh.n_computed < sh.n_prompt]
 
     def _run(self, sched: Scheduled) -> np.ndarray:
