@@ -61,6 +61,9 @@ class Runtime:
         model's vocabulary before anything is planned; only modes that use it open it."""
         self.draft_path, self._draft_notes = None, []
         if model_draft is None:
+            if self.spec.mode == "draft":
+                raise RequestError("--spec draft needs a draft model: give --model-draft FILE "
+                                   "(a GGUF with the same vocabulary)")
             return
         if self.spec.mode not in ("draft", "auto"):
             self._draft_notes = [f"--model-draft is not used with --spec {self.spec.mode}"]
@@ -69,7 +72,10 @@ class Runtime:
         from .models import config_from_gguf
         from .pull import resolve_model
         from .spec.draft import check_vocab
-        self.draft_path = Path(resolve_model(str(model_draft), quiet=self.quiet))
+        try:
+            self.draft_path = Path(resolve_model(str(model_draft), quiet=self.quiet))
+        except RequestError as e:
+            raise RequestError(f"--model-draft: {e}") from None
         self.draft_file = open_gguf(self.draft_path)
         dc = config_from_gguf(self.draft_file, check=True)
         if dc.n_expert:
