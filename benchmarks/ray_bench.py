@@ -37,7 +37,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 CONVS, TURNS, CLIENTS, MAX_TOKENS = 8, 3, 4, 16
-ARGS = ["--mem-budget", "400MiB", "--threads", "1", "-np", "4", "-c", "1024"]
+ARGS = ["--mem-budget", "900MiB", "--threads", "1", "-np", "4", "-c", "1024"]
 TOPICS = ["lighthouses", "bread baking", "bicycle repair", "tide pools", "chess openings",
           "bee keeping", "river kayaking", "star gazing"]
 

@@ -31,7 +31,9 @@ def main(path: str, n_decode: int) -> dict:
     floor = rt.plan.min_budget_bytes
     rt.close()
     import os
-    with memfit.load(path, n_ctx=128, mem_budget=floor + os.path.getsize(path) // 4) as m:
+    # one decode row per forward (no speculation): the look-ahead is judged token by token
+    with memfit.load(path, n_ctx=128, mem_budget=floor + os.path.getsize(path) // 4,
+                     spec="off") as m:
         st = m.store
         assert st.wants_expert_prediction, "experts are not cached: no look-ahead"
         routed, hinted = [], []

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.realmodel, pytest.mark.slow, pytest.m
               pytest.mark.filterwarnings("ignore::DeprecationWarning:ray")]
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
-REPLICA_ARGS = ["--mem-budget", "400MiB", "--threads", "1", "-np", "4", "-c", "1024"]
+REPLICA_ARGS = ["--mem-budget", "900MiB", "--threads", "1", "-np", "4", "-c", "1024"]
 SYSTEM = ("You are the support assistant of the Northwind Lighthouse Museum. " * 3 +
           "Opening hours are nine to five, Tuesday to Sunday; tickets cost eight euros, "
           "children under twelve enter free; the tower has 212 steps and no lift; guided "
