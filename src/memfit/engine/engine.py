@@ -24,6 +24,14 @@ same tokens and the same outputs, one forward each (the comparison for tests and
 ``top`` / ``logprob`` of a row with logit_bias or a grammar come from its logits after the
 bias and the mask (the distribution the token is drawn from, before penalties and
 temperature); tokens they exclude are left out of ``top``.
+
+Speculative decoding (``Engine(..., spec=Speculator)``, memfit/spec): in a decode step the
+scheduler asks ``_propose`` for proposals for the sequences with one pending token and no
+grammar; a sequence's ``draft`` is fed after its pending token as decode rows of that step,
+each with a logits row. ``_verify`` draws the target's own token at each row as ``_sample``
+would and accepts a proposal while it is that token, so the output is the same tokens with or
+without speculation (greedy or seeded); the rejected rows are rolled back out of the KV cache
+before any block holding them is keyed in the prefix cache.
 """
 
 from __future__ import annotations

@@ -10,7 +10,10 @@ token each, plus any tokens a grammar forced after it or a recomputed run, at mo
 while both kinds wait, so a long prompt does not stall the others. A decode row that needs a
 new block when none is free preempts the most recently admitted other sequence: its blocks go
 back to the pool (its full ones stay in the prefix cache) and it waits at the front of the
-queue to be recomputed.
+queue to be recomputed. With speculation (the ``propose`` hook), a decode step first lets
+the sequences with one pending token take proposed tokens (``draft``), verified as extra decode
+rows of that sequence in the same step; a draft is cut to the rows and blocks there are and
+never preempts another sequence.
 
 Batch invariance: every position of a sequence has one kind for its whole life. Prompt
 positions are prompt rows (the prefill kernels), generated ones decode rows (the decode
