@@ -40,10 +40,9 @@ class _Fixed(Proposer):
     name = "fixed"
 
     def __init__(self, n_vocab: int, seed: int = 0):
-        self.k, self.rng, self.n_vocab, self.sizes = 0, np.random.default_rng(seed), n_vocab, []
+        self.k, self.rng, self.n_vocab = 0, np.random.default_rng(seed), n_vocab
 
     def propose(self, seqs, ks):
-        self.sizes.extend(min(self.k, k) for k in ks)
         return [self.rng.integers(0, self.n_vocab, min(self.k, k)).tolist() for k in ks]
 
 

@@ -293,7 +293,7 @@ class Engine:
                 break
         self.spec.record(s.draft_by or "?", len(d), acc)
         self.pool.rollback(s, len(d) - acc)
-        self.pool.manager.commit(s, 0, s.tokens + toks, n_prompt=s.n_prompt)
+        self.pool.manager.commit(s, 0, hist, n_prompt=s.n_prompt)  # hist: s.tokens + toks
         outs = []
         for i, tok in enumerate(toks):
             o, done = self._emit(s, tok, logits[i], tops[i])

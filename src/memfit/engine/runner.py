@@ -33,10 +33,12 @@ class Runner:
         out = []
         for s, k in zip(sched.seqs, sched.n_tokens):
             p0, tab = s.n_computed, s.block_table
-            toks = s.tokens + s.draft if s.draft else s.tokens
+            ids = s.tokens[p0:p0 + k]
+            if len(ids) < k:  # the proposed tokens follow the last one
+                ids = ids + s.draft[:k - len(ids)]
             self._tables[t:t + len(tab)] = tab
             p = np.arange(p0, p0 + k, dtype=np.int32)
-            self._ids[n:n + k] = toks[p0:p0 + k]
+            self._ids[n:n + k] = ids
             self._pos[n:n + k] = p
             self._seq[n:n + k] = s.slot
             self._slots[n:n + k] = self._tables[t + p // bs] * bs + p % bs

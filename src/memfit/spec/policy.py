@@ -91,7 +91,6 @@ class CostModel:
 
     def __init__(self, slope: float | None = None):
         self.t: dict[int, float] = {}     # width -> EMA seconds
-        self.n: dict[int, int] = {}       # width -> samples
         self.slope_hint = slope           # given (plan) or measured from prefill
         self._pf_row = None               # EMA prefill seconds per row
 
@@ -100,16 +99,12 @@ class CostModel:
             return
         old = self.t.get(width)
         self.t[width] = seconds if old is None else old + self.ALPHA * (seconds - old)
-        self.n[width] = self.n.get(width, 0) + 1
 
     def observe_prefill(self, rows: int, seconds: float) -> None:
         if rows >= 8 and seconds > 0:  # short chunks are dominated by the weights' read
             per = seconds / rows
-            self._pf_row = per if self._pf_row is None else self._pf_row + 0.25 * (per - self._pf_row)
-
-    @property
-    def known(self) -> bool:
-        return 1 in self.t
+            old = self._pf_row
+            self._pf_row = per if old is None else old + self.ALPHA * (per - old)
 
     def slope(self) -> float:
         t1 = self.t.get(1)
@@ -132,10 +127,6 @@ class CostModel:
             return self.t[a] + (self.t[b] - self.t[a]) * (w - a) / (b - a)
         a = max(below) if below else 1
         return self.t[a] + t1 * self.slope() * (w - a)
-
-    def curve(self, widths=(1, 2, 4, 8, 16, 24, 32)) -> list[dict]:
-        return [{"rows": w, "ms": round(self.cost(w) * 1e3, 3), "measured": w in self.t}
-                for w in widths]
 
 
 # one more decode row's compute, in units of the time one token's weights take to read from
