@@ -361,3 +361,19 @@ def test_real_model_under_streaming_budget_equal(smollm2_path):
     finally:
         store.close()
         f.close()
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3moe", "gemma3"])
+def test_greedy_equal_on_other_isas(tmp_path, arch, isa):
+    # the same equality on the other kernel paths this CPU runs (the default one is above)
+    from memfit import _native
+    if isa not in _native.isas():
+        pytest.skip(f"no {isa} kernels")
+    before = _native.isa()
+    _native.set_isa(isa)
+    try:
+        test_greedy_equal_every_arch(tmp_path, arch)
+        test_greedy_equal_kv_types_batched_at_random_steps(tmp_path, arch, "q8_0")
+    finally:
+        _native.set_isa(before)
