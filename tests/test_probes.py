@@ -86,3 +86,30 @@ def test_plan_reprobe_says_where_and_when(cache_home, smollm2_path):
     assert d["bandwidth_notes"]["memory"].startswith("probed now")
     text = plan("--no-measure")
     assert "memory bandwidth" in text and "probed 20" in text   # a date, from the cache
+
+
+def test_read_strategies_read_every_byte_once(isa):
+    """Every read strategy of the read bound (widths, streams, prefetch, one thread or all)
+    reads each byte of the buffer exactly once: its checksum (an xor of 8-byte words, in
+    which a word read twice cancels and a word skipped is missing) equals numpy's."""
+    import numpy as np
+
+    from memfit import _native
+    from memfit.ops import native
+    rng = np.random.default_rng(3)
+    buf = bw.probe_buffer(3 << 20)
+    assert buf.ctypes.data % 64 == 0
+    buf[:] = rng.integers(0, 256, size=buf.size, dtype=np.uint8)
+    want = int(np.bitwise_xor.reduce(buf.view(np.uint64)))
+    native.set_threads(2)           # the isa fixture restores the thread count
+    strategies = bw.read_strategies(2)
+    assert len(strategies) >= 10 and strategies[-1]["threads"] == 1
+    for st in strategies:
+        got = _native.read_buffer(buf, st["streams"], st["width"], st["prefetch"],
+                                  st.get("threads", 0))
+        assert got == want, st
+    bps, pick = bw.read_bound(buf=buf, reps=1)
+    assert bps > 0 and pick in strategies
+    for bad in ((0,), (1, 128), (1, 512, 100), (1, 512, 0, -1)):
+        with pytest.raises(ValueError):
+            _native.read_buffer(buf, *bad)

@@ -13,25 +13,25 @@ import numpy as np
 
 def memory_read_bandwidth(nbytes: int = 1 << 30, reps: int = 5, clock=time.perf_counter,
                           streams: int = 1) -> float:
-    """Bytes/s of one parallel read pass over a buffer larger than any cache (best of reps).
-    clock=time.thread_time (1 thread only: the pass then runs in this thread) counts only the
-    CPU time this thread got: a preemption-proof figure on a shared machine. streams > 1:
-    each thread reads its chunk as that many interleaved ascending streams (a core of this
-    Xeon reads more that way than with one)."""
-    from .. import _native
-    buf = np.full(nbytes, 7, dtype=np.uint8)  # written: real pages, not the shared zero page
-    _native.read_buffer(buf, streams)
-    best = 0.0
-    for _ in range(reps):
-        t0 = clock()
-        _native.read_buffer(buf, streams)
-        best = max(best, nbytes / (clock() - t0))
-    return best
+    """Bytes/s of one parallel read pass (one stream per thread, or `streams` interleaved)
+    over a buffer larger than any cache (best of reps). clock=time.thread_time (1 thread only:
+    the pass then runs in this thread) counts only the CPU time this thread got: a
+    preemption-proof figure on a shared machine."""
+    from ..memory.bandwidth import probe_buffer, read_pass
+    buf = probe_buffer(nbytes)
+    return read_pass(buf, {"streams": streams}, reps, clock)
 
 
 # The matrices a 7B-class decode streams (qwen2/llama 7-8B: attention 4096x4096 (Q, O), FFN
 # gate/up 14336x4096 and down 4096x14336, the qwen2 output matrix 152064x3584).
 SHAPES_7B = [(4096, 4096), (14336, 4096), (4096, 14336), (152064, 3584)]
+
+
+def _strategy(st: dict) -> str:
+    """One read strategy (memory/bandwidth.py read_strategies) in words."""
+    return (f"{st.get('streams', 1)} stream(s), {st.get('width', 512)}-bit loads"
+            + (f", prefetch {st['prefetch']} B" if st.get("prefetch") else "")
+            + (f", {st['threads']} thread(s)" if st.get("threads") else ""))
 
 
 def parse_shapes(spec: str | None, rows: int, cols: int) -> list[tuple[int, int]]:
@@ -129,6 +129,7 @@ def run_kernel_bench(types: str = "Q4_0,Q8_0,Q4_K,Q6_K", rows: int = 14336, cols
     by this thread's CPU time, so other processes on the cores do not count."""
     from .. import _native
     from ..errors import RequestError
+    from ..memory.bandwidth import probe_buffer, read_bound, read_pass, read_strategies
     from ..ops import native
     if threads:
         native.set_threads(threads)
@@ -149,17 +150,21 @@ def run_kernel_bench(types: str = "Q4_0,Q8_0,Q4_K,Q6_K", rows: int = 14336, cols
     if mem_limit is not None:
         _check_memory(names, shape_list, stream_bytes, mem_limit)
     keys = [(n, s, i) for n in names for s in shape_list for i in isa_list]
-    bws: list[float] = []
-    bwm: list[float] = []  # the best of the 2-, 4- and 8-stream probes, same trials
+    bws: list[float] = []  # the read bound (memory/bandwidth.py read_bound), each trial
+    bwm: list[float] = []  # the one-stream-per-thread pass, same trials (the old probe)
+    strat: list[dict] = []
     gbs: dict = {k: [] for k in keys}
     fracs: dict = {k: [] for k in keys}
     info: dict = {}
     try:
         for k in range(max(1, trials)):
-            bw = memory_read_bandwidth(max(64 << 20, 2 * stream_bytes), clock=clock) / 1e9
+            buf = probe_buffer(max(64 << 20, 2 * stream_bytes))
+            b, st = read_bound(clock=clock, buf=buf)
+            bw = b / 1e9
             bws.append(bw)
-            bwm.append(max(memory_read_bandwidth(max(64 << 20, 2 * stream_bytes), reps=3, clock=clock,
-                                                 streams=k) for k in (2, 4, 8)) / 1e9)
+            strat.append(st)
+            bwm.append(read_pass(buf, {}, 3, clock) / 1e9)
+            del buf
             for name in names:
                 for (r, c) in shape_list:
                     ws = _matrices(name, r, c, k, stream_bytes)
@@ -172,7 +177,8 @@ def run_kernel_bench(types: str = "Q4_0,Q8_0,Q4_K,Q6_K", rows: int = 14336, cols
                         info[(name, (r, c), isa)] = {"weight_bytes": nbytes, "copies": len(ws)}
                     del ws
             if not as_json:
-                print(f"  trial {k + 1}/{max(1, trials)}: read {bw:.1f} GB/s ({bwm[-1]:.1f} multi-stream), "
+                print(f"  trial {k + 1}/{max(1, trials)}: read bound {bw:.1f} GB/s ({_strategy(st)}; "
+                      f"one stream per thread {bwm[-1]:.1f}), "
                       + ", ".join(f"{n} {r}x{c}{'/' + i if len(isa_list) > 1 else ''} "
                                   f"{gbs[(n, (r, c), i)][-1]:.1f}" for n, (r, c), i in keys),
                       file=sys.stderr, flush=True)
@@ -180,11 +186,12 @@ def run_kernel_bench(types: str = "Q4_0,Q8_0,Q4_K,Q6_K", rows: int = 14336, cols
         _native.set_isa(isa_before)
     bw = statistics.median(bws)
     if not as_json:
-        print(f"memory read bandwidth: {bw:.1f} GB/s ({threads} threads, median of {len(bws)}"
-              + (", per CPU-second" if cpu_time else "") + ")", file=sys.stderr)
-        print(f"multi-stream read probe: {statistics.median(bwm):.1f} GB/s", file=sys.stderr)
-        print("| type | matrix | isa | weight MB | GB/s | % of read probe (same trial) "
-              "| % of multi-stream probe |")
+        print(f"read bound: {bw:.1f} GB/s ({threads} threads, best of {len(read_strategies(threads))} "
+              f"read strategies, median of {len(bws)} trials"
+              + (", per CPU-second" if cpu_time else "") + f"; one stream per thread "
+              f"{statistics.median(bwm):.1f} GB/s)", file=sys.stderr)
+        print("| type | matrix | isa | weight MB | GB/s | % of read bound (same trial) "
+              "| % of one-stream read |")
         print("|---|---|---|---:|---:|---:|---:|")
     for key in keys:
         name, (r, c), isa = key
@@ -193,8 +200,9 @@ def run_kernel_bench(types: str = "Q4_0,Q8_0,Q4_K,Q6_K", rows: int = 14336, cols
                "fraction_of_bandwidth": statistics.median(fracs[key]),
                "samples_fraction": fracs[key],
                "mem_read_gb_per_s": bw, "mem_read_samples_gb_per_s": bws,
-               "mem_read_multi_samples_gb_per_s": bwm,
-               "fraction_of_multi_stream": statistics.median(g / b for g, b in zip(gbs[key], bwm)),
+               "read_bound_strategies": strat,
+               "one_stream_samples_gb_per_s": bwm,
+               "fraction_of_one_stream": statistics.median(g / b for g, b in zip(gbs[key], bwm)),
                "threads": threads,
                "clock": "thread_time" if cpu_time else "wall"}
         if as_json:
@@ -202,5 +210,5 @@ def run_kernel_bench(types: str = "Q4_0,Q8_0,Q4_K,Q6_K", rows: int = 14336, cols
         else:
             print(f"| {name} | {r}x{c} | {isa} | {res['weight_bytes'] / 1e6:.1f} | "
                   f"{res['gb_per_s']:.1f} | {100 * res['fraction_of_bandwidth']:.0f}% | "
-                  f"{100 * res['fraction_of_multi_stream']:.0f}% |", flush=True)
+                  f"{100 * res['fraction_of_one_stream']:.0f}% |", flush=True)
     return 0

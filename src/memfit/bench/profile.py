@@ -140,8 +140,8 @@ def format_profile(p: dict) -> str:
 
 def run_profile(model, n_gen: int, n_prompt: int, as_json: bool, probe: bool = True,
                 pool=None) -> int:
-    from .kernels import memory_read_bandwidth
-    bw = memory_read_bandwidth(1 << 30) / 1e9 if probe else None
+    from ..memory.bandwidth import read_bound
+    bw = read_bound(1 << 30)[0] / 1e9 if probe else None
     p = profile_decode(model, n_gen=n_gen, n_prompt=n_prompt, probe_gb_per_s=bw, pool=pool)
     print(json.dumps(p) if as_json else format_profile(p), flush=True)
     if not as_json and not p["fused_layers"]:

@@ -148,7 +148,8 @@ def machine_key() -> str:
                 break
     except OSError:
         pass
-    return cpu
+    # "rb2:": the probe is read_bound (older entries were a numpy sum, which reads less)
+    return "rb2:" + cpu
 
 
 def device_key(path: str | os.PathLike) -> str:
@@ -157,25 +158,70 @@ def device_key(path: str | os.PathLike) -> str:
     return f"v2:{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
 
 
-def measure_memory_bandwidth(nbytes: int = 256 << 20, threads: int | None = None,
-                             repeats: int = 3) -> float:
-    """Read bandwidth (bytes/s) of a multi-threaded sum over an nbytes buffer; best of repeats.
-    numpy releases the GIL inside the reduction, so the threads read in parallel."""
-    threads = threads or os.cpu_count() or 1
-    buf = np.ones(nbytes // 8, dtype=np.float64)  # touched: pages are real, not the zero page
-    parts = np.array_split(buf, threads)
+def probe_buffer(nbytes: int, fill: int = 7) -> np.ndarray:
+    """nbytes of `fill` starting on a 64-byte boundary (numpy's own allocations are 16-byte
+    aligned, and csrc/membw.c reads a misaligned buffer with scalar loads); written, so its
+    pages are real and not the shared zero page."""
+    raw = np.empty(nbytes + 64, dtype=np.uint8)
+    off = -raw.ctypes.data % 64
+    buf = raw[off:off + nbytes]
+    buf.fill(fill)
+    return buf
+
+
+def read_pass(buf: np.ndarray, strategy: dict | None = None, reps: int = 3,
+              clock=time.perf_counter, warm: bool = True) -> float:
+    """Bytes/s of one parallel read pass over buf with one strategy (csrc/membw.c: streams,
+    width, prefetch, threads; {} is 1 stream, the widest loads, no prefetch, every thread),
+    best of reps (after a warm-up pass if warm)."""
+    from .. import _native
+    st = strategy or {}
+    args = (st.get("streams", 1), st.get("width", 512), st.get("prefetch", 0), st.get("threads", 0))
+    if warm:
+        _native.read_buffer(buf, *args)
     best = 0.0
-    for _ in range(repeats):
-        ts = [threading.Thread(target=np.sum, args=(p,)) for p in parts]
-        t0 = time.perf_counter()
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        dt = time.perf_counter() - t0
-        best = max(best, buf.nbytes / dt)
-    del buf, parts
+    for _ in range(reps):
+        t0 = clock()
+        _native.read_buffer(buf, *args)
+        best = max(best, buf.nbytes / (clock() - t0))
     return best
+
+
+def read_strategies(threads: int | None = None) -> list[dict]:
+    """The read strategies the bound is the best of: 1-8 interleaved streams per thread, 512-
+    and 256-bit loads, with and without a software prefetch 1 KiB ahead, on every thread of the
+    pool; and 1 and 2 streams on one thread (a core alone can read more than its share)."""
+    from .. import _native
+    widths = (512, 256) if _native.isa().startswith("avx512") else (256,)
+    out = [{"streams": s, "width": w, "prefetch": pf}
+           for s in (1, 2, 4, 8) for w in widths for pf in (0, 1024)]
+    if (threads or 1) > 1:
+        out += [{"streams": s, "width": widths[0], "prefetch": 0, "threads": 1} for s in (1, 2)]
+    return out
+
+
+def read_bound(nbytes: int = 512 << 20, reps: int = 2, clock=time.perf_counter,
+               buf: np.ndarray | None = None) -> tuple[float, dict]:
+    """The machine's read bound: (bytes/s, strategy) of the best strategy of read_strategies
+    over an nbytes buffer (larger than the caches; written, so its pages are real). Which
+    strategy wins differs between CPUs (several streams per core on the Xeons, one on Zen), so
+    no single pass is the bound a kernel can be held to (issue 22: a kernel read up to 134%
+    of the old one-stream probe). ~40 passes: about a second at 20-60 GB/s over 512 MiB."""
+    from ..ops import native
+    if buf is None:
+        buf = probe_buffer(nbytes)
+    best, pick = 0.0, {}
+    read_pass(buf, {}, 1, clock)
+    for st in read_strategies(native.get_threads()):
+        bps = read_pass(buf, st, reps, clock, warm=False)
+        if bps > best:
+            best, pick = bps, st
+    return best, pick
+
+
+def measure_memory_bandwidth(nbytes: int = 256 << 20) -> float:
+    """Read bandwidth (bytes/s) for plans: read_bound over an nbytes buffer."""
+    return read_bound(nbytes)[0]
 
 
 def measure_disk_bandwidth(path: str | os.PathLike, sample_bytes: int = 512 << 20,
