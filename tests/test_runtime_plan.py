@@ -79,8 +79,12 @@ def test_text_plan_and_run_start_up_line_agree(smollm2_path):
 @pytest.mark.realmodel
 def test_serve_fits_the_context_for_its_slots_as_plan_shows(smollm2_path):
     """`serve --mem-budget 300MiB -np 4` used to be refused (the default context for 4 slots
-    is below the floor); now it lowers the context by the same rule as `plan -np 4`."""
-    p = plan_json(smollm2_path, "--mem-budget", "300MiB", "-np", 4)
+    is below the floor); now it lowers the context by the same rule as `plan --serve -np 4`
+    (--serve: serve's web stack and structured-output tables are in its baseline; without
+    it the plan is run's, which holds more weights)."""
+    p = plan_json(smollm2_path, "--mem-budget", "300MiB", "-np", 4, "--serve")
+    run_plan = plan_json(smollm2_path, "--mem-budget", "300MiB", "-np", 4)
+    assert run_plan["baseline_bytes"] < p["baseline_bytes"]
     assert p["n_parallel"] == 4 and p["n_ctx"] < 4096
     srv = ServerProcess([str(smollm2_path), "--mem-budget", "300MiB", "-np", "4", "-t", "2"])
     try:

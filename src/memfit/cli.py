@@ -668,7 +668,8 @@ def cmd_plan(a) -> int:
     rt = Runtime(a.model, threads=a.threads, n_ctx=a.ctx_size, mem_budget=a.mem_budget,
                  n_parallel=a.parallel, cache_type_k=a.cache_type_k,
                  cache_type_v=a.cache_type_v, bandwidth=Bandwidth(source="default"),
-                 spec=getattr(a, "spec", "auto"), model_draft=getattr(a, "model_draft", None))
+                 spec=getattr(a, "spec", "auto"), model_draft=getattr(a, "model_draft", None),
+                 serving=a.serve)
     try:
         bw = get_bandwidth(rt.path, measure=not a.no_measure or a.reprobe, refresh=a.reprobe)
         rt.replan(bw)
@@ -966,6 +967,9 @@ def build_parser() -> argparse.ArgumentParser:
     pn.add_argument("-np", "--parallel", type=_int_at_least(1), default=1,
                     help="sequences whose KV cache the budget holds (serve's -np; default 1)")
     _add_cache_type_args(pn)
+    pn.add_argument("--serve", action="store_true",
+                    help="plan as `memfit serve` does (its web stack and the structured-output "
+                         "tables in the baseline); without it, as `memfit run`/`chat`/`bench`")
     pn.add_argument("--no-measure", action="store_true", help="use cached/default bandwidths instead of measuring")
     pn.add_argument("--reprobe", action="store_true", help="measure memory and disk bandwidth now, whatever is cached")
     pn.add_argument("--json", action="store_true", help="min_budget_bytes, disk_bytes_per_token, predicted_tg_tokens_per_s, tiers...")

@@ -34,7 +34,8 @@ class Runtime:
                  n_ctx: int | None = None, backend: str | None = None, quiet: bool = True,
                  mem_budget: int | str | None = None, n_parallel: int = 1,
                  cache_type_k: str = "f16", cache_type_v: str = "f16", bandwidth=None,
-                 constrained: bool = False, spec=None, model_draft=None):
+                 constrained: bool = False, spec=None, model_draft=None,
+                 serving: bool = False):
         from .gguf import open_gguf
         from .pull import resolve_model
 
@@ -44,6 +45,7 @@ class Runtime:
         self.loaded = self.closed = False
         self.backend, self.quiet = backend, quiet
         self.constrained = constrained  # the plan reserves the structured-output tables
+        self.serving = serving          # the plan of `memfit serve` (planner.plan serving)
         from .spec.build import as_config
         self.spec = as_config(spec)      # speculative decoding (spec/): checked before loading
         self.path = Path(resolve_model(str(model) if model is not None else None, quiet=quiet))
@@ -181,7 +183,8 @@ class Runtime:
                                      baseline_bytes=self.baseline, n_parallel=self.n_parallel,
                                      expert_counts=counts, expert_policy=policy,
                                      constrained=self.constrained, draft=self.draft_desc,
-                                     resident_draft=self.spec.mode == "resident", **k)
+                                     resident_draft=self.spec.mode == "resident",
+                                     serving=self.serving, **k)
                 except BudgetError as e:  # a refusal is remembered as well
                     memo[key] = e
             r = memo[key]
@@ -249,7 +252,12 @@ class Runtime:
             return self
         self.loaded = True
         try:
+            # the tokenizer first: its build peaks above what it keeps (planner
+            # TOKENIZER_KEPT_PER_TOKEN), and that peak passes before any weight is held
+            self.tokenizer = Tokenizer.from_metadata(self.file.metadata)
             if self.use_store:
+                from .memory.budget import trim_heap
+                trim_heap()
                 from .memory.ledger import Ledger
                 from .memory.store import WeightStore
                 p = self.plan
@@ -259,7 +267,6 @@ class Runtime:
                 self.ledger.alloc("scratch", "model", p.scratch_bytes)
                 routing = self.routing if p.n_expert and p.tiers["cache"] else None
                 self.store = WeightStore(self.file, p, self.ledger, routing=routing)
-            self.tokenizer = Tokenizer.from_metadata(self.file.metadata)
             self.ops = get_ops(self.backend)
             if self.threads is not None:
                 self.ops.set_threads(self.threads)

@@ -42,6 +42,23 @@ RUNTIME_BASE_BYTES = 40 * MiB
 TOKENIZER_BYTES_PER_TOKEN = 440   # BPE; SentencePiece (tokenizer model 'llama') costs less
 SPM_BYTES_PER_TOKEN = 290
 TOKENIZER_BYTES_PER_MERGE = 550
+# The runtime as it stays once loaded, predicted so that every process (plan, run, serve)
+# plans the same bytes (a measured RSS differs by a few hundred KiB between processes): the
+# interpreter and libraries (measured 33.8 MiB: IMPORT_BYTES), the parsed metadata (SmolLM2
+# +13.2 MiB for 49k tokens + 49k merges, Gemma-3 +46.3 MiB for 262k SentencePiece tokens), and
+# what the tokenizer keeps once built (SmolLM2 +24.9 MiB, Gemma-3 +23.1 MiB). runtime_bytes is
+# the tokenizer's transient peak, which passes before any weight is loaded
+# (runtime.Runtime.load builds the tokenizer first, then trims the heap).
+IMPORT_BYTES = 37 * MiB
+METADATA_PER_TOKEN = 145          # BPE, per token and per merge
+METADATA_PER_MERGE = 145
+SPM_METADATA_PER_TOKEN = 190
+TOKENIZER_KEPT_PER_TOKEN = 270    # BPE, per token and per merge
+TOKENIZER_KEPT_PER_MERGE = 270
+SPM_KEPT_PER_TOKEN = 95
+# `memfit serve` imports its web stack (uvicorn, starlette, the server's modules) after it
+# plans: 14 MiB measured
+SERVE_IMPORT_BYTES = 16 * MiB
 # after the plan: model objects, float32 norms, I/O + kernel thread stacks, allocator slack
 # (SmolLM2's loaded runtime is 88 MiB of the 92 predicted with this, Gemma-3's 110 of 118)
 RUNTIME_EXTRA_BYTES = 6 * MiB
@@ -103,6 +120,24 @@ class ModelDesc:
         per_tok = SPM_BYTES_PER_TOKEN if self.tokenizer_model == "llama" else TOKENIZER_BYTES_PER_TOKEN
         return (RUNTIME_BASE_BYTES + per_tok * self.n_vocab
                 + TOKENIZER_BYTES_PER_MERGE * self.n_merges)
+
+    @property
+    def loaded_runtime_bytes(self) -> int:
+        """Predicted RSS of the runtime once loaded, before any budgeted allocation: the
+        interpreter and libraries, the parsed metadata and the built tokenizer."""
+        if self.tokenizer_model == "llama":
+            per_tok, per_merge = SPM_METADATA_PER_TOKEN + SPM_KEPT_PER_TOKEN, 0
+        else:
+            per_tok = METADATA_PER_TOKEN + TOKENIZER_KEPT_PER_TOKEN
+            per_merge = METADATA_PER_MERGE + TOKENIZER_KEPT_PER_MERGE
+        return IMPORT_BYTES + per_tok * self.n_vocab + per_merge * self.n_merges
+
+    @property
+    def tokenizer_kept_bytes(self) -> int:
+        """Predicted RSS the built tokenizer keeps beyond the parsed metadata."""
+        if self.tokenizer_model == "llama":
+            return SPM_KEPT_PER_TOKEN * self.n_vocab
+        return TOKENIZER_KEPT_PER_TOKEN * self.n_vocab + TOKENIZER_KEPT_PER_MERGE * self.n_merges
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -664,7 +699,7 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
          logits_all: bool = False, kv_bytes_per_elem: float | None = None, n_parallel: int = 1,
          cache_type_k: str = "f16", cache_type_v: str = "f16", expert_counts=None, expert_policy: str = "lru",
          constrained: bool = False, draft: ModelDesc | None = None,
-         resident_draft: bool = False) -> Plan:
+         resident_draft: bool = False, serving: bool = False) -> Plan:
     """Place every tensor in a tier within `budget` bytes. Pure: no I/O, no measurement.
     baseline_bytes: the measured runtime RSS; kv_bytes_per_elem: 2 for the f16 cache (4 for f32);
     expert_counts: {layer: [routings per expert]} learned from earlier runs (hotset.py);
@@ -674,7 +709,8 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
     type for K and V) and scratch: a fixed cost, counted before the target's weights;
     resident_draft: the resident-layers draft (spec/resident.py) runs the target's own pinned
     weights with a KV pool of its own, reserved at the size of every layer's (an upper bound:
-    which layers it runs depends on this placement).
+    which layers it runs depends on this placement); serving: the plan of `memfit serve`
+    (its web stack, imported after planning, and the structured-output tables).
     Order: fixed costs (baseline, scratch, KV, staging), the dense trunk, the hot experts, the
     expert cache; below the floor BudgetError names the smallest budget that works."""
     assert n_ctx > 0 and threads > 0 and n_batch > 0 and n_parallel > 0
@@ -683,8 +719,16 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
     if m.v_in_k:   # V is read from K (MLA): it has K's type and costs nothing of its own
         cache_type_v = cache_type_k
     kv = kv_bytes(m, n_ctx, kv_bytes_per_elem, n_parallel, cache_type_k, cache_type_v)
-    # the larger of the measured RSS and the model's predicted runtime (see RUNTIME_BASE_BYTES)
-    baseline = max(baseline_bytes, m.runtime_bytes) + RUNTIME_EXTRA_BYTES + PROMPT_SCRATCH_BYTES
+    # the runtime as it stays once loaded: the larger of its prediction (IMPORT_BYTES) and the
+    # measured RSS (interpreter, libraries, the parsed file) plus what the tokenizer keeps. The
+    # tokenizer's transient peak (runtime_bytes) comes and goes before any budgeted
+    # allocation: it only bounds the budget from below (the floor below).
+    kept = max(baseline_bytes + m.tokenizer_kept_bytes, m.loaded_runtime_bytes)
+    load_peak = max(baseline_bytes, m.runtime_bytes) + RUNTIME_EXTRA_BYTES
+    if serving:
+        kept += SERVE_IMPORT_BYTES
+        constrained = True
+    baseline = kept + RUNTIME_EXTRA_BYTES + PROMPT_SCRATCH_BYTES
     if constrained:
         from ..constrain.tokenizer import table_bytes
         baseline += table_bytes(m.n_vocab, lean=True)
@@ -707,6 +751,7 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
 
     min_batch = min(n_batch, MIN_BATCH)
     fl = _floor(m, fixed, baseline, kv, min_batch, n_ctx, threads, logits_all)
+    fl.bytes = max(fl.bytes, load_peak)
     fl.parts["draft_bytes"] = draft_total
     if dparts and not dparts["weights_bytes"]:
         fl.parts["draft_what"] = "the resident-layers draft's KV"

@@ -72,7 +72,7 @@ def _load_kwargs(a) -> dict:
     quantized KV formats come from another branch)."""
     from ..api import Model
     kw = dict(threads=a.threads, n_ctx=a.ctx_size, backend=a.backend, quiet=True,
-              mem_budget=a.mem_budget, n_parallel=a.parallel, constrained=True)
+              mem_budget=a.mem_budget, n_parallel=a.parallel, constrained=True, serving=True)
     from ..spec.build import as_config
     kw["spec"] = as_config(a.spec, a.draft_max, a.draft_min)
     kw["model_draft"] = a.model_draft
