@@ -159,8 +159,9 @@ def _peak_of(*args) -> tuple[int, dict]:
 def test_a_streaming_run_uses_the_budget(smollm2_path, tmp_path, budget_mib):
     """SmolLM2 at 200 MiB with -c 512 used to peak at 132 MiB (66%) while streaming 52 MiB of
     weights per token. A prompt of one full prefill batch (the scratch the plan holds) now
-    peaks at 84-88% of the budget (the plan's overhead is close to the real one; what is left
-    is perplexity's room: its logits slices and, until it uses the KV pool, its own cache)."""
+    peaks at ~87-90% of the budget (the runtime's memory predicted from the file, the
+    tokenizer's build peak before any weight; what is left is the prompt reserve and the
+    allowances)."""
     words = ("time people year way day man thing woman life child world school state family "
              "student group country problem hand part place case week company system").split()
     prompt = tmp_path / "prompt.txt"
@@ -173,7 +174,7 @@ def test_a_streaming_run_uses_the_budget(smollm2_path, tmp_path, budget_mib):
     # less the plan's reserve for templating and tokenizing a server's prompt, which `run`
     # does not touch (planner.PROMPT_SCRATCH_BYTES)
     from memfit.memory.planner import PROMPT_SCRATCH_BYTES
-    assert peak >= 0.8 * (budget - PROMPT_SCRATCH_BYTES), (peak / MiB, budget_mib)  # was 66% at 200 MiB
+    assert peak >= 0.9 * (budget - PROMPT_SCRATCH_BYTES), (peak / MiB, budget_mib)  # was 66% at 200 MiB
 
 
 @pytest.mark.realmodel
