@@ -403,3 +403,29 @@ def test_real_gemma3_long_prompt_equal(gemma_path):
         (old, b_old, g_old), (new, b_new, g_new) = outs
         assert not g_old and g_new and new == old and len(new) == 6
         assert b_new == kv_layout(m.config).pool_bytes(2048, 1, m.n_batch) < 0.85 * b_old
+
+
+def test_single_sequence_path_on_the_engine_pool(tmp_path):
+    # SeqKV on the engine's pool (logprobs, perplexity, bench): n_batch pieces fit beside
+    # running sequences; one forward longer than the group holds is a clear error
+    from memfit.bench.llama_bench import run_bench
+    from memfit.errors import RequestError
+    model, tok = _tiny(tmp_path, "gpt-oss")
+    eng = Engine(model, tok, n_ctx=1024, n_parallel=2, n_batch=64)
+    for i in range(2):   # both slots running, at rest between steps
+        eng.add_request(_prompt(200, 90 + i), SamplingParams(temperature=0, max_tokens=50))
+    for _ in range(12):
+        eng.step()
+    assert len(eng.scheduler.running) == 2 and eng.pool.n_swa_used > 0
+    ids = _prompt(300, 92)
+    old = _feed(model, ids, model.new_cache(len(ids)), 64, WINDOW["gpt-oss"])
+    with SeqKV(eng.pool, len(ids)) as cache:
+        assert _feed(model, ids, cache, 64, WINDOW["gpt-oss"]).tobytes() == old.tobytes()
+    with SeqKV(eng.pool, len(ids)) as cache, pytest.raises(RequestError, match="n_batch"):
+        model.forward(np.asarray(ids), cache)
+    while eng.has_unfinished():
+        eng.step()
+    # the bench feeds a long prompt in n_batch pieces on such a pool
+    r = run_bench(model, "tiny", model.config.n_vocab, 300, 4, 1, 1, progress=False,
+                  pool=eng.pool, n_batch=64)
+    assert [x.test for x in r] == ["pp300", "tg4"] and eng.pool.n_swa_used == 0

@@ -74,10 +74,15 @@ class SeqKV:
                                f"tokens; {n} more tokens after {self.offset} need more (other "
                                f"sequences hold the rest); retry when they finish")
         if not p.reserve_window(self.state, n):
+            need = p.swa.need(self.state, n)
+            if need > p.swa.n_blocks:
+                raise RequestError(f"{n} tokens at once need {need} blocks of the KV pool's "
+                                   f"sliding-window group, which has {p.swa.n_blocks}; feed "
+                                   f"at most the engine's n_batch tokens per forward")
             raise RequestError(f"the KV pool's sliding-window group has {p.swa.blocks.n_free} "
                                f"free blocks of {p.block_size} tokens; {n} more tokens after "
-                               f"{self.offset} need more (other sequences hold the rest); feed "
-                               f"fewer tokens at once or retry when they finish")
+                               f"{self.offset} need {need} (other sequences hold the rest); "
+                               f"retry when they finish")
         bs = p.block_size
         tables = np.asarray(self.state.block_table, np.int32)
         slots = tables[pos // bs] * bs + pos % bs
