@@ -744,7 +744,7 @@ def cmd_bench(a) -> int:
         from .bench.profile import run_profile
         with _load(a, n_ctx=a.n_prompt + a.n_gen + 8) as m:
             return run_profile(m.model, n_gen=max(1, a.n_gen), n_prompt=a.n_prompt, as_json=a.json,
-                               pool=m.engine.pool)
+                               pool=m.engine.pool, n_batch=m.n_batch)
     if a.spec is not None:
         return _bench_spec(a)
     parallel = _parallel_list(a.parallel)
@@ -785,7 +785,7 @@ def cmd_bench(a) -> int:
         else:
             res = run_bench(m.model, name, m.tokenizer.n_vocab, a.n_prompt, a.n_gen,
                             a.repetitions, threads, progress=not a.json, on_result=emit,
-                            pool=m.engine.pool)
+                            pool=m.engine.pool, n_batch=m.n_batch)
         if not a.json:
             print(markdown_table(res, m.ops.name))
     return 0

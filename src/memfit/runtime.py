@@ -213,13 +213,12 @@ class Runtime:
         """Refuse a context whose KV cache cannot fit in available memory (before allocating)."""
         import psutil
 
-        from .engine.engine import kv_pool_blocks
-        from .kv import BLOCK_SIZE
         from .kv.storage import kv_layout
         from .models import config_from_gguf
         c = config_from_gguf(self.file)
-        tokens = kv_pool_blocks(self.n_ctx, self.n_parallel) * BLOCK_SIZE
-        kv = tokens * kv_layout(c).bytes_per_token(self.cache_type_k, self.cache_type_v)
+        # the engine's pool (its sliding-window layers hold their windows only)
+        kv = kv_layout(c).pool_bytes(self.n_ctx, self.n_parallel, self.n_batch,
+                                     self.cache_type_k, self.cache_type_v)
         avail = psutil.virtual_memory().available
         if kv > avail:
             raise RequestError(f"context size {self.n_ctx} x {self.n_parallel} sequences needs "

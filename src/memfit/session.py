@@ -283,34 +283,57 @@ def _header_problem(h: Any) -> str | None:
 
 def export_prefix(pool, ids: list[int]) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """K and V rows (per layer, copies) of the longest prefix of ids whose whole blocks are in
-    the pool's prefix cache: a multiple of the block size, possibly 0."""
+    the pool's prefix cache: a multiple of the block size, possibly 0. With a sliding-window
+    group (kv/pool.py) only as far as its blocks for the last window are cached too; the
+    window layers' rows before that window are zeros (no later query reads them)."""
     from .kv.pool import block_key
-    bs, key, blocks = pool.block_size, None, []
+    bs, key, blocks, keys = pool.block_size, None, [], []
     for j in range(len(ids) // bs):
         key = block_key(key, ids[j * bs:(j + 1) * bs])
         b = pool.peek(key)
         if b is None:
             break
         blocks.append(b)
-    return pool.storage.read_blocks(blocks)
+        keys.append(key)
+    w = pool.swa
+    if w is None:
+        return pool.storage.read_blocks(blocks)
+    h = w.hit_blocks(keys)
+    lo = w.lo(h * bs)
+    swa = [-1] * lo + [w.blocks.peek(kk) for kk in keys[lo:h]]
+    return pool.storage.read_blocks(blocks[:h], swa)
 
 
 def import_prefix(pool, ids: list[int], k: list[np.ndarray], v: list[np.ndarray]) -> int:
     """Put the rows of ids' first whole blocks into the pool's prefix cache (keyed by their
     tokens, unreferenced: a request with that prefix reuses them); returns the tokens placed
-    (fewer when the pool has no free block left)."""
+    (fewer when the pool has no free block left). With a sliding-window group the window
+    layers' rows go into its blocks for the last window of what was placed."""
     from .kv.pool import block_key
-    bs, key = pool.block_size, None
+    bs, key, keys = pool.block_size, None, []
     n = k[0].shape[0] // bs
+    w = pool.swa
     for j in range(n):
         key = block_key(key, ids[j * bs:(j + 1) * bs])
-        if pool.peek(key) is not None:
-            continue
-        if pool.n_free == 0:
-            return j * bs
-        b = pool.allocate()
-        pool.storage.write_block(b, [x[j * bs:(j + 1) * bs] for x in k],
-                                 [x[j * bs:(j + 1) * bs] for x in v])
-        pool.register(b, key)
-        pool.release([b])
+        rows = ([x[j * bs:(j + 1) * bs] for x in k], [x[j * bs:(j + 1) * bs] for x in v])
+        if pool.peek(key) is None:
+            if pool.n_free == 0:
+                n = j
+                break
+            b = pool.allocate()
+            pool.storage.write_block(b, *rows)
+            pool.register(b, key)
+            pool.release([b])
+        keys.append(key)
+    if w is not None:
+        for j in range(w.lo(n * bs), n):
+            if w.blocks.peek(keys[j]) is not None:
+                continue
+            if w.blocks.n_free == 0:  # (the group always holds a window: kv_swa_pool_blocks)
+                break
+            b = w.blocks.allocate()
+            pool.storage.write_block(None, [x[j * bs:(j + 1) * bs] for x in k],
+                                     [x[j * bs:(j + 1) * bs] for x in v], swa_block=b)
+            w.blocks.register(b, keys[j])
+            w.blocks.release([b])
     return n * bs

@@ -42,14 +42,25 @@ def _cache(model, pool, n: int):
     return SeqKV(pool, n) if pool is not None else model.new_cache(n)
 
 
-def _pp(model, ids: np.ndarray, pool=None) -> float:
+def prompt_pieces(pool, n: int, n_batch: int | None) -> int:
+    """Rows per forward for an n-token prompt: all at once, except on a pool whose
+    sliding-window group holds steps of at most the engine's n_batch rows (kv/pool.py), where
+    the prompt goes in n_batch pieces (as llama-bench's ubatches)."""
+    if pool is not None and pool.swa is not None and n_batch:
+        return max(1, min(n, n_batch))
+    return max(1, n)
+
+
+def _pp(model, ids: np.ndarray, pool=None, n_batch: int | None = None) -> float:
+    step = prompt_pieces(pool, len(ids), n_batch)
     with _cache(model, pool, len(ids) + 1) as cache:
         t0 = time.perf_counter()
-        model.forward(ids, cache)
+        for b in range(0, len(ids), step):
+            model.forward(ids[b:b + step], cache)
         return len(ids) / (time.perf_counter() - t0)
 
 
-def _tg(model, ids: np.ndarray, pool=None) -> float:
+def _tg(model, ids: np.ndarray, pool=None, n_batch: int | None = None) -> float:
     with _cache(model, pool, len(ids) + 1) as cache:
         t0 = time.perf_counter()
         for i in range(len(ids)):
@@ -59,9 +70,10 @@ def _tg(model, ids: np.ndarray, pool=None) -> float:
 
 def run_bench(model, name: str, n_vocab: int, n_prompt: int = 512, n_gen: int = 128,
               reps: int = 5, threads: int = 1, seed: int = 0, progress: bool = True,
-              on_result=None, pool=None) -> list[BenchResult]:
+              on_result=None, pool=None, n_batch: int | None = None) -> list[BenchResult]:
     """Measure pp{n_prompt} and tg{n_gen} (in blocks of ``pool``, the engine's KV pool, when
-    given); ``on_result(BenchResult)`` after each test."""
+    given, whose n_batch is ``n_batch``: prompt_pieces); ``on_result(BenchResult)`` after each
+    test."""
     rng = np.random.default_rng(seed)
     out = []
     for kind, n, fn in (("pp", n_prompt, _pp), ("tg", n_gen, _tg)):
@@ -70,7 +82,7 @@ def run_bench(model, name: str, n_vocab: int, n_prompt: int = 512, n_gen: int = 
         res = BenchResult(name, f"{kind}{n}", threads)
         for r in range(reps + 1):  # first run is the warm-up
             ids = rng.integers(0, n_vocab, size=n, dtype=np.int32)
-            tps = fn(model, ids, pool)
+            tps = fn(model, ids, pool, n_batch)
             if progress:
                 what = "warm-up" if r == 0 else f"rep {r}/{reps}"
                 print(f"  {kind}{n} {what}: {tps:.2f} tok/s", file=sys.stderr, flush=True)

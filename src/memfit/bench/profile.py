@@ -29,9 +29,10 @@ _TYPE_NAMES = {i: t.name for i, t in TYPES.items()}
 
 
 def profile_decode(model, n_gen: int = 32, n_prompt: int = 0, seed: int = 0,
-                   probe_gb_per_s: float | None = None, pool=None) -> dict:
+                   probe_gb_per_s: float | None = None, pool=None,
+                   n_batch: int | None = None) -> dict:
     """The profile as a dict (see the module docstring); times in ms per token. The sequence
-    runs in blocks of ``pool`` (the engine's KV pool) when given."""
+    runs in blocks of ``pool`` (the engine's KV pool, of n_batch rows per step) when given."""
     from .. import _native
     if model.ops.name != "native":
         from ..errors import RequestError
@@ -39,10 +40,11 @@ def profile_decode(model, n_gen: int = 32, n_prompt: int = 0, seed: int = 0,
     c = model.config
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, c.n_vocab, size=n_prompt + n_gen + 1, dtype=np.int32)
-    from .llama_bench import _cache
+    from .llama_bench import _cache, prompt_pieces
     cache = _cache(model, pool, n_prompt + n_gen + 2)
-    if n_prompt:
-        model.forward(ids[:n_prompt], cache)
+    step = prompt_pieces(pool, n_prompt, n_batch)
+    for b in range(0, n_prompt, step):
+        model.forward(ids[b:min(b + step, n_prompt)], cache)
     model.forward(ids[n_prompt:n_prompt + 1], cache)  # warm-up: scratch, fused layers built
 
     layer_ns = [0]
@@ -139,10 +141,11 @@ def format_profile(p: dict) -> str:
 
 
 def run_profile(model, n_gen: int, n_prompt: int, as_json: bool, probe: bool = True,
-                pool=None) -> int:
+                pool=None, n_batch: int | None = None) -> int:
     from ..memory.bandwidth import read_bound
     bw = read_bound(1 << 30)[0] / 1e9 if probe else None
-    p = profile_decode(model, n_gen=n_gen, n_prompt=n_prompt, probe_gb_per_s=bw, pool=pool)
+    p = profile_decode(model, n_gen=n_gen, n_prompt=n_prompt, probe_gb_per_s=bw, pool=pool,
+                       n_batch=n_batch)
     print(json.dumps(p) if as_json else format_profile(p), flush=True)
     if not as_json and not p["fused_layers"]:
         print("note: this model's layers ran op by op (no fused decode layer)", file=sys.stderr)

@@ -74,7 +74,7 @@ class StepOutput:
 class Engine:
     def __init__(self, model, tokenizer, n_ctx: int, n_parallel: int = 1, n_batch: int = 512,
                  cache_type: str | None = None, n_blocks: int | None = None, ledger=None,
-                 cache_type_v: str | None = None, spec=None):
+                 cache_type_v: str | None = None, spec=None, window_kv: bool = True):
         if n_parallel < 1:
             raise RequestError(f"n_parallel must be >= 1, got {n_parallel}")
         c = model.config
@@ -83,8 +83,13 @@ class Engine:
         if ledger is not None and ledger.budget is not None:
             tokenizer.llg_lean = True  # constrain/tokenizer.py: llguidance's smaller tables
         self.n_ctx, self.n_parallel, self.n_batch = n_ctx, n_parallel, n_batch
-        self.pool = KVPool.of(kv_layout(c), n_blocks or kv_pool_blocks(n_ctx, n_parallel),
-                              cache_type, ledger=ledger, cache_type_v=cache_type_v)
+        # the sliding-window layers keep only their windows (kv/pool.py): a group of their own
+        # (window_kv False: they keep the whole context, masked; tests and benches compare)
+        layout = kv_layout(c)
+        self.pool = KVPool.of(layout, n_blocks or kv_pool_blocks(n_ctx, n_parallel),
+                              cache_type, ledger=ledger, cache_type_v=cache_type_v,
+                              n_blocks_swa=layout.swa_blocks(n_ctx, n_parallel, n_batch)
+                              if window_kv else None)
         # prompt chunks of several sequences share a forward: on the native backend no row's
         # result depends on the others (ops/native.py); numpy's matmul gives no such promise
         pack = model.ops.has("batch_invariant")
@@ -196,6 +201,7 @@ class Engine:
                 "kv_blocks_cached": p.n_cached, "kv_block_size": p.block_size,
                 "kv_cache_type": p.cache_type, "kv_cache_type_v": p.cache_type_v,
                 "kv_v_in_k": p.v_in_k, "kv_bytes": p.nbytes,
+                "kv_swa_blocks_total": p.n_swa_blocks, "kv_swa_blocks_used": p.n_swa_used,
                 "prefix_cache_queries": s.prefix_queries, "prefix_cache_hits": s.prefix_hits,
                 "preempted": s.n_preempted, "prefill_steps": s.n_prefill_steps,
                 "prefill_chunks": s.n_prefill_chunks, "steps": self.n_steps, "n_parallel": self.n_parallel,
@@ -292,8 +298,12 @@ class Engine:
             if tok in self.tokenizer.eog_ids and not s.ignore_eos:
                 break
         self.spec.record(s.draft_by or "?", len(d), acc)
-        self.pool.rollback(s, len(d) - acc)
-        self.pool.manager.commit(s, 0, hist, n_prompt=s.n_prompt)  # hist: s.tokens + toks
+        # exactly the rejected rows: their block was never shared nor keyed, and the window
+        # layers give blocks back only after this (scheduler.py after_step)
+        n_back = self.pool.rollback(s, len(d) - acc)
+        assert n_back == len(d) - acc, (n_back, len(d) - acc)
+        # hist: s.tokens + toks; a final commit: the window layers' old blocks go back now
+        self.pool.manager.commit(s, 0, hist, n_prompt=s.n_prompt)
         outs = []
         for i, tok in enumerate(toks):
             o, done = self._emit(s, tok, logits[i], tops[i])

@@ -23,6 +23,11 @@ class Runner:
         per_seq = (n_ctx + pool.block_size - 1) // pool.block_size + 1
         self._tables = np.zeros(max_seqs * per_seq, np.int32)
         self._all = np.arange(cap)
+        # the sliding-window layers' group (kv/pool.py): its tables at the same offsets
+        self._swa = pool.swa is not None
+        if self._swa:
+            self._stables = np.zeros_like(self._tables)
+            self._sslots = np.zeros(cap, np.int32)
 
     def run(self, sched: Scheduled) -> np.ndarray:
         """Logits f32 [rows, n_vocab] for the sequences of sched that sample this step (decode
@@ -43,15 +48,22 @@ class Runner:
             self._seq[n:n + k] = s.slot
             self._slots[n:n + k] = self._tables[t + p // bs] * bs + p % bs
             self._qtab[n:n + k] = t
+            if self._swa:  # a given-back block (-1) reads as block 0: before every window
+                st = self._stables[t:t + len(tab)]
+                st[:] = 0
+                st[:len(s.swa_table)] = s.swa_table
+                np.maximum(st, 0, out=st)
+                self._sslots[n:n + k] = st[p // bs] * bs + p % bs
             if s.draft:  # the last token and each proposed one: a logits row each
                 out.extend(range(n + k - 1 - len(s.draft), n + k))
             elif p0 + k == len(s.tokens):
                 out.append(n + k - 1)
             n += k
             t += len(tab)
+        swa = (self.pool.swa_layers, self._sslots[:n], self._stables[:t]) if self._swa else None
         kv = BatchKV(self.pool.k, self.pool.v, self.pool.kv_type, self._pos[:n], self._slots[:n],
                      self._qtab[:n], self._tables[:t], bs, kv_type_v=self.pool.kv_type_v,
-                     v_in_k=self.pool.v_in_k, aux=self.pool.aux)
+                     v_in_k=self.pool.v_in_k, aux=self.pool.aux, swa=swa)
         rows = self._all[:n] if len(out) == n else np.asarray(out, np.int64)
         batch = Batch(self._ids[:n], self._pos[:n], self._seq[:n], rows, kv,
                       decode=sched.decode)

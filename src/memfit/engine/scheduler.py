@@ -15,6 +15,12 @@ the sequences with one pending token take proposed tokens (``draft``), verified 
 rows of that sequence in the same step; a draft is cut to the rows and blocks there are and
 never preempts another sequence.
 
+Sliding-window layers (gpt-oss, gemma3: kv/manager.py WindowBlocks): a step's rows take their
+window blocks when the step is scheduled (the group is sized so that they always fit:
+kv/storage.py kv_swa_pool_blocks), and a sequence gives back the blocks its window left when
+its step is committed; a drafted sequence does so only after its verify has taken the
+rejected rows back (engine.py _verify), so that rollback never needs a given-back block.
+
 Batch invariance: every position of a sequence has one kind for its whole life. Prompt
 positions are prompt rows (the prefill kernels), generated ones decode rows (the decode
 kernels), whatever the step: a recomputed sequence feeds its generated tokens as decode rows
@@ -134,6 +140,8 @@ class Scheduler:
             self._last_prefill = True
             # a chunk of prompt rows ends at the prompt's end (then decode rows follow)
             seqs, ks = pack_prompt_chunks(prefill if self.pack else prefill[:1], self.n_batch)
+            for s, k in zip(seqs, ks):
+                self._reserve_window(s, k)
             self.n_prefill_steps += 1
             self.n_prefill_chunks += len(seqs)
             return Scheduled(seqs, ks, False)
@@ -167,11 +175,22 @@ class Scheduler:
                 elif not self._preempt(s):
                     raise AssertionError("one sequence outgrew the whole pool")
         run = [(s, k) for s, k in zip(decode, ks) if s.status is Status.RUNNING]
+        for s, k in run:
+            self._reserve_window(s, k)
         return Scheduled([s for s, _ in run], [k for _, k in run], True)
+
+    def _reserve_window(self, s: Sequence, k: int) -> None:
+        # the window layers' blocks of s's k rows (kv_swa_pool_blocks sizes the group for them)
+        if not self.pool.reserve_window(s, k):
+            raise AssertionError(f"the sliding-window KV group ({self.pool.n_swa_blocks} "
+                                 f"blocks, {self.pool.n_swa_used} used) cannot hold a step of "
+                                 f"{k} rows: it is smaller than kv_swa_pool_blocks")
 
     def after_step(self, sched: Scheduled) -> None:
         """Advance n_computed and key the blocks that became full (prefix cache)."""
         for s, k in zip(sched.seqs, sched.n_tokens):
             # a verified draft's blocks are keyed once the engine has taken back its rejected
-            # rows (engine.py _verify): a block holding a rejected token is never keyed
-            self.pool.manager.commit(s, k, None if s.draft else s.tokens, n_prompt=s.n_prompt)
+            # rows (engine.py _verify): a block holding a rejected token is never keyed, and
+            # its window blocks are given back only then
+            self.pool.manager.commit(s, k, None if s.draft else s.tokens, n_prompt=s.n_prompt,
+                                     slide=not s.draft)

@@ -39,6 +39,7 @@ class Sequence:
     n_computed: int = 0
     n_hashed: int = 0                 # full blocks registered in the prefix cache
     last_key: tuple | None = None     # prefix key of block n_hashed - 1
+    swa_table: list[int] = field(default_factory=list)  # sliding-window layers' blocks (kv/manager.py)
     cache_n: int = 0                  # prompt tokens reused from the prefix cache (first admission)
     admitted: bool = False
     status: Status = Status.WAITING

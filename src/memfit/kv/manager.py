@@ -11,6 +11,22 @@ keeps its key and stays reusable until the allocator needs it (least recently fr
 Rollback drops a sequence's last tokens (speculative decoding, prompt reuse): blocks past the
 new end are released, and a rolled-back block never stays keyed, so a later prefix match cannot
 return rows of tokens that were taken back.
+
+Sliding-window layers (``WindowBlocks``, attached as ``BlockManager.swa``): their K/V live in a
+block group of their own with a second block table per sequence, ``swa_table`` (vLLM's hybrid
+allocator keeps one table per layer group the same way). Logical block i of that table holds
+the same positions as block i of ``block_table``, so one query row addresses both through the
+same table offset, but the blocks that fall wholly before every future query's window are
+given back (their entries become -1) and the group's pool is sized for the windows of the
+running sequences, not their contexts. Why tables and not a ring: a prefill chunk longer
+than the window stores all its rows before any of them attends, so a ring of window size would
+overwrite keys the chunk's earlier rows still read; with a table the chunk holds its blocks for
+one step and gives the old ones back after it. The group's blocks are keyed like the full
+ones (same key for block i); a prefix hit of h blocks needs the group's blocks that the query at
+h * block_size reads (``hit_blocks``), else it is shortened until they are there (or to 0).
+A sequence gives blocks back only at ``slide`` points its caller chooses (after a final
+commit), so rollback of a step's rows never needs a given-back block; a rollback past them
+(SeqKV.trim) takes the whole sequence back.
 """
 
 from __future__ import annotations
@@ -45,6 +61,7 @@ class SeqBlocks:
     n_computed: int = 0
     n_hashed: int = 0
     last_key: tuple | None = None
+    swa_table: list[int] = field(default_factory=list)  # sliding-window layers' blocks (-1: given back)
 
 
 class BlockManager:
@@ -55,6 +72,7 @@ class BlockManager:
         self._cached: OrderedDict[int, None] = OrderedDict()  # keyed, unreferenced: LRU order
         self._by_key: dict[tuple, int] = {}
         self._key_of: dict[int, tuple] = {}
+        self.swa: WindowBlocks | None = None  # the sliding-window layers' group (kv/pool.py)
 
     # --- counts (integers the scheduler decides with)
     @property
@@ -140,12 +158,16 @@ class BlockManager:
             if self._by_key.get(key) is None:
                 break
             keys.append(key)
+        if self.swa is not None:  # only as far as the window layers' blocks are there too
+            keys = keys[:self.swa.hit_blocks(keys)]
         return keys
 
     def admit(self, seq, tokens, hit: list | None = None, n_prompt: int | None = None) -> bool:
         """Give an empty seq the blocks of its cached prefix (``hit``: match_prefix's keys)
         and blocks for the rest of tokens; False (and no change) when they do not fit now."""
         hit = self.match_prefix(tokens, n_prompt) if hit is None else hit
+        if self.swa is not None:
+            hit = hit[:self.swa.hit_blocks(hit)]
         need = self.blocks_for(len(tokens)) - len(hit)
         cached_hits = sum(1 for k in hit if self.ref[self._by_key[k]] == 0)
         if need > self.n_free - cached_hits:
@@ -155,6 +177,8 @@ class BlockManager:
         seq.n_computed = len(hit) * self.block_size
         seq.n_hashed = len(hit)
         seq.last_key = hit[-1] if hit else None
+        if self.swa is not None:
+            self.swa.admit(seq, hit)
         return True
 
     def can_allocate(self, seq, n_tokens: int) -> bool:
@@ -169,34 +193,50 @@ class BlockManager:
         seq.block_table += [self.allocate() for _ in range(need)]
         return True
 
-    def commit(self, seq, n_tokens: int, tokens=None, n_prompt: int | None = None) -> None:
+    def commit(self, seq, n_tokens: int, tokens=None, n_prompt: int | None = None,
+               slide: bool = True) -> None:
         """n_tokens more of seq are computed; with tokens (all of seq's tokens so far), the
         blocks that became full are keyed in the prefix cache (positions from n_prompt on as
-        decode rows)."""
+        decode rows). With slide (a final commit: no rollback below this point follows), the
+        window layers' blocks no later query reads are given back (WindowBlocks.slide)."""
         seq.n_computed += n_tokens
         assert seq.n_computed <= len(seq.block_table) * self.block_size
-        if tokens is None:
-            return
-        bs = self.block_size
-        while (seq.n_hashed + 1) * bs <= seq.n_computed:
-            i = seq.n_hashed
-            seq.last_key = _key_at(seq.last_key, tokens, i, bs, n_prompt)
-            self.register(seq.block_table[i], seq.last_key)
-            seq.n_hashed += 1
+        if tokens is not None:
+            bs = self.block_size
+            while (seq.n_hashed + 1) * bs <= seq.n_computed:
+                i = seq.n_hashed
+                seq.last_key = _key_at(seq.last_key, tokens, i, bs, n_prompt)
+                self.register(seq.block_table[i], seq.last_key)
+                if self.swa is not None:
+                    self.swa.register(seq, i, seq.last_key)
+                seq.n_hashed += 1
+        if self.swa is not None and slide:
+            self.swa.slide(seq)
 
     def rollback(self, seq, n_tokens: int) -> tuple[int, list[tuple[int, int, int]]]:
         """Take back seq's last n_tokens computed tokens. Blocks past the new end go back to
         the pool unkeyed (when seq was their only owner); the block the new end falls in loses
         its key, or, when another sequence shares it, is replaced by a copy (with no free
         block for the copy, that whole block is taken back too). Returns (tokens taken back,
-        copies [(src, dst, n_rows)] the storage must make)."""
+        copies [(src, dst, n_rows)] the storage must make). With window layers, an end whose
+        window blocks were given back takes the whole sequence back (it is recomputed), and
+        one inside a window block another sequence shares goes back to that block's start."""
         n = max(0, min(int(n_tokens), seq.n_computed))
         end = seq.n_computed - n
         bs = self.block_size
+        while True:  # the end moves down until both groups can stop there
+            e0 = end
+            if self.swa is not None:
+                end = self.swa.rollback_end(seq, end)
+            if end % bs and self.ref[seq.block_table[self.blocks_for(end) - 1]] > 1 \
+                    and self.n_free == 0:
+                end -= end % bs
+            if end == e0:
+                break
+        n = seq.n_computed - end
         keep = self.blocks_for(end)
-        if end % bs and self.ref[seq.block_table[keep - 1]] > 1 and self.n_free == 0:
-            end, keep = end - end % bs, keep - 1
-            n = seq.n_computed - end
+        if self.swa is not None:
+            self.swa.cut(seq, end)
         copies = []
         for b in seq.block_table[keep:]:
             if self.ref[b] == 1:
@@ -225,3 +265,111 @@ class BlockManager:
         """Return all of seq's blocks (its keyed full blocks stay in the prefix cache)."""
         self.release(seq.block_table)
         seq.block_table = []
+        if self.swa is not None:
+            self.swa.free(seq)
+
+
+def window_span(n_positions: int, block_size: int) -> int:
+    """Blocks that n_positions consecutive positions can touch (at any offset)."""
+    return 0 if n_positions <= 0 else (n_positions + block_size - 2) // block_size + 1
+
+
+class WindowBlocks:
+    """The sliding-window layers' block group (see the module doc): its own blocks, reference
+    counts and keys (a BlockManager), a window of ``window`` positions (query p reads keys
+    p - window + 1..p) and each sequence's ``swa_table``: entries below the first block the
+    next query reads are -1 once given back, those from it to the end are held."""
+
+    def __init__(self, n_blocks: int, block_size: int, window: int):
+        assert window > 0
+        self.blocks = BlockManager(n_blocks, block_size)
+        self.n_blocks, self.block_size, self.window = n_blocks, block_size, int(window)
+
+    def lo(self, n: int) -> int:
+        """The first logical block a query at position n or later reads."""
+        return max(0, n - self.window + 1) // self.block_size
+
+    def covered(self, seq, end: int) -> bool:
+        """Whether seq holds the blocks the query at position ``end`` reads before it."""
+        t = seq.swa_table
+        return all(i < len(t) and t[i] >= 0
+                   for i in range(self.lo(end), self.blocks.blocks_for(end)))
+
+    # --- per step
+    def need(self, seq, n_tokens: int) -> int:
+        """Blocks to add so that seq's next n_tokens can be stored and attend."""
+        end = self.blocks.blocks_for(seq.n_computed + n_tokens)
+        return max(0, end - max(len(seq.swa_table), self.lo(seq.n_computed)))
+
+    def reserve(self, seq, n_tokens: int) -> bool:
+        """Hold the blocks of seq's next n_tokens; False (and no change) when too few are free."""
+        need = self.need(seq, n_tokens)
+        if need > self.blocks.n_free:
+            return False
+        t, lo = seq.swa_table, self.lo(seq.n_computed)
+        if len(t) < lo:
+            t.extend([-1] * (lo - len(t)))
+        t.extend(self.blocks.allocate() for _ in range(need))
+        return True
+
+    def slide(self, seq) -> None:
+        """Give back the blocks before the window of the query at seq.n_computed (oldest first,
+        so the least recently used cached block is the oldest position)."""
+        t = seq.swa_table
+        hi = min(self.lo(seq.n_computed), len(t))
+        i = hi
+        while i > 0 and t[i - 1] >= 0:
+            i -= 1
+        for j in range(i, hi):
+            self.blocks.release([t[j]])
+            t[j] = -1
+
+    # --- prefix cache
+    def hit_blocks(self, keys) -> int:
+        """The longest prefix (in blocks) of the full group's hit ``keys`` whose window this
+        group holds: a hit of h blocks needs blocks lo(h * block_size)..h-1 keyed here."""
+        have = [self.blocks.peek(k) is not None for k in keys]
+        for h in range(len(keys), 0, -1):
+            if all(have[self.lo(h * self.block_size):h]):
+                return h
+        return 0
+
+    def admit(self, seq, keys) -> None:
+        """seq's table for a hit of len(keys) blocks (hit_blocks checked them)."""
+        lo = self.lo(len(keys) * self.block_size)
+        seq.swa_table = [-1] * lo + [self.blocks.lookup(k) for k in keys[lo:]]
+
+    def register(self, seq, i: int, key) -> None:
+        """Key block i of seq's table with the full group's key of block i (when held)."""
+        t = seq.swa_table
+        if i < len(t) and t[i] >= 0:
+            self.blocks.register(t[i], key)
+
+    # --- rollback
+    def rollback_end(self, seq, end: int) -> int:
+        """Where a rollback to end can stop in this group: end; its block's start when that
+        block is shared (no copy on write here); 0 when the window before it is given back."""
+        if end % self.block_size and self.covered(seq, end) and \
+                self.blocks.ref[seq.swa_table[end // self.block_size]] > 1:
+            end -= end % self.block_size
+        return end if self.covered(seq, end) else 0
+
+    def cut(self, seq, end: int) -> None:
+        """Release seq's blocks past end (rollback_end chose it); the block end falls in
+        loses its key (its later rows change)."""
+        keep, t = self.blocks.blocks_for(end), seq.swa_table
+        for b in t[keep:]:
+            if b >= 0:
+                if self.blocks.ref[b] == 1:
+                    self.blocks.unregister(b)
+                self.blocks.release([b])
+        del t[keep:]
+        if end == 0:
+            t.clear()
+        elif end % self.block_size:
+            assert self.blocks.ref[t[keep - 1]] == 1
+            self.blocks.unregister(t[keep - 1])
+
+    def free(self, seq) -> None:
+        self.blocks.release([b for b in seq.swa_table if b >= 0])
+        seq.swa_table = []

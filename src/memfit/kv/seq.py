@@ -38,13 +38,16 @@ class SeqKV:
     @classmethod
     def new(cls, n_layer: int, n_ctx: int, n_kv_head: int, head_dim_k: int, head_dim_v=None,
             cache_type: str = "f16", cache_type_v: str | None = None, ledger=None,
-            v_in_k: bool = False, aux_dim: int = 0, aux_layers=()) -> SeqKV:
-        """A sequence on a pool of its own, just large enough for n_ctx tokens."""
+            v_in_k: bool = False, aux_dim: int = 0, aux_layers=(), swa_layers=(),
+            window: int = 0, n_blocks_swa: int = 0) -> SeqKV:
+        """A sequence on a pool of its own, just large enough for n_ctx tokens (its window
+        layers in n_blocks_swa blocks of their own when given: kv/pool.py)."""
         if n_ctx <= 0:
             raise RequestError(f"context size must be positive, got {n_ctx}")
         pool = KVPool(n_layer, -(-n_ctx // BLOCK_SIZE), n_kv_head, head_dim_k, head_dim_v,
                       cache_type, ledger=ledger, cache_type_v=cache_type_v, v_in_k=v_in_k,
-                      aux_dim=aux_dim, aux_layers=aux_layers)
+                      aux_dim=aux_dim, aux_layers=aux_layers, swa_layers=swa_layers,
+                      window=window, n_blocks_swa=n_blocks_swa)
         return cls(pool, n_ctx)
 
     @property
@@ -65,25 +68,42 @@ class SeqKV:
         """The BatchKV of the next n tokens, their blocks allocated (RequestError if they do not
         fit in the context or the pool has too few free blocks)."""
         pos = self.positions(n)
-        if not self.pool.manager.allocate_for(self.state, n):
-            p = self.pool
+        p = self.pool
+        if not p.manager.allocate_for(self.state, n):
             raise RequestError(f"the KV pool has {p.n_free} free blocks of {p.block_size} "
                                f"tokens; {n} more tokens after {self.offset} need more (other "
                                f"sequences hold the rest); retry when they finish")
-        bs = self.pool.block_size
+        if not p.reserve_window(self.state, n):
+            need = p.swa.need(self.state, n)
+            if need > p.swa.n_blocks:
+                raise RequestError(f"{n} tokens at once need {need} blocks of the KV pool's "
+                                   f"sliding-window group, which has {p.swa.n_blocks}; feed "
+                                   f"at most the engine's n_batch tokens per forward")
+            raise RequestError(f"the KV pool's sliding-window group has {p.swa.blocks.n_free} "
+                               f"free blocks of {p.block_size} tokens; {n} more tokens after "
+                               f"{self.offset} need {need} (other sequences hold the rest); "
+                               f"retry when they finish")
+        bs = p.block_size
         tables = np.asarray(self.state.block_table, np.int32)
         slots = tables[pos // bs] * bs + pos % bs
+        swa = None
+        if p.swa is not None:  # the window layers' table, laid out like tables
+            st = np.zeros_like(tables)
+            st[:len(self.state.swa_table)] = self.state.swa_table
+            np.maximum(st, 0, out=st)   # given back (-1): any block, before every window
+            swa = (p.swa_layers, st[pos // bs] * bs + pos % bs, st)
         if self._zeros.size < n:
             self._zeros = np.zeros(max(n, 512), np.int32)
-        return BatchKV(self.pool.k, self.pool.v, self.kv_type, pos, slots, self._zeros[:n],
-                       tables, bs, kv_type_v=self.kv_type_v, v_in_k=self.pool.v_in_k,
-                       aux=self.pool.aux)
+        return BatchKV(p.k, p.v, self.kv_type, pos, slots, self._zeros[:n], tables, bs,
+                       kv_type_v=self.kv_type_v, v_in_k=p.v_in_k, aux=p.aux, swa=swa)
 
     def advance(self, n: int) -> None:
         self.pool.manager.commit(self.state, n)
 
     def trim(self, n: int) -> int:
-        """Drop the last n tokens (speculative decoding / prompt reuse); returns how many."""
+        """Drop the last n tokens (speculative decoding / prompt reuse); returns how many:
+        all of them when the window layers' blocks before the new end were given back
+        (the sequence is then recomputed from its start)."""
         return self.pool.rollback(self.state, n)
 
     def reset(self) -> None:

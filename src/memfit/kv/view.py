@@ -12,6 +12,12 @@ the kernels read each key's value as the first Dv values of its K row (V None to
 calls, a slice of the gathered K rows on the numpy path); a quantized K carries V's rotation
 (kv/quant.py rot_sizes).
 
+Sliding-window layers with a block group of their own (kv/manager.py WindowBlocks): ``swa``
+= (their layer numbers, the batch's slots in that group, its block tables laid out like
+``tables``, so ``q_tab`` serves both); ``k[l]`` / ``v[l]`` of those layers are the group's
+arrays. A table entry before a row's window is any valid block (the kernels start at the
+window: csrc/ops.h mf_paged_args).
+
 Auxiliary rows (``aux``: glm-dsa's lightning-indexer keys, kv/storage.py): ``store_aux`` writes
 the batch's rows at ``slots`` like K, ``seq_keys`` gives each sequence's rows and the physical
 rows of its positions 0..T-1, and ``attend_keys`` runs the same attention kernels over a chosen
@@ -33,13 +39,15 @@ _BLOCK = (2, 8)  # q4_0, q8_0: rows of GGML blocks (kv/quant.py)
 class BatchKV:
     def __init__(self, k: list, v: list, kv_type: int, pos: np.ndarray, slots: np.ndarray,
                  q_tab: np.ndarray, tables: np.ndarray, bs: int, kv_type_v: int | None = None,
-                 v_in_k: bool = False, aux: list | None = None):
+                 v_in_k: bool = False, aux: list | None = None, swa: tuple | None = None):
         # k[l], v[l]: the layer's pools as physical rows [rows, Hkv, D] (block types: uint8
         # [rows, Hkv, row_bytes]); kv_type is K's cache type, kv_type_v V's (default: the same);
         # v_in_k: no V pools (v unused), V is K's first Dv values, in K's type
         self.k, self.v, self.kv_type, self.v_in_k = k, v, kv_type, bool(v_in_k)
         self.kv_type_v = kv_type if kv_type_v is None or v_in_k else kv_type_v
         self.pos, self.slots, self.q_tab, self.tables, self.bs = pos, slots, q_tab, tables, bs
+        # (window layers, their slots, their tables) or None: every layer uses slots/tables
+        self.swa_layers, self.swa_slots, self.swa_tables = swa if swa else ((), None, None)
         # aux[l]: the layer's auxiliary rows [rows, aux_dim] (glm-dsa indexer keys) or None
         self.aux = aux if aux is not None else []
         # glm-dsa: the key selection of the last full indexer layer of this forward (KeySelection
@@ -81,9 +89,16 @@ class BatchKV:
         pools of its own (the fused layer stores and reads V rows)."""
         return self.kv_type in _NP and self.kv_type_v in _NP and not self.v_in_k
 
+    def _addr(self, il: int) -> tuple[np.ndarray, np.ndarray]:
+        """(slots, tables) of layer il: its group's."""
+        if il in self.swa_layers:
+            return self.swa_slots, self.swa_tables
+        return self.slots, self.tables
+
     def fused(self, il: int) -> tuple:
         """Arguments of the native batched decode layer after x (opaque to model code)."""
-        return (self.pos, self.slots, self.q_tab, self.tables, self.bs, self.kv_type,
+        slots, tables = self._addr(il)
+        return (self.pos, slots, self.q_tab, tables, self.bs, self.kv_type,
                 self.k[il], self.v[il])
 
     def attend(self, il: int, ops, q: np.ndarray, k: np.ndarray, v: np.ndarray, rows,
@@ -97,26 +112,30 @@ class BatchKV:
         K = self.k[il]
         V = None if self.v_in_k else self.v[il]
         pos, q_tab = self.pos, self.q_tab
+        slots, tables = self._addr(il)
         if rows is not None:
             q, pos, q_tab = q[rows], pos[rows], q_tab[rows]
         q = np.ascontiguousarray(q, dtype=np.float32)
         # only a call with sinks passes the keyword (an ops object of before them still works)
         kw = {} if sinks is None else {"sinks": np.ascontiguousarray(sinks, np.float32)}
         if self.kv_type in _BLOCK or self.kv_type_v in _BLOCK:
-            return self._attend_quantized(ops, K, V, q, k, v, pos, q_tab, scale, window, softcap, kw)
+            return self._attend_quantized(ops, K, V, q, k, v, pos, q_tab, scale, window, softcap,
+                                          kw, slots, tables)
         ops = as_backend(ops)   # (tests hand the reference module in directly)
         if ops.has("paged_attention"):
             paged = ops.attention_paged
-            ops.kv_store(self.kv_type, K, self.slots, np.ascontiguousarray(k, np.float32))
+            ops.kv_store(self.kv_type, K, slots, np.ascontiguousarray(k, np.float32))
             if V is not None:
-                ops.kv_store(self.kv_type, V, self.slots, np.ascontiguousarray(v, np.float32))
+                ops.kv_store(self.kv_type, V, slots, np.ascontiguousarray(v, np.float32))
             out = np.empty((q.shape[0], q.shape[1], v.shape[2]), np.float32)
-            paged(q, K, V, self.kv_type, pos, q_tab, self.tables, self.bs, scale, window, softcap, out,
+            paged(q, K, V, self.kv_type, pos, q_tab, tables, self.bs, scale, window, softcap, out,
                   **kw)
             return out
-        return self._attend_reference(ops, K, V, q, k, v, pos, q_tab, scale, window, softcap, kw)
+        return self._attend_reference(ops, K, V, q, k, v, pos, q_tab, scale, window, softcap, kw,
+                                      slots, tables)
 
-    def _attend_quantized(self, ops, K, V, q, k, v, pos, q_tab, scale, window, softcap, kw):
+    def _attend_quantized(self, ops, K, V, q, k, v, pos, q_tab, scale, window, softcap, kw,
+                          slots, tables):
         # q8_0 / q4_0 rows (llama.cpp's -ctk/-ctv): quantized as llama.cpp stores them, attended
         # with its numerics (csrc/kv_quant.c; ops.attention_kvq, the numpy reference stands in)
         # with llama.cpp's Hadamard rotation of quantized K / V (kv/quant.py rotate)
@@ -125,22 +144,23 @@ class BatchKV:
         n = k.shape[0]
         # V inside K: V is the first Dv values of the rotated K row, so it has K's rotation
         rk, rv = kq.rot_sizes(tk, tv, k.shape[-1], v.shape[-1], V is None)
-        kq.store_rows(tk, K, self.slots, kq.rotate(k, rk).reshape(n, -1))
+        kq.store_rows(tk, K, slots, kq.rotate(k, rk).reshape(n, -1))
         if V is not None:
-            kq.store_rows(tv, V, self.slots, kq.rotate(v, rv).reshape(n, -1))
+            kq.store_rows(tv, V, slots, kq.rotate(v, rv).reshape(n, -1))
         else:
             kw["dv"] = v.shape[-1]
         o = ops.attention_kvq(np.ascontiguousarray(kq.rotate(q, rk)), K, V, pos, None, scale,
-                              window, softcap, tk, tv, table=self.tables, q_tab=q_tab, bs=self.bs,
+                              window, softcap, tk, tv, table=tables, q_tab=q_tab, bs=self.bs,
                               **kw)
         return kq.rotate(o, rv)
 
-    def _attend_reference(self, ops, K, V, q, k, v, pos, q_tab, scale, window, softcap, kw):
+    def _attend_reference(self, ops, K, V, q, k, v, pos, q_tab, scale, window, softcap, kw,
+                          slots, tables):
         # numpy backend: write through numpy's rounding, gather each sequence's keys, attend
         assert self.kv_type in _NP, "the numpy backend has f32 and f16 caches only"
-        K[self.slots] = k
+        K[slots] = k
         if V is not None:
-            V[self.slots] = v
+            V[slots] = v
         if self.kv_type == 1:
             q = q.astype(np.float16).astype(np.float32)  # llama.cpp's f16 path reads Q as f16
         dv = v.shape[2]
@@ -149,8 +169,10 @@ class BatchKV:
         for tab in np.unique(q_tab):
             sel = np.nonzero(q_tab == tab)[0]
             T = int(pos[sel].max()) + 1
+            # keys 0..T-1, the window masks them (a given-back window block's table entry
+            # names another block: finite rows, masked, the same sums)
             t = np.arange(T)
-            phys = self.tables[tab + t // bs].astype(np.int64) * bs + t % bs
+            phys = tables[tab + t // bs].astype(np.int64) * bs + t % bs
             kk = K[phys]
             vv = kk[..., :dv] if V is None else V[phys]   # V inside K: the K rows' first Dv
             out[sel] = ops.attention(np.ascontiguousarray(q[sel]), kk, vv, pos[sel],

@@ -113,6 +113,8 @@ class ModelDesc:
     kv_aux: int = 0             # auxiliary cache values per token (glm-dsa's indexer keys)
     ctx_extra: int = 0          # f32 values per context token held once in a layer (glm-dsa:
                                 # a sequence's indexer keys in f32 and one row's scores)
+    kv_swa_layers: tuple = ()   # sliding-window layers: the KV pool holds only their windows
+    kv_window: int = 0          # ... of this many positions (gpt-oss, gemma3)
 
     @property
     def runtime_bytes(self) -> int:
@@ -157,6 +159,19 @@ class ModelDesc:
                                           self.head_dim_v, cache_type_k, cache_type_v,
                                           v_in_k=self.v_in_k, aux=self.kv_aux)
 
+    def kv_pool_bytes(self, n_ctx: int, n_parallel: int = 1, n_batch: int = 512,
+                      cache_type_k="f16", cache_type_v="f16", window_group: bool = True) -> int:
+        """Bytes of the engine's KV pool for n_parallel sequences of n_ctx tokens and steps of
+        n_batch rows (kv/storage.py KVLayout.pool_bytes: the sliding-window layers' group
+        holds their windows only); window_group False: every layer for every position (a
+        pool without the group: the draft's)."""
+        from ..kv.storage import KVLayout
+        # (the indexer keys' total per token stands as one layer's aux rows: same bytes)
+        L = KVLayout(self.n_layer, self.n_head_kv, self.head_dim, self.head_dim_v, self.v_in_k,
+                     self.kv_aux, (0,) if self.kv_aux else (),
+                     self.kv_swa_layers if window_group else (), self.kv_window)
+        return L.pool_bytes(n_ctx, n_parallel, n_batch, cache_type_k, cache_type_v)
+
     @property
     def weight_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
@@ -185,7 +200,8 @@ class ModelDesc:
                          int(getattr(f, "file_size", 0) or 0), name or str(md.get("general.name", "")),
                          str(md.get("tokenizer.ggml.model", "") or ""),
                          len(merges) if isinstance(merges, list) else 0, skipped,
-                         _act_extra(c), kv_layout(c).v_in_k, kv_layout(c).aux, _ctx_extra(c))
+                         _act_extra(c), kv_layout(c).v_in_k, kv_layout(c).aux, _ctx_extra(c),
+                         kv_layout(c).swa_layers, kv_layout(c).window)
 
 
 def _act_extra(c) -> int:
@@ -297,6 +313,8 @@ class Plan:
     cache_type_v: str = "f16"
     kv_v_in_k: bool = False          # the cache holds K only, V is read from it (MLA)
     kv_aux: int = 0                  # indexer key values per token in kv_bytes (glm-dsa)
+    kv_swa_layers: int = 0           # layers whose KV holds only a window (0: none bounded)
+    kv_window: int = 0               # ... of this many positions
     # a draft model (speculative decoding, spec/draft.py), pinned whole before the target's
     # weights get the rest: {"name", "weights_bytes", "kv_bytes", "scratch_bytes"}
     draft: dict = field(default_factory=dict)
@@ -343,6 +361,7 @@ class Plan:
             "kv_bytes": self.kv_bytes, "io_staging_bytes": self.io_staging_bytes,
             "cache_type_k": self.cache_type_k, "cache_type_v": self.cache_type_v,
             "kv_v_in_k": self.kv_v_in_k, "kv_aux": self.kv_aux,
+            "kv_swa_layers": self.kv_swa_layers, "kv_window": self.kv_window,
             "stream_slot_bytes": self.stream_slot_bytes,
             "tiers": {t: {"bytes": self.tier_bytes[t], "n_tensors": len(n), "tensors": n}
                       for t, n in self.tiers.items()},
@@ -383,7 +402,9 @@ class Plan:
                  row(f"KV cache (ctx {self.n_ctx})", self.kv_bytes,
                      (f"K {self.cache_type_k}, V inside K" if self.kv_v_in_k else
                       f"K {self.cache_type_k}, V {self.cache_type_v}")
-                     + (", indexer keys" if self.kv_aux else "")),
+                     + (", indexer keys" if self.kv_aux else "")
+                     + (f", {self.kv_swa_layers} of {self.n_layer} layers hold only their "
+                        f"{self.kv_window}-token window" if self.kv_swa_layers else "")),
                  row("I/O staging", self.io_staging_bytes),
                  row("stream slots (2 units)", self.stream_slot_bytes,
                      f"largest unit {format_size(self.stream_slot_bytes // 2)}"),
@@ -510,13 +531,15 @@ def kv_pool_tokens(n_ctx: int, n_parallel: int = 1) -> int:
 
 
 def kv_bytes(m: ModelDesc, n_ctx: int, kv_bytes_per_elem: float | None, n_parallel: int = 1,
-             cache_type_k: str = "f16", cache_type_v: str = "f16") -> int:
-    """The KV cache's line item: the engine's block pool for n_parallel sequences of n_ctx,
-    in its cache types (f16, q8_0, q4_0), or at kv_bytes_per_elem bytes per value when given."""
-    tokens = kv_pool_tokens(n_ctx, n_parallel)
+             cache_type_k: str = "f16", cache_type_v: str = "f16", n_batch: int = 512,
+             window_group: bool = True) -> int:
+    """The KV cache's line item: the engine's block pool for n_parallel sequences of n_ctx
+    and steps of n_batch rows (its sliding-window layers hold their windows only), in its
+    cache types (f16, q8_0, q4_0), or at kv_bytes_per_elem bytes per value when given."""
     if kv_bytes_per_elem is not None:
-        return int(m.kv_elems_per_token * tokens * kv_bytes_per_elem)
-    return m.kv_cache_bytes(tokens, cache_type_k, cache_type_v)
+        return int(m.kv_pool_bytes(n_ctx, n_parallel, n_batch, "f32", "f32", window_group)
+                   // 4 * kv_bytes_per_elem)
+    return m.kv_pool_bytes(n_ctx, n_parallel, n_batch, cache_type_k, cache_type_v, window_group)
 
 
 @dataclass
@@ -718,7 +741,9 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
     m = model
     if m.v_in_k:   # V is read from K (MLA): it has K's type and costs nothing of its own
         cache_type_v = cache_type_k
-    kv = kv_bytes(m, n_ctx, kv_bytes_per_elem, n_parallel, cache_type_k, cache_type_v)
+    n_batch = min(n_batch, n_ctx)  # a prefill batch never exceeds the context
+    # the engine's pool at this n_batch (the engine runs at the plan's, never more)
+    kv = kv_bytes(m, n_ctx, kv_bytes_per_elem, n_parallel, cache_type_k, cache_type_v, n_batch)
     # the runtime as it stays once loaded: the larger of its prediction (IMPORT_BYTES) and the
     # measured RSS (interpreter, libraries, the parsed file) plus what the tokenizer keeps. The
     # tokenizer's transient peak (runtime_bytes) comes and goes before any budgeted
@@ -732,17 +757,17 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
     if constrained:
         from ..constrain.tokenizer import table_bytes
         baseline += table_bytes(m.n_vocab, lean=True)
-    n_batch = min(n_batch, n_ctx)  # a prefill batch never exceeds the context
 
     dparts = {}
-    if draft is not None:
+    if draft is not None:   # the draft's pool keeps every layer's whole context
         dparts = {"name": draft.name or draft.arch, "weights_bytes": draft.weight_bytes,
                   "kv_bytes": kv_bytes(draft, n_ctx, kv_bytes_per_elem, n_parallel,
-                                       cache_type_k, cache_type_k),
+                                       cache_type_k, cache_type_k, window_group=False),
                   "scratch_bytes": scratch_bytes(draft, n_batch, n_ctx, threads)}
     elif resident_draft:
-        dparts = {"name": "(resident layers)", "weights_bytes": 0, "kv_bytes": kv,
-                  "scratch_bytes": 0}
+        dparts = {"name": "(resident layers)", "weights_bytes": 0, "scratch_bytes": 0,
+                  "kv_bytes": kv_bytes(m, n_ctx, kv_bytes_per_elem, n_parallel, cache_type_k,
+                                       cache_type_v, window_group=False)}
     draft_total = sum(v for k, v in dparts.items() if k != "name")
 
     def fixed(nb: int) -> int:
@@ -820,7 +845,10 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
         expert_bytes=sum(t.nbytes for t in experts), hot_experts=x.hot,
         hot_bytes=x.hot_bytes, hot_coverage=x.hot_coverage, expert_policy=expert_policy,
         cache_type_k=str(cache_type_k).lower(), cache_type_v=str(cache_type_v).lower(),
-        kv_v_in_k=m.v_in_k, kv_aux=m.kv_aux, draft=dparts)
+        kv_v_in_k=m.v_in_k, kv_aux=m.kv_aux, draft=dparts,
+        kv_swa_layers=len(m.kv_swa_layers) if m.kv_pool_bytes(n_ctx, n_parallel, n_batch) <
+        m.kv_pool_bytes(n_ctx, n_parallel, n_batch, window_group=False) else 0,
+        kv_window=m.kv_window)
 
 
 def _predict(m: ModelDesc, streamed: set[str], x: _Experts, emb_rows, bandwidth: Bandwidth,

@@ -1,7 +1,10 @@
 """gemma3: embeddings scaled by sqrt(n_embd); Q/K norm; RMS norms before and after both
 attention and FFN (GGUF norm weights already include Gemma's +1); GELU-tanh gated FFN;
 5 of every 6 layers use sliding-window attention with rope base 10000 and no rope scaling,
-every 6th is global with {arch}.rope.freq_base and the file's scaling; tied output."""
+every 6th is global with {arch}.rope.freq_base and the file's scaling; tied output.
+The sliding layers' KV holds only their window (attention.sliding_window: 512 or 1024) in
+the engine's pool, as gpt-oss's (models/gptoss.py, kv/manager.py WindowBlocks) whenever that
+window group is smaller than the context's blocks."""
 
 from __future__ import annotations
 

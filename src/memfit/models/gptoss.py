@@ -12,8 +12,12 @@ SOFTMAX_WEIGHT), no renormalization or scale; each expert's gate and up carry bi
 the clamped SwiGLU (x = min(gate, 7), y = clip(up, -7, 7), x sigmoid(1.702 x) (y + 1)), then
 down plus its bias. The experts ship as MXFP4.
 
-The sliding layers' KV is held in full (masked to the window), as gemma3's: bounding it by
-the window in the pool is not done yet.
+The sliding layers' KV holds only their window: in the engine's paged pool they have a block
+group of their own (kv/manager.py WindowBlocks, kv/storage.py kv_layout: the layers
+``is_swa``), where a sequence keeps the blocks its next query's window reads, so a long
+context costs the full layers' KV plus a fixed window group, about half of every layer's
+(the planner counts it so: kv/storage.py KVLayout.pool_bytes). The attention itself is the
+same masked kernel over the same keys, so the logits are the bits of a cache that kept them all.
 """
 
 from __future__ import annotations
