@@ -32,9 +32,8 @@ int mf_matmul_multi_ex(int k, const int *types, const uint8_t *const *ws, const 
                        int64_t cols, const float *x, int64_t n, float *const *ys, int vec_only);
 
 void mf_sigmoid_f32(const float *x, float *out, int64_t n); /* csrc/ops.c */
-int mf_moe_ffn(const float *x, int64_t n_embd, int64_t n_ff, const int *types, int64_t n_groups,
-               const uint8_t *const *w, const float *const *bias, const int64_t *off, const int64_t *rows,
-               const float *wts, int act, float *out, int decode); /* csrc/moe.c */
+int mf_matmul_grouped(int k, const int *types, const uint8_t *const *ws, const int64_t *rows, int64_t cols,
+                      const float *x, const int64_t *off, int64_t G, float *const *ys); /* csrc/quant_mm.c */
 
 enum { W_Q, W_K, W_V, W_O, W_G, W_U, W_D, NW };
 /* a MoE layer's matrices: the attention's 4, then these */
@@ -182,14 +181,16 @@ static int moe_half(const layer_t *L, float *x, int64_t n, const uint8_t *const 
     const int64_t E = L->n_embd, X = L->n_expert, K = L->k_used, F = L->n_ff_exp, Fs = L->n_ff_sh;
     const float *const *vec = L->vec;
     /* logits, probs, sel_p [n, X]; picked wts, group wts [n K]; shared: gate [n], g, u [n, Fs],
-     * s [n, E]; then int64: sel, group rows [n K], count [X], off [X + 1]; pointers [3 X] */
-    const size_t nf = (size_t)(3 * n * X + 2 * n * K + n + 2 * n * Fs + n * E),
+     * s [n, E]; experts' rows: x [n K, E], gate, up [n K, F], y [n K, E]; then int64: sel,
+     * group rows [n K], count [X], off [X + 1]; pointers [3 X] */
+    const size_t nf = (size_t)(3 * n * X + 2 * n * K + n + 2 * n * Fs + n * E + 2 * n * K * (E + F)),
                  ni = (size_t)(2 * n * K + 2 * X + 1);
     uint8_t *mem = moe_scratch(nf * 4 + ni * 8 + (size_t)(3 * X) * sizeof(void *) + 16);
     if (!mem) return -3;
     float *logits = (float *)mem, *probs = logits + n * X, *selp = probs + n * X, *pw = selp + n * X,
-          *gw = pw + n * K, *sg = gw + n * K, *g = sg + n, *u = g + n * Fs, *sy = u + n * Fs;
-    int64_t *sel = (int64_t *)(((uintptr_t)(sy + n * E) + 7) & ~(uintptr_t)7), *grow = sel + n * K,
+          *gw = pw + n * K, *sg = gw + n * K, *g = sg + n, *u = g + n * Fs, *sy = u + n * Fs,
+          *xe = sy + n * E, *ge = xe + n * K * E, *ue = ge + n * K * F, *ye = ue + n * K * F;
+    int64_t *sel = (int64_t *)(((uintptr_t)(ye + n * K * E) + 7) & ~(uintptr_t)7), *grow = sel + n * K,
             *cnt = grow + n * K, *off = cnt + X;
     const uint8_t **wp = (const uint8_t **)(((uintptr_t)(off + X + 1) + 7) & ~(uintptr_t)7);
     int rc;
@@ -243,9 +244,9 @@ static int moe_half(const layer_t *L, float *x, int64_t n, const uint8_t *const 
     off[0] = 0;
     for (int64_t e = 0; e < X; e++) {
         if (!cnt[e]) continue;
-        wp[3 * G] = w[M_GE] + e * gb;
-        wp[3 * G + 1] = w[M_UE] + e * ub;
-        wp[3 * G + 2] = w[M_DE] + e * db;
+        wp[2 * G] = w[M_GE] + e * gb; /* gate, up of group g at 2 g, 2 g + 1; downs after them */
+        wp[2 * G + 1] = w[M_UE] + e * ub;
+        wp[2 * X + G] = w[M_DE] + e * db;
         off[G + 1] = off[G] + cnt[e];
         cnt[e] = off[G]; /* now the group's next free place */
         G++;
@@ -256,9 +257,28 @@ static int moe_half(const layer_t *L, float *x, int64_t n, const uint8_t *const 
             grow[at] = r;
             gw[at] = pw[r * K + j];
         }
+    /* the experts, as csrc/moe.c's mf_moe_ffn computes them group by group (the same kernels
+     * and plans per group), with one pool job for every group's gate and up and one for the
+     * downs; then each row's results added in expert order */
+    const int64_t N = off[G];
+    for (int64_t i = 0; i < N; i++) memcpy(xe + i * E, h + grow[i] * E, sizeof(float) * (size_t)E);
+    {
+        const int64_t gr[2] = {F, F};
+        float *ys[2] = {ge, ue};
+        if ((rc = mf_matmul_grouped(2, &L->types[M_GE], wp, gr, E, xe, off, G, ys))) return rc;
+    }
+    if (L->gelu) mf_gelu_mul_f32(ge, ue, ge, N * F);
+    else mf_silu_mul_f32(ge, ue, ge, N * F);
+    {
+        float *ys[1] = {ye};
+        if ((rc = mf_matmul_grouped(1, &L->types[M_DE], wp + 2 * X, &E, F, ge, off, G, ys))) return rc;
+    }
     memset(out, 0, sizeof(float) * (size_t)(n * E));
-    const int etypes[3] = {L->types[M_GE], L->types[M_UE], L->types[M_DE]};
-    if ((rc = mf_moe_ffn(h, E, F, etypes, G, wp, NULL, off, grow, gw, L->gelu, out, 1))) return rc;
+    for (int64_t i = 0; i < N; i++) {
+        const float s = gw[i], *yi = ye + i * E;
+        float *o = out + grow[i] * E;
+        for (int64_t c = 0; c < E; c++) o[c] += s * yi[c];
+    }
     if (Fs) {
         float *ys[2] = {g, u};
         if ((rc = mf_matmul_multi_ex(2, &L->types[M_GS], &w[M_GS], &L->rows[M_GS], E, h, n, ys, 1))) return rc;

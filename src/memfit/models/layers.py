@@ -17,6 +17,7 @@ from ..ops import QTensor
 from ..ops.fused import DenseLayerParams, MoeLayerParams
 from ..ops.rope import yarn_corr_dims
 from ..quant.reference import dequantize
+from ..memory.planner import expert_switch
 from ..quant.types import BY_NAME
 from .batch import Batch
 from .config import ModelConfig
@@ -288,9 +289,10 @@ class Model:
     def _decode_layers(self) -> list | None:
         """Per layer (native layer, its matrix names) for decode rows when the backend has the
         fused layers (caps dense_decode, moe_decode) and the architecture declares its block
-        to be them (fused_decode without experts, fused_moe_decode with); a MoE layer whose
-        experts are not in place (moe_layer_params) is None there and runs op by op. None:
-        block() runs every layer op by op."""
+        to be them (fused_decode without experts, fused_moe_decode with; MEMFIT_FUSED_MOE=0
+        turns the latter off, for comparisons); a MoE layer whose experts are not in place
+        (moe_layer_params) is None there and runs op by op. None: block() runs every layer
+        op by op."""
         if self._fused is None:
             self._fused = []
             c, ops = self.config, self.ops
@@ -299,7 +301,7 @@ class Model:
                     for il in range(c.n_layer):
                         self._fused.append(ops.dense_layer(self.dense_layer_params(il)))
                 elif c.n_expert and ops.has("moe_decode") and ops.has("dense_decode") \
-                        and self.fused_moe_decode:
+                        and self.fused_moe_decode and expert_switch("MEMFIT_FUSED_MOE"):
                     for il in range(c.n_layer):
                         if c.is_moe(il):
                             mp = self.moe_layer_params(il)
