@@ -33,7 +33,8 @@ int mf_matmul_multi_ex(int k, const int *types, const uint8_t *const *ws, const 
 
 void mf_sigmoid_f32(const float *x, float *out, int64_t n); /* csrc/ops.c */
 int mf_matmul_grouped(int k, const int *types, const uint8_t *const *ws, const int64_t *rows, int64_t cols,
-                      const float *x, const int64_t *off, int64_t G, float *const *ys); /* csrc/quant_mm.c */
+                      const float *x, const int64_t *off, int64_t G, float *const *ys,
+                      int64_t n_prof); /* csrc/quant_mm.c */
 
 enum { W_Q, W_K, W_V, W_O, W_G, W_U, W_D, NW };
 /* a MoE layer's matrices: the attention's 4, then these */
@@ -265,13 +266,13 @@ static int moe_half(const layer_t *L, float *x, int64_t n, const uint8_t *const 
     {
         const int64_t gr[2] = {F, F};
         float *ys[2] = {ge, ue};
-        if ((rc = mf_matmul_grouped(2, &L->types[M_GE], wp, gr, E, xe, off, G, ys))) return rc;
+        if ((rc = mf_matmul_grouped(2, &L->types[M_GE], wp, gr, E, xe, off, G, ys, n))) return rc;
     }
     if (L->gelu) mf_gelu_mul_f32(ge, ue, ge, N * F);
     else mf_silu_mul_f32(ge, ue, ge, N * F);
     {
         float *ys[1] = {ye};
-        if ((rc = mf_matmul_grouped(1, &L->types[M_DE], wp + 2 * X, &E, F, ge, off, G, ys))) return rc;
+        if ((rc = mf_matmul_grouped(1, &L->types[M_DE], wp + 2 * X, &E, F, ge, off, G, ys, n))) return rc;
     }
     memset(out, 0, sizeof(float) * (size_t)(n * E));
     for (int64_t i = 0; i < N; i++) {

@@ -686,16 +686,17 @@ int mf_matmul_multi_ex(int k, const int *types, const uint8_t *const *ws, const 
 }
 
 /* matmul_grouped above (k <= MF_MM_MAX weights per group); profiled as one call of G stacked
- * weights per j. Call without the GIL. */
+ * weights per j over n_prof rows (the step's own rows, not the gathered copies). Call without
+ * the GIL. */
 int mf_matmul_grouped(int k, const int *types, const uint8_t *const *ws, const int64_t *rows, int64_t cols,
-                      const float *x, const int64_t *off, int64_t G, float *const *ys) {
+                      const float *x, const int64_t *off, int64_t G, float *const *ys, int64_t n_prof) {
     assert(k >= 1 && k <= MF_MM_MAX);
     if (!mf_prof_on) return matmul_grouped(k, types, ws, rows, cols, x, off, G, ys);
     int64_t t0 = mf_now_ns();
     int rc = matmul_grouped(k, types, ws, rows, cols, x, off, G, ys);
     int64_t gr[MF_MM_MAX];
     for (int j = 0; j < k; j++) gr[j] = rows[j] * G;
-    if (rc == 0) prof_record(k, types, gr, cols, off[G], mf_now_ns() - t0);
+    if (rc == 0) prof_record(k, types, gr, cols, n_prof, mf_now_ns() - t0);
     return rc;
 }
 
