@@ -343,6 +343,25 @@ done:
     return NULL;
 }
 
+/* ---- sigmoid(x, out=None) ------------------------------------------------------------------ */
+static PyObject *py_sigmoid(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kw) {
+    static const char *const names[] = {"x", "out"};
+    const char *fn = "sigmoid";
+    PyObject *a[2], *res = NULL;
+    bufs bs = {.n = 0};
+    if (parse_args(fn, args, nargs, kw, names, 1, 2, a) < 0) return NULL;
+    Py_buffer *x = get_buf(&bs, a[0], fn, "x", 'f', 0, 1, 64), *o;
+    if (!x) goto done;
+    if (!(o = get_out(&bs, a[1], fn, x->ndim, x->shape, &res))) goto done;
+    mf_sigmoid_f32(x->buf, o->buf, numel(x));
+    release(&bs);
+    return res;
+done:
+    release(&bs);
+    Py_XDECREF(res);
+    return NULL;
+}
+
 /* ---- silu_mul(gate, up, out=None), gelu_mul(gate, up, out=None),
  *      swiglu_oai(gate, up, alpha=1.702, limit=7.0, out=None) ---------------------------------- */
 
@@ -574,6 +593,8 @@ PyMethodDef mf_ops_methods[] = {
      "attn_factor * (1 + 0.1 ln(1/freq_scale)); else by attn_factor."},
     {"softmax", (PyCFunction)(void (*)(void))py_softmax, FC,
      "softmax(x[..., k] f32, out=None) -> out: softmax over the last axis. out may be x."},
+    {"sigmoid", (PyCFunction)(void (*)(void))py_sigmoid, FC,
+     "sigmoid(x f32, out=None) -> 1 / (1 + exp(-x)) (scalar expf; the routers' gates). out may be x."},
     {"round_f16", (PyCFunction)(void (*)(void))py_round_f16, FC,
      "round_f16(x f32, out=None) -> out: x rounded to the nearest float16 (ties to even), as float32. out may be x."},
     {"silu_mul", (PyCFunction)(void (*)(void))py_silu_mul, FC,

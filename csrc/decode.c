@@ -11,7 +11,16 @@
  *
  * x [n_embd] f32 is updated in place (the residual stream); K/V are the layer's cache arrays
  * [n_ctx, Hkv, D], float16 when kv_f16 (else float32), row pos is written; the w* are the raw GGUF bytes of the 7 matrices.
- * Scratch is per calling thread and grows once (no allocation per call after the first). */
+ * Scratch is per calling thread and grows once (no allocation per call after the first).
+ *
+ * A MoE layer (moe_layer_new) has the same attention half and, for its FFN, the routed experts
+ * of models/layers.py Model.moe_ffn: router matvec (+ bias), softmax or sigmoid, top-k (ties to
+ * the lower expert, as numpy's stable argsort; on probability + exp_probs_b where the file has
+ * it), weights renormalized (sum in double, clamped at 2^-14) and scaled, the union of the
+ * rows' experts in index order, each expert's rows through mf_moe_ffn (csrc/moe.c) with its
+ * gate/up/down read in place from the stacked ffn_*_exps tensors, then the shared expert
+ * (sigmoid-gated by ffn_gate_inp_shexp, or ungated). decode_batch takes its 4 attention
+ * matrices, the router, the 3 stacked expert tensors and the 3 shared-expert ones (if any). */
 #include "memfit.h"
 #include "ops.h"
 #include "quant_common.h"
@@ -22,25 +31,40 @@
 int mf_matmul_multi_ex(int k, const int *types, const uint8_t *const *ws, const int64_t *rows,
                        int64_t cols, const float *x, int64_t n, float *const *ys, int vec_only);
 
+void mf_sigmoid_f32(const float *x, float *out, int64_t n); /* csrc/ops.c */
+int mf_matmul_grouped(int k, const int *types, const uint8_t *const *ws, const int64_t *rows, int64_t cols,
+                      const float *x, const int64_t *off, int64_t G, float *const *ys,
+                      int64_t n_prof); /* csrc/quant_mm.c */
+
 enum { W_Q, W_K, W_V, W_O, W_G, W_U, W_D, NW };
+/* a MoE layer's matrices: the attention's 4, then these */
+enum { M_ROUTER = 4, M_GE, M_UE, M_DE, M_GS, M_US, M_DS, NWM };
 enum { V_ATTN_NORM, V_Q_NORM, V_K_NORM, V_POST_ATTN, V_FFN_NORM, V_POST_FFW, V_BQ, V_BK, V_BV, V_BO,
-       V_FREQ, NV };
+       V_FREQ, NV_DENSE, V_ROUTER_B = NV_DENSE, V_PROBS_B, V_SHEXP_GATE, NV };
 static const char *const vec_names[NV] = {"attn_norm", "q_norm", "k_norm", "post_attention_norm",
                                           "ffn_norm", "post_ffw_norm", "bq", "bk", "bv", "bo",
-                                          "freq_factors"};
+                                          "freq_factors", "router_bias", "exp_probs_b", "shexp_gate"};
 static const char *const w_names[NW] = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
                                         "ffn_up", "ffn_down"};
+static const char *const wm_names[NWM] = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp",
+                                          "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",
+                                          "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"};
 
 typedef struct {
     int64_t n_embd, n_head, n_head_kv, dk, dv, n_ff, n_rot, window;
     int neox, gelu;
     double rope_base, freq_scale;
     float eps, attn_scale, softcap;
-    int types[NW];
-    int64_t rows[NW], cols[NW];
+    int nw;                    /* weight buffers decode_batch takes: NW dense, 8 or NWM MoE */
+    int types[NWM];
+    int64_t rows[NWM], cols[NWM];
     const float *vec[NV]; /* NULL where absent */
     Py_buffer vbuf[NV];
     int have[NV];
+    /* MoE layers (moe != 0) */
+    int moe, qk_full, sigmoid, wnorm, shexp_gated;
+    int64_t n_expert, k_used, n_ff_exp, n_ff_sh;
+    float wscale;
 } layer_t;
 
 static _Thread_local float *sc_buf;
@@ -53,6 +77,19 @@ static float *scratch(size_t n) {
         sc_cap = sc_buf ? n : 0;
     }
     return sc_buf;
+}
+
+/* the MoE half's own scratch (routing and expert tables), beside scratch()'s */
+static _Thread_local void *mo_buf;
+static _Thread_local size_t mo_cap;
+
+static void *moe_scratch(size_t bytes) {
+    if (bytes > mo_cap) {
+        free(mo_buf);
+        mo_buf = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+        mo_cap = mo_buf ? bytes : 0;
+    }
+    return mo_buf;
 }
 
 /* y[r, :] += b for each of n rows of d values */
@@ -73,9 +110,11 @@ typedef struct {
 /* The layer (see the file comment) for n rows, each a decode token of its own sequence (or any
  * causal rows). Matmuls keep the one-row kernels (vec_only), so a row's result does not depend
  * on the others. Returns 0, -3 out of memory, -4 unsupported kv type, or a matmul error code. */
+static int moe_half(const layer_t *L, float *x, int64_t n, const uint8_t *const *w, float *h, float *out);
+
 static int run_layer(const layer_t *L, float *x, int64_t n, const kvref_t *kv, const uint8_t *const *w) {
     const int64_t E = L->n_embd, qd = L->n_head * L->dk, kd = L->n_head_kv * L->dk,
-                  vd = L->n_head_kv * L->dv, ad = L->n_head * L->dv, F = L->n_ff;
+                  vd = L->n_head_kv * L->dv, ad = L->n_head * L->dv, F = L->moe ? 0 : L->n_ff;
     float *s = scratch((size_t)(n * (E + qd + kd + vd + ad + E + 2 * F)));
     if (!s) return -3;
     float *h = s, *q = h + n * E, *k = q + n * qd, *v = k + n * kd, *att = v + n * vd, *o = att + n * ad,
@@ -92,8 +131,13 @@ static int run_layer(const layer_t *L, float *x, int64_t n, const kvref_t *kv, c
     if (vec[V_BQ]) add_rows(q, vec[V_BQ], n, qd);
     if (vec[V_BK]) add_rows(k, vec[V_BK], n, kd);
     if (vec[V_BV]) add_rows(v, vec[V_BV], n, vd);
-    if (vec[V_Q_NORM]) mf_rmsnorm_f32(q, vec[V_Q_NORM], q, n * L->n_head, L->dk, L->eps);
-    if (vec[V_K_NORM]) mf_rmsnorm_f32(k, vec[V_K_NORM], k, n * L->n_head_kv, L->dk, L->eps);
+    if (L->qk_full) { /* olmoe: over the whole projection */
+        mf_rmsnorm_f32(q, vec[V_Q_NORM], q, n, qd, L->eps);
+        mf_rmsnorm_f32(k, vec[V_K_NORM], k, n, kd, L->eps);
+    } else {
+        if (vec[V_Q_NORM]) mf_rmsnorm_f32(q, vec[V_Q_NORM], q, n * L->n_head, L->dk, L->eps);
+        if (vec[V_K_NORM]) mf_rmsnorm_f32(k, vec[V_K_NORM], k, n * L->n_head_kv, L->dk, L->eps);
+    }
     mf_rope_f32(q, q, kv->pos, n, L->n_head, L->dk, L->n_rot, L->rope_base, L->freq_scale, L->neox,
                 vec[V_FREQ]);
     mf_rope_f32(k, k, kv->pos, n, L->n_head_kv, L->dk, L->n_rot, L->rope_base, L->freq_scale, L->neox,
@@ -112,6 +156,7 @@ static int run_layer(const layer_t *L, float *x, int64_t n, const kvref_t *kv, c
     if (vec[V_BO]) add_rows(o, vec[V_BO], n, E);
     if (vec[V_POST_ATTN]) mf_rmsnorm_f32(o, vec[V_POST_ATTN], o, n, E, L->eps);
     add_rows(x, o, 1, n * E);
+    if (L->moe) return moe_half(L, x, n, w, h, o);
 
     /* feed-forward */
     mf_rmsnorm_f32(x, vec[V_FFN_NORM], h, n, E, L->eps);
@@ -127,6 +172,136 @@ static int run_layer(const layer_t *L, float *x, int64_t n, const kvref_t *kv, c
     }
     if (vec[V_POST_FFW]) mf_rmsnorm_f32(o, vec[V_POST_FFW], o, n, E, L->eps);
     add_rows(x, o, 1, n * E);
+    return 0;
+}
+
+/* The MoE FFN of n rows: x += experts(rmsnorm(x)) (+ the shared expert). h [n, E] and out
+ * [n, E] are the caller's scratch. Same kernels in the same order as Model.moe_ffn with
+ * Backend.route and group_rows (models/layers.py, ops/backend.py). */
+static int moe_half(const layer_t *L, float *x, int64_t n, const uint8_t *const *w, float *h, float *out) {
+    const int64_t E = L->n_embd, X = L->n_expert, K = L->k_used, F = L->n_ff_exp, Fs = L->n_ff_sh;
+    const float *const *vec = L->vec;
+    /* logits, probs, sel_p [n, X]; picked wts, group wts [n K]; shared: gate [n], g, u [n, Fs],
+     * s [n, E]; experts' rows: x [n K, E], gate, up [n K, F], y [n K, E]; then int64: sel,
+     * group rows [n K], count [X], off [X + 1]; pointers [3 X] */
+    const size_t nf = (size_t)(3 * n * X + 2 * n * K + n + 2 * n * Fs + n * E + 2 * n * K * (E + F)),
+                 ni = (size_t)(2 * n * K + 2 * X + 1);
+    uint8_t *mem = moe_scratch(nf * 4 + ni * 8 + (size_t)(3 * X) * sizeof(void *) + 16);
+    if (!mem) return -3;
+    float *logits = (float *)mem, *probs = logits + n * X, *selp = probs + n * X, *pw = selp + n * X,
+          *gw = pw + n * K, *sg = gw + n * K, *g = sg + n, *u = g + n * Fs, *sy = u + n * Fs,
+          *xe = sy + n * E, *ge = xe + n * K * E, *ue = ge + n * K * F, *ye = ue + n * K * F;
+    int64_t *sel = (int64_t *)(((uintptr_t)(ye + n * K * E) + 7) & ~(uintptr_t)7), *grow = sel + n * K,
+            *cnt = grow + n * K, *off = cnt + X;
+    const uint8_t **wp = (const uint8_t **)(((uintptr_t)(off + X + 1) + 7) & ~(uintptr_t)7);
+    int rc;
+
+    mf_rmsnorm_f32(x, vec[V_FFN_NORM], h, n, E, L->eps);
+    /* router */
+    {
+        float *ys[1] = {logits};
+        if ((rc = mf_matmul_multi_ex(1, &L->types[M_ROUTER], &w[M_ROUTER], &L->rows[M_ROUTER], E, h, n, ys, 1)))
+            return rc;
+    }
+    if (vec[V_ROUTER_B]) add_rows(logits, vec[V_ROUTER_B], n, X);
+    if (L->sigmoid) mf_sigmoid_f32(logits, probs, n * X);
+    else mf_softmax_f32(logits, probs, n, X);
+    const float *sp = probs;
+    if (vec[V_PROBS_B]) {
+        for (int64_t r = 0; r < n; r++)
+            for (int64_t e = 0; e < X; e++) selp[r * X + e] = probs[r * X + e] + vec[V_PROBS_B][e];
+        sp = selp;
+    }
+    /* top-k per row: the largest first, ties to the lower index (numpy's stable argsort of -p) */
+    for (int64_t e = 0; e < X; e++) cnt[e] = 0;
+    for (int64_t r = 0; r < n; r++) {
+        const float *pr = sp + r * X;
+        int64_t *sr = sel + r * K;
+        for (int64_t j = 0; j < K; j++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < X; e++) {
+                int taken = 0;
+                for (int64_t i = 0; i < j; i++) taken |= sr[i] == e;
+                if (!taken && (best < 0 || pr[e] > pr[best])) best = e;
+            }
+            sr[j] = best;
+            pw[r * K + j] = probs[r * X + best];
+            cnt[best]++;
+        }
+        if (L->wnorm) {
+            double sum = 0.0;
+            for (int64_t j = 0; j < K; j++) sum += (double)pw[r * K + j];
+            const float d = (float)sum > 6.103515625e-5f ? (float)sum : 6.103515625e-5f;
+            for (int64_t j = 0; j < K; j++) pw[r * K + j] = pw[r * K + j] / d;
+        }
+        if (L->wscale != 0.0f && L->wscale != 1.0f)
+            for (int64_t j = 0; j < K; j++) pw[r * K + j] = pw[r * K + j] * L->wscale;
+    }
+    /* groups: the experts in index order, each with its rows in row order (group_rows) */
+    int64_t G = 0;
+    const int64_t gb = F * mf_qtypes[L->types[M_GE]].bytes * (E / mf_qtypes[L->types[M_GE]].block),
+                  ub = F * mf_qtypes[L->types[M_UE]].bytes * (E / mf_qtypes[L->types[M_UE]].block),
+                  db = E * mf_qtypes[L->types[M_DE]].bytes * (F / mf_qtypes[L->types[M_DE]].block);
+    off[0] = 0;
+    for (int64_t e = 0; e < X; e++) {
+        if (!cnt[e]) continue;
+        wp[2 * G] = w[M_GE] + e * gb; /* gate, up of group g at 2 g, 2 g + 1; downs after them */
+        wp[2 * G + 1] = w[M_UE] + e * ub;
+        wp[2 * X + G] = w[M_DE] + e * db;
+        off[G + 1] = off[G] + cnt[e];
+        cnt[e] = off[G]; /* now the group's next free place */
+        G++;
+    }
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t j = 0; j < K; j++) {
+            const int64_t at = cnt[sel[r * K + j]]++;
+            grow[at] = r;
+            gw[at] = pw[r * K + j];
+        }
+    /* the experts, as csrc/moe.c's mf_moe_ffn computes them group by group (the same kernels
+     * and plans per group), with one pool job for every group's gate and up and one for the
+     * downs; then each row's results added in expert order */
+    const int64_t N = off[G];
+    for (int64_t i = 0; i < N; i++) memcpy(xe + i * E, h + grow[i] * E, sizeof(float) * (size_t)E);
+    {
+        const int64_t gr[2] = {F, F};
+        float *ys[2] = {ge, ue};
+        if ((rc = mf_matmul_grouped(2, &L->types[M_GE], wp, gr, E, xe, off, G, ys, n))) return rc;
+    }
+    if (L->gelu) mf_gelu_mul_f32(ge, ue, ge, N * F);
+    else mf_silu_mul_f32(ge, ue, ge, N * F);
+    {
+        float *ys[1] = {ye};
+        if ((rc = mf_matmul_grouped(1, &L->types[M_DE], wp + 2 * X, &E, F, ge, off, G, ys, n))) return rc;
+    }
+    memset(out, 0, sizeof(float) * (size_t)(n * E));
+    for (int64_t i = 0; i < N; i++) {
+        const float s = gw[i], *yi = ye + i * E;
+        float *o = out + grow[i] * E;
+        for (int64_t c = 0; c < E; c++) o[c] += s * yi[c];
+    }
+    if (Fs) {
+        float *ys[2] = {g, u};
+        if ((rc = mf_matmul_multi_ex(2, &L->types[M_GS], &w[M_GS], &L->rows[M_GS], E, h, n, ys, 1))) return rc;
+        if (L->gelu) mf_gelu_mul_f32(g, u, g, n * Fs);
+        else mf_silu_mul_f32(g, u, g, n * Fs);
+        float *yd[1] = {sy};
+        if ((rc = mf_matmul_multi_ex(1, &L->types[M_DS], &w[M_DS], &L->rows[M_DS], Fs, g, n, yd, 1))) return rc;
+        if (L->shexp_gated) {
+            /* the gate: x . ffn_gate_inp_shexp as an F32 matvec of one row, then sigmoid */
+            const int t32 = T_F32;
+            const int64_t one = 1;
+            const uint8_t *gv = (const uint8_t *)vec[V_SHEXP_GATE];
+            float *yg[1] = {sg};
+            if ((rc = mf_matmul_multi_ex(1, &t32, &gv, &one, E, h, n, yg, 1))) return rc;
+            mf_sigmoid_f32(sg, sg, n);
+            for (int64_t r = 0; r < n; r++)
+                for (int64_t c = 0; c < E; c++) out[r * E + c] += sy[r * E + c] * sg[r];
+        } else {
+            add_rows(out, sy, 1, n * E);
+        }
+    }
+    add_rows(x, out, 1, n * E);
     return 0;
 }
 
@@ -172,8 +347,8 @@ static int64_t wbytes(int type, int64_t rows, int64_t cols) {
  *   vecs   = 11 float32 arrays or None, in the order of vec_names */
 static PyObject *py_decode_layer_new(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     if (na != 3 || !PyTuple_Check(a[0]) || !PyTuple_Check(a[1]) || !PyTuple_Check(a[2]) ||
-        PyTuple_GET_SIZE(a[0]) != 10 + NW || PyTuple_GET_SIZE(a[1]) != 5 || PyTuple_GET_SIZE(a[2]) != NV)
-        return PyErr_Format(PyExc_TypeError, "decode_layer_new(ints[%d], floats[5], vecs[%d])", 10 + NW, NV);
+        PyTuple_GET_SIZE(a[0]) != 10 + NW || PyTuple_GET_SIZE(a[1]) != 5 || PyTuple_GET_SIZE(a[2]) != NV_DENSE)
+        return PyErr_Format(PyExc_TypeError, "decode_layer_new(ints[%d], floats[5], vecs[%d])", 10 + NW, NV_DENSE);
     long long iv[10 + NW];
     double fv[5];
     for (int i = 0; i < 10 + NW; i++) {
@@ -189,7 +364,7 @@ static PyObject *py_decode_layer_new(PyObject *self, PyObject *const *a, Py_ssiz
     *L = (layer_t){.n_embd = iv[0], .n_head = iv[1], .n_head_kv = iv[2], .dk = iv[3], .dv = iv[4],
                    .n_ff = iv[5], .n_rot = iv[6], .window = iv[7], .neox = (int)iv[8], .gelu = (int)iv[9],
                    .rope_base = fv[0], .freq_scale = fv[1], .eps = (float)fv[2],
-                   .attn_scale = (float)fv[3], .softcap = (float)fv[4]};
+                   .attn_scale = (float)fv[3], .softcap = (float)fv[4], .nw = NW};
     PyObject *cap = PyCapsule_New(L, CAPSULE, layer_free);
     if (!cap) { free(L); return NULL; }
     if (L->n_embd <= 0 || L->n_head <= 0 || L->n_head_kv <= 0 || L->n_head % L->n_head_kv || L->dk <= 0 ||
@@ -215,8 +390,8 @@ static PyObject *py_decode_layer_new(PyObject *self, PyObject *const *a, Py_ssiz
         L->rows[j] = rows[j];
         L->cols[j] = cols[j];
     }
-    const int64_t vlen[NV] = {E, L->dk, L->dk, E, E, E, rows[W_Q], rows[W_K], rows[W_V], E, L->n_rot / 2};
-    for (int i = 0; i < NV; i++) {
+    const int64_t vlen[NV_DENSE] = {E, L->dk, L->dk, E, E, E, rows[W_Q], rows[W_K], rows[W_V], E, L->n_rot / 2};
+    for (int i = 0; i < NV_DENSE; i++) {
         PyObject *o = PyTuple_GET_ITEM(a[2], i);
         if (o == Py_None) {
             if (i == V_ATTN_NORM || i == V_FFN_NORM) {
@@ -240,9 +415,103 @@ fail:
     return NULL;
 }
 
-/* the 7 weight buffers a[0..6], checked against the layer's shapes; *got of them held */
+/* moe_layer_new(ints, floats, vecs): a MoE layer (see the file comment), slots named by
+ * moe_layer_fields():
+ *   ints   = (n_embd, n_head, n_head_kv, dk, dv, n_rot, window, neox, gelu, qk_norm_full, n_expert,
+ *             n_expert_used, n_ff_exp, n_ff_shexp, sigmoid, expert_weights_norm, shexp_gated,
+ *             11 type ids: -1 for absent shared-expert matrices)
+ *   floats = (rope_base, freq_scale, eps, attn_scale, softcap, expert_weights_scale)
+ *   vecs   = 14 float32 arrays or None, in the order of vec_names */
+#define MOE_NI 17
+static PyObject *py_moe_layer_new(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    if (na != 3 || !PyTuple_Check(a[0]) || !PyTuple_Check(a[1]) || !PyTuple_Check(a[2]) ||
+        PyTuple_GET_SIZE(a[0]) != MOE_NI + NWM || PyTuple_GET_SIZE(a[1]) != 6 || PyTuple_GET_SIZE(a[2]) != NV)
+        return PyErr_Format(PyExc_TypeError, "moe_layer_new(ints[%d], floats[6], vecs[%d])", MOE_NI + NWM, NV);
+    long long iv[MOE_NI + NWM];
+    double fv[6];
+    for (int i = 0; i < MOE_NI + NWM; i++) {
+        iv[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(a[0], i));
+        if (iv[i] == -1 && PyErr_Occurred()) return NULL;
+    }
+    for (int i = 0; i < 6; i++) {
+        fv[i] = PyFloat_AsDouble(PyTuple_GET_ITEM(a[1], i));
+        if (fv[i] == -1.0 && PyErr_Occurred()) return NULL;
+    }
+    layer_t *L = calloc(1, sizeof *L);
+    if (!L) return PyErr_NoMemory();
+    *L = (layer_t){.n_embd = iv[0], .n_head = iv[1], .n_head_kv = iv[2], .dk = iv[3], .dv = iv[4],
+                   .n_rot = iv[5], .window = iv[6], .neox = (int)iv[7], .gelu = (int)iv[8], .qk_full = (int)iv[9],
+                   .n_expert = iv[10], .k_used = iv[11], .n_ff_exp = iv[12], .n_ff_sh = iv[13],
+                   .sigmoid = (int)iv[14], .wnorm = (int)iv[15], .shexp_gated = (int)iv[16], .moe = 1,
+                   .rope_base = fv[0], .freq_scale = fv[1], .eps = (float)fv[2], .attn_scale = (float)fv[3],
+                   .softcap = (float)fv[4], .wscale = (float)fv[5]};
+    L->nw = L->n_ff_sh ? NWM : M_GS;
+    PyObject *cap = PyCapsule_New(L, CAPSULE, layer_free);
+    if (!cap) { free(L); return NULL; }
+    if (L->n_embd <= 0 || L->n_head <= 0 || L->n_head_kv <= 0 || L->n_head % L->n_head_kv || L->dk <= 0 ||
+        L->dv <= 0 || L->dk > MF_ATTN_MAX_DIM || L->dv > MF_ATTN_MAX_DIM || L->n_rot < 0 || L->n_rot > L->dk ||
+        L->n_rot % 2 || L->n_rot > MF_ROPE_MAX_ROT || L->window < 0 || L->softcap < 0 || L->n_expert < 1 ||
+        L->k_used < 1 || L->k_used > L->n_expert || L->n_ff_exp <= 0 || L->n_ff_sh < 0 ||
+        (L->shexp_gated && !L->n_ff_sh)) {
+        PyErr_Format(PyExc_ValueError, "moe_layer_new: inconsistent layer shape (n_embd %lld, heads %lld/%lld, "
+                     "head dims %lld/%lld, n_rot %lld, experts %lld (%lld used) of %lld rows, shared %lld)",
+                     iv[0], iv[1], iv[2], iv[3], iv[4], iv[5], iv[10], iv[11], iv[12], iv[13]);
+        goto fail;
+    }
+    const int64_t E = L->n_embd, X = L->n_expert, F = L->n_ff_exp, Fs = L->n_ff_sh;
+    const int64_t rows[NWM] = {L->n_head * L->dk, L->n_head_kv * L->dk, L->n_head_kv * L->dv, E, X,
+                               X * F, X * F, X * E, Fs, Fs, E};
+    const int64_t cols[NWM] = {E, E, E, L->n_head * L->dv, E, E, E, F, E, E, Fs};
+    for (int j = 0; j < NWM; j++) {
+        long long t = iv[MOE_NI + j];
+        if (j >= L->nw) {
+            L->types[j] = -1;
+            continue;
+        }
+        if (t < 0 || t >= T_MAX || !mf_type_ok(t) || cols[j] % mf_qtypes[t].block ||
+            (mf_qtypes[t].xfmt == XF_Q8_256 && cols[j] % 256)) {
+            PyErr_Format(PyExc_ValueError, "moe_layer_new: %s type %lld cannot run with %lld columns",
+                         wm_names[j], t, (long long)cols[j]);
+            goto fail;
+        }
+        L->types[j] = (int)t;
+        L->rows[j] = rows[j];
+        L->cols[j] = cols[j];
+    }
+    const int64_t qn = L->qk_full ? rows[W_Q] : L->dk, kn = L->qk_full ? rows[W_K] : L->dk;
+    const int64_t vlen[NV] = {E, qn, kn, E, E, E, rows[W_Q], rows[W_K], rows[W_V], E, L->n_rot / 2, X, X, E};
+    for (int i = 0; i < NV; i++) {
+        PyObject *o = PyTuple_GET_ITEM(a[2], i);
+        if (o == Py_None) {
+            if (i == V_ATTN_NORM || i == V_FFN_NORM || (L->qk_full && (i == V_Q_NORM || i == V_K_NORM)) ||
+                (L->shexp_gated && i == V_SHEXP_GATE)) {
+                PyErr_Format(PyExc_ValueError, "moe_layer_new: %s is required", vec_names[i]);
+                goto fail;
+            }
+            continue;
+        }
+        if (i == V_POST_ATTN || i == V_POST_FFW) {
+            PyErr_Format(PyExc_ValueError, "moe_layer_new: %s is not part of a MoE layer", vec_names[i]);
+            goto fail;
+        }
+        if (typed_buffer(o, &L->vbuf[i], 0, 0, vec_names[i]) < 0) goto fail;
+        L->have[i] = 1;
+        if (L->vbuf[i].len != vlen[i] * 4) {
+            PyErr_Format(PyExc_ValueError, "moe_layer_new: %s has %zd values, expected %lld", vec_names[i],
+                         L->vbuf[i].len / 4, (long long)vlen[i]);
+            goto fail;
+        }
+        L->vec[i] = L->vbuf[i].buf;
+    }
+    return cap;
+fail:
+    Py_DECREF(cap);
+    return NULL;
+}
+
+/* the layer's L->nw weight buffers a[0..], checked against its shapes; *got of them held */
 static const char *get_weights(const layer_t *L, PyObject *const *a, Py_buffer *w, int *got) {
-    while (*got < NW) {
+    while (*got < L->nw) {
         if (PyObject_GetBuffer(a[*got], &w[*got], PyBUF_C_CONTIGUOUS) < 0) return "";
         (*got)++;
         if (w[*got - 1].len < wbytes(L->types[*got - 1], L->rows[*got - 1], L->cols[*got - 1]))
@@ -267,6 +536,7 @@ static PyObject *py_decode_layer(PyObject *self, PyObject *const *a, Py_ssize_t 
         return PyErr_Format(PyExc_TypeError, "decode_layer(layer, x, pos, K, V, kv_f16, wq, wk, wv, wo, wg, wu, wd)");
     layer_t *L = PyCapsule_GetPointer(a[0], CAPSULE);
     if (!L) return NULL;
+    if (L->moe) return PyErr_Format(PyExc_TypeError, "decode_layer: a MoE layer runs through decode_batch");
     long long pos = PyLong_AsLongLong(a[2]);
     int kv_f16 = PyObject_IsTrue(a[5]);
     if ((pos == -1 && PyErr_Occurred()) || kv_f16 < 0) return NULL;
@@ -315,14 +585,15 @@ static int i32_buffer(PyObject *o, Py_buffer *b, const char *what) {
 /* decode_batch(layer, x[n, E], pos, slots, q_tab, tables, bs, kv_type, K, V, w*7):
  * n rows through one layer, K/V pools of physical rows, paged addressing as mf_paged_args. */
 static PyObject *py_decode_batch(PyObject *self, PyObject *const *a, Py_ssize_t na) {
-    if (na != 10 + NW)
+    layer_t *L = na >= 1 ? PyCapsule_GetPointer(a[0], CAPSULE) : NULL;
+    if (!L && na >= 1) return NULL;
+    if (!L || na != 10 + L->nw)
         return PyErr_Format(PyExc_TypeError, "decode_batch(layer, x, pos, slots, q_tab, tables, bs, kv_type, K, V, "
-                            "wq, wk, wv, wo, wg, wu, wd)");
-    layer_t *L = PyCapsule_GetPointer(a[0], CAPSULE);
-    if (!L) return NULL;
+                            "and the layer's %d weights: wq, wk, wv, wo, then wg, wu, wd (dense) or the router, "
+                            "the 3 stacked experts[, the 3 shared-expert matrices] (MoE))", L ? L->nw : NW);
     long long bs = PyLong_AsLongLong(a[6]), kv_type = PyLong_AsLongLong(a[7]);
     if (PyErr_Occurred()) return NULL;
-    Py_buffer x, ib[4], K, V, w[NW];
+    Py_buffer x, ib[4], K, V, w[NWM];
     int nb = 0, got = 0, rc = 0, have_k = 0, have_v = 0;
     const char *bad = NULL;
     static const char *inames[4] = {"pos", "slots", "q_tab", "tables"};
@@ -356,8 +627,8 @@ static PyObject *py_decode_batch(PyObject *self, PyObject *const *a, Py_ssize_t 
     }
     if (!bad) bad = get_weights(L, a + 10, w, &got);
     if (!bad) {
-        const uint8_t *wp[NW];
-        for (int j = 0; j < NW; j++) wp[j] = w[j].buf;
+        const uint8_t *wp[NWM];
+        for (int j = 0; j < L->nw; j++) wp[j] = w[j].buf;
         kvref_t kv = {.K = K.buf, .V = V.buf, .kv_type = (int)kv_type, .pos = ib[0].buf, .slots = ib[1].buf,
                       .q_tab = ib[2].buf, .tables = ib[3].buf, .bs = bs};
         Py_BEGIN_ALLOW_THREADS
@@ -389,6 +660,20 @@ static PyObject *py_decode_layer_fields(PyObject *self, PyObject *unused) {
     static const char *const floats[5] = {"rope_base", "rope_freq_scale", "rms_eps", "attn_scale",
                                           "attn_softcap"};
     PyObject *a = names_tuple(ints, 10), *b = names_tuple(floats, 5), *c = names_tuple(w_names, NW),
+             *d = names_tuple(vec_names, NV_DENSE), *r = NULL;
+    if (a && b && c && d) r = PyTuple_Pack(4, a, b, c, d);
+    Py_XDECREF(a); Py_XDECREF(b); Py_XDECREF(c); Py_XDECREF(d);
+    return r;
+}
+
+static PyObject *py_moe_layer_fields(PyObject *self, PyObject *unused) {
+    static const char *const ints[MOE_NI] = {"n_embd", "n_head", "n_head_kv", "head_dim_k", "head_dim_v", "n_rot",
+                                             "window", "rope_neox", "gelu", "qk_norm_full", "n_expert",
+                                             "n_expert_used", "n_ff_exp", "n_ff_shexp", "sigmoid",
+                                             "expert_weights_norm", "shexp_gated"};
+    static const char *const floats[6] = {"rope_base", "rope_freq_scale", "rms_eps", "attn_scale", "attn_softcap",
+                                          "expert_weights_scale"};
+    PyObject *a = names_tuple(ints, MOE_NI), *b = names_tuple(floats, 6), *c = names_tuple(wm_names, NWM),
              *d = names_tuple(vec_names, NV), *r = NULL;
     if (a && b && c && d) r = PyTuple_Pack(4, a, b, c, d);
     Py_XDECREF(a); Py_XDECREF(b); Py_XDECREF(c); Py_XDECREF(d);
@@ -396,6 +681,10 @@ static PyObject *py_decode_layer_fields(PyObject *self, PyObject *unused) {
 }
 
 PyMethodDef mf_decode_methods[] = {
+    {"moe_layer_fields", py_moe_layer_fields, METH_NOARGS,
+     "moe_layer_fields() -> (ints, floats, weights, vecs): names of moe_layer_new's slots, in order"},
+    {"moe_layer_new", (PyCFunction)(void (*)(void))py_moe_layer_new, METH_FASTCALL,
+     "moe_layer_new(ints, floats, vecs) -> layer: a prepared MoE decoder layer for decode_batch (csrc/decode.c)"},
     {"decode_layer_fields", py_decode_layer_fields, METH_NOARGS,
      "decode_layer_fields() -> (ints, floats, weights, vecs): names of decode_layer_new's slots, in order"},
     {"decode_layer_new", (PyCFunction)(void (*)(void))py_decode_layer_new, METH_FASTCALL,

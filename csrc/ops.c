@@ -286,6 +286,13 @@ void mf_softmax_f32(const float *x, float *out, int64_t rows, int64_t k) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
+/* Sigmoid: out = 1 / (1 + expf(-x)), one scalar expf per value (the router's and the shared
+ * expert's gates: a few values per token, so one definition for every ISA). */
+void mf_sigmoid_f32(const float *x, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = 1.0f / (1.0f + expf(-x[i]));
+}
+
+/* ------------------------------------------------------------------------------------------ */
 /* Gated activations. gelu_tanh(g) = 0.5 g (1 + tanh(y)) = g / (1 + exp(-2y)),
  * y = sqrt(2/pi) (g + 0.044715 g^3); the sigmoid form avoids cancellation for g < 0. */
 

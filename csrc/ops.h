@@ -33,6 +33,9 @@ void mf_rope_yarn_f32(const float *x, float *out, const int32_t *pos, int64_t n,
 /* Row-wise softmax over the last axis k (max-subtracted). */
 void mf_softmax_f32(const float *x, float *out, int64_t rows, int64_t k);
 
+/* out = 1 / (1 + expf(-x)) elementwise over n values (scalar expf on every ISA). */
+void mf_sigmoid_f32(const float *x, float *out, int64_t n);
+
 /* out = silu(g) * u  and  out = gelu_tanh(g) * u, elementwise over n values. */
 void mf_silu_mul_f32(const float *g, const float *u, float *out, int64_t n);
 void mf_fwht_f32(const float *x, float *out, int64_t rows, int64_t n, float scale);

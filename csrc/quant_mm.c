@@ -519,6 +519,91 @@ static int matmul_multi(int k, const int *types, const uint8_t *const *ws, const
     return rc;
 }
 
+/* Grouped decode matmul (the routed experts of a MoE layer in one pool job): for groups g <
+ * G and weights j < k, Y_j[off[g] .. off[g + 1]) = X[off[g] .. off[g + 1]) · W_{g k + j}^T,
+ * X [off[G], cols], Y_j [off[G], rows_j]. The decode kernels only (mode MF_MM_DECODE): each
+ * group's plan is the one mf_matmul_multi_ex would make for its rows alone, and X is quantized
+ * once per row, so every row equals that call bit for bit; only the pool jobs differ (one for
+ * all groups instead of one per group). Returns 0, -1/-2 (type, cols), -3 out of memory. */
+typedef struct {
+    mm_plan *p;
+    int64_t np;
+    int64_t *off; /* task prefix sums [np + 1] */
+} grouped_ctx;
+
+static void grouped_task(void *v, int64_t t) {
+    grouped_ctx *m = v;
+    int64_t lo = 0, hi = m->np - 1; /* the plan whose tasks hold t */
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (m->off[mid] <= t) lo = mid;
+        else hi = mid - 1;
+    }
+    m->p[lo].fn(&m->p[lo].c, t - m->off[lo]);
+}
+
+static _Thread_local void *gr_buf;
+static _Thread_local size_t gr_cap;
+
+static int matmul_grouped(int k, const int *types, const uint8_t *const *ws, const int64_t *rows, int64_t cols,
+                          const float *x, const int64_t *off, int64_t G, float *const *ys) {
+    const int64_t np = G * k, N = off[G];
+    const size_t need = (size_t)np * sizeof(mm_plan) + (size_t)(np + 1) * sizeof(int64_t);
+    if (need > gr_cap) {
+        free(gr_buf);
+        gr_buf = malloc(need);
+        gr_cap = gr_buf ? need : 0;
+        if (!gr_buf) return -3;
+    }
+    mm_plan *p = gr_buf;
+    grouped_ctx m = {p, 0, (int64_t *)(p + np)};
+    m.off[0] = 0;
+    int vec = 1;
+    size_t xs[4] = {0, 0, 0, 0}; /* bytes per X row of each activation format used (XF_Q8_*) */
+    for (int64_t g = 0; g < G; g++)
+        for (int j = 0; j < k; j++) {
+            const int64_t i = g * k + j, a = off[g];
+            int rc = mm_plan_init(&p[i], types[j], ws[i], rows[j], cols, x + a * cols, off[g + 1] - a,
+                                  ys[j] + a * rows[j], MF_MM_DECODE);
+            if (rc) return rc;
+            if (p[i].c.xfmt != XF_F32) xs[p[i].c.xfmt] = p[i].c.xs;
+            vec &= p[i].fn == mm_task_vec;
+            m.off[i + 1] = m.off[i] + p[i].ntasks;
+        }
+    m.np = np;
+    if (N == 0 || m.off[np] == 0) return 0;
+    void (*pfor)(int64_t, mf_task_fn, void *) = vec ? mf_parallel_for_ranged : mf_parallel_for;
+    size_t at[4] = {0, 0, 0, 0}, total = 0;
+    for (int f = XF_Q8_32; f <= XF_Q8_256; f++) {
+        at[f] = total;
+        total += (xs[f] * (size_t)N + 63) & ~(size_t)63;
+    }
+    if (total == 0) {
+        pfor(m.off[np], grouped_task, &m);
+        return 0;
+    }
+    pthread_mutex_lock(&xq_lock);
+    if (total > xq_cap) {
+        free(xq_buf);
+        xq_buf = aligned_alloc(64, (total + 63) & ~(size_t)63);
+        xq_cap = xq_buf ? total : 0;
+        if (!xq_buf) { pthread_mutex_unlock(&xq_lock); return -3; }
+    }
+    for (int f = XF_Q8_32; f <= XF_Q8_256; f++) {
+        if (!xs[f]) continue;
+        mm_ctx qc = {.xfmt = f, .x = x, .n = N, .cols = cols, .xs = xs[f], .xq = xq_buf + at[f]};
+        mf_parallel_for(N, quant_x_task, &qc); /* all rows of X at once, one row as alone */
+    }
+    for (int64_t g = 0; g < G; g++)
+        for (int j = 0; j < k; j++) {
+            mm_ctx *c = &p[g * k + j].c;
+            if (c->xfmt != XF_F32) c->xq = xq_buf + at[c->xfmt] + (size_t)off[g] * xs[c->xfmt];
+        }
+    pfor(m.off[np], grouped_task, &m);
+    pthread_mutex_unlock(&xq_lock);
+    return 0;
+}
+
 /* ---- profile (memfit bench --profile): calls, time and weight bytes per weight set ---- */
 extern int mf_prof_on;   /* pool.c */
 int64_t mf_now_ns(void); /* pool.c */
@@ -597,6 +682,21 @@ int mf_matmul_multi_ex(int k, const int *types, const uint8_t *const *ws, const 
     int64_t t0 = mf_now_ns();
     int rc = matmul_multi(k, types, ws, rows, cols, x, n, ys, vec_only);
     if (rc == 0) prof_record(k, types, rows, cols, n, mf_now_ns() - t0);
+    return rc;
+}
+
+/* matmul_grouped above (k <= MF_MM_MAX weights per group); profiled as one call of G stacked
+ * weights per j over n_prof rows (the step's own rows, not the gathered copies). Call without
+ * the GIL. */
+int mf_matmul_grouped(int k, const int *types, const uint8_t *const *ws, const int64_t *rows, int64_t cols,
+                      const float *x, const int64_t *off, int64_t G, float *const *ys, int64_t n_prof) {
+    assert(k >= 1 && k <= MF_MM_MAX);
+    if (!mf_prof_on) return matmul_grouped(k, types, ws, rows, cols, x, off, G, ys);
+    int64_t t0 = mf_now_ns();
+    int rc = matmul_grouped(k, types, ws, rows, cols, x, off, G, ys);
+    int64_t gr[MF_MM_MAX];
+    for (int j = 0; j < k; j++) gr[j] = rows[j] * G;
+    if (rc == 0) prof_record(k, types, gr, cols, n_prof, mf_now_ns() - t0);
     return rc;
 }
 

@@ -878,6 +878,7 @@ def measure_routing(path, n_tokens: int = ROUTING_CHECK_TOKENS, seed: int = 1, o
             return sel, wts
 
         m.route = route
+        m._fused = []   # the router observed in Python: every layer op by op (same choices)
         cache = m.new_cache(n_tokens)
         ids = np.random.default_rng([seed, 1 << 22]).integers(3, m.config.n_vocab, n_tokens)
         for t in ids.tolist():

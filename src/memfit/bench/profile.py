@@ -131,7 +131,7 @@ def format_profile(p: dict) -> str:
     def row(name, ms, note=""):
         return f"| {name} | | {note} | | {ms:.2f} | {100 * ms / tot:.1f}% |{blank}"
     if p["layer_rest_ms"] is not None:
-        lines.append(row("attention, norms, RoPE, activation, KV write (in the fused layers)",
+        lines.append(row("attention, norms, RoPE, routing, activation, KV write (in the fused layers)",
                          p["layer_rest_ms"]))
     lines.append(row("Python, embedding, final norm, other", p["other_ms"]))
     lines.append(row("thread pool idle inside jobs (part of the matvecs above)", p["pool_idle_ms"],

@@ -737,6 +737,15 @@ class WeightStore:
             return max(self.n_expert, 1)
         return max(self._x_nslots, 1)
 
+    def experts_in_place(self, il: int) -> tuple[QTensor, QTensor, QTensor] | None:
+        """Layer il's stacked expert tensors when they are pinned and no routing counts are
+        being kept (the fused MoE decode layer reads them in place and asks get_experts
+        nothing); else None: the layer runs op by op through get_experts."""
+        x = self._x_tensors.get(il)
+        if x is None or self.routing is not None or any(t.name not in self._pinned for t in x):
+            return None
+        return tuple(QTensor(t.name, t.type, t.shape, self._pinned[t.name]) for t in x)
+
     def prefetch_experts(self, il: int, experts: Sequence[int]) -> None:
         """Router-lookahead hint: start background reads of layer il's predicted experts that
         are not resident (in free slots or over the policy's victims; never over the experts

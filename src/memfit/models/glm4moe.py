@@ -68,6 +68,9 @@ SPEC = ArchSpec("glm4moe", rope_neox=True, qkv_bias=True, qk_norm="head", moe="a
 
 class Glm4Moe(Model):
     spec = SPEC
+    fused_moe_decode = True   # csrc/decode.c's MoE layer computes this block for decode rows
+    shexp_ungated = True   # routed_shared_ffn: the shared expert added ungated
+    ffn_norm_name = "post_attention_norm.weight"
 
     def block(self, il, x, pos, cache, last):
         p = f"blk.{il}."

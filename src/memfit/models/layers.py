@@ -13,9 +13,12 @@ import numpy as np
 from ..errors import RequestError
 from ..kv.seq import SeqKV as KVCache
 from ..ops.backend import RouteSpec
-from ..ops.fused import DenseLayerParams
+from ..ops import QTensor
+from ..ops.fused import DenseLayerParams, MoeLayerParams
 from ..ops.rope import yarn_corr_dims
 from ..quant.reference import dequantize
+from ..memory.planner import expert_switch
+from ..quant.types import BY_NAME
 from .batch import Batch
 from .config import ModelConfig
 from .lookahead import RouterLookahead
@@ -56,6 +59,7 @@ class Model:
         self.output = "output.weight" if weights.has("output.weight") else "token_embd.weight"
         self._fused: list | None = None  # prepared native decode layers, built on first use
         self._bufs: dict[str, np.ndarray] = {}  # prefill scratch reused across layers (_scratch)
+        self._gate_rows: dict[str, QTensor] = {}  # shared-expert gates as 1-row matrices
         self._yarn_corr: dict[float, tuple[float, float]] = {}  # YaRN's ramp dims per rope base
         self._lookahead = RouterLookahead()  # expert prefetch hints (budgeted MoE)
         self._rows_seq = self._rows_pos = np.zeros(0, np.int32)
@@ -155,10 +159,14 @@ class Model:
             if fused:
                 # one native call per layer for all rows (csrc/decode.c): the same kernels in
                 # the same order as block(); each weight matrix is read once for the batch
+                # (a MoE layer: each chosen expert once for the rows that chose it)
                 get, kv = self.weights.get, b.kv
                 x = np.ascontiguousarray(x)
-                for il, (layer, names) in enumerate(fused):
-                    ops.decode_batch(layer, x, *kv.fused(il), *[get(nm).data for nm in names])
+                for il, f in enumerate(fused):
+                    if f is None:   # a MoE layer whose experts the store streams: op by op
+                        x = np.ascontiguousarray(self.block(il, x, b.pos, kv, None))
+                        continue
+                    ops.decode_batch(f[0], x, *kv.fused(il), *[get(nm).data for nm in f[1]])
                 if len(b.out_rows) < n:
                     x = x[b.out_rows]
             else:
@@ -196,13 +204,21 @@ class Model:
     # the architecture's block is the dense pre-norm layer csrc/decode.c computes (declared by
     # llama, qwen2, qwen3, gemma3); used for decode when no layer has experts
     fused_decode = False
+    # the block of a file with experts is csrc/decode.c's MoE layer (pre-norm attention, then
+    # the routed experts and the shared expert of moe_ffn / routed_shared_ffn) and its dense
+    # layer where a layer has none (declared by qwen3moe, qwen2moe, olmoe, llama/mixtral, glm4moe)
+    fused_moe_decode = False
+    # the shared expert is added ungated (routed_shared_ffn: glm4moe), not by spec.shared_expert
+    shexp_ungated = False
+    # the FFN's pre-norm (glm4moe: post_attention_norm)
+    ffn_norm_name = "ffn_norm.weight"
 
     def dense_layer_params(self, il: int) -> DenseLayerParams:
         """Layer il as the fused decode layer's named parameters (ops/fused.py)."""
         c, p = self.config, f"blk.{il}."
         base, fs, window = self.rope_params(il)
         mats = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-        vecs = {"attn_norm": "attn_norm.weight", "ffn_norm": "ffn_norm.weight",
+        vecs = {"attn_norm": "attn_norm.weight", "ffn_norm": self.ffn_norm_name,
                 "bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias", "bo": "attn_output.bias"}
         if self.qk_norm:
             vecs.update(q_norm="attn_q_norm.weight", k_norm="attn_k_norm.weight")
@@ -220,19 +236,82 @@ class Model:
             weights={m: p + m + ".weight" for m in mats},
             types={m: self.weights.info(p + m + ".weight")[1].id for m in mats}, vecs=v)
 
+    def moe_layer_params(self, il: int) -> MoeLayerParams | None:
+        """Layer il (with experts) as the fused MoE decode layer's named parameters
+        (ops/fused.py); None when the weights do not hold its experts in place for the whole
+        run (a budget streams them: that layer runs op by op). ValueError for a block the
+        fused layer does not compute (then every layer runs op by op)."""
+        c, w, p = self.config, self.weights, f"blk.{il}."
+        rs = self.route_spec
+        for bad, why in ((c.yarn, "YaRN rope"), (self.act not in ("silu", "gelu"), self.act),
+                         (rs.gating not in ("softmax", "sigmoid"), rs.gating),
+                         (rs.n_group > 1 and rs.n_group_used < rs.n_group, "group-limited routing"),
+                         (w.has(p + "ffn_gate_exps.bias"), "expert biases"),
+                         (self.post_norms, "post norms"),
+                         (p + "attn_sinks.weight" in self.vec, "attention sinks")):
+            if bad:
+                raise ValueError(f"the fused MoE layer does not compute {why}")
+        in_place = getattr(w, "experts_in_place", None)
+        exps = in_place(il) if in_place is not None else None
+        if exps is None:
+            return None
+        base, fs, window = self.rope_params(il)
+        mats = {m: p + m + ".weight" for m in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp")}
+        mats.update({f"ffn_{m}_exps": q.name for m, q in zip(("gate", "up", "down"), exps)})
+        gated = self.spec.shared_expert
+        n_ff_sh = 0
+        if gated or (self.shexp_ungated and c.n_ff_shexp):
+            mats.update({f"ffn_{m}_shexp": f"{p}ffn_{m}_shexp.weight" for m in ("gate", "up", "down")})
+            n_ff_sh = w.info(p + "ffn_gate_shexp.weight")[0][0]
+            if any(f"{p}ffn_{m}_shexp.bias" in self.vec for m in ("gate", "up", "down")):
+                raise ValueError("the fused MoE layer has no shared-expert biases")
+        vecs = {"attn_norm": "attn_norm.weight", "ffn_norm": self.ffn_norm_name,
+                "bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias", "bo": "attn_output.bias",
+                "router_bias": "ffn_gate_inp.bias", "exp_probs_b": "exp_probs_b.bias"}
+        if self.qk_norm or self.spec.qk_norm == "full":
+            vecs.update(q_norm="attn_q_norm.weight", k_norm="attn_k_norm.weight")
+        if gated:
+            vecs["shexp_gate"] = "ffn_gate_inp_shexp.weight"
+        v = {k: self.vec[p + nm] for k, nm in vecs.items() if p + nm in self.vec}
+        if "rope_freqs.weight" in self.vec:
+            v["freq_factors"] = self.vec["rope_freqs.weight"]
+        g = exps[0]
+        return MoeLayerParams(
+            n_embd=c.n_embd, n_head=c.n_head, n_head_kv=c.n_head_kv, head_dim_k=c.head_dim_k,
+            head_dim_v=c.head_dim_v, n_rot=c.n_rot, window=window, rope_neox=c.rope_neox,
+            gelu=self.act == "gelu", qk_norm_full=self.spec.qk_norm == "full",
+            n_expert=g.shape[0], n_expert_used=rs.k, n_ff_exp=g.shape[1], n_ff_shexp=n_ff_sh,
+            sigmoid=rs.gating == "sigmoid", expert_weights_norm=rs.norm, shexp_gated=gated,
+            rope_base=base, rope_freq_scale=fs, rms_eps=c.rms_eps, attn_scale=c.attn_scale,
+            attn_softcap=c.attn_softcap, expert_weights_scale=rs.scale, weights=mats,
+            types={k: w.info(nm)[1].id for k, nm in mats.items()}, vecs=v)
+
     def _decode_layers(self) -> list | None:
-        """[(native layer, its 7 matrix names)] for one-token decode when the backend has the
-        fused layer (cap dense_decode) and the architecture declares its block to be that
-        layer (fused_decode) with no expert layers; else None: block() runs op by op."""
+        """Per layer (native layer, its matrix names) for decode rows when the backend has the
+        fused layers (caps dense_decode, moe_decode) and the architecture declares its block
+        to be them (fused_decode without experts, fused_moe_decode with; MEMFIT_FUSED_MOE=0
+        turns the latter off, for comparisons); a MoE layer whose experts are not in place
+        (moe_layer_params) is None there and runs op by op. None: block() runs every layer
+        op by op."""
         if self._fused is None:
             self._fused = []
-            c = self.config
-            if self.ops.has("dense_decode") and self.fused_decode and not c.n_expert:
-                try:
+            c, ops = self.config, self.ops
+            try:
+                if not c.n_expert and ops.has("dense_decode") and self.fused_decode:
                     for il in range(c.n_layer):
-                        self._fused.append(self.ops.dense_layer(self.dense_layer_params(il)))
-                except ValueError:  # a shape the fused kernel does not take: op by op instead
-                    self._fused = []
+                        self._fused.append(ops.dense_layer(self.dense_layer_params(il)))
+                elif c.n_expert and ops.has("moe_decode") and ops.has("dense_decode") \
+                        and self.fused_moe_decode and expert_switch("MEMFIT_FUSED_MOE"):
+                    for il in range(c.n_layer):
+                        if c.is_moe(il):
+                            mp = self.moe_layer_params(il)
+                            self._fused.append(None if mp is None else ops.moe_layer(mp))
+                        else:
+                            self._fused.append(ops.dense_layer(self.dense_layer_params(il)))
+                    if all(f is None for f in self._fused):
+                        self._fused = []
+            except ValueError:  # a shape or block the fused kernels do not take: op by op
+                self._fused = []
         return self._fused or None
 
     def rope(self, x: np.ndarray, pos: np.ndarray, il: int, neox: bool | None = None) -> np.ndarray:
@@ -428,13 +507,21 @@ class Model:
                               None if biases is None else biases[j])
                 out[rows] += y * wts_all[a:b][:, None]
         if self.spec.shared_expert:
-            # [n]: one logit per token; a per-row sum (BLAS's x @ v may group rows differently
-            # for different n)
-            gate = (x * self.vec[p + "ffn_gate_inp_shexp.weight"]).sum(axis=1, dtype=np.float32)
+            # [n]: one logit per token, x . ffn_gate_inp_shexp as an F32 matvec of one row (the
+            # kernels' per-row order, as csrc/decode.c's MoE layer)
+            gate = self._matmul(x, self._shexp_gate(il))[:, 0]
             s = self._glu(x, *(w.get(p + f"ffn_{m}_shexp.weight") for m in ("gate", "up", "down")))
-            with np.errstate(over="ignore"):
-                out += s * (1.0 / (1.0 + np.exp(-gate)))[:, None].astype(np.float32)
+            out += s * self.ops.sigmoid(np.ascontiguousarray(gate))[:, None]
         return out
+
+    def _shexp_gate(self, il: int) -> QTensor:
+        # ffn_gate_inp_shexp [n_embd] as a one-row F32 matrix over the float32 values kept
+        name = f"blk.{il}.ffn_gate_inp_shexp.weight"
+        q = self._gate_rows.get(name)
+        if q is None:
+            v = self.vec[name]
+            q = self._gate_rows[name] = QTensor(name, BY_NAME["F32"], (1, v.size), v.view(np.uint8))
+        return q
 
     def _scratch(self, key: str, size: int) -> np.ndarray:
         """A float32 buffer of `size` values kept by the model across layers and calls (grown

@@ -13,6 +13,7 @@ SPEC = ArchSpec("llama", rope_freqs=True, moe="optional", expert_weights_norm=Tr
 
 class Llama(Model):
     spec = SPEC
+    fused_moe_decode = True   # csrc/decode.c's MoE layer computes this block for decode rows
     fused_decode = True   # dense files: csrc/decode.c computes this block for decode rows
 
     def block(self, il, x, pos, cache, last):

@@ -11,6 +11,7 @@ SPEC = ArchSpec("olmoe", rope_neox=True, qk_norm="full", moe="always")
 
 class Olmoe(Model):
     spec = SPEC
+    fused_moe_decode = True   # csrc/decode.c's MoE layer computes this block for decode rows
 
     def block(self, il, x, pos, cache, last):
         p = f"blk.{il}."

@@ -13,6 +13,7 @@ SPEC = ArchSpec("qwen2moe", rope_neox=True, qkv_bias=True, moe="always", shared_
 
 class Qwen2Moe(Model):
     spec = SPEC
+    fused_moe_decode = True   # csrc/decode.c's MoE layer computes this block for decode rows
 
     def block(self, il, x, pos, cache, last):
         p = f"blk.{il}."

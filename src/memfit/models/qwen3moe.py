@@ -12,6 +12,7 @@ SPEC = ArchSpec("qwen3moe", rope_neox=True, qk_norm="head", moe="always",
 
 class Qwen3Moe(Model):
     spec = SPEC
+    fused_moe_decode = True   # csrc/decode.c's MoE layer computes this block for decode rows
 
     def block(self, il, x, pos, cache, last):
         p = f"blk.{il}."

@@ -10,6 +10,9 @@ knows whether a weight was resident or paged in.
     get_experts(il, experts) -> [(gate, up, down) QTensors]       # one per expert, in order;
                                                                   # valid until the next call
     prefetch_experts(il, experts) -> None                         # a hint; may do nothing
+    experts_in_place(il) -> (gate, up, down) stacked QTensors | None   # all of layer il's
+                               # experts resident for the whole run, read in place by the
+                               # fused MoE decode layer; None: ask get_experts
     wants_expert_prediction: bool                                 # router look-ahead wanted
     expert_batch_limit: int                                       # experts per get_experts
                                                                   # call (0: any number)
@@ -29,6 +32,7 @@ class WeightSource(Protocol):
     def get(self, name: str) -> QTensor: ...
     def get_experts(self, il: int, experts: Sequence[int]) -> list[tuple[QTensor, QTensor, QTensor]]: ...
     def prefetch_experts(self, il: int, experts: Sequence[int]) -> None: ...
+    def experts_in_place(self, il: int) -> tuple[QTensor, QTensor, QTensor] | None: ...
     wants_expert_prediction: bool
     expert_batch_limit: int
 
@@ -85,3 +89,7 @@ class GGUFWeights:
 
     def prefetch_experts(self, il: int, experts: Sequence[int]) -> None:
         pass
+
+    def experts_in_place(self, il: int) -> tuple[QTensor, QTensor, QTensor]:
+        # the mapping holds every expert (the OS pages them in on use)
+        return tuple(self.get(f"blk.{il}.ffn_{m}_exps.weight") for m in ("gate", "up", "down"))

@@ -23,6 +23,7 @@ GGUF bytes + type + numpy-order shape); a backend dequantizes per use, never the
         attn_factor; corr_dims from ops.rope.yarn_corr_dims(n_rot, n_ctx_orig, base,
         beta_fast, beta_slow). The defaults give the plain rotation bit for bit.
     softmax(x[..., k]) -> same (last axis, max-subtracted)
+    sigmoid(x) -> 1 / (1 + exp(-x)) (native: scalar expf per value; routers' gates)
     silu_mul(gate[n, f], up[n, f]) -> silu(gate) * up
     gelu_mul(gate[n, f], up[n, f]) -> gelu_tanh(gate) * up
     swiglu_oai(gate, up, alpha=1.702, limit=7.0, out=None) -> gpt-oss's clamped SwiGLU:

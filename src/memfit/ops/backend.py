@@ -11,6 +11,7 @@ so an accelerator backend is one more class here.
       matmul_multi     several weights sharing x in one call, into the caller's buffers
       moe_ffn          the routed experts of a layer in one call (csrc/moe.c)
       dense_decode     the fused one-token dense decoder layer (csrc/decode.c)
+      moe_decode       the fused decoder layer with routed experts (csrc/decode.c)
       paged_attention  attention and KV stores straight on the paged pool (kv/view.py)
       batch_invariant  a row's result never depends on the other rows of its call
       threads          a kernel thread pool (set_threads / get_threads do something)
@@ -30,8 +31,8 @@ from types import ModuleType
 
 import numpy as np
 
-CAPS = ("matmul_multi", "moe_ffn", "dense_decode", "paged_attention", "batch_invariant",
-        "threads")
+CAPS = ("matmul_multi", "moe_ffn", "dense_decode", "moe_decode", "paged_attention",
+        "batch_invariant", "threads")
 
 
 @dataclass(frozen=True)
@@ -94,14 +95,25 @@ class Backend:
         iv, fv, vv, names = pack(params, fields)
         return self.decode_layer_new(iv, fv, vv), names
 
+    def moe_layer(self, params):
+        """(prepared layer, its weight names in decode_batch's order) of the fused MoE decoder
+        layer (cap moe_decode) from a MoeLayerParams (ops/fused.py)."""
+        from .fused import pack
+        if not self.has("moe_decode"):
+            raise NotImplementedError(f"backend {self.name} has no fused MoE decode layer")
+        fields = self.__dict__.get("_moe_fields")
+        if fields is None:
+            fields = self.__dict__["_moe_fields"] = self.moe_layer_fields()
+        iv, fv, vv, names = pack(params, fields)
+        return self.moe_layer_new(iv, fv, vv), names
+
     # --- activation maths -----------------------------------------------------------------
     def route(self, logits: np.ndarray, spec: RouteSpec, bias: np.ndarray | None = None):
         """Router logits [n, n_expert] -> (experts int64 [n, k], weights f32 [n, k])."""
         if spec.gating == "softmax":
             probs = self.softmax(logits)
         elif spec.gating == "sigmoid":
-            with np.errstate(over="ignore"):   # exp overflow -> inf -> probability 0
-                probs = (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
+            probs = self.sigmoid(np.ascontiguousarray(logits, np.float32))
         else:                                  # softmax_weight: the logits themselves
             probs = np.asarray(logits, np.float32)
         sel_p = probs if bias is None else probs + bias
@@ -121,11 +133,24 @@ class Backend:
         if spec.gating == "softmax_weight":
             w = self.softmax(np.ascontiguousarray(w, np.float32))
         if spec.norm:
-            # llama.cpp clamps the sum at 2^-14 (sigmoid weights may all be ~0)
-            w = w / np.maximum(w.sum(axis=1, keepdims=True), np.float32(6.103515625e-5))
+            # llama.cpp's sum: in double, in slot order (as csrc/decode.c's fused layer); it
+            # clamps the sum at 2^-14 (sigmoid weights may all be ~0)
+            s = w[:, 0].astype(np.float64)
+            for j in range(1, w.shape[1]):
+                s += w[:, j]
+            w = w / np.maximum(s.astype(np.float32)[:, None], np.float32(6.103515625e-5))
         if spec.scale not in (0.0, 1.0):
             w = w * np.float32(spec.scale)
         return sel, w.astype(np.float32, copy=False)
+
+    def sigmoid(self, x: np.ndarray) -> np.ndarray:
+        """1 / (1 + exp(-x)) float32: the module's (native: one scalar expf per value, what
+        the fused MoE layer computes), else numpy's."""
+        f = getattr(self.module, "sigmoid", None)
+        if f is not None:
+            return f(x)
+        with np.errstate(over="ignore"):   # exp overflow -> inf -> 0
+            return (1.0 / (1.0 + np.exp(-x))).astype(np.float32)
 
     @staticmethod
     def group_rows(sel: np.ndarray, wts: np.ndarray):
@@ -171,7 +196,8 @@ def as_backend(obj) -> Backend:
 
 def _caps_of(obj) -> frozenset:
     has = {"matmul_multi": "matmul_multi", "moe_ffn": "moe_ffn",
-           "dense_decode": "decode_layer_new", "paged_attention": "attention_paged",
+           "dense_decode": "decode_layer_new", "moe_decode": "moe_layer_new",
+           "paged_attention": "attention_paged",
            "threads": "set_threads"}
     caps = {c for c, attr in has.items() if hasattr(obj, attr)}
     if getattr(obj, "BATCH_INVARIANT", False):

@@ -170,6 +170,7 @@ def _pick(name):
 rmsnorm = _pick("rmsnorm")
 rope = _pick("rope")
 softmax = _pick("softmax")
+sigmoid = _pick("sigmoid")
 silu_mul = _pick("silu_mul")
 gelu_mul = _pick("gelu_mul")
 swiglu_oai = _pick("swiglu_oai")
@@ -244,6 +245,9 @@ def _dv(v, t: int) -> int:
 decode_layer_new = _native.decode_layer_new
 decode_layer_fields = _native.decode_layer_fields
 decode_layer = _native.decode_layer
+# A decoder layer with routed experts (+ the shared expert) for decode rows (csrc/decode.c).
+moe_layer_new = _native.moe_layer_new
+moe_layer_fields = _native.moe_layer_fields
 
 # Batches of decode rows through one layer over a paged KV pool; attention and KV stores over
 # such a pool (csrc/decode.c, csrc/bind_kv.c). kv/view.py BatchKV uses them.

@@ -109,6 +109,11 @@ def softmax(x: np.ndarray) -> np.ndarray:
     return (e / np.sum(e, axis=-1, keepdims=True)).astype(np.float32, copy=False)
 
 
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):   # exp overflow -> inf -> 0
+        return (1.0 / (1.0 + np.exp(-x))).astype(np.float32, copy=False)
+
+
 def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return (gate / (1.0 + np.exp(-gate)) * up).astype(np.float32, copy=False)
 

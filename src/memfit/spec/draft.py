@@ -277,6 +277,9 @@ class _OwnedWeights:
     def prefetch_experts(self, il, experts) -> None:
         pass
 
+    def experts_in_place(self, il):
+        return tuple(self.get(f"blk.{il}.ffn_{m}_exps.weight") for m in ("gate", "up", "down"))
+
 
 def _token_list(md: dict) -> list:
     return list(md.get("tokenizer.ggml.tokens") or [])
