@@ -38,6 +38,12 @@ static void add_bias(float *y, const float *b, int64_t m, int64_t d) {
  * kernels, else the prefill ones (quant_mm.c: either way a row's result does not depend on how
  * many rows share its group). Returns 0, or the matmul's error (-1 type, -2 cols, -3 out of
  * memory). Call without the GIL. */
+/* Expert groups of fewer than this many prompt rows take the decode kernels (0: never, the
+ * default). Not batch invariant: a prompt row's bits then depend on how many rows of its step
+ * chose the same expert. MEMFIT_BATCH_INVARIANT=0 sets 8 (ops/native.py), trading exactness
+ * for MoE prefill speed (measured in BENCHMARKS.md). */
+int mf_moe_vecdot_below = 0;
+
 int mf_moe_ffn(const float *x, int64_t n_embd, int64_t n_ff, const int *types, int64_t n_groups,
                const uint8_t *const *w, const float *const *bias, const int64_t *off, const int64_t *rows,
                const float *wts, int act, float *out, int decode) {
@@ -47,8 +53,8 @@ int mf_moe_ffn(const float *x, int64_t n_embd, int64_t n_ff, const int *types, i
     if (maxg == 0) return 0;
     /* a fixed family for every group (a row's bits never depend on its group's size); the
      * narrow 4-X-row kernels measured 0.87x (pp64) and 0.76x (pp512) of this on the 2 GB
-     * qwen3moe synth file, quiet (docs/NOTES.md) */
-    const int mode = decode ? MF_MM_DECODE : MF_MM_PREFILL;
+     * qwen3moe synth file, quiet (docs/NOTES.md); mf_moe_vecdot_below opts out */
+    const int base_mode = decode ? MF_MM_DECODE : MF_MM_PREFILL;
     /* xg[maxg, n_embd], gate and up [maxg, n_ff], y[maxg, n_embd] */
     float *buf = malloc(sizeof(float) * (size_t)maxg * (size_t)(2 * n_embd + 2 * n_ff));
     if (!buf) return -3;
@@ -57,6 +63,7 @@ int mf_moe_ffn(const float *x, int64_t n_embd, int64_t n_ff, const int *types, i
     for (int64_t g = 0; g < n_groups && rc == 0; g++) {
         const int64_t m = off[g + 1] - off[g], *r = rows + off[g];
         if (m == 0) continue;
+        const int mode = m < mf_moe_vecdot_below ? MF_MM_DECODE : base_mode;
         for (int64_t i = 0; i < m; i++)
             memcpy(xg + i * n_embd, x + r[i] * n_embd, sizeof(float) * (size_t)n_embd);
         const uint8_t *gu[2] = {w[3 * g], w[3 * g + 1]};
@@ -224,7 +231,19 @@ static PyObject *py_moe_ffn(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_set_moe_vecdot_below(PyObject *self, PyObject *arg) {
+    long v = PyLong_AsLong(arg);
+    if (v == -1 && PyErr_Occurred()) return NULL;
+    if (v < 0 || v > 64) return PyErr_Format(PyExc_ValueError, "set_moe_vecdot_below: %ld not in 0..64", v);
+    long before = mf_moe_vecdot_below;
+    mf_moe_vecdot_below = (int)v;
+    return PyLong_FromLong(before);
+}
+
 PyMethodDef mf_moe_methods[] = {
+    {"set_moe_vecdot_below", py_set_moe_vecdot_below, METH_O,
+     "set_moe_vecdot_below(n) -> previous: expert groups of fewer than n prompt rows take the decode "
+     "kernels (0: never; not batch invariant otherwise)"},
     {"moe_ffn", (PyCFunction)(void (*)(void))py_moe_ffn, METH_FASTCALL,
      "moe_ffn(x, n, n_embd, n_ff, tg, tu, td, ws, off int64, rows int64, wts f32, act, out[, decode[, biases]]): "
      "out[rows] += wts * (down(act(gate x + bg, up x + bu)) + bd) per expert group; act 0 silu, 1 gelu (a bool "

@@ -38,8 +38,12 @@ from ..quant.types import SUPPORTED, SUPPORTED_NAMES, TYPES
 from . import QTensor
 from . import reference as _ref
 
-# a row's results never depend on the other rows of its call (see Paths above)
-BATCH_INVARIANT = True
+# a row's results never depend on the other rows of its call (see Paths above).
+# MEMFIT_BATCH_INVARIANT=0 opts out where it costs speed: a MoE prompt's expert groups of
+# fewer than 8 rows take the one-row kernels (csrc/moe.c mf_moe_vecdot_below), so a prompt
+# row's logits then depend on the rows that share its prefill step (BENCHMARKS.md: the cost).
+BATCH_INVARIANT = os.environ.get("MEMFIT_BATCH_INVARIANT", "1").strip() != "0"
+_native.set_moe_vecdot_below(0 if BATCH_INVARIANT else 8)
 
 # An f16 KV cache is attended as llama.cpp's CPU flash attention does (its default: per-key
 # running max and sum, an f16 accumulator; csrc/ops.c), or with MEMFIT_ATTN=f32 by the blocked
