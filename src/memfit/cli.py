@@ -828,6 +828,7 @@ def cmd_serve(a) -> int:
     from .memory.budget import parse_size
     from .server.serve import serve
     a.max_body = parse_size(a.max_body)
+    a.response_store = parse_size(a.response_store)
     return serve(a)
 
 
@@ -1027,6 +1028,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "and again its body (default 30); a late body gets a 408")
     sv.add_argument("--max-body", type=_size, default="1MiB", metavar="SIZE",
                     help="largest request body (default 1MiB)")
+    sv.add_argument("--response-store", type=_size, default="16MiB", metavar="SIZE",
+                    help="memory for stored Responses (/v1/responses store, previous_response_id; "
+                    "default 16MiB): part of the budget, least recently used evicted first; "
+                    "0: nothing is stored")
     sv.add_argument("--max-header", type=_int_at_least(256), default=16384, metavar="BYTES",
                     help="largest request head (default 16384)")
     sv.add_argument("--max-prompt-tokens", type=_int_at_least(1), default=None, metavar="N",

@@ -265,6 +265,7 @@ class Plan:
     # a draft model (speculative decoding, spec/draft.py), pinned whole before the target's
     # weights get the rest: {"name", "weights_bytes", "kv_bytes", "scratch_bytes"}
     draft: dict = field(default_factory=dict)
+    server_bytes: int = 0            # what the server keeps between requests (Responses store)
 
     @property
     def draft_bytes(self) -> int:
@@ -285,7 +286,7 @@ class Plan:
     def planned_bytes(self) -> int:
         return (self.baseline_bytes + self.scratch_bytes + self.kv_bytes + self.io_staging_bytes
                 + self.stream_slot_bytes + self.tier_bytes["pinned"] + self.hot_bytes
-                + self.cache_bytes + self.draft_bytes)
+                + self.cache_bytes + self.draft_bytes + self.server_bytes)
 
     def breakdown(self) -> dict[str, int]:
         """Ledger categories -> planned bytes."""
@@ -294,7 +295,7 @@ class Plan:
                 "kv": self.kv_bytes + d["kv_bytes"],
                 "resident_weights": self.tier_bytes["pinned"] + self.hot_bytes + d["weights_bytes"],
                 "weight_cache": self.cache_bytes + self.stream_slot_bytes,
-                "io_staging": self.io_staging_bytes}
+                "io_staging": self.io_staging_bytes, "server": self.server_bytes}
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -328,6 +329,7 @@ class Plan:
             "bandwidth_source": self.bandwidth.source, "overlap_io": self.overlap_io,
             "predicted_tg_tokens_per_s": self.predicted_tg_tokens_per_s,
             "draft": dict(self.draft, bytes=self.draft_bytes) if self.draft else None,
+            "server_bytes": self.server_bytes,
             "notes": self.notes,
         }
 
@@ -363,6 +365,9 @@ class Plan:
             else:
                 lines.append(row("resident-layers draft KV", self.draft_bytes,
                                  "the pinned layers' own KV (at most every layer's)"))
+        if self.server_bytes:
+            lines.append(row("server (Responses store)", self.server_bytes,
+                             "stored responses, evicted past this"))
         for tier, label in (("pinned", "pinned weights"), ("cache", "weight cache"),
                             ("file", "file tier (streamed)")):
             names = self.tiers[tier]
@@ -664,7 +669,7 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
          logits_all: bool = False, kv_bytes_per_elem: float | None = None, n_parallel: int = 1,
          cache_type_k: str = "f16", cache_type_v: str = "f16", expert_counts=None, expert_policy: str = "lru",
          constrained: bool = False, draft: ModelDesc | None = None,
-         resident_draft: bool = False) -> Plan:
+         resident_draft: bool = False, server_bytes: int = 0) -> Plan:
     """Place every tensor in a tier within `budget` bytes. Pure: no I/O, no measurement.
     baseline_bytes: the measured runtime RSS; kv_bytes_per_elem: 2 for the f16 cache (4 for f32);
     expert_counts: {layer: [routings per expert]} learned from earlier runs (hotset.py);
@@ -674,7 +679,9 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
     type for K and V) and scratch: a fixed cost, counted before the target's weights;
     resident_draft: the resident-layers draft (spec/resident.py) runs the target's own pinned
     weights with a KV pool of its own, reserved at the size of every layer's (an upper bound:
-    which layers it runs depends on this placement).
+    which layers it runs depends on this placement);
+    server_bytes: what `memfit serve` keeps between requests (its Responses store, which
+    evicts when its ledger entry would pass this): a fixed cost like the draft's.
     Order: fixed costs (baseline, scratch, KV, staging), the dense trunk, the hot experts, the
     expert cache; below the floor BudgetError names the smallest budget that works."""
     assert n_ctx > 0 and threads > 0 and n_batch > 0 and n_parallel > 0
@@ -703,11 +710,12 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
 
     def fixed(nb: int) -> int:
         return (baseline + scratch_bytes(m, nb, n_ctx, threads, logits_all) + kv
-                + IO_STAGING_BYTES + draft_total)
+                + IO_STAGING_BYTES + draft_total + server_bytes)
 
     min_batch = min(n_batch, MIN_BATCH)
     fl = _floor(m, fixed, baseline, kv, min_batch, n_ctx, threads, logits_all)
     fl.parts["draft_bytes"] = draft_total
+    fl.parts["server_bytes"] = server_bytes
     if dparts and not dparts["weights_bytes"]:
         fl.parts["draft_what"] = "the resident-layers draft's KV"
     if budget < fl.bytes:
@@ -775,7 +783,7 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
         expert_bytes=sum(t.nbytes for t in experts), hot_experts=x.hot,
         hot_bytes=x.hot_bytes, hot_coverage=x.hot_coverage, expert_policy=expert_policy,
         cache_type_k=str(cache_type_k).lower(), cache_type_v=str(cache_type_v).lower(),
-        kv_v_in_k=m.v_in_k, kv_aux=m.kv_aux, draft=dparts)
+        kv_v_in_k=m.v_in_k, kv_aux=m.kv_aux, draft=dparts, server_bytes=server_bytes)
 
 
 def _predict(m: ModelDesc, streamed: set[str], x: _Experts, emb_rows, bandwidth: Bandwidth,
