@@ -7,8 +7,8 @@ alike.
   does, raising ValueError with a one-line message that names the field.
 - ``detect_format`` reads the chat template to find how the model writes a call: "hermes"
   (Qwen2.5/Qwen3, Hermes: ``<tool_call>{"name", "arguments"}</tool_call>``), "llama3" (a JSON
-  object ``{"name", "parameters"}`` as the whole answer, or after ``<|python_tag|>``),
-  "mistral" (``[TOOL_CALLS][{...}]`` or ``[TOOL_CALLS]name[ARGS]{...}``), "functionary"
+  object ``{"name", "parameters"}`` as the whole answer, or after ``<|python_tag|>``, and
+  Llama 3.1's built-ins ``<|python_tag|>name.call(...)``), "mistral" (``[TOOL_CALLS][{...}]`` or ``[TOOL_CALLS]name[ARGS]{...}``), "functionary"
   (``<function=name>{...}</function>``), "deepseek" (``<｜tool▁calls▁begin｜>``, R1's
   ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>name`` + a ```json fence or V3.1's
   ``name<｜tool▁sep｜>{...}``), "qwen3_coder" (``<tool_call><function=name><parameter=k>v``
@@ -39,9 +39,14 @@ alike.
   or a named function.
 - ``ThinkingBudget`` closes the reasoning after a number of tokens (forced tokens).
 
-Not covered: Llama's built-in ``<|python_tag|>name.call(...)`` tools. In the JSON-first
-formats (llama3, generic) an answer that starts with "{" and is not a call's head is held
-back until the JSON value is complete, since only then is it known whether it is a call.
+Llama 3.1's built-in tools (brave_search, wolfram_alpha, code_interpreter: a template with
+``builtin_tools`` gets them there, tokenizer/templates.builtin_tools) are called as
+``<|python_tag|>name.call(key="value", ...)``, each value JSON, read whole once the ")" is
+there (any of the request's tools may be called so); the code interpreter may also be given
+the code itself after the tag, read to the end of the output. A built-in call cut off by the
+token limit is content. In the JSON-first formats (llama3, generic) an answer that starts with
+"{" and is not a call's head is held back until the JSON value is complete, since only then
+is it known whether it is a call.
 
 The parsing is hand-written: the formats are small and fixed, llguidance has no parser that
 reports where a call starts in free text, and neither jinja nor a JSON library can split a

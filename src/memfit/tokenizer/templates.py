@@ -463,7 +463,8 @@ def apply_template(tok, arch: str, messages: list[dict], add_generation_prompt: 
 
     ``messages`` are OpenAI chat messages (content str | None | text parts; assistant
     ``tool_calls``; role "tool" results). ``tools`` (OpenAI tool objects) go to a template that
-    knows tools as its ``tools`` variable; for one that does not (and for the built-ins) their
+    knows tools as its ``tools`` variable (Llama 3.1's built-ins, for a template with
+    ``builtin_tools``, as that variable instead: see builtin_tools); for one that does not (and for the built-ins) their
     definitions and the generic call format are written into the system message, and past
     calls and results are rendered as text. Other keyword arguments (enable_thinking,
     reasoning_effort, ...) are passed to a jinja template as variables."""
