@@ -534,7 +534,9 @@ def _refuse(budget: int, fl: _Floor, n_ctx: int, cache_type_k: str) -> BudgetErr
              + (f", expert slots for one layer {format_size(p['expert_slot_bytes'])}"
                 if p["expert_slot_bytes"] else "")
              + (f", {p.get('draft_what', 'the draft model pinned whole')} "
-                f"{format_size(p['draft_bytes'])}" if p.get("draft_bytes") else ""))
+                f"{format_size(p['draft_bytes'])}" if p.get("draft_bytes") else "")
+             + (f", the server's Responses store {format_size(p['server_bytes'])} "
+                f"(--response-store)" if p.get("server_bytes") else ""))
     return BudgetError(
         f"memory budget {format_size(budget)} ({budget} bytes) is below the floor for this "
         f"model: the smallest budget that works is {format_size(fl.bytes)} ({fl.bytes} bytes) "
