@@ -736,7 +736,7 @@ def _fn(name, key, extra=None):
 
 
 BUILTINS = [_fn("brave_search", "query"), _fn("wolfram_alpha", "query"),
-            _fn("code_interpreter", "code"), _fn("get_weather", "city")]
+            _fn("code_interpreter", "code"), _fn("get_weather", "city"), _fn("python", "code")]
 LLAMA31 = ToolFormat("llama3", builtin=True)
 
 
@@ -774,6 +774,7 @@ def test_llama31_template_knows_builtins(tiny_tok):
      [("code_interpreter", {"code": "import sys\nprint(sys.version)"})]),
     ('<|python_tag|>code_interpreter.call(code="print(1)")', "",
      [("code_interpreter", {"code": "print(1)"})]),
+    ('<|python_tag|>python.call(code="print(1)")', "", [("python", {"code": "print(1)"})]),
     # custom tools keep their JSON form, after the tag or as the whole answer
     ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}', "",
      [("get_weather", {"city": "Oslo"})]),
@@ -800,6 +801,16 @@ def test_builtin_calls_parse_whole_and_streamed(text, content, calls):
 ])
 def test_builtin_non_calls_are_content(text, tools, fmt):
     assert _parse_builtin(text, fmt, tools) == (text, [])
+
+
+def test_code_after_the_tag_goes_to_a_python_tool():
+    """Without the built-in code interpreter, a "python" tool with a string "code" takes code
+    written after the tag (llama.cpp reads it so)."""
+    tools = BUILTINS[:2] + [_fn("python", "code")]
+    assert _parse_builtin("<|python_tag|>print(2 + 2)", LLAMA31, tools) == \
+        ("", [("python", {"code": "print(2 + 2)"})])
+    other = BUILTINS[:2] + [_fn("python", "source")]
+    assert _parse_builtin("<|python_tag|>print(2)", LLAMA31, other)[1] == []
 
 
 def test_builtin_tools_render_as_the_template_means(tiny_tok):

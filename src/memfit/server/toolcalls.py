@@ -42,8 +42,9 @@ alike.
 Llama 3.1's built-in tools (brave_search, wolfram_alpha, code_interpreter: a template with
 ``builtin_tools`` gets them there, tokenizer/templates.builtin_tools) are called as
 ``<|python_tag|>name.call(key="value", ...)``, each value JSON, read whole once the ")" is
-there (any of the request's tools may be called so); the code interpreter may also be given
-the code itself after the tag, read to the end of the output. A built-in call cut off by the
+there (any of the request's tools may be called so); the code interpreter (else a "python"
+tool with a string "code", as llama.cpp reads it) may also be given the code itself after the
+tag, read to the end of the output. A built-in call cut off by the
 token limit is content. In the JSON-first formats (llama3, generic) an answer that starts with
 "{" and is not a call's head is held back until the JSON value is complete, since only then
 is it known whether it is a call.
@@ -970,9 +971,16 @@ class OutputParser:
         return calls if calls and None not in calls else None
 
     def _code_tool(self) -> str | None:
-        """The request's code interpreter when the template knows Llama's built-ins."""
-        if self.fmt.builtin and "code_interpreter" in builtin_tools(self._tools):
+        """The request's code interpreter when the template knows Llama's built-ins: the
+        built-in code_interpreter, else a tool named "python" with a string "code" (what
+        llama.cpp reads code after the tag as)."""
+        if not self.fmt.builtin:
+            return None
+        if "code_interpreter" in builtin_tools(self._tools):
             return "code_interpreter"
+        props = (self._fns.get("python") or {}).get("properties") or {}
+        if isinstance(props.get("code"), dict) and props["code"].get("type") == "string":
+            return "python"
         return None
 
     def _recognise(self, buf: str, final: bool):
@@ -997,7 +1005,7 @@ class OutputParser:
                     # Llama 3.1's code interpreter: the code itself, up to the end (<|eom_id|>)
                     if not final:
                         return _NEED
-                    return [(code, {BUILTIN_TOOLS[code]: buf[i:].rstrip()})], len(buf)
+                    return [(code, {"code": buf[i:].rstrip()})], len(buf)
                 return r
             end = _json_end(buf, i, self._memo)
             if end is None:
