@@ -323,6 +323,9 @@ def test_response_store_is_in_the_budget(smollm2_path):
             "previous_response_id": ids[-1]})
         assert r.status_code == 200, r.text
         hwm = _status(s.proc.pid)["VmHWM"]
+        print(f"floor {floor} MiB, budget {budget / MiB:.0f} MiB, VmHWM {hwm / MiB:.1f} MiB, "
+              f"store {st['bytes']} B in {st['entries']} entries, {st['evicted']} evicted, "
+              f"ledger {sum(props['ledger'].values()) / MiB:.1f} MiB")
         assert hwm <= budget, f"VmHWM {hwm / MiB:.1f} MiB > budget {budget / MiB:.1f} MiB"
     finally:
         s.stop()
