@@ -27,7 +27,8 @@ string is recognised by the last token not being end-of-generation, and which on
 Usage follows Anthropic's split: ``input_tokens`` are the prompt tokens not read from the
 prefix cache, ``cache_read_input_tokens`` those that were; their sum is what count_tokens says.
 Streaming sends message_start, ping, content_block_start / _delta (text_delta,
-thinking_delta, signature_delta, input_json_delta) / _stop, message_delta (stop_reason, usage), message_stop.
+thinking_delta, signature_delta, input_json_delta) / _stop, message_delta (stop_reason,
+usage), message_stop.
 Errors have Anthropic's shape ``{"type": "error", "error": {"type", "message"}}`` (also from
 the Guard in front of the app, see security.py). Shapes follow the ``anthropic`` package's types.
 """

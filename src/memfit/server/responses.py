@@ -39,6 +39,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from ..errors import BudgetError
 from . import protocol as P
 from .chat import ChatCall, start_chat
 
@@ -79,7 +80,6 @@ class ResponseStore:
 
     def _book(self, total: int) -> bool:
         """Set the ledger entry to ``total`` bytes; False when the ledger refuses it."""
-        from ..errors import BudgetError
         led = self._ledger()
         if led is None:
             return True
