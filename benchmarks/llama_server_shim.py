@@ -14,6 +14,7 @@ benchmarks/llama_server_suite.sh.
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 # llama-server flag -> (memfit flag or None to drop, takes a value)
@@ -38,6 +39,28 @@ VALUED = {"--temp", "--seed", "--model", "-m", "--model-url", "--hf-repo", "-hfr
           "--spec-draft-n-max", "--spec-draft-n-min", "--spec-synth-len", "--spec-synth-rates",
           "--reasoning", "--mmproj-url", "--media-path", "--sleep-idle-seconds", "--cache-ram",
           "--tools", "--tools-runtime", "--mcp-servers-config", "--mcp-servers-json", "--tags"}
+
+
+TEMPLATES = "../../../models/templates"    # from tools/server/tests, the suite's directory
+
+
+def _family(name: str) -> str:
+    """A model name without its size and quantisation: DeepSeek-R1-Distill-Qwen-7B-GGUF ->
+    deepseek-r1-distill-qwen."""
+    return re.sub(r"(-\d+(\.\d+)?[bm])?(-instruct)?(-gguf)?$", "", name.lower())
+
+
+def _model_template(argv: list[str]) -> str | None:
+    repo = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--hf-repo", "-hfr")),
+                None)
+    if repo is None or not os.path.isdir(TEMPLATES):
+        return None
+    fam = _family(repo.split("/")[-1])
+    for f in sorted(os.listdir(TEMPLATES)):
+        stem = f[:-len(".jinja")] if f.endswith(".jinja") else None
+        if stem and _family(stem).endswith(fam):
+            return os.path.join(TEMPLATES, f)
+    return None
 
 
 def main(argv: list[str]) -> int:
@@ -65,6 +88,13 @@ def main(argv: list[str]) -> int:
         else:
             dropped.append(a)
         i += 1
+    # a GGUF carries its model's chat template: where a test names a Hugging Face model but no
+    # template, the stand-in gets that model's template from the suite's models/templates
+    # (matched by the repo's model name without its size), so a test of a reasoning model's
+    # format runs on that format
+    tpl = _model_template(argv) if "--chat-template" not in out and "--jinja" in argv else None
+    if tpl is not None:
+        out += ["--chat-template", tpl]
     # the suite's models have longer training contexts than the stand-in; memfit refuses a
     # context past the file's (llama-server warns), so cap it at MEMFIT_SUITE_MAX_CTX
     cap = int(os.environ.get("MEMFIT_SUITE_MAX_CTX", "8192"))

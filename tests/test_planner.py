@@ -240,3 +240,21 @@ def test_plan_bandwidth_prefers_store_observed_rate_over_probe(tmp_path, monkeyp
     assert r == pytest.approx(float(1 << 30))
     assert b.mem_read_bytes_per_s == 20e9
     assert bwmod.get_bandwidth(f, measure=False, refresh=True).source == "default"
+
+
+def test_server_bytes_are_a_fixed_cost():
+    """What `memfit serve` keeps between requests (the Responses store) is planned like the
+    draft: the floor and the planned bytes grow by it, it has its own ledger category, and
+    the weights get that much less under the same budget."""
+    m = toy(experts=8, used=2)
+    budget = fixed_bytes(m) + 40 * MiB
+    base = plan(m, budget, 128, 2, BW, baseline_bytes=10 * MiB, n_batch=64)
+    srv = plan(m, budget, 128, 2, BW, baseline_bytes=10 * MiB, n_batch=64,
+               server_bytes=3 * MiB)
+    assert srv.min_budget_bytes == base.min_budget_bytes + 3 * MiB
+    assert srv.breakdown()["server"] == 3 * MiB and base.breakdown()["server"] == 0
+    assert srv.planned_bytes <= budget and srv.cache_bytes < base.cache_bytes
+    assert "Responses store" in srv.format() and srv.to_json()["server_bytes"] == 3 * MiB
+    with pytest.raises(BudgetError, match="Responses store 3.00 MiB"):
+        plan(m, srv.min_budget_bytes - 1, 128, 2, BW, baseline_bytes=10 * MiB, n_batch=64,
+             server_bytes=3 * MiB)

@@ -377,3 +377,74 @@ def test_thinking_budget_closes_the_reasoning(reasoning_server):
     m2 = c.messages.create(**{**kw, "thinking": {"type": "enabled", "budget_tokens": 12}})
     assert [b.type for b in m2.content] == ["thinking", "text"]
     assert len(m2.content[0].thinking) > len(m.content[0].thinking)
+
+
+def test_thinking_stream_events_as_anthropic_sends_them(reasoning_server):
+    """The raw stream: the thinking block at index 0 (thinking_delta events, then a
+    signature_delta just before its content_block_stop, as Anthropic closes one), then the
+    text block at index 1 after the budget closed the thinking."""
+    r = httpx.post(reasoning_server.url + "/v1/messages", timeout=120, json={
+        "model": "r1", "max_tokens": 30, "stream": True, "temperature": 0,
+        "thinking": {"type": "enabled", "budget_tokens": 4},
+        "messages": [{"role": "user", "content": "What is 2+2?"}]})
+    assert r.status_code == 200, r.text
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    kinds = [(e["type"], e.get("index"), (e.get("delta") or e.get("content_block") or {})
+              .get("type")) for e in events]
+    start = kinds.index(("content_block_start", 0, "thinking"))
+    stop = kinds.index(("content_block_stop", 0, None))
+    inner = kinds[start + 1:stop]
+    assert inner[-1] == ("content_block_delta", 0, "signature_delta")
+    assert set(inner[:-1]) == {("content_block_delta", 0, "thinking_delta")}
+    sig = events[start + len(inner)]
+    assert sig["delta"] == {"type": "signature_delta", "signature": ""}
+    assert ("content_block_start", 1, "text") in kinds[stop:]
+
+
+@pytest.fixture(scope="module")
+def qwen3_server(request, tmp_path_factory):
+    from conftest import template_model
+    s = ServerProcess([str(template_model(tmp_path_factory, "Qwen-Qwen3-0.6B.jinja")),
+                       "--alias", "q3", "-np", "1"])
+    request.addfinalizer(s.stop)
+    return s
+
+
+def test_thinking_history_goes_to_the_template(qwen3_server):
+    """Thinking blocks of earlier assistant turns become reasoning_content, which Qwen3's
+    template renders in <think> after the last user query: count_tokens grows by them;
+    redacted_thinking (Anthropic's encrypted form) is dropped."""
+    tool = {"name": "list_files", "description": "List files", "input_schema": {
+        "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}
+    thought = "I should look at the project layout first."
+
+    def turn(blocks):
+        return [{"role": "user", "content": "Fix the bug"},
+                {"role": "assistant", "content": blocks + [
+                    {"type": "tool_use", "id": "call_1", "name": "list_files",
+                     "input": {"path": "."}}]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": "call_1", "content": "main.py"}]}]
+
+    def count(blocks):
+        r = httpx.post(qwen3_server.url + "/v1/messages/count_tokens", timeout=60, json={
+            "model": "q3", "messages": turn(blocks), "tools": [tool]})
+        assert r.status_code == 200, r.text
+        return r.json()["input_tokens"]
+    base = count([])
+    assert count([{"type": "thinking", "thinking": thought, "signature": ""}]) > base + 5
+    assert count([{"type": "redacted_thinking", "data": "abc"}]) == base
+    # the OpenAI route takes the same as reasoning_content on an assistant message
+    p = httpx.post(qwen3_server.url + "/apply-template", timeout=60, json={"messages": [
+        {"role": "user", "content": "Fix the bug"},
+        {"role": "assistant", "content": "", "reasoning_content": thought, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "list_files", "arguments": '{"path": "."}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "main.py"}]}).json()["prompt"]
+    assert f"<think>\n{thought}\n</think>" in p
+    r = httpx.post(qwen3_server.url + "/v1/messages", timeout=60, json={
+        "model": "q3", "max_tokens": 4, "messages": [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": [{"type": "thinking", "thinking": 3}]},
+            {"role": "user", "content": "y"}]})
+    assert r.status_code == 400 and "thinking must be a string" in r.text

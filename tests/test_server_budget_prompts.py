@@ -280,3 +280,52 @@ def test_run_and_generate_tokenize_a_huge_prompt_bounded(tmp_path, smollm2_path)
         with pytest.raises(RequestError, match=r"has 500 tokens but the context is 128"):
             m.generate([1] * 500, max_tokens=1)
         assert m.generate("Hello", max_tokens=2).ids  # a prompt that fits still runs
+
+
+@pytest.mark.realmodel
+def test_response_store_is_in_the_budget(smollm2_path):
+    """The Responses store's bytes are planned (--response-store raises the floor by as much)
+    and booked in the ledger: a real `memfit serve` near its floor, sent many large stored
+    responses, evicts the oldest, keeps the store within its share, reports its bytes in
+    /metrics and /props (the ledger's "server" category), and VmHWM stays under the budget."""
+    args = ["-c", "1024", "-np", "1"]
+    floor = _floor_mib(args + ["--response-store", "1MiB"])
+    assert _floor_mib(args + ["--response-store", "9MiB"]) == floor + 8
+    budget = (floor + 2) * MiB
+    s = ServerProcess(["--mem-budget", str(budget), "--response-store", "1MiB", *args])
+    try:
+        url, client = s.url, httpx.Client(timeout=120)
+        # 16 metadata values of 512 characters: ~9 kB a response, echoed and stored
+        meta = {f"k{j}": f"{j:x}" * 512 for j in range(16)}
+        meta = {k: v[:512] for k, v in meta.items()}
+        ids = []
+        for i in range(160):
+            r = client.post(url + "/v1/responses", json={
+                "model": "smollm2-135m", "input": f"Note {i}.", "max_output_tokens": 1,
+                "metadata": meta})
+            assert r.status_code == 200, r.text
+            ids.append(r.json()["id"])
+        props = client.get(url + "/props").json()
+        st = props["response_store"]
+        assert st["max_bytes"] == MiB and 0 < st["bytes"] <= MiB
+        assert st["evicted"] > 0 and st["entries"] + st["evicted"] == len(ids)
+        assert props["ledger"]["server"] == st["bytes"]
+        assert sum(props["ledger"].values()) <= budget
+        m = s.metrics()
+        assert m["memfit_response_store_bytes"] == st["bytes"]
+        assert m["memfit_response_store_evictions"] == st["evicted"]
+        assert m["memfit_response_store_max_bytes"] == MiB
+        # the oldest were evicted (404), the newest are kept and can be continued
+        assert client.get(url + f"/v1/responses/{ids[0]}").status_code == 404
+        assert client.get(url + f"/v1/responses/{ids[-1]}").json()["metadata"] == meta
+        r = client.post(url + "/v1/responses", json={
+            "model": "smollm2-135m", "input": "And then?", "max_output_tokens": 1,
+            "previous_response_id": ids[-1]})
+        assert r.status_code == 200, r.text
+        hwm = _status(s.proc.pid)["VmHWM"]
+        print(f"floor {floor} MiB, budget {budget / MiB:.0f} MiB, VmHWM {hwm / MiB:.1f} MiB, "
+              f"store {st['bytes']} B in {st['entries']} entries, {st['evicted']} evicted, "
+              f"ledger {sum(props['ledger'].values()) / MiB:.1f} MiB")
+        assert hwm <= budget, f"VmHWM {hwm / MiB:.1f} MiB > budget {budget / MiB:.1f} MiB"
+    finally:
+        s.stop()

@@ -339,20 +339,44 @@ def test_unsupported_schema_is_400(server):
 
 
 def test_response_store_bounds():
-    from memfit.server.responses import ResponseStore
-    st = ResponseStore(capacity=3, max_bytes=1000)
+    from memfit.server.responses import ENTRY_OVERHEAD, ResponseStore
+    cap = 3 * (ENTRY_OVERHEAD + 100)
+    st = ResponseStore(capacity=3, max_bytes=cap)
     for i in range(4):
         st.put(f"r{i}", {"i": i}, [])
     assert len(st) == 3 and st.get("r0") is None          # the oldest went first
     assert st.get("r1") == ({"i": 1}, [])                  # ... and a read makes one recent
     st.put("r4", {"i": 4}, [])
     assert st.get("r2") is None and st.get("r1") is not None
-    fill = 1000 - len(json.dumps([{"t": ""}, []]))
+    fill = cap - ENTRY_OVERHEAD - len(json.dumps([{"t": ""}, []], separators=(",", ":")))
     st.put("big", {"t": "x" * fill}, [])                   # the byte bound evicts the rest
-    assert len(st) == 1 and st.get("big") is not None
-    st.put("huge", {"t": "x" * 2000}, [])                  # over the bound alone: not kept
+    assert len(st) == 1 and st.get("big") is not None and st.bytes == cap
+    assert not st.put("huge", {"t": "x" * cap}, [])        # over the bound alone: not kept
     assert st.get("huge") is None and st.get("big") is not None
     assert st.delete("big") and st.bytes == 0 and len(st) == 0
+    assert st.stats()["evicted"] == 5 and st.stats()["refused"] == 1
+
+
+def test_response_store_books_its_bytes_in_the_ledger():
+    """With a ledger, the store's bytes are its entry server/responses; when the ledger has
+    no room for a new response, the least recently used ones are evicted until it fits."""
+    from memfit.memory.ledger import Ledger
+    from memfit.server.responses import ENTRY_OVERHEAD, LEDGER_NAME, ResponseStore
+    led = Ledger(100_000, debug="")
+    led.alloc("kv", "pool", 90_000)
+    st = ResponseStore(capacity=100, max_bytes=50_000, ledger=lambda: led)
+    one = {"t": "x" * (3000 - ENTRY_OVERHEAD - 12)}
+    for i in range(5):
+        assert st.put(f"r{i}", one, [])
+    assert led.items("server") == {LEDGER_NAME: st.bytes} and len(st) == 3  # 10k of room
+    assert st.get("r0") is None and st.get("r1") is None and st.get("r4") is not None
+    assert st.stats()["evicted"] == 2 and led.total() <= 100_000
+    led.free("kv", "pool")                               # room again: nothing more evicted
+    for i in range(5, 10):
+        st.put(f"r{i}", one, [])
+    assert len(st) == 8 and led.items("server")[LEDGER_NAME] == st.bytes
+    st.delete("r9")
+    assert led.items("server")[LEDGER_NAME] == st.bytes
 
 
 # ----------------------------------------------------------------------------- reasoning

@@ -270,6 +270,59 @@ def test_native_call_formats(tmp_path_factory, template, marker):
         s.stop()
 
 
+def _builtin(name, key):
+    return {"type": "function", "function": {"name": name, "description": f"{name} built-in",
+                                             "parameters": {"type": "object", "properties": {
+                                                 key: {"type": "string", "maxLength": 40}},
+                                                 "required": [key]}}}
+
+
+def test_llama31_builtin_tools(tmp_path_factory):
+    """Llama 3.1's built-in tools over HTTP with the openai client: the template lists them
+    in builtin_tools, a forced call comes out as <|python_tag|>name.call(query="...") and is
+    parsed into tool_calls (JSON arguments), the same streamed; the call goes back into the
+    next prompt in that syntax, and the conversation goes on after its result."""
+    from conftest import template_model
+    path = template_model(tmp_path_factory, "meta-llama-Llama-3.1-8B-Instruct.jinja")
+    tools = [_builtin("brave_search", "query"), _builtin("code_interpreter", "code"),
+             TOOLS[0]]
+    s = ServerProcess([str(path), "--alias", "m", "-np", "1"])
+    try:
+        c = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=120)
+        msgs = [{"role": "user", "content": "Search the web for memfit."}]
+        p = httpx.post(s.url + "/apply-template", json={"messages": msgs, "tools": tools},
+                       timeout=30).json()["prompt"]
+        assert "Environment: ipython\nTools: brave_search\n" in p
+        assert '"name": "get_weather"' in p and '"name": "brave_search"' not in p
+        for name, key in (("brave_search", "query"), ("code_interpreter", "code")):
+            kw = dict(model="m", messages=msgs, tools=tools, temperature=0, max_tokens=200,
+                      tool_choice={"type": "function", "function": {"name": name}})
+            ch = c.chat.completions.create(**kw).choices[0]
+            assert ch.finish_reason == "tool_calls" and not ch.message.content, ch.message
+            (call,) = ch.message.tool_calls
+            args = json.loads(call.function.arguments)
+            assert call.function.name == name and list(args) == [key], call
+            assert isinstance(args[key], str) and len(args[key]) <= 40
+            calls, finish = _stream_calls(c, **kw)
+            assert finish == "tool_calls" and [v[1] for v in calls.values()] == [name]
+            assert json.loads("".join(calls[0][2])) == args
+        # the conversation goes on: the call renders as the model wrote it, then its result
+        history = msgs + [{"role": "assistant", "content": None,
+                           "tool_calls": [call.model_dump()]},
+                          {"role": "tool", "tool_call_id": call.id, "content": "2 results"}]
+        p = httpx.post(s.url + "/apply-template", json={"messages": history, "tools": tools},
+                       timeout=30).json()["prompt"]
+        code = json.loads(call.function.arguments)["code"]
+        assert f'<|python_tag|>code_interpreter.call(code="{code}")<|eom_id|>' in p
+        assert '<|start_header_id|>ipython<|end_header_id|>\n\n"2 results"' in p
+        r = c.chat.completions.create(model="m", messages=history, tools=tools,
+                                      tool_choice="none", temperature=0, max_tokens=8)
+        assert r.choices[0].finish_reason in ("stop", "length")
+        assert not r.choices[0].message.tool_calls
+    finally:
+        s.stop()
+
+
 def test_tool_choice_required_always_validates(tools_client):
     _, c = tools_client
     for seed in range(6):   # sampled: whatever the random weights prefer, the call parses

@@ -725,3 +725,148 @@ def test_thinking_budget_matcher(tiny_tok, reasoning, head):
         m4 = b.matcher()
         m4.consume(enc("Hello there, no thinking at all"))
         assert m4.forced() == []
+
+
+# --- Llama 3.1's built-in tools ----------------------------------------------------------------
+
+def _fn(name, key, extra=None):
+    props = {key: {"type": "string"}, **(extra or {})}
+    return {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": props, "required": [key]}}}
+
+
+BUILTINS = [_fn("brave_search", "query"), _fn("wolfram_alpha", "query"),
+            _fn("code_interpreter", "code"), _fn("get_weather", "city"), _fn("python", "code")]
+LLAMA31 = ToolFormat("llama3", builtin=True)
+
+
+def _parse_builtin(text, fmt=LLAMA31, tools=BUILTINS):
+    whole = _parse_with(fmt, text, tools, None)
+    for n in (1, 3, 7):     # streamed in pieces: the same events folded
+        assert _parse_with(fmt, text, tools, n) == whole, n
+    return whole
+
+
+def _parse_with(fmt, text, tools, n):
+    p = OutputParser(fmt, None, tools)
+    events = p.push(text) if n is None else \
+        [e for k in range(0, len(text), n) for e in p.push(text[k:k + n])]
+    content, _, calls = _collect(events + p.finish())
+    return content, [(name, json.loads(args)) for _, _, name, args in calls]
+
+
+def test_llama31_template_knows_builtins(tiny_tok):
+    src = (TEMPLATES / "meta-llama-Llama-3.1-8B-Instruct.jinja").read_text()
+    assert detect_format(src, tiny_tok).builtin
+    assert not detect_format((TEMPLATES / "meta-llama-Llama-3.2-3B-Instruct.jinja").read_text(),
+                             tiny_tok).builtin
+
+
+@pytest.mark.parametrize("text,content,calls", [
+    ('<|python_tag|>brave_search.call(query="weather in \\"Paris\\"")', "",
+     [("brave_search", {"query": 'weather in "Paris"'})]),
+    ('<|python_tag|> wolfram_alpha . call ( query = "2+2" )', "",
+     [("wolfram_alpha", {"query": "2+2"})]),
+    ('<|python_tag|>brave_search.call(query="a", count=3, safe=true)', "",
+     [("brave_search", {"query": "a", "count": 3, "safe": True})]),
+    # the code interpreter: the code itself after the tag (Meta's format)
+    ('<|python_tag|>import sys\nprint(sys.version)\n', "",
+     [("code_interpreter", {"code": "import sys\nprint(sys.version)"})]),
+    ('<|python_tag|>code_interpreter.call(code="print(1)")', "",
+     [("code_interpreter", {"code": "print(1)"})]),
+    ('<|python_tag|>python.call(code="print(1)")', "", [("python", {"code": "print(1)"})]),
+    # custom tools keep their JSON form, after the tag or as the whole answer
+    ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}', "",
+     [("get_weather", {"city": "Oslo"})]),
+    ('{"name": "get_weather", "parameters": {"city": "Oslo"}}', "",
+     [("get_weather", {"city": "Oslo"})]),
+    ('Let me look. <|python_tag|>brave_search.call(query="x")', "Let me look. ",
+     [("brave_search", {"query": "x"})]),
+])
+def test_builtin_calls_parse_whole_and_streamed(text, content, calls):
+    assert _parse_builtin(text) == (content, calls)
+
+
+@pytest.mark.parametrize("text,tools,fmt", [
+    # a tool the request does not have
+    ('<|python_tag|>image_gen.call(prompt="cat")', BUILTINS, LLAMA31),
+    # cut by the token limit inside the call
+    ('<|python_tag|>brave_search.call(query="weath', BUILTINS, LLAMA31),
+    # malformed: a value that is not JSON, a repeated key
+    ('<|python_tag|>brave_search.call(query=weather)', BUILTINS[:2], LLAMA31),
+    ('<|python_tag|>brave_search.call(query="a", query="b")', BUILTINS[:2], LLAMA31),
+    # raw code without a code interpreter, or on a template without built-ins
+    ('<|python_tag|>print(1)', BUILTINS[:2], LLAMA31),
+    ('<|python_tag|>print(1)', BUILTINS, ToolFormat("llama3")),
+])
+def test_builtin_non_calls_are_content(text, tools, fmt):
+    assert _parse_builtin(text, fmt, tools) == (text, [])
+
+
+def test_code_after_the_tag_goes_to_a_python_tool():
+    """Without the built-in code interpreter, a "python" tool with a string "code" takes code
+    written after the tag (llama.cpp reads it so)."""
+    tools = BUILTINS[:2] + [_fn("python", "code")]
+    assert _parse_builtin("<|python_tag|>print(2 + 2)", LLAMA31, tools) == \
+        ("", [("python", {"code": "print(2 + 2)"})])
+    other = BUILTINS[:2] + [_fn("python", "source")]
+    assert _parse_builtin("<|python_tag|>print(2)", LLAMA31, other)[1] == []
+
+
+def test_builtin_tools_render_as_the_template_means(tiny_tok):
+    """Built-ins go to the template's builtin_tools (listed by name in the system prompt), not
+    into the JSON definitions; their past calls render as name.call(...) ending in <|eom_id|>;
+    a tool named like a built-in but with other parameters stays a custom tool."""
+    tpl = str(TEMPLATES / "meta-llama-Llama-3.1-8B-Instruct.jinja")
+    msgs = [{"role": "user", "content": "Search."},
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": "call_1", "type": "function", "function": {
+                    "name": "brave_search", "arguments": '{"query": "memfit"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "no results"}]
+    text, _ = apply_template(tiny_tok, "qwen2", msgs, template=tpl, tools=BUILTINS)
+    assert "Environment: ipython\nTools: brave_search, wolfram_alpha\n" in text
+    assert '"name": "get_weather"' in text and '"name": "brave_search"' not in text
+    assert '<|python_tag|>brave_search.call(query="memfit")<|eom_id|>' in text
+    # (the template writes a result with tojson: a string comes out quoted)
+    assert '<|start_header_id|>ipython<|end_header_id|>\n\n"no results"' in text
+    # only built-ins: no custom tool block at all
+    text, _ = apply_template(tiny_tok, "qwen2", msgs[:1], template=tpl, tools=BUILTINS[:1])
+    assert "Tools: brave_search\n" in text and "Given the following functions" not in text
+    # brave_search with other parameters is the client's own tool
+    own = [_fn("brave_search", "q")]
+    text, _ = apply_template(tiny_tok, "qwen2", msgs[:1], template=tpl, tools=own)
+    assert "Tools:" not in text and '"name": "brave_search"' in text
+
+
+@pytest.mark.realmodel
+def test_builtin_constraint_forces_calls(smol_tok, smol_llg):
+    """tool_choice required / named over built-ins and a custom tool: every sampled text is a
+    call the parser reads, whole and streamed, with arguments valid for the schema."""
+    import numpy as np
+    jsonschema = pytest.importorskip("jsonschema")
+    llguidance, llt, short, closers = smol_llg
+    tools = [_fn("brave_search", "query"), _fn("code_interpreter", "code"), TOOLS[0]]
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    rng = np.random.default_rng(3)
+    named = {"type": "function", "function": {"name": "brave_search"}}
+    seen = set()
+    for choice in ("required", named):
+        spec = tool_call_constraint(LLAMA31, tools, choice, True)
+        grammar = llguidance.LLMatcher.grammar_from_lark(spec["grammar"])
+        assert llguidance.LLMatcher.validate_grammar(grammar, llt) == "", spec["grammar"]
+        done = 0
+        for _ in range(8):
+            text = _sample(llguidance, llt, smol_tok, spec["grammar"], rng, short, closers)
+            if text is None:
+                continue
+            done += 1
+            content, calls = _parse_builtin(text, LLAMA31, tools)
+            assert content == "" and len(calls) == 1, text
+            name, args = calls[0]
+            assert choice == "required" or name == "brave_search"
+            if name != TOOLS[0]["function"]["name"]:
+                assert text.startswith(f"<|python_tag|>{name}.call("), text
+            jsonschema.validate(args, params[name])
+            seen.add(name)
+        assert done >= 6, f"only {done} of 8 samples finished"
+    assert "brave_search" in seen

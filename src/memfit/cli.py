@@ -660,6 +660,12 @@ def cmd_info(a) -> int:
     return 0
 
 
+def _serve_store_bytes(a) -> int:
+    """plan --serve: serve's Responses store (--response-store, default as serve's)."""
+    from .server.serve import _store_bytes
+    return _store_bytes(a)
+
+
 def cmd_plan(a) -> int:
     from .memory.bandwidth import Bandwidth, get_bandwidth
     from .runtime import Runtime
@@ -669,7 +675,7 @@ def cmd_plan(a) -> int:
                  n_parallel=a.parallel, cache_type_k=a.cache_type_k,
                  cache_type_v=a.cache_type_v, bandwidth=Bandwidth(source="default"),
                  spec=getattr(a, "spec", "auto"), model_draft=getattr(a, "model_draft", None),
-                 serving=a.serve)
+                 serving=a.serve, server_bytes=_serve_store_bytes(a) if a.serve else 0)
     try:
         bw = get_bandwidth(rt.path, measure=not a.no_measure or a.reprobe, refresh=a.reprobe)
         rt.replan(bw)
@@ -829,6 +835,7 @@ def cmd_serve(a) -> int:
     from .memory.budget import parse_size
     from .server.serve import serve
     a.max_body = parse_size(a.max_body)
+    a.response_store = parse_size(a.response_store)
     return serve(a)
 
 
@@ -968,8 +975,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sequences whose KV cache the budget holds (serve's -np; default 1)")
     _add_cache_type_args(pn)
     pn.add_argument("--serve", action="store_true",
-                    help="plan as `memfit serve` does (its web stack and the structured-output "
-                         "tables in the baseline); without it, as `memfit run`/`chat`/`bench`")
+                    help="plan as `memfit serve` does (its web stack, the structured-output "
+                         "tables and the Responses store); without it, as `memfit run`/`chat`/`bench`")
+    pn.add_argument("--response-store", type=_size, default="16MiB", metavar="SIZE",
+                    help="with --serve: serve's --response-store (default 16MiB)")
     pn.add_argument("--no-measure", action="store_true", help="use cached/default bandwidths instead of measuring")
     pn.add_argument("--reprobe", action="store_true", help="measure memory and disk bandwidth now, whatever is cached")
     pn.add_argument("--json", action="store_true", help="min_budget_bytes, disk_bytes_per_token, predicted_tg_tokens_per_s, tiers...")
@@ -1031,6 +1040,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "and again its body (default 30); a late body gets a 408")
     sv.add_argument("--max-body", type=_size, default="1MiB", metavar="SIZE",
                     help="largest request body (default 1MiB)")
+    sv.add_argument("--response-store", type=_size, default="16MiB", metavar="SIZE",
+                    help="memory for stored Responses (/v1/responses store, previous_response_id; "
+                    "default 16MiB): part of the budget, least recently used evicted first; "
+                    "0: nothing is stored")
     sv.add_argument("--max-header", type=_int_at_least(256), default=16384, metavar="BYTES",
                     help="largest request head (default 16384)")
     sv.add_argument("--max-prompt-tokens", type=_int_at_least(1), default=None, metavar="N",

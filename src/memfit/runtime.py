@@ -35,7 +35,7 @@ class Runtime:
                  mem_budget: int | str | None = None, n_parallel: int = 1,
                  cache_type_k: str = "f16", cache_type_v: str = "f16", bandwidth=None,
                  constrained: bool = False, spec=None, model_draft=None,
-                 serving: bool = False):
+                 serving: bool = False, server_bytes: int = 0):
         from .gguf import open_gguf
         from .pull import resolve_model
 
@@ -46,6 +46,7 @@ class Runtime:
         self.backend, self.quiet = backend, quiet
         self.constrained = constrained  # the plan reserves the structured-output tables
         self.serving = serving          # the plan of `memfit serve` (planner.plan serving)
+        self.server_bytes = server_bytes  # ... and what `serve` keeps (its Responses store)
         from .spec.build import as_config
         self.spec = as_config(spec)      # speculative decoding (spec/): checked before loading
         self.path = Path(resolve_model(str(model) if model is not None else None, quiet=quiet))
@@ -183,6 +184,7 @@ class Runtime:
                                      baseline_bytes=self.baseline, n_parallel=self.n_parallel,
                                      expert_counts=counts, expert_policy=policy,
                                      constrained=self.constrained, draft=self.draft_desc,
+                                     server_bytes=self.server_bytes,
                                      resident_draft=self.spec.mode == "resident",
                                      serving=self.serving, **k)
                 except BudgetError as e:  # a refusal is remembered as well

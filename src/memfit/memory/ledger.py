@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from ..errors import BudgetError
 from .budget import MiB, current_rss, format_size, parse_size
 
-CATEGORIES = ("baseline", "scratch", "kv", "resident_weights", "weight_cache", "io_staging")
+# "server": what `memfit serve` keeps between requests (the Responses API store)
+CATEGORIES = ("baseline", "scratch", "kv", "resident_weights", "weight_cache", "io_staging",
+              "server")
 ENV_DEBUG = "MEMFIT_DEBUG_LEDGER"
 ENV_SLACK = "MEMFIT_LEDGER_SLACK"
 

@@ -318,6 +318,7 @@ class Plan:
     # a draft model (speculative decoding, spec/draft.py), pinned whole before the target's
     # weights get the rest: {"name", "weights_bytes", "kv_bytes", "scratch_bytes"}
     draft: dict = field(default_factory=dict)
+    server_bytes: int = 0            # what the server keeps between requests (Responses store)
 
     @property
     def draft_bytes(self) -> int:
@@ -338,7 +339,7 @@ class Plan:
     def planned_bytes(self) -> int:
         return (self.baseline_bytes + self.scratch_bytes + self.kv_bytes + self.io_staging_bytes
                 + self.stream_slot_bytes + self.tier_bytes["pinned"] + self.hot_bytes
-                + self.cache_bytes + self.draft_bytes)
+                + self.cache_bytes + self.draft_bytes + self.server_bytes)
 
     def breakdown(self) -> dict[str, int]:
         """Ledger categories -> planned bytes."""
@@ -347,7 +348,7 @@ class Plan:
                 "kv": self.kv_bytes + d["kv_bytes"],
                 "resident_weights": self.tier_bytes["pinned"] + self.hot_bytes + d["weights_bytes"],
                 "weight_cache": self.cache_bytes + self.stream_slot_bytes,
-                "io_staging": self.io_staging_bytes}
+                "io_staging": self.io_staging_bytes, "server": self.server_bytes}
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -382,6 +383,7 @@ class Plan:
             "bandwidth_source": self.bandwidth.source, "overlap_io": self.overlap_io,
             "predicted_tg_tokens_per_s": self.predicted_tg_tokens_per_s,
             "draft": dict(self.draft, bytes=self.draft_bytes) if self.draft else None,
+            "server_bytes": self.server_bytes,
             "notes": self.notes,
         }
 
@@ -419,6 +421,9 @@ class Plan:
             else:
                 lines.append(row("resident-layers draft KV", self.draft_bytes,
                                  "the pinned layers' own KV (at most every layer's)"))
+        if self.server_bytes:
+            lines.append(row("server (Responses store)", self.server_bytes,
+                             "stored responses, evicted past this"))
         for tier, label in (("pinned", "pinned weights"), ("cache", "weight cache"),
                             ("file", "file tier (streamed)")):
             names = self.tiers[tier]
@@ -587,7 +592,9 @@ def _refuse(budget: int, fl: _Floor, n_ctx: int, cache_type_k: str) -> BudgetErr
              + (f", expert slots for one layer {format_size(p['expert_slot_bytes'])}"
                 if p["expert_slot_bytes"] else "")
              + (f", {p.get('draft_what', 'the draft model pinned whole')} "
-                f"{format_size(p['draft_bytes'])}" if p.get("draft_bytes") else ""))
+                f"{format_size(p['draft_bytes'])}" if p.get("draft_bytes") else "")
+             + (f", the server's Responses store {format_size(p['server_bytes'])} "
+                f"(--response-store)" if p.get("server_bytes") else ""))
     return BudgetError(
         f"memory budget {format_size(budget)} ({budget} bytes) is below the floor for this "
         f"model: the smallest budget that works is {format_size(fl.bytes)} ({fl.bytes} bytes) "
@@ -722,7 +729,7 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
          logits_all: bool = False, kv_bytes_per_elem: float | None = None, n_parallel: int = 1,
          cache_type_k: str = "f16", cache_type_v: str = "f16", expert_counts=None, expert_policy: str = "lru",
          constrained: bool = False, draft: ModelDesc | None = None,
-         resident_draft: bool = False, serving: bool = False) -> Plan:
+         resident_draft: bool = False, serving: bool = False, server_bytes: int = 0) -> Plan:
     """Place every tensor in a tier within `budget` bytes. Pure: no I/O, no measurement.
     baseline_bytes: the measured runtime RSS; kv_bytes_per_elem: 2 for the f16 cache (4 for f32);
     expert_counts: {layer: [routings per expert]} learned from earlier runs (hotset.py);
@@ -733,7 +740,9 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
     resident_draft: the resident-layers draft (spec/resident.py) runs the target's own pinned
     weights with a KV pool of its own, reserved at the size of every layer's (an upper bound:
     which layers it runs depends on this placement); serving: the plan of `memfit serve`
-    (its web stack, imported after planning, and the structured-output tables).
+    (its web stack, imported after planning, and the structured-output tables);
+    server_bytes: what `memfit serve` keeps between requests (its Responses store, which
+    evicts when its ledger entry would pass this): a fixed cost like the draft's.
     Order: fixed costs (baseline, scratch, KV, staging), the dense trunk, the hot experts, the
     expert cache; below the floor BudgetError names the smallest budget that works."""
     assert n_ctx > 0 and threads > 0 and n_batch > 0 and n_parallel > 0
@@ -772,12 +781,13 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
 
     def fixed(nb: int) -> int:
         return (baseline + scratch_bytes(m, nb, n_ctx, threads, logits_all) + kv
-                + IO_STAGING_BYTES + draft_total)
+                + IO_STAGING_BYTES + draft_total + server_bytes)
 
     min_batch = min(n_batch, MIN_BATCH)
     fl = _floor(m, fixed, baseline, kv, min_batch, n_ctx, threads, logits_all)
     fl.bytes = max(fl.bytes, load_peak)
     fl.parts["draft_bytes"] = draft_total
+    fl.parts["server_bytes"] = server_bytes
     if dparts and not dparts["weights_bytes"]:
         fl.parts["draft_what"] = "the resident-layers draft's KV"
     if budget < fl.bytes:
@@ -845,7 +855,7 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
         expert_bytes=sum(t.nbytes for t in experts), hot_experts=x.hot,
         hot_bytes=x.hot_bytes, hot_coverage=x.hot_coverage, expert_policy=expert_policy,
         cache_type_k=str(cache_type_k).lower(), cache_type_v=str(cache_type_v).lower(),
-        kv_v_in_k=m.v_in_k, kv_aux=m.kv_aux, draft=dparts,
+        kv_v_in_k=m.v_in_k, kv_aux=m.kv_aux, draft=dparts, server_bytes=server_bytes,
         kv_swa_layers=len(m.kv_swa_layers) if m.kv_pool_bytes(n_ctx, n_parallel, n_batch) <
         m.kv_pool_bytes(n_ctx, n_parallel, n_batch, window_group=False) else 0,
         kv_window=m.kv_window)

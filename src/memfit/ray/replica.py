@@ -52,7 +52,7 @@ class MemfitReplica:
         from ..runtime import Runtime
         from ..server.app import ServerState, build_app
         from ..server.security import LOOPBACK_HOSTS, Guard, is_loopback
-        from ..server.serve import _load_kwargs, _model_ids
+        from ..server.serve import _load_kwargs, _model_ids, _store_bytes
         from ..server.worker import EngineWorker
 
         a = argparse.Namespace(**cfg)
@@ -71,7 +71,8 @@ class MemfitReplica:
                             n_parallel=a.parallel, max_queue=a.max_queue,
                             max_prompt_tokens=a.max_prompt_tokens,
                             chat_template=a.chat_template, reasoning_format=a.reasoning_format,
-                            n_predict=None if a.n_predict < 0 else a.n_predict)
+                            n_predict=None if a.n_predict < 0 else a.n_predict,
+                            response_store_bytes=_store_bytes(a))
         state.pooling = a.pooling
         state.model = m
         self.worker = EngineWorker(m.engine, a.parallel, a.queue_timeout)
@@ -128,7 +129,8 @@ class MemfitReplica:
                 "mem_budget_bytes": ledger.budget if ledger is not None else 0}
 
     def _report(self) -> None:
-        text = self.state.metrics.render(self.worker, self.state.model).decode()
+        text = self.state.metrics.render(self.worker, self.state.model,
+                                         getattr(self.state, "response_store", None)).decode()
         self.registry.report.remote(self.replica_id, self.stats(), text)
 
     def _report_loop(self) -> None:

@@ -6,8 +6,9 @@ are the chat path's:
 - ``system`` (a string or text blocks) -> a system message; ``messages`` with string or block
   content: ``text``; ``tool_use`` blocks on assistant turns -> ``tool_calls`` (input as JSON
   arguments); ``tool_result`` blocks on user turns -> ``tool`` messages (``is_error`` results
-  are prefixed "Error: "); earlier ``thinking`` blocks are dropped, as chat templates drop
-  earlier reasoning;
+  are prefixed "Error: "); ``thinking`` blocks on assistant turns -> ``reasoning_content``
+  (the chat template decides whether earlier reasoning shows: Qwen3's keeps it after the last
+  user query), ``redacted_thinking`` blocks are dropped;
 - ``tools`` ({name, description, input_schema}) -> chat tools; ``tool_choice`` auto / any /
   tool / none (+ ``disable_parallel_tool_use``) -> auto / required / a named function / none;
 - ``thinking`` {"type": "enabled", "budget_tokens"} -> reasoning on (``reasoning_effort`` from
@@ -26,7 +27,8 @@ string is recognised by the last token not being end-of-generation, and which on
 Usage follows Anthropic's split: ``input_tokens`` are the prompt tokens not read from the
 prefix cache, ``cache_read_input_tokens`` those that were; their sum is what count_tokens says.
 Streaming sends message_start, ping, content_block_start / _delta (text_delta,
-thinking_delta, input_json_delta) / _stop, message_delta (stop_reason, usage), message_stop.
+thinking_delta, signature_delta, input_json_delta) / _stop, message_delta (stop_reason,
+usage), message_stop.
 Errors have Anthropic's shape ``{"type": "error", "error": {"type", "message"}}`` (also from
 the Guard in front of the app, see security.py). Shapes follow the ``anthropic`` package's types.
 """
@@ -109,7 +111,7 @@ def chat_messages(body: dict) -> list[dict]:
             continue
         if not isinstance(content, list):
             raise P.bad(f"{p}.content", f"{p}.content must be a string or a list of blocks")
-        text, calls = [], []
+        text, calls, thinking = [], [], []
         for j, b in enumerate(content):
             q = f"{p}.content[{j}]"
             t = b.get("type") if isinstance(b, dict) else None
@@ -143,8 +145,12 @@ def chat_messages(body: dict) -> list[dict]:
                 if tid in names:
                     msg["name"] = names[tid]
                 out.append(msg)
-            elif t in ("thinking", "redacted_thinking") and role == "assistant":
-                continue   # earlier reasoning is not fed back
+            elif t == "thinking" and role == "assistant":
+                if not isinstance(b.get("thinking"), str):
+                    raise P.bad(f"{q}.thinking", f"{q}.thinking must be a string")
+                thinking.append(b["thinking"])
+            elif t == "redacted_thinking" and role == "assistant":
+                continue   # encrypted by Anthropic: nothing a local model can read
             else:
                 raise P.bad(f"{q}.type", f"{q}.type={t!r} is not supported in a {role} "
                                          f"message; memfit takes text"
@@ -152,6 +158,8 @@ def chat_messages(body: dict) -> list[dict]:
                                             else " and tool_result") + " blocks")
         if role == "assistant":
             msg = {"role": "assistant", "content": "".join(text) if text or not calls else None}
+            if thinking:
+                msg["reasoning_content"] = "\n".join(thinking)
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)
@@ -437,9 +445,13 @@ def routes(ctx) -> list[Route]:
                 nonlocal open_kind
                 if open_kind is None:
                     return []
+                # Anthropic closes a thinking block with its signature; a local model has
+                # none to give (empty, as llama-server sends it)
+                out = [delta({"type": "signature_delta", "signature": ""})] \
+                    if open_kind == "thinking" else []
                 open_kind = None
-                return [_sse("content_block_stop", {"type": "content_block_stop",
-                                                    "index": index})]
+                return out + [_sse("content_block_stop", {"type": "content_block_stop",
+                                                          "index": index})]
 
             def delta(d: dict) -> bytes:
                 return _sse("content_block_delta", {"type": "content_block_delta",

@@ -40,6 +40,7 @@ class ServerState:
     chat_template: str | None = None     # --chat-template: a built-in name or a jinja file
     reasoning_format: str = "auto"       # --reasoning-format: none leaves thinking in content
     n_predict: int | None = None         # --n-predict: max tokens of a request that gives none
+    response_store_bytes: int = 16 << 20  # --response-store: the Responses store's bytes
     model: object = None                 # memfit.api.Model once loaded
     worker: object = None                # EngineWorker once loaded
     metrics: Metrics = field(default_factory=Metrics)
@@ -307,7 +308,8 @@ def build_app(state: ServerState) -> Starlette:
 
     @endpoint("metrics")
     async def metrics_route(request: Request):
-        return Response(metrics.render(state.worker, state.model),
+        return Response(metrics.render(state.worker, state.model,
+                                       getattr(state, "response_store", None)),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @endpoint("tokenize")

@@ -52,6 +52,11 @@ class Metrics:
             ("cgroup_page_cache_bytes", "page cache charged to the process's memory cgroup"),
             ("weight_store_reads", "read requests the weight store issued"),
             ("weight_store_bytes_per_read", "mean bytes per weight store read request"),
+            ("response_store_bytes", "bytes the Responses store holds (booked in the ledger)"),
+            ("response_store_max_bytes", "the Responses store's share of the budget"),
+            ("response_store_entries", "stored responses"),
+            ("response_store_evictions", "stored responses evicted to make room"),
+            ("ledger_bytes", "bytes booked in the memory ledger (all categories)"),
         ]:
             g[name] = Gauge(f"memfit_{name}", doc, registry=r)
         self.gauges = g
@@ -64,7 +69,7 @@ class Metrics:
                          ("acceptance_rate", "accepted / proposed"),
                          ("mean_accepted", "accepted tokens per verify pass")]}
 
-    def render(self, worker, model) -> bytes:
+    def render(self, worker, model, response_store=None) -> bytes:
         from ..memory.budget import current_rss, peak_rss
 
         g = self.gauges
@@ -94,6 +99,13 @@ class Metrics:
                     g["expert_cache_hit_rate"].set(st["expert_hit_rate"])
             ledger = getattr(model, "ledger", None)
             g["mem_budget_bytes"].set(ledger.budget if ledger is not None else 0)
+            g["ledger_bytes"].set(ledger.total() if ledger is not None else 0)
+        if response_store is not None:
+            st = response_store.stats()
+            g["response_store_bytes"].set(st["bytes"])
+            g["response_store_max_bytes"].set(st["max_bytes"])
+            g["response_store_entries"].set(st["entries"])
+            g["response_store_evictions"].set(st["evicted"])
         g["rss_bytes"].set(current_rss())
         g["peak_rss_bytes"].set(peak_rss())
         from ..memory.procmem import process_memory

@@ -48,6 +48,11 @@ def props(state) -> dict:
          "rss_bytes": current_rss(), "peak_rss_bytes": peak_rss(),
          "requests_running": stats.get("running", 0),
          "requests_queued": (worker.queued + stats.get("waiting", 0)) if worker else 0}
+    store = getattr(state, "response_store", None)
+    if store is not None:
+        d["response_store"] = store.stats()
+    if ledger is not None:
+        d["ledger"] = ledger.breakdown()
     if m is not None:
         tok = m.tokenizer
 

@@ -336,7 +336,8 @@ def _tool_calls(v, p: str) -> list[dict]:
 
 def chat_messages(body: dict) -> list[dict]:
     """messages as OpenAI chat messages for the chat template: {"role", "content": str} (text
-    parts joined), plus tool_calls on assistant turns and tool_call_id on tool results."""
+    parts joined), plus tool_calls and reasoning_content on assistant turns and tool_call_id
+    on tool results."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "messages must be a non-empty list of {\"role\", \"content\"} objects")
@@ -355,6 +356,11 @@ def chat_messages(body: dict) -> list[dict]:
         msg = {"role": "system" if role == "developer" else role, "content": _text_content(c, p)}
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = _tool_calls(m["tool_calls"], p)
+        if role == "assistant" and m.get("reasoning_content") is not None:
+            # earlier reasoning (llama-server's field): the template decides whether it shows
+            if not isinstance(m["reasoning_content"], str):
+                raise bad(f"{p}.reasoning_content", f"{p}.reasoning_content must be a string")
+            msg["reasoning_content"] = m["reasoning_content"]
         if role == "tool":
             tid = m.get("tool_call_id")
             if tid is not None and not isinstance(tid, str):

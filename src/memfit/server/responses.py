@@ -18,10 +18,12 @@ Streaming sends the official event sequence (``response.created``, ``response.in
 ... ``response.completed`` or ``response.incomplete``), each with its ``sequence_number``.
 
 Responses with ``store`` (the default) are kept in memory in a bounded LRU store (STORE_SIZE
-entries, STORE_BYTES of JSON) for ``previous_response_id`` and ``GET``: the conversation so far
-as chat messages (without its instructions, which OpenAI does not carry over) plus the
-response object. The store is in this process only; a restart forgets it (an unknown id is a
-404, as OpenAI's).
+entries, ``--response-store`` bytes) for ``previous_response_id`` and ``GET``: the conversation
+so far as chat messages (without its instructions, which OpenAI does not carry over) plus the
+response object. Its bytes are part of the memory budget: the plan reserves them and the store
+books what it holds in the ledger (category "server"), evicting the least recently used
+responses when the ledger refuses more. The store is in this process only; a restart forgets
+it (an unknown or evicted id is a 404, as OpenAI's).
 The shapes follow the ``openai`` package's types (openai/types/responses/).
 """
 
@@ -37,12 +39,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from ..errors import BudgetError
 from . import protocol as P
 from .chat import ChatCall, start_chat
 
 STORE_SIZE = 256          # stored responses kept (least recently used dropped first) ...
-STORE_BYTES = 16 << 20    # ... and their JSON bytes at most: the store lives outside the
-#                           memory budget's ledger, so it stays small next to the runtime margin
+STORE_BYTES = 16 << 20    # ... and their bytes at most (--response-store), reserved in the plan
+# per stored response besides its JSON: the bytes object, the id string, the map's slot
+ENTRY_OVERHEAD = 512
+LEDGER_NAME = "responses"   # the store's entry in the ledger's "server" category
 EFFORTS = ("none", "minimal", "low", "medium", "high")
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "repeat_penalty",
                     "repeat_last_n", "presence_penalty", "frequency_penalty")
@@ -53,36 +58,84 @@ def _id(prefix: str) -> str:
 
 
 class ResponseStore:
-    """A bounded LRU map: response id -> (response object, chat history after it), at most
-    ``capacity`` entries and ``max_bytes`` of their JSON (one entry over that is not kept)."""
+    """A bounded LRU map: response id -> (response object, chat history after it), each kept
+    as compact JSON bytes, so the bytes counted are the bytes held (plus ENTRY_OVERHEAD). At
+    most ``capacity`` entries and ``max_bytes`` (the plan's reservation). With a ledger (a
+    budget), the store's bytes are its ledger entry server/responses: an entry the ledger
+    refuses evicts the least recently used ones until it fits, or is not kept. ``ledger`` is
+    a callable (the model, and its ledger, loads after the routes exist)."""
 
-    def __init__(self, capacity: int = STORE_SIZE, max_bytes: int = STORE_BYTES):
+    def __init__(self, capacity: int = STORE_SIZE, max_bytes: int = STORE_BYTES,
+                 ledger=None):
         self.capacity, self.max_bytes = capacity, max_bytes
-        self._d: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()
+        self._ledger = ledger or (lambda: None)
+        self._d: OrderedDict[str, bytes] = OrderedDict()
         self.bytes = 0
+        self.evicted = 0            # entries dropped to make room
+        self.refused = 0            # responses not kept (larger than the store, or no room)
 
-    def put(self, rid: str, response: dict, history: list[dict]) -> None:
+    @staticmethod
+    def _size(blob: bytes) -> int:
+        return len(blob) + ENTRY_OVERHEAD
+
+    def _book(self, total: int) -> bool:
+        """Set the ledger entry to ``total`` bytes; False when the ledger refuses it."""
+        led = self._ledger()
+        if led is None:
+            return True
+        try:
+            if LEDGER_NAME in led.items("server"):
+                led.resize("server", LEDGER_NAME, total)
+            else:
+                led.alloc("server", LEDGER_NAME, total)
+        except BudgetError:
+            return False
+        return True
+
+    def _evict(self) -> None:
+        self.bytes -= self._size(self._d.popitem(last=False)[1])
+        self.evicted += 1
+
+    def put(self, rid: str, response: dict, history: list[dict]) -> bool:
+        """Keep a response; False when it is not kept."""
         self.delete(rid)
-        size = len(json.dumps([response, history], ensure_ascii=False).encode())
+        blob = json.dumps([response, history], ensure_ascii=False,
+                          separators=(",", ":")).encode()
+        size = self._size(blob)
         if size > self.max_bytes:
-            return
-        self._d[rid] = (response, history, size)
+            self.refused += 1
+            return False
+        while self._d and (len(self._d) >= self.capacity or self.bytes + size > self.max_bytes):
+            self._evict()
+        while not self._book(self.bytes + size):
+            if not self._d:
+                self.refused += 1
+                self._book(0)
+                return False
+            self._evict()
+        self._d[rid] = blob
         self.bytes += size
-        while len(self._d) > self.capacity or self.bytes > self.max_bytes:
-            self.bytes -= self._d.popitem(last=False)[1][2]
+        return True
 
     def get(self, rid: str) -> tuple[dict, list[dict]] | None:
-        v = self._d.get(rid)
-        if v is None:
+        blob = self._d.get(rid)
+        if blob is None:
             return None
         self._d.move_to_end(rid)
-        return v[0], v[1]
+        response, history = json.loads(blob)
+        return response, history
 
     def delete(self, rid: str) -> bool:
-        v = self._d.pop(rid, None)
-        if v is not None:
-            self.bytes -= v[2]
-        return v is not None
+        blob = self._d.pop(rid, None)
+        if blob is None:
+            return False
+        self.bytes -= self._size(blob)
+        self._book(self.bytes)
+        return True
+
+    def stats(self) -> dict:
+        return {"bytes": self.bytes, "entries": len(self._d), "max_bytes": self.max_bytes,
+                "capacity": self.capacity, "evicted": self.evicted, "refused": self.refused}
 
     def __len__(self) -> int:
         return len(self._d)
@@ -534,7 +587,10 @@ def abort_run(run) -> None:
 
 
 def routes(ctx) -> list[Route]:
-    store = ResponseStore()
+    state = ctx.state
+    store = ResponseStore(max_bytes=getattr(state, "response_store_bytes", STORE_BYTES),
+                          ledger=lambda: getattr(state.model, "ledger", None))
+    state.response_store = store     # /metrics and /props report it
 
     def logprob_source(run):
         """Builder's new_logprobs for a run: OpenAI's logprob objects of choice 0's tokens

@@ -67,12 +67,21 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _store_bytes(a) -> int:
+    """--response-store as bytes (the Responses store's share of the budget)."""
+    from ..memory.budget import parse_size
+    from .responses import STORE_BYTES
+    v = getattr(a, "response_store", STORE_BYTES)
+    return parse_size(v) if isinstance(v, str) else int(v)
+
+
 def _load_kwargs(a) -> dict:
     """Keywords for memfit.api.Model; the KV cache types only where the API has them (the
     quantized KV formats come from another branch)."""
     from ..api import Model
     kw = dict(threads=a.threads, n_ctx=a.ctx_size, backend=a.backend, quiet=True,
-              mem_budget=a.mem_budget, n_parallel=a.parallel, constrained=True, serving=True)
+              mem_budget=a.mem_budget, n_parallel=a.parallel, constrained=True, serving=True,
+              server_bytes=_store_bytes(a))
     from ..spec.build import as_config
     kw["spec"] = as_config(a.spec, a.draft_max, a.draft_min)
     kw["model_draft"] = a.model_draft
@@ -138,7 +147,8 @@ def serve(a) -> int:
                         n_parallel=a.parallel,
                         max_queue=a.max_queue, max_prompt_tokens=a.max_prompt_tokens,
                         chat_template=a.chat_template, reasoning_format=a.reasoning_format,
-                        n_predict=None if a.n_predict < 0 else a.n_predict)
+                        n_predict=None if a.n_predict < 0 else a.n_predict,
+                        response_store_bytes=_store_bytes(a))
     state.pooling = a.pooling  # /v1/embeddings (server/embeddings.py); None: the model's
     allowed = None
     if a.allowed_host or is_loopback(a.host):

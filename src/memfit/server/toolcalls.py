@@ -7,8 +7,8 @@ alike.
   does, raising ValueError with a one-line message that names the field.
 - ``detect_format`` reads the chat template to find how the model writes a call: "hermes"
   (Qwen2.5/Qwen3, Hermes: ``<tool_call>{"name", "arguments"}</tool_call>``), "llama3" (a JSON
-  object ``{"name", "parameters"}`` as the whole answer, or after ``<|python_tag|>``),
-  "mistral" (``[TOOL_CALLS][{...}]`` or ``[TOOL_CALLS]name[ARGS]{...}``), "functionary"
+  object ``{"name", "parameters"}`` as the whole answer, or after ``<|python_tag|>``, and
+  Llama 3.1's built-ins ``<|python_tag|>name.call(...)``), "mistral" (``[TOOL_CALLS][{...}]`` or ``[TOOL_CALLS]name[ARGS]{...}``), "functionary"
   (``<function=name>{...}</function>``), "deepseek" (``<｜tool▁calls▁begin｜>``, R1's
   ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>name`` + a ```json fence or V3.1's
   ``name<｜tool▁sep｜>{...}``), "qwen3_coder" (``<tool_call><function=name><parameter=k>v``
@@ -39,9 +39,15 @@ alike.
   or a named function.
 - ``ThinkingBudget`` closes the reasoning after a number of tokens (forced tokens).
 
-Not covered: Llama's built-in ``<|python_tag|>name.call(...)`` tools. In the JSON-first
-formats (llama3, generic) an answer that starts with "{" and is not a call's head is held
-back until the JSON value is complete, since only then is it known whether it is a call.
+Llama 3.1's built-in tools (brave_search, wolfram_alpha, code_interpreter: a template with
+``builtin_tools`` gets them there, tokenizer/templates.builtin_tools) are called as
+``<|python_tag|>name.call(key="value", ...)``, each value JSON, read whole once the ")" is
+there (any of the request's tools may be called so); the code interpreter (else a "python"
+tool with a string "code", as llama.cpp reads it) may also be given the code itself after the
+tag, read to the end of the output. A built-in call cut off by the
+token limit is content. In the JSON-first formats (llama3, generic) an answer that starts with
+"{" and is not a call's head is held back until the JSON value is complete, since only then
+is it known whether it is a call.
 
 The parsing is hand-written: the formats are small and fixed, llguidance has no parser that
 reports where a call starts in free text, and neither jinja nor a JSON library can split a
@@ -56,6 +62,8 @@ import re
 import secrets
 import string
 from dataclasses import dataclass, field
+
+from ..tokenizer.templates import BUILTIN_TOOLS, builtin_tools
 
 FORMATS = ("hermes", "llama3", "mistral", "functionary", "generic", "deepseek", "qwen3_coder",
            "harmony")
@@ -168,6 +176,7 @@ class ToolFormat:
     name: str
     markers: dict[str, int] = field(default_factory=dict)
     variant: str = ""       # deepseek: "r1" (function<sep>NAME ```json) or "v3.1" (NAME<sep>{})
+    builtin: bool = False   # llama3: the template knows Llama 3.1's built-in tools
 
 
 _MARKERS = {
@@ -219,7 +228,7 @@ def detect_format(template_src: str | None, tok) -> ToolFormat:
     variant = ""
     if name == "deepseek":
         variant = "r1" if "```json" in src else "v3.1"
-    return ToolFormat(name, markers, variant)
+    return ToolFormat(name, markers, variant, builtin=name == "llama3" and "builtin_tools" in src)
 
 
 @dataclass
@@ -531,6 +540,7 @@ class OutputParser:
         self.fmt = fmt
         self.reasoning = reasoning
         self._fns = _functions(tools)
+        self._tools = tools
         self._check_names = tools is not None
         self.tool_calls: list[dict] = []
         self.content = ""
@@ -960,6 +970,19 @@ class OutputParser:
         calls = [_call_of(c) for c in items]
         return calls if calls and None not in calls else None
 
+    def _code_tool(self) -> str | None:
+        """The request's code interpreter when the template knows Llama's built-ins: the
+        built-in code_interpreter, else a tool named "python" with a string "code" (what
+        llama.cpp reads code after the tag as)."""
+        if not self.fmt.builtin:
+            return None
+        if "code_interpreter" in builtin_tools(self._tools):
+            return "code_interpreter"
+        props = (self._fns.get("python") or {}).get("properties") or {}
+        if isinstance(props.get("code"), dict) and props["code"].get("type") == "string":
+            return "python"
+        return None
+
     def _recognise(self, buf: str, final: bool):
         """At a trigger marker: (calls, characters used), _NEED or _BAD."""
         name = self.fmt.name
@@ -974,7 +997,16 @@ class OutputParser:
             if i >= len(buf):
                 return _NEED
             if buf[i] not in "{[":
-                return _BAD
+                r = _dot_call(buf, i)
+                code = self._code_tool()
+                # (a name.call( already read that is cut off is not code)
+                if code is not None and (r is _BAD or (r is _NEED and final and
+                                                       not _DOT_CALL.match(buf, i))):
+                    # Llama 3.1's code interpreter: the code itself, up to the end (<|eom_id|>)
+                    if not final:
+                        return _NEED
+                    return [(code, {"code": buf[i:].rstrip()})], len(buf)
+                return r
             end = _json_end(buf, i, self._memo)
             if end is None:
                 return _NEED
@@ -1217,6 +1249,75 @@ def _args_at(buf: str, j: int, memo=None):
     return (args, end) if args is not None else _BAD
 
 
+_DOT_CALL = re.compile(r"([A-Za-z0-9_-]{1,64})[ \t]*\.[ \t]*call[ \t]*\(")
+# what may still grow into "name.call(" (a name, then part of ".call")
+_DOT_CALL_PART = re.compile(r"[A-Za-z0-9_-]{0,64}[ \t]*(?:\.[ \t]*(?:c(?:a(?:l(?:l[ \t]*)?)?)?)?)?")
+_ARG_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_SCALAR = re.compile(r"[A-Za-z0-9.+-]+")
+
+
+def _value_end(buf: str, k: int):
+    """Where the JSON value at ``buf[k]`` ends: None while incomplete, -1 if it is none."""
+    n = len(buf)
+    if k >= n:
+        return None
+    if buf[k] == '"':
+        j = k + 1
+        while j < n:
+            if buf[j] == "\\":
+                j += 2
+            elif buf[j] == '"':
+                return j + 1
+            else:
+                j += 1
+        return None
+    if buf[k] in "{[":
+        return _json_end(buf, k)
+    m = _SCALAR.match(buf, k)
+    if not m:
+        return -1
+    return None if m.end() >= n else m.end()
+
+
+def _dot_call(buf: str, i: int):
+    """Llama 3.1's built-in call at ``buf[i]``: ``name.call(key=value, ...)``, each value JSON
+    (its template writes ``query="..."``): ([(name, args)], index after ")"), _NEED or _BAD."""
+    m = _DOT_CALL.match(buf, i)
+    if not m:
+        part = _DOT_CALL_PART.match(buf, i)
+        return _NEED if part.end() == len(buf) and len(buf) - i < 80 else _BAD
+    name, k, args = m.group(1), m.end(), {}
+    while True:
+        k = _skip_ws(buf, k)
+        if k >= len(buf):
+            return _NEED
+        if buf[k] == ")":
+            return [(name, args)], k + 1
+        if args:
+            if buf[k] != ",":
+                return _BAD
+            k = _skip_ws(buf, k + 1)
+        km = _ARG_KEY.match(buf, k)
+        if not km:
+            return _NEED if k >= len(buf) else _BAD
+        k = _skip_ws(buf, km.end())
+        if k >= len(buf):
+            return _NEED
+        if buf[k] != "=" or km.group() in args:
+            return _BAD
+        k = _skip_ws(buf, k + 1)
+        end = _value_end(buf, k)
+        if end is None:
+            return _NEED
+        if end < 0:
+            return _BAD
+        try:
+            args[km.group()] = json.loads(buf[k:end])
+        except json.JSONDecodeError:
+            return _BAD
+        k = end
+
+
 def _function_tag(buf: str, final: bool, memo=None):
     """<function=name>{...}</function>"""
     i = len("<function=")
@@ -1324,7 +1425,7 @@ def tool_call_constraint(fmt: ToolFormat, tools: list[dict], tool_choice, parall
     names = list(fns)
     rules: list[str] = []
 
-    def call_obj(args_key: str) -> str:
+    def call_obj(args_key: str, names=names) -> str:
         schema = {"anyOf": [{"type": "object", "properties": {
             "name": {"const": n}, args_key: fns[n]}, "required": ["name", args_key],
             "additionalProperties": False} for n in names]}
@@ -1347,8 +1448,23 @@ def tool_call_constraint(fmt: ToolFormat, tools: list[dict], tool_choice, parall
                      f'{_marker(fmt, "</tool_call>")}')
         calls = 'call ("\\n" call)*' if many else "call"
     elif f == "llama3":
-        rules.append(f"call: {call_obj('parameters')}")
-        calls = 'call (";" call)*' if many else "call"
+        # Llama 3.1's built-ins as its template tells the model to call them:
+        # <|python_tag|>name.call(query="..."); the other tools as {"name", "parameters"}
+        builtin = [n for n in builtin_tools(tools) if n in fns] if fmt.builtin else []
+        alts = []
+        custom = [n for n in names if n not in builtin]
+        if custom:
+            rules.append(f"obj: {call_obj('parameters', custom)}")
+            alts.append("obj")
+        for k, n in enumerate(builtin):
+            key = BUILTIN_TOOLS[n]
+            rules.append(f"bt_{k}: {_marker(fmt, '<|python_tag|>')} "
+                         f"{_lark_str(f'{n}.call({key}=')} "
+                         f"{_json(fns[n]['properties'][key])} \")\"")
+            alts.append(f"bt_{k}")
+        rules.append("call: " + " | ".join(alts))
+        # a built-in call ends the message (<|eom_id|>): only JSON calls are chained
+        calls = 'call (";" call)*' if many and not builtin else "call"
     elif f == "functionary":
         rules.append("call: " + per_fn(lambda n: _lark_str(f"<function={n}>"),
                                        _lark_str("</function>")))

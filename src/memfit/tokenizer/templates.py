@@ -389,6 +389,27 @@ def prepare_messages(messages: list[dict], caps: TemplateCaps | None,
     return out
 
 
+# Llama 3.1's built-in tools (its template's ``builtin_tools``): name -> the one string argument
+# of the ``<|python_tag|>name.call(arg="...")`` call the model writes for it
+BUILTIN_TOOLS = {"brave_search": "query", "wolfram_alpha": "query", "code_interpreter": "code"}
+
+
+def builtin_tools(tools: list[dict] | None) -> list[str]:
+    """The names of the request's tools that are Llama 3.1 built-ins: a function of a built-in's
+    name whose parameters have that built-in's argument as a string property (a tool of the
+    same name with other parameters is the client's own, rendered as a custom tool)."""
+    out = []
+    for t in tools or []:
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(fn, dict) or fn.get("name") not in BUILTIN_TOOLS:
+            continue
+        params = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
+        prop = (params.get("properties") or {}).get(BUILTIN_TOOLS[fn["name"]])
+        if isinstance(prop, dict) and prop.get("type") == "string":
+            out.append(fn["name"])
+    return out
+
+
 def _full_tools(tools: list[dict]) -> list[dict]:
     """Tools with OpenAI's defaults written out (description "", parameters an empty object
     schema): templates such as functionary's read both without checking."""
@@ -442,7 +463,8 @@ def apply_template(tok, arch: str, messages: list[dict], add_generation_prompt: 
 
     ``messages`` are OpenAI chat messages (content str | None | text parts; assistant
     ``tool_calls``; role "tool" results). ``tools`` (OpenAI tool objects) go to a template that
-    knows tools as its ``tools`` variable; for one that does not (and for the built-ins) their
+    knows tools as its ``tools`` variable (Llama 3.1's built-ins, for a template with
+    ``builtin_tools``, as that variable instead: see builtin_tools); for one that does not (and for the built-ins) their
     definitions and the generic call format are written into the system message, and past
     calls and results are rendered as text. Other keyword arguments (enable_thinking,
     reasoning_effort, ...) are passed to a jinja template as variables."""
@@ -455,8 +477,15 @@ def apply_template(tok, arch: str, messages: list[dict], add_generation_prompt: 
     src = template_source(tok, arch, template)
     if src is not None:
         caps = template_caps(src)
-        msgs = prepare_messages(messages, caps, tools)
         extra = thinking_kwargs(src, kwargs)
+        builtin = builtin_tools(tools) if "builtin_tools" in src else []
+        if builtin:
+            # as Llama 3.1's template means them: built-ins named in ``builtin_tools`` (its
+            # system prompt lists them; their calls render as name.call(...)), the other
+            # tools as JSON definitions
+            extra["builtin_tools"] = builtin
+            tools = [t for t in tools if t.get("function", {}).get("name") not in builtin] or None
+        msgs = prepare_messages(messages, caps, tools)
         if tools and caps.tools:
             extra["tools"] = _full_tools(tools)
         where = f"{template} (jinja file)" if template is not None \
@@ -471,5 +500,6 @@ def apply_template(tok, arch: str, messages: list[dict], add_generation_prompt: 
             f"{name} (built-in for {arch}; the GGUF has no tokenizer.chat_template)")
 
 
-__all__ = ["BUILTIN", "apply_template", "detect_builtin", "generic_tool_prompt",
+__all__ = ["BUILTIN", "BUILTIN_TOOLS", "apply_template", "builtin_tools", "detect_builtin",
+           "generic_tool_prompt",
            "prepare_messages", "template_caps", "template_source", "thinking_kwargs"]
