@@ -38,7 +38,8 @@ def recalls(path, tmp_path, monkeypatch) -> tuple[float, float, int]:
     steps of N_DECODE sampled tokens, layers 1.. (layer 0 has no look-ahead), measured in a
     fresh process (tests/_lookahead_recall.py) under a budget a quarter of the file above
     its floor, with no routing record (no hot set)."""
-    env = {**os.environ, "MEMFIT_CACHE": str(tmp_path / "cache")}
+    # look-ahead on at every step (its recall, not whether it pays: test_lookahead_decision)
+    env = {**os.environ, "MEMFIT_CACHE": str(tmp_path / "cache"), "MEMFIT_EXPERT_LOOKAHEAD": "1"}
     env.pop("MEMFIT_MEM_BUDGET", None)
     p = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "_lookahead_recall.py"),
                         str(path), str(N_DECODE)], capture_output=True, text=True, timeout=300, env=env)

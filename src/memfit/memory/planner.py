@@ -677,7 +677,8 @@ EXPERT_POLICIES = ("lru", "decay")   # policy.LRUPolicy, policy.DecayPolicy
 
 def expert_switch(name: str) -> bool:
     """MEMFIT_EXPERT_HOTSET / MEMFIT_EXPERT_LOOKAHEAD: "0" turns that mechanism off (ablation
-    benchmarks); unset, "" or "1" keeps it on."""
+    benchmarks); unset, "" or "1" keeps it (the look-ahead: "1" at every step, unset as
+    measured, memory/policy.py LookaheadDecision)."""
     import os
     v = os.environ.get(name, "").strip()
     if v not in ("", "0", "1"):

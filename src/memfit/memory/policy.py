@@ -123,6 +123,66 @@ class NextUnitPrefetch:
         return None if nxt == ui else nxt
 
 
+class LookaheadDecision:
+    """Whether router look-ahead prefetch pays, decided by measurement while decoding (issue
+    22: it removed stalls on a loaded machine and cost 22% on uniform routing, so no constant
+    can decide it). It explores in windows of WINDOW decode steps, on and off in turn (PAIRS
+    windows of each; a window's first step, which still carries the other side's reads, is
+    not counted), keeps the side with the lower median seconds per decoded row, off unless
+    on is MARGIN faster (off reads less), holds that for HOLD steps, then explores again
+    (the cache's contents and the routing drift). forced: always on (MEMFIT_EXPERT_LOOKAHEAD=1).
+    ``observe`` takes a finished step's time and whether look-ahead was on, and returns
+    whether the next step should use it."""
+
+    WINDOW, PAIRS, HOLD, MARGIN = 4, 2, 64, 0.03
+
+    def __init__(self, forced: bool = False):
+        self.forced = forced
+        self.on = True
+        self.samples: dict[bool, list[float]] = {True: [], False: []}
+        self.explore_left = 2 * self.PAIRS * self.WINDOW   # steps left in this exploration
+        self.hold_left = 0
+        self.in_window = 0            # steps taken in the current window
+        self.decisions: list[bool] = []
+
+    @property
+    def state(self) -> str:
+        if self.forced:
+            return "on"
+        return "exploring" if self.explore_left else ("on" if self.on else "off")
+
+    def observe(self, seconds_per_row: float, was_on: bool) -> bool:
+        if self.forced:
+            return True
+        if self.explore_left:
+            if self.in_window:                    # not a window's first step
+                self.samples[was_on].append(seconds_per_row)
+            self.in_window += 1
+            self.explore_left -= 1
+            if self.in_window == self.WINDOW:
+                self.in_window = 0
+                self.on = not was_on
+            if self.explore_left == 0:
+                self.on = self._decide()
+                self.hold_left = self.HOLD
+            return self.on
+        self.hold_left -= 1
+        if self.hold_left <= 0:                   # explore again, starting from on
+            self.samples = {True: [], False: []}
+            self.explore_left = 2 * self.PAIRS * self.WINDOW
+            self.on = True
+        return self.on
+
+    def _decide(self) -> bool:
+        on, off = sorted(self.samples[True]), sorted(self.samples[False])
+        if not on or not off:
+            choice = bool(on)
+        else:
+            choice = on[len(on) // 2] < off[len(off) // 2] * (1.0 - self.MARGIN)
+        self.decisions.append(choice)
+        return choice
+
+
 def make_policy(name: str, prior=None):
     if name == "lru":
         return LRUPolicy()

@@ -44,7 +44,7 @@ from ..ops import QTensor
 from .io import DEMAND, IO_CHUNK, IO_WORKERS, PAGE, PREFETCH, IOPool, Reader, os_pread, when_all
 from .ledger import Ledger, LedgerDriftError
 from .planner import Plan, expert_switch, expert_tensor_names
-from .policy import NextUnitPrefetch, make_policy
+from .policy import LookaheadDecision, NextUnitPrefetch, make_policy
 
 __all__ = ["WeightStore", "IO_CHUNK", "IO_WORKERS", "PAGE"]
 
@@ -467,6 +467,7 @@ class WeightStore:
             if all(n in self.tensors for n in names):
                 self._x_tensors[il] = tuple(self.tensors[n] for n in names)
         self.wants_expert_prediction = False
+        self._lookahead = None
         self.xstats = {"requests": 0, "hits": 0, "hot_hits": 0, "misses": 0,
                        "prefetch_hits": 0, "prefetched": 0, "prefetch_wasted_bytes": 0,
                        "predicted_routed": 0, "routed_predicted": 0, "demand_bytes": 0,
@@ -515,8 +516,19 @@ class WeightStore:
             prior = routing.as_prior() if routing is not None and expert_policy == "decay" else None
             expert_policy = make_policy(expert_policy, prior)
         self.expert_policy = expert_policy
-        self.wants_expert_prediction = (self.prefetch_enabled and self._x_nslots > 0
-                                        and expert_switch("MEMFIT_EXPERT_LOOKAHEAD"))
+        # router look-ahead: decided by measurement while decoding (LookaheadDecision),
+        # always with MEMFIT_EXPERT_LOOKAHEAD=1, never with 0
+        mode = os.environ.get("MEMFIT_EXPERT_LOOKAHEAD", "").strip()
+        on = (self.prefetch_enabled and self._x_nslots > 0
+              and expert_switch("MEMFIT_EXPERT_LOOKAHEAD"))
+        self._lookahead = LookaheadDecision(forced=mode == "1") if on else None
+        self.wants_expert_prediction = on
+
+    def decode_step(self, seconds: float, rows: int) -> None:
+        """A decode forward's time: the look-ahead decision's measurement."""
+        if self._lookahead is not None and rows > 0:
+            self.wants_expert_prediction = self._lookahead.observe(
+                seconds / rows, self.wants_expert_prediction)
 
     def _x_span(self, key) -> int:
         """Bytes of the three page-aligned ranges of expert key."""
@@ -802,6 +814,9 @@ class WeightStore:
                 "expert_slots": self._x_nslots, "hot_experts": len(getattr(self, "_hot", ())),
                 "expert_reads": xs["reads"], "expert_read_bytes": xs["read_bytes"],
                 "expert_bytes_per_read": xs["read_bytes"] / xs["reads"] if xs["reads"] else 0.0,
+                "lookahead": self._lookahead.state if self._lookahead is not None else "off",
+                "lookahead_decisions": (list(self._lookahead.decisions)
+                                        if self._lookahead is not None else []),
             })
         return d
 

@@ -8,6 +8,8 @@ and the forward loop live in Model. Tensor names are GGUF's; activations are flo
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ..errors import RequestError
@@ -155,6 +157,7 @@ class Model:
         fused = self._decode_layers() if b.decode and b.kv.fusable else None
         self._decode = b.decode
         self._rows_seq, self._rows_pos = b.seq, b.pos
+        t0 = time.perf_counter()
         try:
             if fused:
                 # one native call per layer for all rows (csrc/decode.c): the same kernels in
@@ -184,7 +187,10 @@ class Model:
                 return x
             if x.shape[0] == 0:
                 return np.zeros((0, c.n_vocab), np.float32)
-            return self.logits(x)
+            out = self.logits(x)
+            if b.decode:
+                self.weights.decode_step(time.perf_counter() - t0, n)
+            return out
         finally:
             self._decode = False
 

@@ -16,6 +16,8 @@ knows whether a weight was resident or paged in.
     wants_expert_prediction: bool                                 # router look-ahead wanted
     expert_batch_limit: int                                       # experts per get_experts
                                                                   # call (0: any number)
+    decode_step(seconds, rows) -> None                            # a decode forward's time
+                               # (the store decides by it whether look-ahead pays)
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class WeightSource(Protocol):
     def get_experts(self, il: int, experts: Sequence[int]) -> list[tuple[QTensor, QTensor, QTensor]]: ...
     def prefetch_experts(self, il: int, experts: Sequence[int]) -> None: ...
     def experts_in_place(self, il: int) -> tuple[QTensor, QTensor, QTensor] | None: ...
+    def decode_step(self, seconds: float, rows: int) -> None: ...
     wants_expert_prediction: bool
     expert_batch_limit: int
 
@@ -58,6 +61,9 @@ class GGUFWeights:
 
     wants_expert_prediction = False   # the OS pages experts in on use: nothing to prefetch
     expert_batch_limit = 0            # experts per get_experts call: 0, any number
+
+    def decode_step(self, seconds: float, rows: int) -> None:
+        """Nothing to decide: no look-ahead here."""
 
     def __init__(self, gguf_file):
         self.file = gguf_file

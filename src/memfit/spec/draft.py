@@ -236,6 +236,9 @@ class _OwnedWeights:
     its reads never compete with the target's streaming)."""
 
     wants_expert_prediction = False
+
+    def decode_step(self, seconds: float, rows: int) -> None:
+        """Nothing to decide: no look-ahead here."""
     expert_batch_limit = 0
 
     def __init__(self, gguf_file):
