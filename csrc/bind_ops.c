@@ -343,23 +343,35 @@ done:
     return NULL;
 }
 
-/* ---- sigmoid(x, out=None) ------------------------------------------------------------------ */
-static PyObject *py_sigmoid(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kw) {
+/* ---- elementwise float32 maps: fn(x, out=None) -> out (out may be x) ------------------- */
+static PyObject *unary_f32(const char *fn, void (*op)(const float *, float *, int64_t),
+                           PyObject *const *args, Py_ssize_t nargs, PyObject *kw) {
     static const char *const names[] = {"x", "out"};
-    const char *fn = "sigmoid";
     PyObject *a[2], *res = NULL;
     bufs bs = {.n = 0};
     if (parse_args(fn, args, nargs, kw, names, 1, 2, a) < 0) return NULL;
     Py_buffer *x = get_buf(&bs, a[0], fn, "x", 'f', 0, 1, 64), *o;
     if (!x) goto done;
     if (!(o = get_out(&bs, a[1], fn, x->ndim, x->shape, &res))) goto done;
-    mf_sigmoid_f32(x->buf, o->buf, numel(x));
+    {
+        const float *xp = x->buf;
+        float *op_ = o->buf;
+        const int64_t n = numel(x);
+        Py_BEGIN_ALLOW_THREADS
+        op(xp, op_, n);
+        Py_END_ALLOW_THREADS
+    }
     release(&bs);
     return res;
 done:
     release(&bs);
     Py_XDECREF(res);
     return NULL;
+}
+
+/* sigmoid(x, out=None) */
+static PyObject *py_sigmoid(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kw) {
+    return unary_f32("sigmoid", mf_sigmoid_f32, args, nargs, kw);
 }
 
 /* ---- silu_mul(gate, up, out=None), gelu_mul(gate, up, out=None),
@@ -448,30 +460,8 @@ done:
 }
 
 /* ---- round_f16(x, out=None): x rounded to float16 precision, kept as float32 ------------- */
-
 static PyObject *py_round_f16(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kw) {
-    static const char *const names[] = {"x", "out"};
-    const char *fn = "round_f16";
-    PyObject *a[2], *res = NULL;
-    bufs bs = {.n = 0};
-    if (parse_args(fn, args, nargs, kw, names, 1, 2, a) < 0) return NULL;
-    Py_buffer *x = get_buf(&bs, a[0], fn, "x", 'f', 0, 1, 64), *o;
-    if (!x) goto done;
-    if (!(o = get_out(&bs, a[1], fn, x->ndim, x->shape, &res))) goto done;
-    {
-        const float *xp = x->buf;
-        float *op = o->buf;
-        const int64_t n = numel(x);
-        Py_BEGIN_ALLOW_THREADS
-        mf_round_f16_f32(xp, op, n);
-        Py_END_ALLOW_THREADS
-    }
-    release(&bs);
-    return res;
-done:
-    release(&bs);
-    Py_XDECREF(res);
-    return NULL;
+    return unary_f32("round_f16", mf_round_f16_f32, args, nargs, kw);
 }
 
 /* ---- f32_to_f16(x, out): float16 bits, the K/V cache's store conversion ------------------ */

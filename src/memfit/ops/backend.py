@@ -86,26 +86,25 @@ class Backend:
     def dense_layer(self, params):
         """(prepared layer, its weight names in decode_batch's order) of the fused dense
         decoder layer (cap dense_decode) from a DenseLayerParams (ops/fused.py)."""
-        from .fused import pack
-        if not self.has("dense_decode"):
-            raise NotImplementedError(f"backend {self.name} has no fused decode layer")
-        fields = self.__dict__.get("_fields")
-        if fields is None:
-            fields = self.__dict__["_fields"] = self.decode_layer_fields()
-        iv, fv, vv, names = pack(params, fields)
-        return self.decode_layer_new(iv, fv, vv), names
+        return self._fused_layer(params, "dense_decode", "decode_layer", "fused decode layer")
 
     def moe_layer(self, params):
         """(prepared layer, its weight names in decode_batch's order) of the fused MoE decoder
         layer (cap moe_decode) from a MoeLayerParams (ops/fused.py)."""
+        return self._fused_layer(params, "moe_decode", "moe_layer", "fused MoE decode layer")
+
+    def _fused_layer(self, params, cap: str, prefix: str, what: str):
+        """params packed by the slot names the module exports (``PREFIX_fields()``, read
+        once), then ``PREFIX_new``."""
         from .fused import pack
-        if not self.has("moe_decode"):
-            raise NotImplementedError(f"backend {self.name} has no fused MoE decode layer")
-        fields = self.__dict__.get("_moe_fields")
+        if not self.has(cap):
+            raise NotImplementedError(f"backend {self.name} has no {what}")
+        key = f"_{prefix}_fields"
+        fields = self.__dict__.get(key)
         if fields is None:
-            fields = self.__dict__["_moe_fields"] = self.moe_layer_fields()
+            fields = self.__dict__[key] = getattr(self, prefix + "_fields")()
         iv, fv, vv, names = pack(params, fields)
-        return self.moe_layer_new(iv, fv, vv), names
+        return getattr(self, prefix + "_new")(iv, fv, vv), names
 
     # --- activation maths -----------------------------------------------------------------
     def route(self, logits: np.ndarray, spec: RouteSpec, bias: np.ndarray | None = None):
