@@ -9,7 +9,8 @@ limit below the machine's RAM), page cache dropped first. memfit: `bench -p P -n
 --mem-budget 0.96*L --json` (no --mem-budget for `none`: the detected budget), with the plan of
 the same budget and context taken just before (its bandwidths give the bound). llama.cpp:
 benchmarks/peer_llamacpp.py, mmap, --repack 0 (use_extra_bufts=False), same threads, tg capped
-by --peer-max-seconds. `memfit:0.3:lru-only` etc. add an ablation variant (see VARIANTS).
+by --peer-max-seconds; side `llama.cpp-repack`: --repack 1 (its repacked weights, the faster
+configuration where the file fits). `memfit:0.3:lru-only` etc. add an ablation variant (see VARIANTS).
 One JSON line per run is appended to OUT with the memfit commit, the time and the load average.
 """
 from __future__ import annotations
@@ -107,6 +108,9 @@ def main(argv=None) -> int:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--budget-share", type=float, default=0.96, help="memfit budget / cgroup limit")
+    ap.add_argument("--parallel", default=None, metavar="N[,N...]",
+                    help="memfit: aggregate decode of N sequences at once (bench --parallel; the "
+                         "batch union of experts)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
@@ -122,11 +126,13 @@ def main(argv=None) -> int:
             budget = None if limit is None else int(limit * a.budget_share)
             plan = plan_json(a.model, budget, a.n_prompt + a.n_gen + 8, env)
             cmd = ["memfit", "bench", a.model, "-p", str(a.n_prompt), "-n", str(a.n_gen), "-r", "1",
-                   "-t", str(a.threads), "--json"] + ([] if budget is None else ["--mem-budget", str(budget)])
+                   "-t", str(a.threads), "--json"] + ([] if budget is None else ["--mem-budget", str(budget)]) + (
+                       ["--parallel", a.parallel] if a.parallel else [])
         else:
             pp = a.n_prompt if a.peer_p is None else a.peer_p
             cmd = [PEER_PY, os.path.join(HERE, "peer_llamacpp.py"), a.model, "-p", str(pp),
-                   "-n", str(a.peer_n), "-r", "1", "-t", str(a.threads), "--repack", "0",
+                   "-n", str(a.peer_n), "-r", "1", "-t", str(a.threads),
+                   "--repack", "1" if side == "llama.cpp-repack" else "0",
                    "--max-seconds", str(a.peer_max_seconds), "--json"] + (
                        ["--no-warmup"] if a.peer_no_warmup else [])
         load0 = round(os.getloadavg()[0], 2)

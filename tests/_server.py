@@ -48,6 +48,16 @@ class ServerProcess:
                 self.url = m.group(1)
                 self._listening.set()
 
+    def wait_for(self, text: str, timeout: float = 30.0) -> str:
+        """The output so far once it contains ``text`` (the reader thread may lag behind the
+        server: a line printed before /health turned 200 can arrive after); AssertionError
+        with the output after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while text not in (out := "".join(self.lines)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert text in out, out
+        return out
+
     @property
     def base_url(self) -> str:
         return self.url + "/v1"

@@ -93,7 +93,7 @@ def test_serve_fits_the_context_for_its_slots_as_plan_shows(smollm2_path):
         assert m, out
         assert (int(m.group(1)), int(m.group(2))) == (p["n_ctx"], 4)
         assert int(m.group(3)) == round(p["kv_bytes"] / MiB)
-        assert f"ctx {p['n_ctx']})" in out  # the ready line: the load used that plan
+        srv.wait_for(f"ctx {p['n_ctx']})")  # the ready line: the load used that plan
         r = httpx.post(srv.url + "/v1/completions", json={
             "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
