@@ -33,6 +33,17 @@ VARIANTS = {
                           "MEMFIT_EXPERT_POLICY": "lru"},
     "decay+hot+lookahead": {"MEMFIT_EXPERT_HOTSET": "1", "MEMFIT_EXPERT_LOOKAHEAD": "1",
                             "MEMFIT_EXPERT_POLICY": "decay"},
+    # issue 22's ablation: each row adds one mechanism; the last is the default (look-ahead
+    # decided by measurement at run time, coalesced reads, hot set, LRU)
+    "a1-lru": {"MEMFIT_EXPERT_HOTSET": "0", "MEMFIT_EXPERT_LOOKAHEAD": "0",
+               "MEMFIT_EXPERT_POLICY": "lru", "MEMFIT_COALESCE": "0"},
+    "a2-hot": {"MEMFIT_EXPERT_HOTSET": "1", "MEMFIT_EXPERT_LOOKAHEAD": "0",
+               "MEMFIT_EXPERT_POLICY": "lru", "MEMFIT_COALESCE": "0"},
+    "a3-lookahead": {"MEMFIT_EXPERT_HOTSET": "1", "MEMFIT_EXPERT_LOOKAHEAD": "1",
+                     "MEMFIT_EXPERT_POLICY": "lru", "MEMFIT_COALESCE": "0"},
+    "a4-coalesce": {"MEMFIT_EXPERT_HOTSET": "1", "MEMFIT_EXPERT_LOOKAHEAD": "1",
+                    "MEMFIT_EXPERT_POLICY": "lru", "MEMFIT_COALESCE": "1"},
+    "a5-decided": {"MEMFIT_EXPERT_HOTSET": "1", "MEMFIT_EXPERT_POLICY": "lru", "MEMFIT_COALESCE": "1"},
 }
 
 

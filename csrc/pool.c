@@ -7,6 +7,7 @@
 #include <cpuid.h>
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -207,6 +208,14 @@ static inline void cpu_relax(void) {
  * scheduled costs nothing (important when cores are oversubscribed). */
 static void *worker(void *arg) {
     tl_tid = (int)(intptr_t)arg;
+    /* the process's asynchronous signals (Ctrl-C's SIGINT, SIGTERM, ...) go to another thread:
+     * Python runs their handlers in the main thread, and a main thread waiting in input() sees
+     * them only if the signal interrupts it there */
+    sigset_t async;
+    sigemptyset(&async);
+    const int sigs[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGALRM, SIGCHLD, SIGWINCH, SIGUSR1, SIGUSR2, SIGPIPE};
+    for (size_t i = 0; i < sizeof sigs / sizeof sigs[0]; i++) sigaddset(&async, sigs[i]);
+    pthread_sigmask(SIG_BLOCK, &async, NULL);
     unsigned seen = 0;
     for (;;) {
         unsigned g = atomic_load_explicit(&P.gen, memory_order_acquire);

@@ -13,6 +13,12 @@ from memfit.quant import tables as _tables
 ISA_ORDER = ("scalar", "avx2", "avx512", "avx512vnni")
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (pyproject addopts): one worker per CPU this process may use, at most 4 (each
+    test's native kernels use up to 2 threads, and several tests start servers)."""
+    return max(1, min(len(os.sched_getaffinity(0)), 4))
+
+
 def isa_paths() -> list[str]:
     """The ISA paths with code of their own (the native module says which) that this CPU runs:
     nothing is parametrized only to be skipped."""

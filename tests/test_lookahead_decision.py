@@ -66,14 +66,17 @@ import numpy as np
 import memfit
 from memfit.runtime import Runtime
 path = sys.argv[1]
-rt = Runtime(path, n_ctx=256, mem_budget=16 << 30)
+rt = Runtime(path, n_ctx=256, mem_budget=16 << 30, n_parallel=2)
 floor = rt.plan.min_budget_bytes
 rt.close()
-with memfit.load(path, n_ctx=256, mem_budget=floor + os.path.getsize(path) // 4, spec="off") as m:
+with memfit.load(path, n_ctx=256, mem_budget=floor + os.path.getsize(path) // 4, spec="off",
+                 n_parallel=2) as m:
     ids = [int(i) for i in np.random.default_rng(0).integers(3, 2000, 8)]
     r = m.generate(ids, max_tokens=40, temperature=0)
+    # two sequences decoded together: steps of two rows, decided apart from one row's
+    b = m.generate([ids, ids[::-1]], max_tokens=40, temperature=0)
     st = m.store.stats()
-print(json.dumps({"ids": r.ids, "lookahead": st["lookahead"],
+print(json.dumps({"ids": r.ids, "batch": [x.ids for x in b], "lookahead": st["lookahead"],
                   "decisions": st["lookahead_decisions"], "prefetched": st["prefetched_experts"]}))
 """
 
@@ -93,7 +96,11 @@ def test_a_budgeted_run_decides_and_its_tokens_do_not_depend_on_it(tmp_path):
         out[mode] = json.loads(p.stdout.strip().splitlines()[-1])
     auto, off, on = out[""], out["0"], out["1"]
     assert auto["ids"] == off["ids"] == on["ids"]        # a hint never changes a result
-    # 39 decode steps: one exploration (16 steps) ended in a decision, held since
-    assert len(auto["decisions"]) == 1 and auto["lookahead"] in ("on", "off")
-    assert off["lookahead"] == "off" and off["prefetched"] == 0 and off["decisions"] == []
-    assert on["lookahead"] == "on" and on["decisions"] == [] and on["prefetched"] > 0
+    assert auto["batch"] == off["batch"] == on["batch"] and auto["batch"][0] == auto["ids"]
+    # 39 decode steps of one row, then 39 of two: each an exploration (16 steps) ended in a
+    # decision of its own, held since
+    assert sorted(auto["decisions"]) == ["1", "2"]
+    assert [len(v) for v in auto["decisions"].values()] == [1, 1]
+    assert auto["lookahead"] in ("on", "off")
+    assert off["lookahead"] == "off" and off["prefetched"] == 0 and off["decisions"] == {}
+    assert on["lookahead"] == "on" and on["decisions"] == {"1": [], "2": []} and on["prefetched"] > 0

@@ -204,8 +204,8 @@ def test_ignore_eos(client):
 def test_keepalive_requests_are_not_held_by_nagle(server):
     # the listening socket is TCP with TCP_NODELAY: a keep-alive response (headers and body
     # written apart) otherwise waits ~40 ms for the client's delayed ACK, on every request of
-    # an OpenAI client; the bound leaves room for a loaded CI machine
-    import statistics
+    # an OpenAI client. The fastest of 15 requests: Nagle's wait is on every one of them,
+    # while a loaded machine (other tests running beside) delays only some
     import time
     with httpx.Client(base_url=server.base_url) as h:
         h.get("/health")
@@ -214,4 +214,4 @@ def test_keepalive_requests_are_not_held_by_nagle(server):
             t0 = time.perf_counter()
             assert h.get("/health").status_code == 200
             times.append(time.perf_counter() - t0)
-    assert statistics.median(times) < 0.025, times
+    assert min(times) < 0.025, times

@@ -93,10 +93,11 @@ def test_parse_special_switch(toks):
 
 @pytest.mark.realmodel
 def test_gemma_builds_fast(metadata):
-    t0 = time.perf_counter()
+    # CPU time of this process: other tests running beside (pytest-xdist) do not count
+    t0 = time.process_time()
     tok = Tokenizer.from_metadata(metadata["gemma"])
     tok.encode("warm up the byte table: \U000e0001")
-    assert time.perf_counter() - t0 < 2.0
+    assert time.process_time() - t0 < 2.0
 
 
 @pytest.mark.realmodel

@@ -34,7 +34,9 @@ class MaskWorker:
     def __init__(self, n_vocab: int):
         self.words = (n_vocab + 31) // 32
         self._buf = np.zeros((0, self.words), np.int32)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memfit-masks")
+        from ..memory.io import block_async_signals
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memfit-masks",
+                                        initializer=block_async_signals)
         self._fut = None
 
     def start(self, matchers) -> None:

@@ -128,7 +128,7 @@ def _save_cache(d: dict) -> None:
     p = cache_path()
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_suffix(".tmp")
+        tmp = p.with_suffix(f".{os.getpid()}.tmp")  # processes saving at once do not mix
         tmp.write_text(json.dumps(d, indent=1, sort_keys=True))
         os.replace(tmp, p)
     except OSError:

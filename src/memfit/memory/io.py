@@ -10,6 +10,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import os
+import signal
 import threading
 from concurrent.futures import Future
 from typing import Callable
@@ -25,6 +26,18 @@ Reader = Callable[[int, memoryview, int], int]
 
 def os_pread(fd: int, buf: memoryview, offset: int) -> int:
     return os.preadv(fd, [buf], offset)
+
+
+ASYNC_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGALRM,
+                 signal.SIGCHLD, signal.SIGWINCH, signal.SIGUSR1, signal.SIGUSR2, signal.SIGPIPE}
+
+
+def block_async_signals() -> None:
+    """Called first in a helper thread: the process's asynchronous signals (Ctrl-C's SIGINT,
+    SIGTERM) are delivered to another thread. Python runs their handlers in the main thread,
+    and a main thread waiting in input() or a read sees them only when the signal interrupts
+    it there (csrc/pool.c's workers do the same)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, ASYNC_SIGNALS)
 
 
 class IOPool:
@@ -49,6 +62,7 @@ class IOPool:
         return fut
 
     def _work(self) -> None:
+        block_async_signals()
         while True:
             with self._cv:
                 while not self._heap and not self._stop:

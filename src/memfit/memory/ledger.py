@@ -156,6 +156,8 @@ class Ledger:
         self._stop.clear()
 
         def loop():
+            from .io import block_async_signals
+            block_async_signals()
             while not self._stop.wait(interval_s):
                 rep = self.drift()
                 if rep.excess > 0 and self.violation is None:

@@ -521,14 +521,33 @@ class WeightStore:
         mode = os.environ.get("MEMFIT_EXPERT_LOOKAHEAD", "").strip()
         on = (self.prefetch_enabled and self._x_nslots > 0
               and expert_switch("MEMFIT_EXPERT_LOOKAHEAD"))
-        self._lookahead = LookaheadDecision(forced=mode == "1") if on else None
+        # one decision per number of rows in the step (8 and more together): a step of 4
+        # sequences prefetches the union of 4 routes, which can evict its own experts where
+        # one sequence's prefetch pays, and its seconds per row are not one row's
+        self._lookahead = {} if on else None
+        self._lookahead_forced = mode == "1"
+        self._lookahead_rows = 1                            # the last step's class
         self.wants_expert_prediction = on
 
     def decode_step(self, seconds: float, rows: int) -> None:
-        """A decode forward's time: the look-ahead decision's measurement."""
+        """A decode forward's time: the measurement of the look-ahead decision for steps of
+        this many rows; the next step (most likely of as many rows) follows that decision."""
         if self._lookahead is not None and rows > 0:
-            self.wants_expert_prediction = self._lookahead.observe(
-                seconds / rows, self.wants_expert_prediction)
+            k = self._lookahead_rows = min(rows, 8)
+            d = self._lookahead.get(k)
+            if d is None:
+                d = self._lookahead[k] = LookaheadDecision(forced=self._lookahead_forced)
+            self.wants_expert_prediction = d.observe(seconds / rows, self.wants_expert_prediction)
+
+    def _lookahead_state(self) -> str:
+        """on | off | exploring for steps of the last step's row count ('on' before any step
+        when look-ahead is enabled)."""
+        if self._lookahead is None:
+            return "off"
+        if self._lookahead_forced:
+            return "on"
+        d = self._lookahead.get(self._lookahead_rows)
+        return d.state if d is not None else "exploring"
 
     def _x_span(self, key) -> int:
         """Bytes of the three page-aligned ranges of expert key."""
@@ -814,9 +833,10 @@ class WeightStore:
                 "expert_slots": self._x_nslots, "hot_experts": len(getattr(self, "_hot", ())),
                 "expert_reads": xs["reads"], "expert_read_bytes": xs["read_bytes"],
                 "expert_bytes_per_read": xs["read_bytes"] / xs["reads"] if xs["reads"] else 0.0,
-                "lookahead": self._lookahead.state if self._lookahead is not None else "off",
-                "lookahead_decisions": (list(self._lookahead.decisions)
-                                        if self._lookahead is not None else []),
+                "lookahead": self._lookahead_state(),
+                # per rows in a step: the decisions taken, in order
+                "lookahead_decisions": {k: list(d.decisions) for k, d in
+                                        sorted((self._lookahead or {}).items())},
             })
         return d
 
