@@ -33,6 +33,8 @@ VARIANTS = {
                           "MEMFIT_EXPERT_POLICY": "lru"},
     "decay+hot+lookahead": {"MEMFIT_EXPERT_HOTSET": "1", "MEMFIT_EXPERT_LOOKAHEAD": "1",
                             "MEMFIT_EXPERT_POLICY": "decay"},
+    # every MoE layer op by op (no fused MoE decode layer, in place or streamed)
+    "nofused": {"MEMFIT_FUSED_MOE": "0"},
 }
 
 
