@@ -44,6 +44,8 @@ VARIANTS = {
     "a4-coalesce": {"MEMFIT_EXPERT_HOTSET": "1", "MEMFIT_EXPERT_LOOKAHEAD": "1",
                     "MEMFIT_EXPERT_POLICY": "lru", "MEMFIT_COALESCE": "1"},
     "a5-decided": {"MEMFIT_EXPERT_HOTSET": "1", "MEMFIT_EXPERT_POLICY": "lru", "MEMFIT_COALESCE": "1"},
+    # every MoE layer op by op (no fused MoE decode layer, in place or streamed)
+    "nofused": {"MEMFIT_FUSED_MOE": "0"},
 }
 
 

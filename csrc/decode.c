@@ -20,7 +20,11 @@
  * rows' experts in index order, each expert's rows through mf_moe_ffn (csrc/moe.c) with its
  * gate/up/down read in place from the stacked ffn_*_exps tensors, then the shared expert
  * (sigmoid-gated by ffn_gate_inp_shexp, or ungated). decode_batch takes its 4 attention
- * matrices, the router, the 3 stacked expert tensors and the 3 shared-expert ones (if any). */
+ * matrices, the router, the 3 stacked expert tensors and the 3 shared-expert ones (if any).
+ * Where the store streams the experts (they are not in place), the layer is two calls:
+ * decode_batch_route (attention, residual, FFN norm, router, top-k: the chosen experts out) and,
+ * once the caller has those experts' bytes, decode_batch_experts (a table of each expert's
+ * gate/up/down; norm, router and top-k again, the same selection, then the groups as above). */
 #include "memfit.h"
 #include "ops.h"
 #include "quant_common.h"
@@ -107,12 +111,23 @@ typedef struct {
     int64_t bs;
 } kvref_t;
 
+/* Where the route-only call (decode_batch_route) leaves a MoE layer's routing: the chosen experts
+ * sel [n, K] and, where not NULL, the FFN-normed rows h [n, E] and the router logits [n, X]. */
+typedef struct {
+    int64_t *sel;
+    float *h, *logits;
+} route_out_t;
+
+static int moe_half(const layer_t *L, float *x, int64_t n, const uint8_t *const *w,
+                    const uint8_t *const *xtab, route_out_t *rt, float *h, float *out);
+
 /* The layer (see the file comment) for n rows, each a decode token of its own sequence (or any
  * causal rows). Matmuls keep the one-row kernels (vec_only), so a row's result does not depend
- * on the others. Returns 0, -3 out of memory, -4 unsupported kv type, or a matmul error code. */
-static int moe_half(const layer_t *L, float *x, int64_t n, const uint8_t *const *w, float *h, float *out);
-
-static int run_layer(const layer_t *L, float *x, int64_t n, const kvref_t *kv, const uint8_t *const *w) {
+ * on the others. rt != NULL (a MoE layer): the attention and the routing only, the routing left
+ * in *rt. Returns 0, -3 out of memory, -4 unsupported kv type, -5 (moe_half), or a matmul error
+ * code. */
+static int run_layer(const layer_t *L, float *x, int64_t n, const kvref_t *kv, const uint8_t *const *w,
+                     route_out_t *rt) {
     const int64_t E = L->n_embd, qd = L->n_head * L->dk, kd = L->n_head_kv * L->dk,
                   vd = L->n_head_kv * L->dv, ad = L->n_head * L->dv, F = L->moe ? 0 : L->n_ff;
     float *s = scratch((size_t)(n * (E + qd + kd + vd + ad + E + 2 * F)));
@@ -156,7 +171,7 @@ static int run_layer(const layer_t *L, float *x, int64_t n, const kvref_t *kv, c
     if (vec[V_BO]) add_rows(o, vec[V_BO], n, E);
     if (vec[V_POST_ATTN]) mf_rmsnorm_f32(o, vec[V_POST_ATTN], o, n, E, L->eps);
     add_rows(x, o, 1, n * E);
-    if (L->moe) return moe_half(L, x, n, w, h, o);
+    if (L->moe) return moe_half(L, x, n, w, NULL, rt, h, o);
 
     /* feed-forward */
     mf_rmsnorm_f32(x, vec[V_FFN_NORM], h, n, E, L->eps);
@@ -177,8 +192,11 @@ static int run_layer(const layer_t *L, float *x, int64_t n, const kvref_t *kv, c
 
 /* The MoE FFN of n rows: x += experts(rmsnorm(x)) (+ the shared expert). h [n, E] and out
  * [n, E] are the caller's scratch. Same kernels in the same order as Model.moe_ffn with
- * Backend.route and group_rows (models/layers.py, ops/backend.py). */
-static int moe_half(const layer_t *L, float *x, int64_t n, const uint8_t *const *w, float *h, float *out) {
+ * Backend.route and group_rows (models/layers.py, ops/backend.py). Expert e's gate/up/down are
+ * read in place from the stacked w[M_GE..M_DE] (xtab NULL) or at xtab[3 e + 0..2] (experts the
+ * store streams; -5 when a chosen one is NULL). rt != NULL: route only, into *rt. */
+static int moe_half(const layer_t *L, float *x, int64_t n, const uint8_t *const *w,
+                    const uint8_t *const *xtab, route_out_t *rt, float *h, float *out) {
     const int64_t E = L->n_embd, X = L->n_expert, K = L->k_used, F = L->n_ff_exp, Fs = L->n_ff_sh;
     const float *const *vec = L->vec;
     /* logits, probs, sel_p [n, X]; picked wts, group wts [n K]; shared: gate [n], g, u [n, Fs],
@@ -237,6 +255,12 @@ static int moe_half(const layer_t *L, float *x, int64_t n, const uint8_t *const 
         if (L->wscale != 0.0f && L->wscale != 1.0f)
             for (int64_t j = 0; j < K; j++) pw[r * K + j] = pw[r * K + j] * L->wscale;
     }
+    if (rt) {
+        memcpy(rt->sel, sel, sizeof(int64_t) * (size_t)(n * K));
+        if (rt->h) memcpy(rt->h, h, sizeof(float) * (size_t)(n * E));
+        if (rt->logits) memcpy(rt->logits, logits, sizeof(float) * (size_t)(n * X));
+        return 0;
+    }
     /* groups: the experts in index order, each with its rows in row order (group_rows) */
     int64_t G = 0;
     const int64_t gb = F * mf_qtypes[L->types[M_GE]].bytes * (E / mf_qtypes[L->types[M_GE]].block),
@@ -245,9 +269,11 @@ static int moe_half(const layer_t *L, float *x, int64_t n, const uint8_t *const 
     off[0] = 0;
     for (int64_t e = 0; e < X; e++) {
         if (!cnt[e]) continue;
-        wp[2 * G] = w[M_GE] + e * gb; /* gate, up of group g at 2 g, 2 g + 1; downs after them */
-        wp[2 * G + 1] = w[M_UE] + e * ub;
-        wp[2 * X + G] = w[M_DE] + e * db;
+        if (xtab && !(xtab[3 * e] && xtab[3 * e + 1] && xtab[3 * e + 2])) return -5;
+        /* gate, up of group g at 2 g, 2 g + 1; downs after them */
+        wp[2 * G] = xtab ? xtab[3 * e] : w[M_GE] + e * gb;
+        wp[2 * G + 1] = xtab ? xtab[3 * e + 1] : w[M_UE] + e * ub;
+        wp[2 * X + G] = xtab ? xtab[3 * e + 2] : w[M_DE] + e * db;
         off[G + 1] = off[G] + cnt[e];
         cnt[e] = off[G]; /* now the group's next free place */
         G++;
@@ -303,6 +329,15 @@ static int moe_half(const layer_t *L, float *x, int64_t n, const uint8_t *const 
     }
     add_rows(x, out, 1, n * E);
     return 0;
+}
+
+/* The MoE half alone (decode_batch_experts): x [n, E] after the attention's residual, the
+ * experts at xtab (see moe_half). */
+static int run_experts(const layer_t *L, float *x, int64_t n, const uint8_t *const *w,
+                       const uint8_t *const *xtab) {
+    float *s = scratch((size_t)(2 * n * L->n_embd));
+    if (!s) return -3;
+    return moe_half(L, x, n, w, xtab, NULL, s, s + n * L->n_embd);
 }
 
 /* ---- Python bindings ------------------------------------------------------------------------ */
@@ -509,12 +544,15 @@ fail:
     return NULL;
 }
 
-/* the layer's L->nw weight buffers a[0..], checked against its shapes; *got of them held */
-static const char *get_weights(const layer_t *L, PyObject *const *a, Py_buffer *w, int *got) {
-    while (*got < L->nw) {
+/* nw weight buffers a[0..] of the layer's matrices slot[0..] (NULL: slots 0..nw-1), checked
+ * against their shapes; *got of them held in w[] */
+static const char *get_weights(const layer_t *L, PyObject *const *a, const int *slot, int nw, Py_buffer *w,
+                               int *got) {
+    while (*got < nw) {
+        const int j = slot ? slot[*got] : *got;
         if (PyObject_GetBuffer(a[*got], &w[*got], PyBUF_C_CONTIGUOUS) < 0) return "";
         (*got)++;
-        if (w[*got - 1].len < wbytes(L->types[*got - 1], L->rows[*got - 1], L->cols[*got - 1]))
+        if (w[*got - 1].len < wbytes(L->types[j], L->rows[j], L->cols[j]))
             return "a weight buffer is smaller than its shape and type need";
     }
     return NULL;
@@ -526,6 +564,9 @@ static PyObject *finish(const char *bad, int rc, Py_buffer *w, int got) {
     if (bad || rc == -9) return NULL;
     if (rc == -3) return PyErr_NoMemory();
     if (rc == -4) return PyErr_Format(PyExc_ValueError, "decode_layer: unsupported KV cache type");
+    if (rc == -5)
+        return PyErr_Format(PyExc_ValueError, "decode_batch_experts: a row chose an expert whose weights "
+                            "were not given (pass every expert of decode_batch_route's selection)");
     if (rc) return PyErr_Format(PyExc_ValueError, "decode_layer: native kernel failed (%d)", rc);
     Py_RETURN_NONE;
 }
@@ -551,7 +592,7 @@ static PyObject *py_decode_layer(PyObject *self, PyObject *const *a, Py_ssize_t 
     else if (pos < 0 || pos >= INT32_MAX || K.len < (pos + 1) * L->n_head_kv * L->dk * es ||
              V.len < (pos + 1) * L->n_head_kv * L->dv * es)
         bad = "pos is outside the K/V cache arrays";
-    if (!bad) bad = get_weights(L, a + 6, w, &got);
+    if (!bad) bad = get_weights(L, a + 6, NULL, NW, w, &got);
     if (!bad) {
         const uint8_t *wp[NW];
         for (int j = 0; j < NW; j++) wp[j] = w[j].buf;
@@ -560,7 +601,7 @@ static PyObject *py_decode_layer(PyObject *self, PyObject *const *a, Py_ssize_t 
         kvref_t kv = {.K = K.buf, .V = V.buf, .kv_type = kv_f16 ? MF_KV_F16 : MF_KV_F32, .pos = &p32,
                       .slots = &p32, .q_tab = &zero, .tables = &zero, .bs = INT32_MAX};
         Py_BEGIN_ALLOW_THREADS
-        rc = run_layer(L, x.buf, 1, &kv, wp);
+        rc = run_layer(L, x.buf, 1, &kv, wp, NULL);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&x);
@@ -582,19 +623,46 @@ static int i32_buffer(PyObject *o, Py_buffer *b, const char *what) {
     return 0;
 }
 
+/* a C-contiguous buffer of int64 values */
+static int i64_buffer(PyObject *o, Py_buffer *b, int writable, const char *what) {
+    if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "decode_batch: %s must be a C-contiguous%s int64 array", what,
+                     writable ? " writable" : "");
+        return -1;
+    }
+    const char *f = b->format ? b->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    if (b->itemsize != 8 || (strcmp(f, "q") != 0 && strcmp(f, "l") != 0)) {
+        PyErr_Format(PyExc_TypeError, "decode_batch: %s must be int64", what);
+        PyBuffer_Release(b);
+        return -1;
+    }
+    return 0;
+}
+
 /* decode_batch(layer, x[n, E], pos, slots, q_tab, tables, bs, kv_type, K, V, w*7):
- * n rows through one layer, K/V pools of physical rows, paged addressing as mf_paged_args. */
-static PyObject *py_decode_batch(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+ * n rows through one layer, K/V pools of physical rows, paged addressing as mf_paged_args.
+ * route = 1 (decode_batch_route(layer, x, pos, slots, q_tab, tables, bs, kv_type, K, V, sel, h,
+ * logits, wq, wk, wv, wo, router)): a MoE layer's attention and routing only (see run_layer). */
+static PyObject *decode_batch_impl(PyObject *const *a, Py_ssize_t na, int route) {
+    static const int route_slots[5] = {W_Q, W_K, W_V, W_O, M_ROUTER};
     layer_t *L = na >= 1 ? PyCapsule_GetPointer(a[0], CAPSULE) : NULL;
     if (!L && na >= 1) return NULL;
-    if (!L || na != 10 + L->nw)
+    const int nw = L ? (route ? 5 : L->nw) : 0, wa = route ? 13 : 10; /* weights from a[wa] on */
+    if (!L || na != wa + nw || (route && !L->moe)) {
+        if (route)
+            return PyErr_Format(PyExc_TypeError, "decode_batch_route(layer, x, pos, slots, q_tab, tables, bs, "
+                                "kv_type, K, V, sel, h, logits, wq, wk, wv, wo, router) of a MoE layer");
         return PyErr_Format(PyExc_TypeError, "decode_batch(layer, x, pos, slots, q_tab, tables, bs, kv_type, K, V, "
                             "and the layer's %d weights: wq, wk, wv, wo, then wg, wu, wd (dense) or the router, "
                             "the 3 stacked experts[, the 3 shared-expert matrices] (MoE))", L ? L->nw : NW);
+    }
     long long bs = PyLong_AsLongLong(a[6]), kv_type = PyLong_AsLongLong(a[7]);
     if (PyErr_Occurred()) return NULL;
-    Py_buffer x, ib[4], K, V, w[NWM];
-    int nb = 0, got = 0, rc = 0, have_k = 0, have_v = 0;
+    Py_buffer x, ib[4], K, V, w[NWM], ob[3];
+    int nb = 0, got = 0, rc = 0, have_k = 0, have_v = 0, nob = 0;
+    int have_o[3] = {0, 0, 0};
     const char *bad = NULL;
     static const char *inames[4] = {"pos", "slots", "q_tab", "tables"};
     if (typed_buffer(a[1], &x, 1, 0, "x") < 0) return NULL;
@@ -611,6 +679,14 @@ static PyObject *py_decode_batch(PyObject *self, PyObject *const *a, Py_ssize_t 
         if (PyObject_GetBuffer(a[9], &V, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) bad = "";
         else have_v = 1;
     }
+    /* route: sel [n, K] int64, then h [n, E] and logits [n, X] float32 or None */
+    for (; route && !bad && nob < 3; nob++) {
+        if (nob > 0 && a[10 + nob] == Py_None) continue;
+        if ((nob == 0 ? i64_buffer(a[10], &ob[0], 1, "sel")
+                      : typed_buffer(a[10 + nob], &ob[nob], 1, 0, nob == 1 ? "h" : "logits")) < 0)
+            bad = "";
+        else have_o[nob] = 1;
+    }
     int64_t n = 0;
     if (!bad) {
         n = x.len / 4 / L->n_embd;
@@ -619,26 +695,116 @@ static PyObject *py_decode_batch(PyObject *self, PyObject *const *a, Py_ssize_t 
         if (n < 1 || x.len != n * L->n_embd * 4) bad = "x must be [n, n_embd]";
         else if (ib[0].len != n * 4 || ib[1].len != n * 4 || ib[2].len != n * 4) bad = "pos, slots and q_tab need n values";
         else if (bs < 1 || rows % bs || V.len / rbv != rows) bad = "K and V must hold the same whole blocks of bs rows";
+        else if (route && (ob[0].len != n * L->k_used * 8 || (have_o[1] && ob[1].len != n * L->n_embd * 4) ||
+                           (have_o[2] && ob[2].len != n * L->n_expert * 4)))
+            bad = "sel, h and logits must be [n, n_expert_used], [n, n_embd] and [n, n_expert]";
         for (int64_t i = 0; !bad && i < nt; i++)
             if (tab[i] < 0 || tab[i] >= rows / bs) bad = "a block table entry is outside the pool";
         for (int64_t i = 0; !bad && i < n; i++)
             if (pos[i] < 0 || slots[i] < 0 || slots[i] >= rows || qt[i] < 0 || qt[i] + pos[i] / bs >= nt)
                 bad = "a row's position, slot or table lies outside the pool";
     }
-    if (!bad) bad = get_weights(L, a + 10, w, &got);
+    if (!bad) bad = get_weights(L, a + wa, route ? route_slots : NULL, nw, w, &got);
     if (!bad) {
-        const uint8_t *wp[NWM];
-        for (int j = 0; j < L->nw; j++) wp[j] = w[j].buf;
+        const uint8_t *wp[NWM] = {0};
+        for (int j = 0; j < nw; j++) wp[route ? route_slots[j] : j] = w[j].buf;
         kvref_t kv = {.K = K.buf, .V = V.buf, .kv_type = (int)kv_type, .pos = ib[0].buf, .slots = ib[1].buf,
                       .q_tab = ib[2].buf, .tables = ib[3].buf, .bs = bs};
+        route_out_t rt = {.sel = route ? ob[0].buf : NULL, .h = have_o[1] ? ob[1].buf : NULL,
+                          .logits = have_o[2] ? ob[2].buf : NULL};
         Py_BEGIN_ALLOW_THREADS
-        rc = run_layer(L, x.buf, n, &kv, wp);
+        rc = run_layer(L, x.buf, n, &kv, wp, route ? &rt : NULL);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&x);
     for (int i = 0; i < nb; i++) PyBuffer_Release(&ib[i]);
+    for (int i = 0; i < 3; i++)
+        if (have_o[i]) PyBuffer_Release(&ob[i]);
     if (have_k) PyBuffer_Release(&K);
     if (have_v) PyBuffer_Release(&V);
+    return finish(bad, rc, w, got);
+}
+
+static PyObject *py_decode_batch(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    return decode_batch_impl(a, na, 0);
+}
+
+static PyObject *py_decode_batch_route(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    return decode_batch_impl(a, na, 1);
+}
+
+/* decode_batch_experts(layer, x[n, E], experts int64 [m], mats, router[, gate_shexp, up_shexp,
+ * down_shexp]): the MoE half of a layer whose experts the store streams, after
+ * decode_batch_route: mats holds 3 m buffers, gate, up, down of experts[0], then of experts[1],
+ * ..., each exactly one expert's bytes of the layer's types and shapes. x updated in place. */
+static PyObject *py_decode_batch_experts(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    static const int slots[4] = {M_ROUTER, M_GS, M_US, M_DS};
+    layer_t *L = na >= 1 ? PyCapsule_GetPointer(a[0], CAPSULE) : NULL;
+    if (!L && na >= 1) return NULL;
+    const int nw = L ? 1 + (L->nw - M_GS) : 0;
+    if (!L || !L->moe || na != 4 + nw)
+        return PyErr_Format(PyExc_TypeError, "decode_batch_experts(layer, x, experts, mats, router[, the 3 "
+                            "shared-expert matrices]) of a MoE layer");
+    const int64_t E = L->n_embd, X = L->n_expert, F = L->n_ff_exp;
+    const int64_t need[3] = {wbytes(L->types[M_GE], F, E), wbytes(L->types[M_UE], F, E),
+                             wbytes(L->types[M_DE], E, F)};
+    Py_buffer x, ids, w[NWM], *xb = NULL;
+    const uint8_t **xtab = NULL;
+    int got = 0, rc = 0, have_ids = 0;
+    Py_ssize_t nxb = 0, m = 0;
+    const char *bad = NULL;
+    PyObject *seq = NULL;
+    if (typed_buffer(a[1], &x, 1, 0, "x") < 0) return NULL;
+    const int64_t n = x.len / 4 / E;
+    if (n < 1 || x.len != n * E * 4) bad = "x must be [n, n_embd]";
+    if (!bad) {
+        if (i64_buffer(a[2], &ids, 0, "experts") < 0) bad = "";
+        else have_ids = 1;
+    }
+    if (!bad && !(seq = PySequence_Fast(a[3], "decode_batch_experts: mats must be a sequence of buffers")))
+        bad = "";
+    if (!bad) {
+        m = (Py_ssize_t)(ids.len / 8);
+        if (m < 1 || m > X || PySequence_Fast_GET_SIZE(seq) != 3 * m)
+            bad = "experts must name 1..n_expert experts and mats hold 3 buffers (gate, up, down) for each";
+    }
+    if (!bad) {
+        xb = calloc((size_t)(3 * m), sizeof *xb);
+        xtab = calloc((size_t)(3 * X), sizeof *xtab);
+        if (!xb || !xtab) {
+            PyErr_NoMemory();
+            bad = "";
+        }
+    }
+    for (Py_ssize_t i = 0; !bad && i < m; i++) {
+        const int64_t e = ((const int64_t *)ids.buf)[i];
+        if (e < 0 || e >= X) bad = "an expert id is outside the layer's experts";
+        else if (xtab[3 * e]) bad = "an expert is given twice";
+        for (int k = 0; !bad && k < 3; k++) {
+            if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, 3 * i + k), &xb[nxb], PyBUF_C_CONTIGUOUS) < 0) {
+                bad = "";
+                break;
+            }
+            nxb++;
+            if (xb[nxb - 1].len != need[k] || !xb[nxb - 1].buf)
+                bad = "an expert's buffer is not one expert's bytes of the layer's type and shape";
+            else xtab[3 * e + k] = xb[nxb - 1].buf;
+        }
+    }
+    if (!bad) bad = get_weights(L, a + 4, slots, nw, w, &got);
+    if (!bad) {
+        const uint8_t *wp[NWM] = {0};
+        for (int j = 0; j < nw; j++) wp[slots[j]] = w[j].buf;
+        Py_BEGIN_ALLOW_THREADS
+        rc = run_experts(L, x.buf, n, wp, xtab);
+        Py_END_ALLOW_THREADS
+    }
+    for (Py_ssize_t i = 0; i < nxb; i++) PyBuffer_Release(&xb[i]);
+    free(xb);
+    free(xtab);
+    Py_XDECREF(seq);
+    if (have_ids) PyBuffer_Release(&ids);
+    PyBuffer_Release(&x);
     return finish(bad, rc, w, got);
 }
 
@@ -692,6 +858,14 @@ PyMethodDef mf_decode_methods[] = {
     {"decode_layer", (PyCFunction)(void (*)(void))py_decode_layer, METH_FASTCALL,
      "decode_layer(layer, x[n_embd], pos, K, V, kv_f16, wq, wk, wv, wo, wg, wu, wd): one token through one "
      "layer, x updated in place, K/V row pos written"},
+    {"decode_batch_route", (PyCFunction)(void (*)(void))py_decode_batch_route, METH_FASTCALL,
+     "decode_batch_route(layer, x[n, n_embd], pos, slots, q_tab, tables, bs, kv_type, K, V, sel[n, k] int64, "
+     "h[n, n_embd] | None, logits[n, n_expert] | None, wq, wk, wv, wo, router): a MoE layer's attention (x "
+     "updated, K/V written) and routing (the chosen experts into sel) for decode_batch_experts"},
+    {"decode_batch_experts", (PyCFunction)(void (*)(void))py_decode_batch_experts, METH_FASTCALL,
+     "decode_batch_experts(layer, x[n, n_embd], experts int64[m], mats[3 m], router[, gate_shexp, up_shexp, "
+     "down_shexp]): a MoE layer's experts (+ the shared one) on x in place, expert experts[i]'s gate, up, down "
+     "at mats[3 i:3 i + 3]"},
     {"decode_batch", (PyCFunction)(void (*)(void))py_decode_batch, METH_FASTCALL,
      "decode_batch(layer, x[n, n_embd], pos, slots, q_tab, tables (int32), bs, kv_type, K, V, wq, wk, wv, wo, wg, "
      "wu, wd): n rows through one layer over a paged KV pool; x updated in place, K/V rows slots written"},

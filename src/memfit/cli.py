@@ -771,6 +771,11 @@ def cmd_bench(a) -> int:
                 r.extra.update({"mem_budget_bytes": m.ledger.budget, **part, **{
                     k: now[k] for k in ("bytes_read", "io_stall_s")}})
                 last[0] = now
+                # streamed MoE layers run fused or op by op so far (Model._streamed_moe)
+                ms = getattr(m.model, "moe_stream_stats", None)
+                if ms and any(ms.values()):
+                    r.extra.update(moe_stream_fused_layers=ms["fused"],
+                                   moe_stream_op_by_op_layers=ms["op_by_op"])
             r.extra["peak_rss_bytes"] = peak_rss_bytes()
             from .memory.procmem import process_memory
             # private against file-backed pages (and the cgroup's page cache) after the test

@@ -49,14 +49,21 @@ def profile_decode(model, n_gen: int = 32, n_prompt: int = 0, seed: int = 0,
 
     layer_ns = [0]
     ops = model.ops
-    real = ops.decode_batch  # the fused layer the model calls for decode rows
+    # the fused layers the model calls for decode rows (a layer whose experts the store streams:
+    # the two calls around get_experts)
+    names = [nm for nm in ("decode_batch", "decode_batch_route", "decode_batch_experts")
+             if hasattr(ops, nm)]
+    real = {nm: getattr(ops, nm) for nm in names}
 
-    def timed(*a):
-        t0 = time.perf_counter_ns()
-        real(*a)
-        layer_ns[0] += time.perf_counter_ns() - t0
+    def timer(f):
+        def timed(*a):
+            t0 = time.perf_counter_ns()
+            f(*a)
+            layer_ns[0] += time.perf_counter_ns() - t0
+        return timed
 
-    ops.decode_batch = timed
+    for nm in names:
+        setattr(ops, nm, timer(real[nm]))
     _native.profile(True)
     try:
         t0 = time.perf_counter_ns()
@@ -65,7 +72,8 @@ def profile_decode(model, n_gen: int = 32, n_prompt: int = 0, seed: int = 0,
         total_ns = time.perf_counter_ns() - t0
     finally:
         _native.profile(False)
-        ops.decode_batch = real
+        for nm in names:
+            setattr(ops, nm, real[nm])
     st = _native.profile_stats()
     per = 1e-6 / n_gen  # ns summed over the run -> ms per token
     mats, out_ms, layer_mat_ms, out_bytes, layer_bytes = [], 0.0, 0.0, 0, 0

@@ -27,6 +27,16 @@ from .lookahead import RouterLookahead
 from .spec import SKIP, ArchSpec, check_tensors
 
 
+class StreamedMoeLayer:
+    """A MoE layer of the fused decode whose experts the store streams (Model._streamed_moe):
+    the native layer, the matrices of decode_batch_route (attention, router) and the dense ones
+    of decode_batch_experts (router, shared expert)."""
+    __slots__ = ("layer", "route", "experts")
+
+    def __init__(self, layer, route: list[str], experts: list[str]):
+        self.layer, self.route, self.experts = layer, route, experts
+
+
 class Model:
     spec = ArchSpec("")       # each architecture file sets its own
 
@@ -61,9 +71,13 @@ class Model:
         self.output = "output.weight" if weights.has("output.weight") else "token_embd.weight"
         self._fused: list | None = None  # prepared native decode layers, built on first use
         self._bufs: dict[str, np.ndarray] = {}  # prefill scratch reused across layers (_scratch)
+        self._route_bufs: tuple | None = None   # decode_batch_route's outputs (_route_out)
         self._gate_rows: dict[str, QTensor] = {}  # shared-expert gates as 1-row matrices
         self._yarn_corr: dict[float, tuple[float, float]] = {}  # YaRN's ramp dims per rope base
         self._lookahead = RouterLookahead()  # expert prefetch hints (budgeted MoE)
+        # streamed MoE layers of decode forwards: run fused (_streamed_moe), or op by op
+        # because the batch's experts outnumbered expert_batch_limit
+        self.moe_stream_stats = {"fused": 0, "op_by_op": 0}
         self._rows_seq = self._rows_pos = np.zeros(0, np.int32)
         # the kernel family of the forward in flight: decode rows (Batch.decode) take the decode
         # kernels, prompt rows the prefill ones, whatever the row count (ops/native.py), so a
@@ -166,10 +180,12 @@ class Model:
                 get, kv = self.weights.get, b.kv
                 x = np.ascontiguousarray(x)
                 for il, f in enumerate(fused):
-                    if f is None:   # a MoE layer whose experts the store streams: op by op
+                    if f is None:   # a MoE layer the fused kernels do not take here: op by op
                         x = np.ascontiguousarray(self.block(il, x, b.pos, kv, None))
-                        continue
-                    ops.decode_batch(f[0], x, *kv.fused(il), *[get(nm).data for nm in f[1]])
+                    elif type(f) is StreamedMoeLayer:
+                        x = self._streamed_moe(il, f, x, kv)
+                    else:
+                        ops.decode_batch(f[0], x, *kv.fused(il), *[get(nm).data for nm in f[1]])
                 if len(b.out_rows) < n:
                     x = x[b.out_rows]
             else:
@@ -242,11 +258,12 @@ class Model:
             weights={m: p + m + ".weight" for m in mats},
             types={m: self.weights.info(p + m + ".weight")[1].id for m in mats}, vecs=v)
 
-    def moe_layer_params(self, il: int) -> MoeLayerParams | None:
+    def moe_layer_params(self, il: int) -> MoeLayerParams:
         """Layer il (with experts) as the fused MoE decode layer's named parameters
-        (ops/fused.py); None when the weights do not hold its experts in place for the whole
-        run (a budget streams them: that layer runs op by op). ValueError for a block the
-        fused layer does not compute (then every layer runs op by op)."""
+        (ops/fused.py); the expert slots name the stacked ffn_*_exps tensors, read in place
+        or, where the store streams them, only their types and shapes (_decode_layers).
+        ValueError for a block the fused layer does not compute (then every layer runs op by
+        op)."""
         c, w, p = self.config, self.weights, f"blk.{il}."
         rs = self.route_spec
         for bad, why in ((c.yarn, "YaRN rope"), (self.act not in ("silu", "gelu"), self.act),
@@ -257,13 +274,9 @@ class Model:
                          (p + "attn_sinks.weight" in self.vec, "attention sinks")):
             if bad:
                 raise ValueError(f"the fused MoE layer does not compute {why}")
-        in_place = getattr(w, "experts_in_place", None)
-        exps = in_place(il) if in_place is not None else None
-        if exps is None:
-            return None
         base, fs, window = self.rope_params(il)
         mats = {m: p + m + ".weight" for m in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp")}
-        mats.update({f"ffn_{m}_exps": q.name for m, q in zip(("gate", "up", "down"), exps)})
+        mats.update({f"ffn_{m}_exps": f"{p}ffn_{m}_exps.weight" for m in ("gate", "up", "down")})
         gated = self.spec.shared_expert
         n_ff_sh = 0
         if gated or (self.shexp_ungated and c.n_ff_shexp):
@@ -281,12 +294,12 @@ class Model:
         v = {k: self.vec[p + nm] for k, nm in vecs.items() if p + nm in self.vec}
         if "rope_freqs.weight" in self.vec:
             v["freq_factors"] = self.vec["rope_freqs.weight"]
-        g = exps[0]
+        g = w.info(mats["ffn_gate_exps"])[0]     # [n_expert, n_ff_exp, n_embd]
         return MoeLayerParams(
             n_embd=c.n_embd, n_head=c.n_head, n_head_kv=c.n_head_kv, head_dim_k=c.head_dim_k,
             head_dim_v=c.head_dim_v, n_rot=c.n_rot, window=window, rope_neox=c.rope_neox,
             gelu=self.act == "gelu", qk_norm_full=self.spec.qk_norm == "full",
-            n_expert=g.shape[0], n_expert_used=rs.k, n_ff_exp=g.shape[1], n_ff_shexp=n_ff_sh,
+            n_expert=g[0], n_expert_used=rs.k, n_ff_exp=g[1], n_ff_shexp=n_ff_sh,
             sigmoid=rs.gating == "sigmoid", expert_weights_norm=rs.norm, shexp_gated=gated,
             rope_base=base, rope_freq_scale=fs, rms_eps=c.rms_eps, attn_scale=c.attn_scale,
             attn_softcap=c.attn_softcap, expert_weights_scale=rs.scale, weights=mats,
@@ -296,9 +309,10 @@ class Model:
         """Per layer (native layer, its matrix names) for decode rows when the backend has the
         fused layers (caps dense_decode, moe_decode) and the architecture declares its block
         to be them (fused_decode without experts, fused_moe_decode with; MEMFIT_FUSED_MOE=0
-        turns the latter off, for comparisons); a MoE layer whose experts are not in place
-        (moe_layer_params) is None there and runs op by op. None: block() runs every layer
-        op by op."""
+        turns the latter off, for comparisons). A MoE layer whose experts are not in place
+        (experts_in_place None: the store streams them) is a StreamedMoeLayer (cap
+        moe_stream_decode), else None there and runs op by op. None: block() runs every
+        layer op by op."""
         if self._fused is None:
             self._fused = []
             c, ops = self.config, self.ops
@@ -308,10 +322,19 @@ class Model:
                         self._fused.append(ops.dense_layer(self.dense_layer_params(il)))
                 elif c.n_expert and ops.has("moe_decode") and ops.has("dense_decode") \
                         and self.fused_moe_decode and expert_switch("MEMFIT_FUSED_MOE"):
+                    in_place = getattr(self.weights, "experts_in_place", None)
                     for il in range(c.n_layer):
                         if c.is_moe(il):
                             mp = self.moe_layer_params(il)
-                            self._fused.append(None if mp is None else ops.moe_layer(mp))
+                            if in_place is not None and in_place(il) is not None:
+                                self._fused.append(ops.moe_layer(mp))
+                            elif ops.has("moe_stream_decode"):
+                                layer, names = ops.moe_layer(mp)
+                                # names: attention 4, router, 3 stacked experts[, 3 shared]
+                                self._fused.append(StreamedMoeLayer(layer, names[:5],
+                                                                    names[4:5] + names[8:]))
+                            else:
+                                self._fused.append(None)
                         else:
                             self._fused.append(ops.dense_layer(self.dense_layer_params(il)))
                     if all(f is None for f in self._fused):
@@ -474,23 +497,15 @@ class Model:
         batch's rows, or those at ``rows`` of it in the last layer). All tokens are
         routed first; the union of their experts is asked of the weights once
         (get_experts); each expert's gate/up/down then runs once on its group of tokens."""
-        c, w, p = self.config, self.weights, f"blk.{il}."
+        w, p = self.weights, f"blk.{il}."
         x = np.ascontiguousarray(x, dtype=np.float32)
         sel, wts = self.route(il, x)
         # sorted by expert: each row's sum runs in expert order
         experts, starts, rows_all, wts_all = self.ops.group_rows(sel, wts)
         if w.wants_expert_prediction:
-            # layer il+1's experts predicted from this hidden state (models/lookahead.py):
-            # their reads start now. (The router's logits again: n_embd x n_expert per row,
-            # against the experts' 3 n_embd x n_ff_exp x k.)
-            seq, pos = self._rows_seq, self._rows_pos
-            if rows is not None:
-                seq, pos = seq[rows], pos[rows]
-            self._lookahead.observe(il, self.router_logits(il, x), seq, pos)
-            if il + 1 < c.n_layer and c.is_moe(il + 1):
-                score = self._lookahead.predict(il + 1, self.router_logits(il + 1, x), seq, pos)
-                nxt = np.argsort(-score, axis=1, kind="stable")[:, :c.n_expert_used]
-                w.prefetch_experts(il + 1, np.unique(nxt).tolist())
+            # layer il+1's reads start now (the router's logits again: n_embd x n_expert per
+            # row, against the experts' 3 n_embd x n_ff_exp x k)
+            self._predict_experts(il, x, self.router_logits(il, x), rows)
         # a budgeted store holds at most expert_batch_limit experts at once: ask in groups
         limit = int(w.expert_batch_limit or len(experts))
         out = np.zeros_like(x)
@@ -519,6 +534,57 @@ class Model:
             s = self._glu(x, *(w.get(p + f"ffn_{m}_shexp.weight") for m in ("gate", "up", "down")))
             out += s * self.ops.sigmoid(np.ascontiguousarray(gate))[:, None]
         return out
+
+    def _predict_experts(self, il: int, x: np.ndarray, logits: np.ndarray, rows) -> None:
+        """Layer il+1's experts predicted from layer il's FFN input x [n, n_embd] and its real
+        router logits [n, n_expert] (models/lookahead.py): their reads start now."""
+        c = self.config
+        seq, pos = self._rows_seq, self._rows_pos
+        if rows is not None:
+            seq, pos = seq[rows], pos[rows]
+        self._lookahead.observe(il, logits, seq, pos)
+        if il + 1 < c.n_layer and c.is_moe(il + 1):
+            score = self._lookahead.predict(il + 1, self.router_logits(il + 1, x), seq, pos)
+            nxt = np.argsort(-score, axis=1, kind="stable")[:, :c.n_expert_used]
+            self.weights.prefetch_experts(il + 1, np.unique(nxt).tolist())
+
+    def _streamed_moe(self, il: int, f: StreamedMoeLayer, x: np.ndarray, kv) -> np.ndarray:
+        """Decode rows x [n, n_embd] through MoE layer il whose experts the store streams, in
+        two native calls around the store (csrc/decode.c): attention and routing, then the
+        union of the rows' experts asked of the store at once (as moe_ffn asks it, look-ahead
+        first) and the experts on their bytes. A union above expert_batch_limit runs the MoE
+        half op by op (moe_ffn asks in groups). Returns x (updated in place when fused)."""
+        w, get, ops = self.weights, self.weights.get, self.ops
+        sel, h, lg = self._route_out(x.shape[0])
+        ops.decode_batch_route(f.layer, x, *kv.fused(il), sel, h, lg, *[get(nm).data for nm in f.route])
+        experts = np.unique(sel)                 # group_rows' order: expert index
+        if len(experts) > int(w.expert_batch_limit or len(experts)):
+            self.moe_stream_stats["op_by_op"] += 1
+            return np.ascontiguousarray(self._moe_half(il, x))
+        if w.wants_expert_prediction:
+            self._predict_experts(il, h, lg, None)
+        mats = w.get_experts(il, experts.tolist())
+        ops.decode_batch_experts(f.layer, x, experts, [q.data for m in mats for q in m],
+                                 *[get(nm).data for nm in f.experts])
+        self.moe_stream_stats["fused"] += 1
+        return x
+
+    def _moe_half(self, il: int, x: np.ndarray) -> np.ndarray:
+        """x + the MoE FFN of the residual x [n, n_embd] op by op: the second half of the
+        blocks the fused MoE layer computes (fused_moe_decode)."""
+        h = self.norm(x, f"blk.{il}.{self.ffn_norm_name}")
+        return x + (self.routed_shared_ffn(il, h) if self.shexp_ungated else self.moe_ffn(il, h))
+
+    def _route_out(self, n: int):
+        """(sel int64 [n, k], h [n, n_embd], logits [n, n_expert]) for decode_batch_route,
+        kept across layers and forwards (grown when a larger batch comes)."""
+        c, b = self.config, self._route_bufs
+        if b is None or b[0].shape[0] < n:
+            m = max(n, 8)
+            b = self._route_bufs = (np.empty((m, c.n_expert_used), np.int64),
+                                    np.empty((m, c.n_embd), np.float32),
+                                    np.empty((m, c.n_expert), np.float32))
+        return tuple(a[:n] for a in b)
 
     def _shexp_gate(self, il: int) -> QTensor:
         # ffn_gate_inp_shexp [n_embd] as a one-row F32 matrix over the float32 values kept

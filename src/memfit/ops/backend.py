@@ -12,6 +12,8 @@ so an accelerator backend is one more class here.
       moe_ffn          the routed experts of a layer in one call (csrc/moe.c)
       dense_decode     the fused one-token dense decoder layer (csrc/decode.c)
       moe_decode       the fused decoder layer with routed experts (csrc/decode.c)
+      moe_stream_decode  that layer in two calls for experts the store streams
+                       (decode_batch_route, then decode_batch_experts with each expert's bytes)
       paged_attention  attention and KV stores straight on the paged pool (kv/view.py)
       batch_invariant  a row's result never depends on the other rows of its call
       threads          a kernel thread pool (set_threads / get_threads do something)
@@ -31,8 +33,8 @@ from types import ModuleType
 
 import numpy as np
 
-CAPS = ("matmul_multi", "moe_ffn", "dense_decode", "moe_decode", "paged_attention",
-        "batch_invariant", "threads")
+CAPS = ("matmul_multi", "moe_ffn", "dense_decode", "moe_decode", "moe_stream_decode",
+        "paged_attention", "batch_invariant", "threads")
 
 
 @dataclass(frozen=True)
@@ -196,6 +198,7 @@ def as_backend(obj) -> Backend:
 def _caps_of(obj) -> frozenset:
     has = {"matmul_multi": "matmul_multi", "moe_ffn": "moe_ffn",
            "dense_decode": "decode_layer_new", "moe_decode": "moe_layer_new",
+           "moe_stream_decode": "decode_batch_experts",
            "paged_attention": "attention_paged",
            "threads": "set_threads"}
     caps = {c for c, attr in has.items() if hasattr(obj, attr)}

@@ -259,5 +259,10 @@ moe_layer_fields = _native.moe_layer_fields
 #                 sinks=None); the fused decode layers have no sinks (a model with them attends
 #                 through BatchKV.attend).
 decode_batch = _native.decode_batch
+# A MoE layer whose experts the store streams, in two calls: attention + routing (the chosen
+# experts out), then the experts given one by one (csrc/decode.c; models/layers.py
+# Model._streamed_moe).
+decode_batch_route = _native.decode_batch_route
+decode_batch_experts = _native.decode_batch_experts
 attention_paged = _native.attention_paged
 kv_store = _native.kv_store

@@ -1,0 +1,221 @@
+"""The fused MoE decode layer for experts the store streams (csrc/decode.c decode_batch_route +
+decode_batch_experts, models/layers.py Model._streamed_moe): under a budget whose expert cache
+holds only part of the experts, decode gives the same bits as the op-by-op path
+(MEMFIT_FUSED_MOE=0) and as the resident run (experts in place), on every ISA, for 1 and 4
+sequences at once; the store really streamed (misses, reads) and the streamed layers really ran
+fused; the expert cache sees the same requests, hits and prefetches either way (look-ahead on);
+a batch whose experts outnumber the cache's slots runs that layer op by op, same bits; a wrong
+call is one clear Python error."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from memfit import _native
+from memfit.gguf import open_gguf
+from memfit.memory.bandwidth import Bandwidth
+from memfit.memory.ledger import Ledger
+from memfit.memory.planner import ModelDesc, plan
+from memfit.memory.store import WeightStore
+from memfit.models import load_model
+from memfit.models.layers import StreamedMoeLayer
+from memfit.ops import get_ops
+from memfit.tokenizer import Tokenizer
+
+from test_moe_fused import _generate
+
+# one with a gated shared expert (qwen2moe), one with an ungated one, sigmoid routing and a
+# dense leading layer (glm4moe), full Q/K norm (olmoe)
+ARCHS = ["qwen3moe", "qwen2moe", "glm4moe", "olmoe"]
+N_SEQS = (1, 4)
+X, K = 16, 2
+# what the expert cache is asked and predicted (hits against prefetch hits, and so misses,
+# depend on when the background reads finish: not compared)
+EXPERT_CALLS = ("expert_requests", "prefetch_routed", "prefetch_routed_predicted")
+
+
+def _write(tmp_path, arch, seed=5):
+    from memfit.models.synthetic import write_tiny_model
+    n_layer = 4 if arch == "glm4moe" else 3   # glm4moe: dense layer 0, NextN layer last
+    return write_tiny_model(tmp_path / f"{arch}.gguf", arch, "Q4_K", seed=seed, n_expert=X,
+                            n_expert_used=K, n_layer=n_layer)
+
+
+def _plan(f, slots: int | None):
+    """A plan whose expert cache has at least `slots` slots (None: the floor's) but does not
+    hold every expert."""
+    desc = ModelDesc.from_gguf(f)
+    bw = Bandwidth(10e9, 1e9, "test")
+    kw = dict(baseline_bytes=0, n_batch=64, n_parallel=max(N_SEQS))
+    floor = plan(desc, 1 << 40, 64, 2, bw, **kw).min_budget_bytes
+    budget = floor
+    for _ in range(64):
+        p = plan(desc, budget, 64, 2, bw, **kw)
+        assert 0 < p.cache_slots < p.n_expert * p.n_layer_moe and not p.hot_experts
+        if slots is None or p.cache_slots >= slots:
+            return p
+        budget += p.cache_slot_bytes
+    raise AssertionError(f"no budget gives {slots} expert slots")
+
+
+def _tok(f):
+    tok = Tokenizer.from_metadata(f.metadata)
+    tok.eog_ids = set()
+    return tok
+
+
+def _resident(path):
+    f = open_gguf(path)
+    model = load_model(f, ops=get_ops("native"))
+    layers = model._decode_layers()
+    assert layers and not any(isinstance(layer, StreamedMoeLayer) for layer in layers)
+    return {n: _generate(model, _tok(f), n) for n in N_SEQS}
+
+
+def _budgeted(path, p, fused: bool, monkeypatch):
+    """Decode under plan p -> (per n: per sequence (tokens, logits bits), store stats, model)."""
+    if fused:
+        monkeypatch.delenv("MEMFIT_FUSED_MOE", raising=False)
+    else:
+        monkeypatch.setenv("MEMFIT_FUSED_MOE", "0")
+    f = open_gguf(path)
+    store = WeightStore(f, p, Ledger(None, debug=""))
+    try:
+        model = load_model(f, weights=store, ops=get_ops("native"))
+        layers = model._decode_layers()
+        if fused:
+            assert any(isinstance(layer, StreamedMoeLayer) for layer in layers), layers
+        else:
+            assert layers is None
+        got = {n: _generate(model, _tok(f), n) for n in N_SEQS}
+        return got, store.stats(), model
+    finally:
+        store.close()
+        f.close()
+
+
+def _same(a, b, what):
+    for n in N_SEQS:
+        for i, (x, y) in enumerate(zip(a[n], b[n])):
+            assert x[0] == y[0], f"{what}, {n} sequences, #{i}: tokens {x[0]} != {y[0]}"
+            assert np.array_equal(x[1], y[1]), f"{what}, {n} sequences, #{i}: logits differ"
+
+
+@pytest.mark.parametrize("isa", list(_native.isas()))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_streamed_fused_equals_op_by_op_and_resident(tmp_path, arch, isa, monkeypatch):
+    path = _write(tmp_path, arch)
+    f = open_gguf(path)
+    p = _plan(f, K * max(N_SEQS))   # a 4-row batch's experts fit in the cache at once
+    f.close()
+    # the look-ahead always on: prefetches happen, and both paths make the same ones
+    monkeypatch.setenv("MEMFIT_EXPERT_LOOKAHEAD", "1")
+    old = _native.isa()
+    _native.set_isa(isa)
+    try:
+        ref = _resident(path)
+        fused, st_f, m_f = _budgeted(path, p, True, monkeypatch)
+        ops, st_o, m_o = _budgeted(path, p, False, monkeypatch)
+    finally:
+        _native.set_isa(old)
+    _same(fused, ref, "streamed fused vs resident")
+    _same(ops, ref, "op by op (MEMFIT_FUSED_MOE=0) vs resident")
+    # the experts were streamed, and the streamed layers ran fused (never op by op)
+    assert st_f["expert_misses"] > 0 and st_f["expert_reads"] > 0 and st_f["expert_hit_rate"] < 1
+    assert m_f.moe_stream_stats["fused"] > 0 and m_f.moe_stream_stats["op_by_op"] == 0
+    assert m_o.moe_stream_stats == {"fused": 0, "op_by_op": 0}
+    # the expert cache saw the same calls either way (the same look-ahead predictions)
+    assert st_f["prefetched_experts"] > 0
+    assert st_f["prefetch_routed"] > 0
+    assert {k: st_f[k] for k in EXPERT_CALLS} == {k: st_o[k] for k in EXPERT_CALLS}
+
+
+def test_batch_beyond_the_cache_runs_that_layer_op_by_op(tmp_path, monkeypatch):
+    # at the floor the cache holds one token's k experts: a 4-sequence batch's union is
+    # larger at some layers (those run op by op, asking in groups), a 1-sequence one never
+    path = _write(tmp_path, "qwen2moe", seed=9)
+    f = open_gguf(path)
+    p = _plan(f, None)
+    f.close()
+    assert p.cache_slots == K
+    ref = _resident(path)
+    got, st, model = _budgeted(path, p, True, monkeypatch)
+    _same(got, ref, "streamed at the floor vs resident")
+    assert model.moe_stream_stats["op_by_op"] > 0 and model.moe_stream_stats["fused"] > 0
+    assert st["expert_misses"] > 0
+
+
+def test_streamed_calls_reject_bad_arguments(tmp_path, monkeypatch):
+    monkeypatch.delenv("MEMFIT_FUSED_MOE", raising=False)
+    path = _write(tmp_path, "qwen2moe", seed=3)
+    f = open_gguf(path)
+    store = WeightStore(f, _plan(f, 8), Ledger(None, debug=""))
+    try:
+        model = load_model(f, weights=store, ops=get_ops("native"))
+        layers = model._decode_layers()
+        il = next(i for i, layer in enumerate(layers) if isinstance(layer, StreamedMoeLayer))
+        fl, w, E = layers[il], store, model.config.n_embd
+        assert len(fl.route) == 5 and len(fl.experts) == 4   # attention + router; router + shared
+        cache = model.new_cache(4)
+        kv = (np.zeros(1, np.int32), np.zeros(1, np.int32), np.zeros(1, np.int32),
+              np.zeros(1, np.int32), 4, 1, cache.pool.k[il][:4], cache.pool.v[il][:4])
+        x = (np.random.default_rng(0).standard_normal((1, E)) * 0.5).astype(np.float32)
+        x_in = x.copy()
+        sel, h, lg = np.empty((1, K), np.int64), np.empty((1, E), np.float32), np.empty((1, X), np.float32)
+        route_w = [w.get(n).data for n in fl.route]
+        _native.decode_batch_route(fl.layer, x, *kv, sel, h, lg, *route_w)
+        assert not np.array_equal(x, x_in)          # the attention's residual was added
+        # the routing out is the op-by-op one of the FFN-normed rows
+        model._decode = True      # decode kernels, as in a decode forward
+        model._rows_seq, model._rows_pos = np.zeros(1, np.int32), np.zeros(1, np.int32)
+        h_ref = model.norm(x, f"blk.{il}.ffn_norm.weight")
+        assert np.array_equal(h, h_ref)
+        assert np.array_equal(lg, model.router_logits(il, h_ref))
+        assert np.array_equal(sel, model.route(il, h_ref)[0])
+        # h and logits may be left out
+        sel2 = np.empty_like(sel)
+        _native.decode_batch_route(fl.layer, x_in.copy(), *kv, sel2, None, None, *route_w)
+        assert np.array_equal(sel, sel2)
+
+        experts = np.unique(sel)
+        mats = [q.data for m in w.get_experts(il, experts.tolist()) for q in m]
+        dense = [w.get(n).data for n in fl.experts]
+        x0 = x.copy()
+        bad = [
+            ((experts[:1], mats[:3]), ValueError, "not given"),
+            ((experts, mats[:2] + [mats[2][:-1]] + mats[3:]), ValueError, "one expert's bytes"),
+            ((experts, mats[:-1]), ValueError, "3 buffers"),
+            ((np.concatenate([experts[:1], experts[:1]]), mats[:3] * 2), ValueError, "twice"),
+            ((np.array([X]), mats[:3]), ValueError, "outside the layer's experts"),
+            ((experts.astype(np.int32), mats), TypeError, "int64"),
+            ((experts, [None] * len(mats)), TypeError, None),
+        ]
+        for (ex, ms), err, msg in bad:
+            with pytest.raises(err, match=msg):
+                _native.decode_batch_experts(fl.layer, x, ex, ms, *dense)
+            assert np.array_equal(x, x0), msg        # a refused call writes nothing
+        with pytest.raises(TypeError, match="decode_batch_experts"):
+            _native.decode_batch_experts(fl.layer, x, experts, mats, *dense[:1])
+        with pytest.raises(ValueError, match="smaller than"):
+            _native.decode_batch_experts(fl.layer, x, experts, mats, dense[0][:-1], *dense[1:])
+        with pytest.raises(ValueError, match="sel, h and logits"):
+            _native.decode_batch_route(fl.layer, x_in.copy(), *kv, np.empty((1, K + 1), np.int64), h, lg,
+                                       *route_w)
+        with pytest.raises(TypeError, match="sel must be int64"):
+            _native.decode_batch_route(fl.layer, x_in.copy(), *kv, sel.astype(np.int32), h, lg, *route_w)
+        with pytest.raises(TypeError, match="decode_batch_route"):
+            _native.decode_batch_route(fl.layer, x_in.copy(), *kv, sel, h, lg, *route_w[:4])
+        # a dense layer has no routing
+        dense_layer = next((layer for layer in layers if isinstance(layer, tuple)), None)
+        if dense_layer is not None:
+            with pytest.raises(TypeError, match="MoE layer"):
+                _native.decode_batch_route(dense_layer[0], x_in.copy(), *kv, sel, h, lg, *route_w)
+        # well formed: runs, and x gets the experts' sum
+        _native.decode_batch_experts(fl.layer, x, experts, mats, *dense)
+        assert np.isfinite(x).all() and not np.array_equal(x, x0)
+        # the op-by-op MoE half of the same residual: the same bits
+        assert np.array_equal(x, model._moe_half(il, x0))
+    finally:
+        store.close()
+        f.close()
