@@ -610,35 +610,28 @@ static PyObject *py_decode_layer(PyObject *self, PyObject *const *a, Py_ssize_t 
     return finish(bad, rc, w, got);
 }
 
-/* an int32 C-contiguous buffer of at least `min` values */
-static int i32_buffer(PyObject *o, Py_buffer *b, const char *what) {
-    if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+/* a C-contiguous buffer of `size`-byte integers (4: int32, 8: int64), writable if asked */
+static int int_buffer(PyObject *o, Py_buffer *b, int size, int writable, const char *what) {
+    if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "decode_batch: %s must be a C-contiguous%s int%d array", what,
+                     writable ? " writable" : "", 8 * size);
+        return -1;
+    }
     const char *f = b->format ? b->format : "B";
     if (*f == '<' || *f == '=' || *f == '@') f++;
-    if (b->itemsize != 4 || (strcmp(f, "i") != 0 && strcmp(f, "l") != 0)) {
-        PyErr_Format(PyExc_TypeError, "decode_batch: %s must be int32", what);
+    if (b->itemsize != size || (strcmp(f, size == 4 ? "i" : "q") != 0 && strcmp(f, "l") != 0)) {
+        PyErr_Format(PyExc_TypeError, "decode_batch: %s must be int%d", what, 8 * size);
         PyBuffer_Release(b);
         return -1;
     }
     return 0;
 }
 
-/* a C-contiguous buffer of int64 values */
+static int i32_buffer(PyObject *o, Py_buffer *b, const char *what) { return int_buffer(o, b, 4, 0, what); }
+
 static int i64_buffer(PyObject *o, Py_buffer *b, int writable, const char *what) {
-    if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "decode_batch: %s must be a C-contiguous%s int64 array", what,
-                     writable ? " writable" : "");
-        return -1;
-    }
-    const char *f = b->format ? b->format : "B";
-    if (*f == '<' || *f == '=' || *f == '@') f++;
-    if (b->itemsize != 8 || (strcmp(f, "q") != 0 && strcmp(f, "l") != 0)) {
-        PyErr_Format(PyExc_TypeError, "decode_batch: %s must be int64", what);
-        PyBuffer_Release(b);
-        return -1;
-    }
-    return 0;
+    return int_buffer(o, b, 8, writable, what);
 }
 
 /* decode_batch(layer, x[n, E], pos, slots, q_tab, tables, bs, kv_type, K, V, w*7):
