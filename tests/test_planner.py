@@ -125,6 +125,34 @@ def test_batch_lowered_before_refusing():
     assert p.n_batch == 64 and any("prefill batch" in n for n in p.notes)
 
 
+def test_scratch_plans_what_a_process_does_at_once():
+    """The logits a step returns (a verify step: a row per proposed token of every sequence),
+    perplexity's slices where a process may score, the prompt being tokenized: beside the
+    forward in `serve` (another request computes meanwhile), its maximum elsewhere."""
+    from memfit.memory.planner import LOGITS_SLICE_ROWS, PROMPT_SCRATCH_BYTES
+    import dataclasses
+    m = dataclasses.replace(toy(), n_vocab=200_000)
+    base = scratch_bytes(m, 512, 128, 2, scoring=False)
+    # the sampled rows: f32 each, bounded by the batch
+    assert scratch_bytes(m, 512, 128, 2, sample_rows=4 * 17, scoring=False) - base == 4 * 67 * 200_000
+    assert scratch_bytes(m, 64, 128, 2, sample_rows=1000, scoring=False) == \
+        scratch_bytes(m, 64, 128, 2, sample_rows=64, scoring=False)
+    # scoring: perplexity's slices unless the step's rows are more
+    assert scratch_bytes(m, 512, 128, 2) - base == 200_000 * (16 * LOGITS_SLICE_ROWS - 20)
+    assert scratch_bytes(m, 512, 128, 2, sample_rows=68) == \
+        scratch_bytes(m, 512, 128, 2, sample_rows=68, scoring=False)
+    # the prompt: added while serving, the larger of the two otherwise
+    serve = scratch_bytes(m, 512, 128, 2, scoring=False, tokenize=True, serving=True)
+    assert serve - base == PROMPT_SCRATCH_BYTES
+    run = scratch_bytes(m, 512, 128, 2, tokenize=True)
+    assert scratch_bytes(m, 512, 128, 2) <= run < scratch_bytes(m, 512, 128, 2) + PROMPT_SCRATCH_BYTES
+    # the whole plan: serving with 4 speculating sequences holds more than one plain run
+    runp = plan(m, 10**12, 128, 2, BW, baseline_bytes=0)
+    srv = plan(m, 10**12, 128, 2, BW, baseline_bytes=0, serving=True, n_parallel=4, draft_rows=16)
+    assert srv.scratch_bytes - runp.scratch_bytes == \
+        200_000 * (4 * 68 + 16 - 16 * LOGITS_SLICE_ROWS) + PROMPT_SCRATCH_BYTES
+
+
 def test_kv_scales_with_context_and_enters_floor():
     m = toy()
     assert m.kv_bytes_per_token == 4 * 2 * (16 + 16) * 4

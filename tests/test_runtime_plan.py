@@ -44,7 +44,7 @@ def same_config(plan: dict, load: dict) -> None:
 
 
 @pytest.mark.realmodel
-@pytest.mark.parametrize("budget,ctx", [("300MiB", None), ("200MiB", None), ("200MiB", 512),
+@pytest.mark.parametrize("budget,ctx", [("280MiB", None), ("200MiB", None), ("200MiB", 512),
                                         ("170MiB", None)])
 def test_plan_shows_what_run_uses(smollm2_path, budget, ctx):
     extra = ["-c", ctx] if ctx else []
@@ -59,7 +59,7 @@ def test_plan_shows_what_run_uses(smollm2_path, budget, ctx):
         assert 256 <= p["n_ctx"] <= 4096
         if p["n_ctx"] < 4096:
             assert any("not the default 4096" in n for n in p["load_notes"])
-    if budget == "300MiB" and not ctx:  # the whole model fits at a lowered context
+    if budget == "280MiB" and not ctx:  # the whole model fits at a lowered context
         assert p["disk_bytes_per_token"] == 0 and p["n_ctx"] < 4096
     assert d["peak_rss_bytes"] <= p["budget_bytes"]
 
@@ -122,7 +122,7 @@ def _counts_of_load(path, **kw) -> tuple[dict, int]:
 
 
 @pytest.mark.realmodel
-@pytest.mark.parametrize("budget", ["300MiB", "200MiB", None])
+@pytest.mark.parametrize("budget", ["280MiB", "200MiB", None])
 def test_one_load_describes_the_file_once(smollm2_path, budget):
     counts, n_ctx = _counts_of_load(smollm2_path, mem_budget=budget)
     assert counts["describe"] == 1 and counts["bandwidth"] == 1
@@ -130,7 +130,7 @@ def test_one_load_describes_the_file_once(smollm2_path, budget):
     # fitting the context bisects with the pure planner only (memoized): the default, up to
     # log2(4096 / 256) for residency, as many for streaming and for the budget, q8_0 KV
     assert 1 <= counts["plan"] <= 16
-    if budget == "300MiB":
+    if budget == "280MiB":
         assert n_ctx < 4096
 
 
@@ -159,11 +159,11 @@ def _peak_of(*args) -> tuple[int, dict]:
 def test_a_streaming_run_uses_the_budget(smollm2_path, tmp_path, budget_mib):
     """SmolLM2 at 200 MiB with -c 512 used to peak at 132 MiB (66%) while streaming 52 MiB of
     weights per token. A prompt of nearly one full prefill batch (the scratch the plan holds)
-    now peaks at 85-90% of the budget (the runtime's memory predicted from the file, the
-    tokenizer's build peak before any weight). Issue 17's target, within 10% of the budget,
-    is not met yet: what is left is the server's prompt reserve (8 MiB, which `run` does not
-    touch), perplexity's logits slices (6 MiB), per-thread scratch (4 MiB planned, ~1 MiB
-    used) and the allowances. Measured on Xeon and the CI host: 0.85-0.86 at 170 MiB, 0.88 at 200."""
+    now peaks within 10% below the budget (issue 17's target): the runtime's memory predicted
+    from the file, the tokenizer's build peak before any weight, and a plan for what a process
+    does at once (a `run` tokenizes its prompt before its forward, not beside it; a step's
+    logits rows, not perplexity's slices beside the prompt reserve). Measured on the Xeon:
+    0.91 at 170 MiB, 0.92 at 200 (0.85-0.88 before the last)."""
     words = ("time people year way day man thing woman life child world school state family "
              "student group country problem hand part place case week company system").split()
     prompt = tmp_path / "prompt.txt"
@@ -173,11 +173,11 @@ def test_a_streaming_run_uses_the_budget(smollm2_path, tmp_path, budget_mib):
                        "-c", 512, "-t", 2, "--mem-budget", budget)
     assert 400 < len(d["prompt_ids"]) < 512 and d["load"]["streamed_tensors"] > 0
     assert peak <= budget
-    assert peak >= 0.84 * budget, (peak / MiB, budget_mib)  # was 66% at 200 MiB
+    assert peak >= 0.9 * budget, (peak / MiB, budget_mib)  # was 66% at 200 MiB
 
 
 @pytest.mark.realmodel
-@pytest.mark.parametrize("budget", ["200MiB", "170MiB"])
+@pytest.mark.parametrize("budget", ["190MiB", "170MiB"])
 def test_streaming_anyway_the_context_costs_little_speed(smollm2_path, budget):
     """Where no context keeps the weights resident the chosen one streams at most 25% more per
     token than context 512 (200 MiB used to be refused: the default 4096 is below the floor),

@@ -173,6 +173,8 @@ class Runtime:
         self.baseline = measure_baseline()
         threads = self.threads or os.cpu_count() or 1
         self._memo = memo = {}
+        # a verify step has a logits row per proposed token (spec.policy caps them at draft_max)
+        draft_rows = self.spec.draft_max if self.spec.mode != "off" else 0
 
         def plan_at(c: int, **kv):
             """The pure planner at context c (KV types overridable), memoized."""
@@ -186,7 +188,7 @@ class Runtime:
                                      constrained=self.constrained, draft=self.draft_desc,
                                      server_bytes=self.server_bytes,
                                      resident_draft=self.spec.mode == "resident",
-                                     serving=self.serving, **k)
+                                     serving=self.serving, draft_rows=draft_rows, **k)
                 except BudgetError as e:  # a refusal is remembered as well
                     memo[key] = e
             r = memo[key]

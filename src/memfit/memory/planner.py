@@ -469,9 +469,18 @@ def _summarize(names: list[str]) -> str:
     return ", ".join(f"{k} x{v}" if v > 1 else k for k, v in c.items())
 
 
-def scratch_bytes(m: ModelDesc, n_batch: int, n_ctx: int, threads: int,
-                  logits_all: bool = False) -> int:
-    """Activation/scratch estimate for a batch of n_batch tokens (f32 everywhere)."""
+def scratch_bytes(m: ModelDesc, n_batch: int, n_ctx: int, threads: int, *,
+                  sample_rows: int = 1, scoring: bool = True, tokenize: bool = False,
+                  serving: bool = False) -> int:
+    """Activations and logits of a forward of n_batch tokens (f32 everywhere).
+    sample_rows: logits rows one step returns at most (n_parallel x (1 + draft_max) when
+    speculating: a verify step has a row per proposed token); scoring: perplexity, logprobs
+    and KLD score slices of LOGITS_SLICE_ROWS rows (a draft and the server never score);
+    tokenize: this runtime templates and tokenizes prompts (PROMPT_SCRATCH_BYTES; not a
+    draft); serving: it does so while other sequences compute (memfit serve), where every
+    other process does one thing at a time: its prompt is tokenized while only the forward's
+    kept buffers exist, so the prompt's bytes and the forward's transient ones are a maximum,
+    not a sum."""
     q_dim = m.n_head * m.head_dim
     kv_dim = m.n_head_kv * (m.head_dim + m.head_dim_v)
     # per row: the FFN's gate and up (buffers reused by every layer), Q/K/V and 4 rows of
@@ -480,13 +489,22 @@ def scratch_bytes(m: ModelDesc, n_batch: int, n_ctx: int, threads: int,
     per_tok = 2 * m.n_ff + 4 * m.n_embd + q_dim + kv_dim + m.act_extra
     # attention scores [rows, heads, n_ctx] for a block of at most ATTN_Q_BLOCK query rows
     scores = min(n_batch, ATTN_Q_BLOCK) * m.n_head * n_ctx
-    logits = m.n_vocab * (4 * n_batch if logits_all else 16 * LOGITS_SLICE_ROWS)
+    scores += m.ctx_extra * n_ctx   # (glm-dsa's indexer)
     # Q8-style activation copy (csrc: 40 B per 32 or 320 B per 256 values, 1.25 bytes/elem)
     quant_act = n_batch * max(m.n_embd, m.n_ff) * 5 // 4
-    # the forward's buffers stay allocated while perplexity slices the logits: both count
-    scores += m.ctx_extra * n_ctx   # (glm-dsa's indexer)
-    return (4 * (n_batch * per_tok + scores) + logits + quant_act
-            + threads * THREAD_SCRATCH_BYTES)
+    forward = 4 * (n_batch * per_tok + scores) + quant_act + threads * THREAD_SCRATCH_BYTES
+    # the FFN's gate and up buffers stay allocated between forwards (models/layers.py _scratch)
+    kept = 4 * 2 * m.n_ff * n_batch + threads * THREAD_SCRATCH_BYTES
+    # logits alive once the forward is done (its buffers stay allocated meanwhile): a step's
+    # rows (f32), then the sampler's one row at a time (f32 shifted copy and f64 exp: 16 B)
+    logits = m.n_vocab * (4 * min(sample_rows, n_batch) + 16)
+    if scoring:
+        logits = max(logits, m.n_vocab * 16 * LOGITS_SLICE_ROWS)
+    extra = logits
+    if tokenize:
+        extra = (logits + PROMPT_SCRATCH_BYTES if serving
+                 else max(logits, kept + PROMPT_SCRATCH_BYTES - forward))
+    return forward + extra
 
 
 def _units(m: ModelDesc, streamed: set[str]) -> list[Unit]:
@@ -558,8 +576,7 @@ class _Floor:
     parts: dict[str, Any]
 
 
-def _floor(m: ModelDesc, fixed, baseline: int, kv: int, min_batch: int, n_ctx: int,
-           threads: int, logits_all: bool) -> _Floor:
+def _floor(m: ModelDesc, fixed, baseline: int, kv: int, min_batch: int, scratch) -> _Floor:
     """The smallest budget: fixed costs at the smallest batch, the trunk's streaming floor
     (pinning the k largest units costs them once; the rest streams through 2 slots) and slots
     for one layer's n_expert_used experts."""
@@ -574,7 +591,7 @@ def _floor(m: ModelDesc, fixed, baseline: int, kv: int, min_batch: int, n_ctx: i
             break
     x_slots = m.n_expert_used * expert_slot_bytes(m) if m.n_expert else 0
     parts = {"baseline_bytes": baseline,
-             "scratch_bytes": scratch_bytes(m, min_batch, n_ctx, threads, logits_all),
+             "scratch_bytes": scratch(min_batch),
              "kv_bytes": kv, "io_staging_bytes": IO_STAGING_BYTES,
              "weights_bytes": need + x_slots, "pinned_units": [u.name for u in cand[:best_k]],
              "stream_unit_bytes": cand[best_k].nbytes if best_k < len(cand) else 0,
@@ -729,12 +746,14 @@ def _place_experts(m: ModelDesc, room: int, counts) -> _Experts:
 
 def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Bandwidth,
          *, baseline_bytes: int, n_batch: int = 512, overlap_io: bool = True,
-         logits_all: bool = False, kv_bytes_per_elem: float | None = None, n_parallel: int = 1,
+         draft_rows: int = 0, kv_bytes_per_elem: float | None = None, n_parallel: int = 1,
          cache_type_k: str = "f16", cache_type_v: str = "f16", expert_counts=None, expert_policy: str = "lru",
          constrained: bool = False, draft: ModelDesc | None = None,
          resident_draft: bool = False, serving: bool = False, server_bytes: int = 0) -> Plan:
     """Place every tensor in a tier within `budget` bytes. Pure: no I/O, no measurement.
     baseline_bytes: the measured runtime RSS; kv_bytes_per_elem: 2 for the f16 cache (4 for f32);
+    draft_rows: tokens a speculative step proposes per sequence at most (spec's draft_max; each
+    is a logits row of the verify step);
     expert_counts: {layer: [routings per expert]} learned from earlier runs (hotset.py);
     constrained: reserve the structured-output tables (constrain.tokenizer.table_bytes: built
     once per vocabulary at the first constrained request; `memfit serve` always reserves them);
@@ -766,17 +785,23 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
     if serving:
         kept += SERVE_IMPORT_BYTES
         constrained = True
-    baseline = kept + RUNTIME_EXTRA_BYTES + PROMPT_SCRATCH_BYTES
+    baseline = kept + RUNTIME_EXTRA_BYTES
     if constrained:
         from ..constrain.tokenizer import table_bytes
         baseline += table_bytes(m.n_vocab, lean=True)
+
+    def scratch(nb: int) -> int:
+        """The target's forward at batch nb, the logits a step samples, a prompt tokenized."""
+        return scratch_bytes(m, nb, n_ctx, threads, sample_rows=n_parallel * (1 + draft_rows),
+                             scoring=not serving, tokenize=True, serving=serving)
 
     dparts = {}
     if draft is not None:   # the draft's pool keeps every layer's whole context
         dparts = {"name": draft.name or draft.arch, "weights_bytes": draft.weight_bytes,
                   "kv_bytes": kv_bytes(draft, n_ctx, kv_bytes_per_elem, n_parallel,
                                        cache_type_k, cache_type_k, window_group=False),
-                  "scratch_bytes": scratch_bytes(draft, n_batch, n_ctx, threads)}
+                  "scratch_bytes": scratch_bytes(draft, n_batch, n_ctx, threads,
+                                                 sample_rows=n_parallel, scoring=False)}
     elif resident_draft:
         dparts = {"name": "(resident layers)", "weights_bytes": 0, "scratch_bytes": 0,
                   "kv_bytes": kv_bytes(m, n_ctx, kv_bytes_per_elem, n_parallel, cache_type_k,
@@ -784,11 +809,11 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
     draft_total = sum(v for k, v in dparts.items() if k != "name")
 
     def fixed(nb: int) -> int:
-        return (baseline + scratch_bytes(m, nb, n_ctx, threads, logits_all) + kv
+        return (baseline + scratch(nb) + kv
                 + IO_STAGING_BYTES + draft_total + server_bytes)
 
     min_batch = min(n_batch, MIN_BATCH)
-    fl = _floor(m, fixed, baseline, kv, min_batch, n_ctx, threads, logits_all)
+    fl = _floor(m, fixed, baseline, kv, min_batch, scratch)
     fl.bytes = max(fl.bytes, load_peak)
     fl.parts["draft_bytes"] = draft_total
     fl.parts["server_bytes"] = server_bytes
@@ -847,7 +872,7 @@ def plan(model: ModelDesc, budget: int, n_ctx: int, threads: int, bandwidth: Ban
         notes.append(f"prefill batch lowered from {n_batch} to {nb} to fit the budget")
     return Plan(
         budget_bytes=budget, n_ctx=n_ctx, n_batch=nb, threads=threads, baseline_bytes=baseline,
-        scratch_bytes=scratch_bytes(m, nb, n_ctx, threads, logits_all), kv_bytes=kv,
+        scratch_bytes=scratch(nb), kv_bytes=kv,
         io_staging_bytes=IO_STAGING_BYTES, stream_slot_bytes=slots, tiers=tiers,
         tier_bytes=tier_bytes, cache_bytes=x.slots * x.slot_bytes,
         cache_slot_bytes=x.slot_bytes, cache_slots=x.slots, cache_hit_rate=x.hit_rate,

@@ -328,7 +328,7 @@ def load_draft(source, target, tokenizer, target_metadata: dict, *, n_ctx: int,
             weights = _OwnedWeights(f)
             owned.append(("resident_weights", "draft_weights", weights.nbytes))
             owned.append(("scratch", "draft_model", scratch if scratch is not None
-                          else draft_scratch_bytes(f, n_batch, n_ctx)))
+                          else draft_scratch_bytes(f, n_batch, n_ctx, n_parallel)))
         model = load_model(f, weights=weights, ops=ops if ops is not None else target.ops)
         model.kv_f16 = getattr(target, "kv_f16", True)
         model.file = opened
@@ -341,7 +341,9 @@ def load_draft(source, target, tokenizer, target_metadata: dict, *, n_ctx: int,
         raise
 
 
-def draft_scratch_bytes(f, n_batch: int, n_ctx: int) -> int:
-    """The draft forward's activations (the planner's estimate for its shape)."""
+def draft_scratch_bytes(f, n_batch: int, n_ctx: int, n_parallel: int = 1) -> int:
+    """The draft forward's activations and logits (the planner's estimate for its shape): it
+    samples one row per sequence and never scores or tokenizes."""
     from ..memory.planner import ModelDesc, scratch_bytes
-    return scratch_bytes(ModelDesc.from_gguf(f), n_batch, n_ctx, os.cpu_count() or 1)
+    return scratch_bytes(ModelDesc.from_gguf(f), n_batch, n_ctx, os.cpu_count() or 1,
+                         sample_rows=n_parallel, scoring=False)
