@@ -105,11 +105,11 @@ def test_control_tokens_are_not_text_unless_special(gemma_path):
 
 @pytest.mark.realmodel
 def test_budget_lowers_an_unset_context_and_says_why(smollm2_path):
-    p = memfit("run", smollm2_path, "-p", "Hi", "-n", "1", "--temp", "0", "--mem-budget", "300MiB",
+    p = memfit("run", smollm2_path, "-p", "Hi", "-n", "1", "--temp", "0", "--mem-budget", "280MiB",
                "-t", "2")
     assert "streamed 0 MiB/token" in p.stderr
     assert "the largest that keeps every weight resident" in p.stderr
-    p = memfit("run", smollm2_path, "-p", "Hi", "-n", "1", "--temp", "0", "--mem-budget", "300MiB",
+    p = memfit("run", smollm2_path, "-p", "Hi", "-n", "1", "--temp", "0", "--mem-budget", "280MiB",
                "-c", "4096", "-t", "2")
     note = [ln for ln in p.stderr.splitlines() if "MiB of weights per token" in ln]
     assert note and "KV cache for context 4096" in note[0] and "--ctx-size " in note[0]
