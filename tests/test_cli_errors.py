@@ -72,6 +72,7 @@ CASES = [
     (["plan", M, "-c", "0"], "--ctx"),
     (["plan", M, "--mem-budget", "-1GiB"], "--mem-budget"),
     (["plan", M, "-t", "0"], "-t/--threads"),
+    (["plan", M, "--response-store", "4MiB"], "add --serve"),
     # synth
     (["synth", "missing-dir/x.gguf", "--size", "tiny"], "missing-dir"),
     (["synth", ".", "--size", "tiny"], "directory"),

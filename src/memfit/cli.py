@@ -662,8 +662,9 @@ def cmd_info(a) -> int:
 
 def _serve_store_bytes(a) -> int:
     """plan --serve: serve's Responses store (--response-store, default as serve's)."""
+    from .server.responses import STORE_BYTES
     from .server.serve import _store_bytes
-    return _store_bytes(a)
+    return _store_bytes(a) if a.response_store is not None else STORE_BYTES
 
 
 def cmd_plan(a) -> int:
@@ -982,7 +983,7 @@ def build_parser() -> argparse.ArgumentParser:
     pn.add_argument("--serve", action="store_true",
                     help="plan as `memfit serve` does (its web stack, the structured-output "
                          "tables and the Responses store); without it, as `memfit run`/`chat`/`bench`")
-    pn.add_argument("--response-store", type=_size, default="16MiB", metavar="SIZE",
+    pn.add_argument("--response-store", type=_size, default=None, metavar="SIZE",
                     help="with --serve: serve's --response-store (default 16MiB)")
     pn.add_argument("--no-measure", action="store_true", help="use cached/default bandwidths instead of measuring")
     pn.add_argument("--reprobe", action="store_true", help="measure memory and disk bandwidth now, whatever is cached")
@@ -1134,6 +1135,9 @@ def _validate(a) -> None:
         from .synth import check_output, resolve_quant
         resolve_quant(a.quant, a.pure)
         check_output(a.output, a.force)
+    if a.cmd == "plan" and a.response_store is not None and not a.serve:
+        raise RequestError("--response-store sizes serve's Responses store; add --serve to plan "
+                           "as `memfit serve` does")
     if a.cmd == "plan" and a.reprobe and a.no_measure:
         raise RequestError("--reprobe measures now; it cannot go with --no-measure")
     if a.cmd == "bench" and a.kernels:
