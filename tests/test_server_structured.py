@@ -9,6 +9,7 @@ that thinks (DeepSeek-R1's)."""
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -407,3 +408,29 @@ def test_reasoning_budget(r1_model):
         assert e.value.body["param"] == "reasoning_budget"
     finally:
         s.stop()
+
+
+@pytest.mark.realmodel
+def test_metrics_count_the_sliding_window_group(real):
+    """/metrics shows the sliding-window layers' block group (Gemma-3; none for SmolLM2): its
+    size, blocks held while a request runs, all given back after it."""
+    name, s, client = real
+    m = s.metrics()
+    assert m["memfit_kv_swa_blocks_used"] == 0
+    if name == "smollm2":
+        assert m["memfit_kv_swa_blocks_total"] == 0
+        return
+    total = m["memfit_kv_swa_blocks_total"]
+    assert 0 < total < m["memfit_kv_blocks_total"]
+    stream = client.completions.create(model=name, prompt="Count: one two three", stream=True,
+                                       max_tokens=40, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    held = None
+    for i, _ in enumerate(stream):
+        if i == 2:
+            held = s.metrics()["memfit_kv_swa_blocks_used"]
+    assert held is not None and 0 < held <= total
+    deadline = time.monotonic() + 30
+    while s.metrics()["memfit_kv_swa_blocks_used"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert s.metrics()["memfit_kv_swa_blocks_used"] == 0

@@ -38,6 +38,8 @@ class Metrics:
             ("kv_blocks_total", "KV cache blocks in the pool"),
             ("kv_blocks_used", "KV cache blocks held by running requests"),
             ("kv_blocks_cached", "KV cache blocks kept for prefix reuse"),
+            ("kv_swa_blocks_total", "blocks of the sliding-window layers' own group (0: none)"),
+            ("kv_swa_blocks_used", "sliding-window group blocks held by running requests"),
             ("prefix_cache_queries_tokens", "prompt tokens looked up in the prefix cache"),
             ("prefix_cache_hits_tokens", "prompt tokens found in the prefix cache"),
             ("weight_store_bytes_read", "bytes the weight store read from the file"),
@@ -77,7 +79,8 @@ class Metrics:
             s = worker.stats
             g["requests_running"].set(s.get("running", 0))
             g["requests_queued"].set(worker.queued + s.get("waiting", 0))
-            for k in ("kv_blocks_total", "kv_blocks_used", "kv_blocks_cached"):
+            for k in ("kv_blocks_total", "kv_blocks_used", "kv_blocks_cached",
+                      "kv_swa_blocks_total", "kv_swa_blocks_used"):
                 g[k].set(s.get(k, 0))
             g["prefix_cache_queries_tokens"].set(s.get("prefix_cache_queries", 0))
             g["prefix_cache_hits_tokens"].set(s.get("prefix_cache_hits", 0))
