@@ -193,6 +193,7 @@ BAD = [
     ({"input": "x", "previous_response_id": 5}, "previous_response_id", "string"),
     ({"input": "x", "top_logprobs": 21}, "top_logprobs", "top_logprobs"),
     ({"input": "x", "include": "all"}, "include", "include"),
+    ({"input": [{"type": "reasoning", "content": "thought"}]}, "input[0].content", "reasoning"),
 ]
 
 
@@ -408,3 +409,54 @@ def test_reasoning_item(reasoning_server):
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
     assert events[-4].text == thought
     assert events[-1].response.output[0].content[0].text == thought
+
+
+def test_reasoning_items_go_back_as_reasoning_content():
+    """A reasoning item is the reasoning_content of the assistant turn after it (its content as
+    memfit writes it, or OpenAI's summary); one before a user message answers nothing."""
+    from memfit.server.responses import input_messages
+    msgs = input_messages([
+        {"role": "user", "content": "weather?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "call the tool"}]},
+        {"type": "function_call", "call_id": "c1", "name": "get", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "get", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "answer now"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Sunny."}]},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "never used"}]},
+        {"role": "user", "content": "thanks"}])
+    assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "assistant", "user"]
+    assert msgs[1]["reasoning_content"] == "call the tool" and len(msgs[1]["tool_calls"]) == 2
+    assert msgs[3]["reasoning_content"] == "answer now" and msgs[3]["content"] == "Sunny."
+    assert all("never used" not in str(m) for m in msgs)
+
+
+@pytest.fixture(scope="module")
+def qwen3_server(request, tmp_path_factory):
+    from conftest import template_model
+    s = ServerProcess([str(template_model(tmp_path_factory, "Qwen-Qwen3-0.6B.jinja")),
+                       "--alias", "qwen3", "-np", "1"])
+    request.addfinalizer(s.stop)
+    return s
+
+
+def test_reasoning_item_reaches_the_template(qwen3_server):
+    """Over HTTP: Qwen3's template renders the reasoning of the current tool-call loop and drops
+    an earlier turn's, so the prompt grows by the reasoning only in the first case."""
+    c = openai.OpenAI(base_url=qwen3_server.base_url, api_key="x", max_retries=0, timeout=120)
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [],
+               "content": [{"type": "reasoning_text", "text": "The user wants Paris; I will "
+                                                              "call get_weather for it now."}]}
+    loop = [{"role": "user", "content": "What is the weather in Paris?"},
+            {"type": "function_call", "call_id": "c1", "name": "get_weather",
+             "arguments": '{"city": "Paris"}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny, 21 C"}]
+
+    def tokens(inp):
+        return c.responses.create(model="qwen3", input=inp, tools=TOOLS, tool_choice="none",
+                                  temperature=0, max_output_tokens=1).usage.input_tokens
+    plain = tokens(loop)
+    assert tokens(loop[:1] + [thought] + loop[1:]) > plain + 10
+    later = [{"role": "user", "content": "And tomorrow?"}]
+    assert tokens(loop[:1] + [thought] + loop[1:] + later) == tokens(loop + later)

@@ -5,8 +5,9 @@ limits, metrics, tools, reasoning and structured output are the chat path's:
 
 - ``input`` (a string or items: messages with input_text/output_text parts, ``function_call``
   and ``function_call_output`` items) and ``instructions`` -> OpenAI chat messages (assistant
-  ``tool_calls`` and ``tool`` results); ``reasoning`` items of earlier turns are dropped, as
-  chat templates drop earlier reasoning;
+  ``tool_calls`` and ``tool`` results); a ``reasoning`` item becomes the ``reasoning_content``
+  of the assistant turn after it (vLLM's mapping; the chat template decides whether to render
+  it: Qwen3's does within a tool-call loop, most drop earlier turns' reasoning);
 - flat function ``tools`` -> chat tools; ``text.format`` -> ``response_format``;
   ``reasoning.effort`` -> ``reasoning_effort``; ``max_output_tokens`` -> ``max_tokens``;
 - the answer -> ``output`` items: a ``reasoning`` item (reasoning_text content), a ``message``
@@ -183,6 +184,15 @@ def input_messages(inp, param: str = "input", before: list[dict] = ()) -> list[d
     names = {tc["id"]: tc["function"]["name"]    # call_id -> function name, for tool results
              for m in before for tc in m.get("tool_calls") or ()}
     assistant_open = False            # the last message is an assistant turn calls may join
+    thought = None                    # a reasoning item's text, for the next assistant turn
+
+    def assistant(msg: dict) -> dict:
+        nonlocal thought
+        if thought is not None:
+            msg["reasoning_content"] = thought
+            thought = None
+        return msg
+
     for i, it in enumerate(inp):
         p = f"{param}[{i}]"
         if not isinstance(it, dict):
@@ -195,7 +205,12 @@ def input_messages(inp, param: str = "input", before: list[dict] = ()) -> list[d
                 raise P.bad(f"{p}.role", f"{p}.role={role!r} must be one of user, system, "
                                          f"developer, assistant")
             text = _text_of(it.get("content"), f"{p}.content", _TEXT_PARTS)
-            out.append({"role": "system" if role == "developer" else role, "content": text})
+            msg = {"role": "system" if role == "developer" else role, "content": text}
+            if role == "assistant":
+                assistant(msg)
+            else:
+                thought = None    # reasoning answers the turn after it, not a user's message
+            out.append(msg)
             assistant_open = role == "assistant"
         elif t == "function_call":
             call_id, name, args = it.get("call_id"), it.get("name"), it.get("arguments")
@@ -210,7 +225,7 @@ def input_messages(inp, param: str = "input", before: list[dict] = ()) -> list[d
                 if last["content"] == "":
                     last["content"] = None
             else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [tc]})
+                out.append(assistant({"role": "assistant", "content": None, "tool_calls": [tc]}))
                 assistant_open = True
         elif t == "function_call_output":
             call_id, output = it.get("call_id"), it.get("output")
@@ -222,8 +237,20 @@ def input_messages(inp, param: str = "input", before: list[dict] = ()) -> list[d
                 msg["name"] = names[call_id]
             out.append(msg)
             assistant_open = False
+            thought = None
         elif t == "reasoning":
-            continue      # earlier reasoning is not fed back (chat templates drop it too)
+            # content [{"type": "reasoning_text", "text"}] as memfit writes it, else the summary
+            # [{"type": "summary_text", "text"}] as OpenAI's models return it; encrypted_content
+            # (OpenAI's opaque form) has nothing memfit can read
+            parts = it.get("content") or it.get("summary") or []
+            if not isinstance(parts, list) or not all(
+                    isinstance(q, dict) and isinstance(q.get("text"), str) for q in parts):
+                raise P.bad(f"{p}.content", f"{p}: a reasoning item's content (or summary) must "
+                                            f"be a list of {{\"type\": \"reasoning_text\", "
+                                            f"\"text\": ...}} parts")
+            text = "\n".join(q["text"] for q in parts)
+            thought = text if thought is None else thought + "\n" + text
+            assistant_open = False   # what follows is a new assistant turn, with this reasoning
         else:
             raise P.bad(f"{p}.type", f"{p}.type={t!r} is not supported; use message, "
                                      f"function_call, function_call_output or reasoning items")
