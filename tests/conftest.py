@@ -85,6 +85,17 @@ def template_model(tmp_path_factory, template: str) -> Path:
                             n_ctx=4096, chat_template=(TEMPLATES / template).read_text())
 
 
+@pytest.fixture(scope="module")
+def qwen3_server(request, tmp_path_factory):
+    """`memfit serve` (alias qwen3) on a tiny random model with Qwen3's template, which renders
+    reasoning_content after the last user query: reasoning round trips over HTTP."""
+    from _server import ServerProcess
+    s = ServerProcess([str(template_model(tmp_path_factory, "Qwen-Qwen3-0.6B.jinja")),
+                       "--alias", "qwen3", "-np", "1"])
+    request.addfinalizer(s.stop)
+    return s
+
+
 @pytest.fixture(scope="session")
 def qwen_tools_model(tmp_path_factory) -> Path:
     """Qwen2.5's template: tools, Hermes-style <tool_call> calls."""

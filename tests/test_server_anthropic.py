@@ -401,15 +401,6 @@ def test_thinking_stream_events_as_anthropic_sends_them(reasoning_server):
     assert ("content_block_start", 1, "text") in kinds[stop:]
 
 
-@pytest.fixture(scope="module")
-def qwen3_server(request, tmp_path_factory):
-    from conftest import template_model
-    s = ServerProcess([str(template_model(tmp_path_factory, "Qwen-Qwen3-0.6B.jinja")),
-                       "--alias", "q3", "-np", "1"])
-    request.addfinalizer(s.stop)
-    return s
-
-
 def test_thinking_history_goes_to_the_template(qwen3_server):
     """Thinking blocks of earlier assistant turns become reasoning_content, which Qwen3's
     template renders in <think> after the last user query: count_tokens grows by them;
@@ -428,7 +419,7 @@ def test_thinking_history_goes_to_the_template(qwen3_server):
 
     def count(blocks):
         r = httpx.post(qwen3_server.url + "/v1/messages/count_tokens", timeout=60, json={
-            "model": "q3", "messages": turn(blocks), "tools": [tool]})
+            "model": "qwen3", "messages": turn(blocks), "tools": [tool]})
         assert r.status_code == 200, r.text
         return r.json()["input_tokens"]
     base = count([])
@@ -443,7 +434,7 @@ def test_thinking_history_goes_to_the_template(qwen3_server):
         {"role": "tool", "tool_call_id": "call_1", "content": "main.py"}]}).json()["prompt"]
     assert f"<think>\n{thought}\n</think>" in p
     r = httpx.post(qwen3_server.url + "/v1/messages", timeout=60, json={
-        "model": "q3", "max_tokens": 4, "messages": [
+        "model": "qwen3", "max_tokens": 4, "messages": [
             {"role": "user", "content": "x"},
             {"role": "assistant", "content": [{"type": "thinking", "thinking": 3}]},
             {"role": "user", "content": "y"}]})

@@ -432,15 +432,6 @@ def test_reasoning_items_go_back_as_reasoning_content():
     assert all("never used" not in str(m) for m in msgs)
 
 
-@pytest.fixture(scope="module")
-def qwen3_server(request, tmp_path_factory):
-    from conftest import template_model
-    s = ServerProcess([str(template_model(tmp_path_factory, "Qwen-Qwen3-0.6B.jinja")),
-                       "--alias", "qwen3", "-np", "1"])
-    request.addfinalizer(s.stop)
-    return s
-
-
 def test_reasoning_item_reaches_the_template(qwen3_server):
     """Over HTTP: Qwen3's template renders the reasoning of the current tool-call loop and drops
     an earlier turn's, so the prompt grows by the reasoning only in the first case."""
