@@ -3,6 +3,7 @@
  * Workers spin a short while after a job (decode issues ~hundreds of jobs per token), then
  * sleep on a condvar. Calls from inside a task (nested) run inline. */
 #include "memfit.h"
+#include "quant_common.h"
 
 #include <cpuid.h>
 #include <pthread.h>
@@ -57,18 +58,96 @@ static int detect_isa(void) {
  * measured gathers faster. Both forms compute the same integers. MEMFIT_GATHER=0/1 overrides. */
 int mf_slow_gather;
 
+static void cpu_family(int *amd, unsigned *fam, unsigned *model);
+
 static int detect_slow_gather(void) {
+    int amd;
+    unsigned fam, model;
+    cpu_family(&amd, &fam, &model);
+    return amd && (fam == 0x17 || (fam == 0x19 && model < 0x10));
+}
+
+/* Decode matvec tuning per CPU family (quant_common.h mf_tune_t). The defaults were measured
+ * on the Intel Xeons of BENCHMARKS.md (sections 0, 2b, 21); AMD Zen 4/5 rows were measured on
+ * the Zen 4 of BENCHMARKS.md section 25 (2 cores, 1 MiB L2 per core, 32 MiB L3). No field
+ * changes a result bit. MEMFIT_TUNE="pf_rows=8,k_vd4_min_rb=0,..." overrides any field. */
+/* AMD Zen 4 (measured) and Zen 5 (same cache design, not yet measured): no software prefetch
+ * for the 1-row kernels and the strided 4/8-row groups. In-process A/B on the Zen 4 of
+ * BENCHMARKS.md section 25 (bench --kernels --tune, 2 threads, from DRAM): Q4_K/Q6_K 1-row at
+ * the 7B shapes +50-75% without it (16-17 -> 25-29 GB/s), Q5_K/IQ4_XS/Q3_K +10-50%, Q4_0/Q5_0
+ * strided +20-40%; the adjacent 4-row kernels on long rows level or better with it (kept). */
+#define MF_TUNE_AMD_ZEN4 (mf_tune.pf_rows = 0, mf_tune.pf_strided = 0)
+mf_tune_t mf_tune = {.pf_rows = 8, .pf_rows_multi = 8, .pf_strided = 2, .q8_vd4_min_rb = 2048, .k_vd4_min_rb = 6144,
+                     .stride_max_rb = 3072, .task_kib = 64};
+const char *mf_tune_source = "default";
+static char tune_source_buf[192];
+
+static void cpu_family(int *amd, unsigned *fam, unsigned *model) {
+    *amd = 0, *fam = 0, *model = 0;
 #if defined(__x86_64__) || defined(__i386__)
     unsigned a, b, c, d;
-    if (!__get_cpuid(0, &a, &b, &c, &d)) return 0;
-    int amd = b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163; /* "AuthenticAMD" */
-    if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return 0;
-    unsigned fam = (a >> 8) & 0xF, model = ((a >> 4) & 0xF) | (((a >> 16) & 0xF) << 4);
-    if (fam == 0xF) fam += (a >> 20) & 0xFF;
-    return fam == 0x17 || (fam == 0x19 && model < 0x10);
-#else
-    return 0;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return;
+    *amd = b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163; /* "AuthenticAMD" */
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return;
+    *fam = (a >> 8) & 0xF, *model = ((a >> 4) & 0xF) | (((a >> 16) & 0xF) << 4);
+    if (*fam == 0xF) *fam += (a >> 20) & 0xFF;
 #endif
+}
+
+static mf_tune_t tune_table; /* this CPU's row of the table, before MEMFIT_TUNE */
+static const char *tune_table_source;
+
+/* "name=value,..." onto mf_tune; 0, or -1 naming nothing it knows (the fields set so far stay) */
+static int tune_apply(const char *spec) {
+    static const struct { const char *name; int *field; } names[] = {
+        {"pf_rows", &mf_tune.pf_rows}, {"pf_rows_multi", &mf_tune.pf_rows_multi}, {"pf_strided", &mf_tune.pf_strided},
+        {"q8_vd4_min_rb", &mf_tune.q8_vd4_min_rb}, {"k_vd4_min_rb", &mf_tune.k_vd4_min_rb},
+        {"stride_max_rb", &mf_tune.stride_max_rb}, {"task_kib", &mf_tune.task_kib}};
+    const char *p = spec;
+    int rc = 0;
+    while (*p) {
+        const char *eq = strchr(p, '='), *end = strchr(p, ',');
+        if (!end) end = p + strlen(p);
+        int found = 0;
+        if (eq && eq < end) {
+            char *stop;
+            long v = strtol(eq + 1, &stop, 10);
+            for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+                if ((size_t)(eq - p) == strlen(names[i].name) && !strncmp(p, names[i].name, (size_t)(eq - p)) &&
+                    stop == end && stop > eq + 1 && v >= 0 && v <= (1 << 20)) {
+                    *names[i].field = (int)v;
+                    found = 1;
+                }
+        }
+        if (!found && end > p) rc = -1;
+        p = *end ? end + 1 : end;
+    }
+    if (mf_tune.task_kib < 4) mf_tune.task_kib = 4;
+    return rc;
+}
+
+/* the table's row, then spec (NULL or "" or "default": the row alone) */
+static int tune_set(const char *spec) {
+    mf_tune = tune_table;
+    mf_tune_source = tune_table_source;
+    if (!spec || !*spec || !strcmp(spec, "default")) return 0;
+    int rc = tune_apply(spec);
+    snprintf(tune_source_buf, sizeof tune_source_buf, "%s +%s", tune_table_source, spec);
+    mf_tune_source = tune_source_buf;
+    return rc;
+}
+
+static void tune_init(void) {
+    int amd;
+    unsigned fam, model;
+    cpu_family(&amd, &fam, &model);
+    if (amd && (fam == 0x1A || (fam == 0x19 && model >= 0x10))) { /* Zen 4 and Zen 5 */
+        MF_TUNE_AMD_ZEN4;
+        mf_tune_source = fam == 0x1A ? "amd-zen5 (zen4 row)" : "amd-zen4";
+    }
+    tune_table = mf_tune;
+    tune_table_source = mf_tune_source;
+    tune_set(getenv("MEMFIT_TUNE")); /* an unknown name is ignored here (no way to say so) */
 }
 
 static const char *isa_names[] = {"scalar", "avx2", "avx512", "avx512vnni"};
@@ -87,6 +166,7 @@ void mf_init_isa(void) {
     mf_isa = mf_isa_hw;
     const char *g = getenv("MEMFIT_GATHER");
     mf_slow_gather = g && (!strcmp(g, "0") || !strcmp(g, "1")) ? !strcmp(g, "0") : detect_slow_gather();
+    tune_init();
     const char *env = getenv("MEMFIT_ISA");
     if (env && *env) {
         int want = isa_from_name(env);
@@ -374,6 +454,25 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
 static PyObject *py_isa_hw(PyObject *self, PyObject *unused) { return PyUnicode_FromString(isa_names[mf_isa_hw]); }
 
 /* The ISAs with kernels of their own (avx512 without VNNI runs the avx2 kernels). */
+static PyObject *py_tune(PyObject *self, PyObject *unused) {
+    return Py_BuildValue("{s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "source", mf_tune_source, "pf_rows", mf_tune.pf_rows,
+                         "pf_rows_multi", mf_tune.pf_rows_multi,
+                         "pf_strided", mf_tune.pf_strided, "q8_vd4_min_rb", mf_tune.q8_vd4_min_rb,
+                         "k_vd4_min_rb", mf_tune.k_vd4_min_rb, "stride_max_rb", mf_tune.stride_max_rb,
+                         "task_kib", mf_tune.task_kib);
+}
+
+static PyObject *py_set_tune(PyObject *self, PyObject *args) {
+    const char *spec;
+    if (!PyArg_ParseTuple(args, "s", &spec)) return NULL;
+    if (tune_set(spec)) {
+        tune_set(NULL);
+        return PyErr_Format(PyExc_ValueError, "tuning '%s': expected name=value,... with names pf_rows, pf_rows_multi, pf_strided, "
+                            "q8_vd4_min_rb, k_vd4_min_rb, stride_max_rb, task_kib and values 0..1048576", spec);
+    }
+    return py_tune(self, NULL);
+}
+
 static PyObject *py_isas(PyObject *self, PyObject *unused) {
     return Py_BuildValue("(sss)", "scalar", "avx2", "avx512vnni");
 }
@@ -409,6 +508,8 @@ PyMethodDef mf_pool_methods[] = {
     {"get_threads", py_get_threads, METH_NOARGS, "get_threads() -> int"},
     {"isa", py_isa, METH_NOARGS, "isa() -> active ISA name"},
     {"isa_hw", py_isa_hw, METH_NOARGS, "isa_hw() -> best ISA this CPU supports"},
+    {"set_tune", py_set_tune, METH_VARARGS, "set_tune(spec) -> this CPU's tuning row with spec (name=value,...; '' or 'default': the row)"},
+    {"tune", py_tune, METH_NOARGS, "tune() -> the decode matvec tuning in use (CPU table + MEMFIT_TUNE)"},
     {"set_isa", py_set_isa, METH_O, "set_isa(name) -> name: select a kernel ISA the CPU supports (tests)"},
     {"isas", py_isas, METH_NOARGS, "isas() -> the ISA names that have kernels of their own (a CPU runs those <= isa_hw())"},
     {"profile", py_profile, METH_O, "profile(on): reset and start (True) or stop (False) the kernel profile counters"},

@@ -51,6 +51,20 @@ extern _Alignas(64) uint8_t mf_grid_iq3xxs[256 * 4], mf_grid_iq3s[512 * 4];
 extern _Alignas(64) int8_t mf_grid_iq1s[2048 * 8]; /* -1/0/+1; IQ1_S and IQ1_M share it */
 extern uint8_t mf_ksigns_iq2xs[128];                /* ggml's ksigns_iq2xs */
 extern int mf_slow_gather; /* pool.c: this CPU's AVX2 gathers are slower than scalar loads */
+/* Decode matvec tuning (pool.c mf_tune_init): chosen per CPU family from a measured table,
+ * each field overridable by MEMFIT_TUNE="name=value,...". None changes a result bit: they pick
+ * among kernels with the same per-row arithmetic and the order rows are read in. */
+typedef struct {
+    int pf_rows;       /* 1-row decode kernels: W rows prefetched this many rows ahead (0: none) */
+    int pf_rows_multi; /* 4/8-row decode kernels (adjacent rows): the same */
+    int pf_strided;    /* strided 4/8-row groups: rows ahead in each part */
+    int q8_vd4_min_rb; /* avx512vnni: Q8_0 rows of at least this many bytes take the 4-row kernel */
+    int k_vd4_min_rb;  /* avx512vnni: Q4_K/Q5_K/Q6_K rows of at least this many bytes: 4-row kernel */
+    int stride_max_rb; /* avx512vnni 4/8-row kernels: rows up to this many bytes grouped a part apart */
+    int task_kib;      /* decode: contiguous KiB of W per task (1-row, two streams: 4x this) */
+} mf_tune_t;
+extern mf_tune_t mf_tune;
+extern const char *mf_tune_source; /* "xeon-default", "amd-zen4", ... (+ " +env") */
 int mf_tables_ready(int type);                      /* 1 when the type's tables are installed */
 
 /* A K-quant block unpacked for the prefill kernel (see quant_avx2.c). */

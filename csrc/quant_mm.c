@@ -81,27 +81,20 @@ static void mm_task_scalar(void *p, int64_t t) {
 #ifndef MF_KG_RT_MAX
 #define MF_KG_RT_MAX (64 / MF_KG_R * MF_KG_R)
 #endif
-#define MF_VEC_TASK_BYTES (64 * 1024)
-/* Decode on avx512vnni: the 4-row kernel only for rows of at least this many bytes (0: any).
- * From DRAM, in-process A/B (docs/NOTES.md): Q8_0 4 rows +45-70% at 3584-14336 columns, +5% at
- * 2048, -13% at 1024, mixed at 640; Q4_K/Q5_K/Q6_K (4 rows block by block, each row's bits as
- * the 1-row kernel's) +35-40% at 14336-18944 columns, 2-12% slower at 3584-4096. Shorter rows
- * keep the 1-row kernel (two streams per core). */
-#define MF_Q8_VD4_MIN_RB 2048
-#define MF_K_VD4_MIN_RB 6144
-static const int vd4_min_rb[T_MAX] = {[T_Q8_0] = MF_Q8_VD4_MIN_RB, [T_Q4_K] = MF_K_VD4_MIN_RB,
-                                      [T_Q5_K] = MF_K_VD4_MIN_RB, [T_Q6_K] = MF_K_VD4_MIN_RB};
-#ifndef MF_PF_ROWS
-#define MF_PF_ROWS 8
-#endif
-#ifndef MF_PF_STRIDED
-#define MF_PF_STRIDED 2 /* rows ahead in each part of a strided task */
-#endif
-/* Decode on avx512vnni, 4/8-row kernels: rows of at most this many bytes are grouped a task
- * part apart (vec_rows_strided), longer ones adjacent. In-process A/B (docs/NOTES.md): Q4_0
- * at 3584-5120 columns +14-22%, Q4_1/Q5_1 at 1024-1536 +14%, Q4_0/Q5_0 at 640 +5-7%; Q4_0 at
- * 7168 columns -8% and 14336 -31% (their adjacent rows are already far apart). */
-#define MF_STRIDE_MAX_RB 3072
+/* Decode on avx512vnni: the 4-row kernel only for rows of at least mf_tune.*_vd4_min_rb bytes.
+ * On the Xeon, from DRAM, in-process A/B (docs/NOTES.md): Q8_0 4 rows +45-70% at 3584-14336
+ * columns, +5% at 2048, -13% at 1024, mixed at 640; Q4_K/Q5_K/Q6_K (4 rows block by block, each
+ * row's bits as the 1-row kernel's) +35-40% at 14336-18944 columns, 2-12% slower at 3584-4096.
+ * Shorter rows keep the 1-row kernel (two streams per core). Other CPUs: pool.c's table. */
+static int vd4_min_rb(int type) {
+    return type == T_Q8_0 ? mf_tune.q8_vd4_min_rb
+         : type == T_Q4_K || type == T_Q5_K || type == T_Q6_K ? mf_tune.k_vd4_min_rb : 0;
+}
+/* Decode on avx512vnni, 4/8-row kernels: rows of at most mf_tune.stride_max_rb bytes are
+ * grouped a task part apart (vec_rows_strided), longer ones adjacent. In-process A/B on the
+ * Xeon (docs/NOTES.md): Q4_0 at 3584-5120 columns +14-22%, Q4_1/Q5_1 at 1024-1536 +14%,
+ * Q4_0/Q5_0 at 640 +5-7%; Q4_0 at 7168 columns -8% and 14336 -31% (their adjacent rows are
+ * already far apart). */
 /* Software prefetch of W rows [a, b) clipped to the task's end, into all cache levels
  * (prefetcht0). Decode reads each weight byte once; on the Xeon of BENCHMARKS.md the
  * hardware prefetchers alone left the 2-core matvec of small matrices at ~11 GB/s. The hint
@@ -123,7 +116,7 @@ static void vec_rows(const mm_ctx *c, int64_t a, int64_t b, int64_t i0, int64_t 
     int64_t r = a;
     if (c->vd8)
         for (; r + 8 <= b; r += 8) {
-            if (pf) prefetch_rows(c, r + MF_PF_ROWS, r + MF_PF_ROWS + 8, end);
+            if (pf && mf_tune.pf_rows_multi) prefetch_rows(c, r + mf_tune.pf_rows_multi, r + mf_tune.pf_rows_multi + 8, end);
             for (int64_t i = i0; i < i1; i++) {
                 float o[8];
                 c->vd8(c->w + r * c->rb, (size_t)c->rb, c->xq + (size_t)i * c->xs, c->nb, o);
@@ -132,7 +125,7 @@ static void vec_rows(const mm_ctx *c, int64_t a, int64_t b, int64_t i0, int64_t 
         }
     if (c->vd4)
         for (; r + 4 <= b; r += 4) {
-            if (pf) prefetch_rows(c, r + MF_PF_ROWS, r + MF_PF_ROWS + 4, end);
+            if (pf && mf_tune.pf_rows_multi) prefetch_rows(c, r + mf_tune.pf_rows_multi, r + mf_tune.pf_rows_multi + 4, end);
             for (int64_t i = i0; i < i1; i++) {
                 float o[4];
                 c->vd4(c->w + r * c->rb, (size_t)c->rb, c->xq + (size_t)i * c->xs, c->nb, o);
@@ -141,7 +134,7 @@ static void vec_rows(const mm_ctx *c, int64_t a, int64_t b, int64_t i0, int64_t 
         }
     for (; r < b; r++) {
         const uint8_t *w = c->w + r * c->rb;
-        if (pf) prefetch_rows(c, r + MF_PF_ROWS, r + MF_PF_ROWS + 1, end);
+        if (pf && mf_tune.pf_rows) prefetch_rows(c, r + mf_tune.pf_rows, r + mf_tune.pf_rows + 1, end);
         for (int64_t i = i0; i < i1; i++)
             c->y[i * c->rows + r] = c->vd(w, c->xq + (size_t)i * c->xs, c->nb);
     }
@@ -158,7 +151,7 @@ static void vec_rows_strided(const mm_ctx *c, int64_t r0, int64_t r1, int64_t i0
     const int64_t P = (r1 - r0) / G;
     for (int64_t j = 0; j < P; j++) {
         if (pf)
-            for (int g = 0; g < G; g++) prefetch_rows(c, r0 + g * P + j + MF_PF_STRIDED, r0 + g * P + j + MF_PF_STRIDED + 1, r1);
+            for (int g = 0; g < G && mf_tune.pf_strided; g++) prefetch_rows(c, r0 + g * P + j + mf_tune.pf_strided, r0 + g * P + j + mf_tune.pf_strided + 1, r1);
         for (int64_t i = i0; i < i1; i++) {
             float o[8];
             k(c->w + (r0 + j) * c->rb, (size_t)(P * c->rb), c->xq + (size_t)i * c->xs, c->nb, o);
@@ -175,7 +168,7 @@ static void mm_task_vec(void *p, int64_t t) {
      * two long ascending streams per core measured ~8-10% faster than one (1 thread, Q4_K/Q6_K
      * 14336x4096: 8.3 -> 9.1, 8.9 -> 9.9 GB/s per CPU-second); alternating 8-row or 16-row
      * stretches gained nothing, nor did 4 or 2 adjacent rows block by block on rows under
-     * 6 KiB (longer rows take the 4-row kernel: MF_K_VD4_MIN_RB, MF_Q8_VD4_MIN_RB). */
+     * 6 KiB (longer rows take the 4-row kernel: mf_tune.k_vd4_min_rb, q8_vd4_min_rb). */
     const int64_t S = c->streams > 1 ? c->streams : 1, part = (r1 - r0 + S - 1) / S;
     for (int64_t i0 = 0; i0 < c->n; i0 += XT) {
         int64_t i1 = i0 + XT < c->n ? i0 + XT : c->n;
@@ -418,20 +411,20 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
         if (mf_vecdot_avx512[type]) c.vd = mf_vecdot_avx512[type];
         c.vd4 = mf_vecdot4_avx512[type];
         c.vd8 = mf_vecdot8_avx512[type];
-        if (c.rb < vd4_min_rb[type]) c.vd4 = NULL;
-        c.strided = (c.vd4 || c.vd8) && c.rb <= MF_STRIDE_MAX_RB;
+        if (c.rb < vd4_min_rb(type)) c.vd4 = NULL;
+        c.strided = (c.vd4 || c.vd8) && c.rb <= mf_tune.stride_max_rb;
         c.xfmt = mf_xfmt_avx512[type];
         c.xs = c.xfmt == XF_Q8_256 ? (size_t)(cols / 256) * sizeof(mf_q8_256) : (size_t)(cols / 32) * sizeof(mf_q8_32);
     }
     if (p->fn == mm_task_vec) {
-        /* decode streams W once: tasks of ~MF_VEC_TASK_BYTES contiguous bytes (at most one
+        /* decode streams W once: tasks of ~mf_tune.task_kib contiguous KiB (at most one
          * share per thread). Small interleaved tiles defeat the hardware prefetchers: with
          * 16-row tiles two threads streamed SmolLM2's layers at 5.7 GB/s, with 64 KiB tasks
          * at 11 GB/s (one thread: 6 GB/s). A multiple of 4 rows keeps the 4-row kernel's
          * grouping (and so the result bits) independent of the task size. */
         int64_t share = (rows + nt - 1) / nt;
         c.streams = c.vd4 || c.vd8 ? 1 : 2;
-        const int64_t tb = c.streams > 1 ? 4 * MF_VEC_TASK_BYTES : MF_VEC_TASK_BYTES; /* 2 x 128 KiB */
+        const int64_t tb = (int64_t)mf_tune.task_kib * 1024 * (c.streams > 1 ? 4 : 1); /* 2 x 128 KiB */
         if (share * c.rb > tb) share = tb / c.rb;
         c.rt = (share + 3) & ~(int64_t)3;
     }

@@ -746,7 +746,7 @@ def cmd_bench(a) -> int:
                                 as_json=a.json, trials=a.trials,
                                 stream_bytes=parse_size(a.stream_bytes), shapes=a.shapes,
                                 isas=a.isa, cpu_time=a.cpu_time,
-                                mem_limit=resolve_budget(a.mem_budget))
+                                mem_limit=resolve_budget(a.mem_budget), tunes=a.tune)
     if a.profile:
         from .bench.profile import run_profile
         with _load(a, n_ctx=a.n_prompt + a.n_gen + 8) as m:
@@ -964,6 +964,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--isa", default=None, metavar="LIST",
                    help="with --kernels: comma-separated kernel ISAs to alternate on the same matrices "
                         "(scalar, avx2, avx512vnni; default: the active one)")
+    b.add_argument("--tune", default=None, metavar="LIST",
+                   help="with --kernels: ';'-separated decode tunings to alternate on the same matrices, "
+                        "each 'default' (this CPU's row) or MEMFIT_TUNE's name=value,... (pf_rows, pf_rows_multi, pf_strided, "
+                        "q8_vd4_min_rb, k_vd4_min_rb, stride_max_rb, task_kib)")
     b.add_argument("--cpu-time", action="store_true",
                    help="with --kernels -t 1: time by this thread's CPU time (other processes on a shared machine do not count)")
     _add_spec_args(b, bench=True)

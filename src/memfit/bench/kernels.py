@@ -4,6 +4,7 @@ case) per quant type, next to the machine's read bandwidth measured in the same 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -120,12 +121,14 @@ def run_kernel_bench(types: str = "Q4_0,Q8_0,Q4_K,Q6_K", rows: int = 14336, cols
                      threads: int | None = None, as_json: bool = False, trials: int = 3,
                      stream_bytes: int = 1 << 30, shapes: str | None = None,
                      isas: str | None = None, cpu_time: bool = False,
-                     mem_limit: tuple[int, str] | None = None) -> int:
+                     mem_limit: tuple[int, str] | None = None, tunes: str | None = None) -> int:
     """Each trial measures the read bandwidth, then every (type, shape) matvec streamed from
     DRAM, once per ISA in `isas` (alternating on the same matrices: an A/B within the trial).
     Every matvec is reported as a fraction of the probe *of its own trial* (median over the
     trials: this host's probe moves +-15% between trials); --json prints one object per
-    (type, shape, isa) with all samples. cpu_time (1 thread only): probe and matvecs timed
+    (type, shape, isa) with all samples. tunes: ';'-separated decode tunings (csrc/pool.c,
+    MEMFIT_TUNE's "name=value,..."; "default" is this CPU's row) alternated the same way, each
+    row of the result labelled with its tuning. cpu_time (1 thread only): probe and matvecs timed
     by this thread's CPU time, so other processes on the cores do not count."""
     from .. import _native
     from ..errors import RequestError
@@ -147,9 +150,22 @@ def run_kernel_bench(types: str = "Q4_0,Q8_0,Q4_K,Q6_K", rows: int = 14336, cols
         except ValueError as e:
             raise RequestError(f"--isa: {e}") from None
     _native.set_isa(isa_before)
+    tune_before = os.environ.get("MEMFIT_TUNE", "")
+    tune_list = [t.strip() for t in tunes.split(";")] if tunes else [None]
+    for t in tune_list:
+        if t is not None:
+            try:
+                _native.set_tune(t)
+            except ValueError as e:
+                raise RequestError(f"--tune: {e}") from None
+    _native.set_tune(tune_before)
     if mem_limit is not None:
         _check_memory(names, shape_list, stream_bytes, mem_limit)
-    keys = [(n, s, i) for n in names for s in shape_list for i in isa_list]
+    keys = [(n, s, (i, t)) for n in names for s in shape_list for i in isa_list for t in tune_list]
+    multi = len(isa_list) > 1 or len(tune_list) > 1
+
+    def label(v):
+        return v[0] + ("" if v[1] is None else f" [{v[1] or 'default'}]")
     bws: list[float] = []  # the read bound (memory/bandwidth.py read_bound), each trial
     bwm: list[float] = []  # the one-stream-per-thread pass, same trials (the old probe)
     strat: list[dict] = []
@@ -169,21 +185,24 @@ def run_kernel_bench(types: str = "Q4_0,Q8_0,Q4_K,Q6_K", rows: int = 14336, cols
                 for (r, c) in shape_list:
                     ws = _matrices(name, r, c, k, stream_bytes)
                     nbytes = int(ws[0].data.nbytes)
-                    for isa in isa_list:
-                        _native.set_isa(isa)
+                    for v in [(i, t) for i in isa_list for t in tune_list]:
+                        _native.set_isa(v[0])
+                        if v[1] is not None:
+                            _native.set_tune(v[1])
                         g = nbytes / _time_matvec(ws, 10, k, clock) / 1e9
-                        gbs[(name, (r, c), isa)].append(g)
-                        fracs[(name, (r, c), isa)].append(g / bw)
-                        info[(name, (r, c), isa)] = {"weight_bytes": nbytes, "copies": len(ws)}
+                        gbs[(name, (r, c), v)].append(g)
+                        fracs[(name, (r, c), v)].append(g / bw)
+                        info[(name, (r, c), v)] = {"weight_bytes": nbytes, "copies": len(ws)}
                     del ws
             if not as_json:
                 print(f"  trial {k + 1}/{max(1, trials)}: read bound {bw:.1f} GB/s ({_strategy(st)}; "
                       f"one stream per thread {bwm[-1]:.1f}), "
-                      + ", ".join(f"{n} {r}x{c}{'/' + i if len(isa_list) > 1 else ''} "
-                                  f"{gbs[(n, (r, c), i)][-1]:.1f}" for n, (r, c), i in keys),
+                      + ", ".join(f"{n} {r}x{c}{'/' + label(v) if multi else ''} "
+                                  f"{gbs[(n, (r, c), v)][-1]:.1f}" for n, (r, c), v in keys),
                       file=sys.stderr, flush=True)
     finally:
         _native.set_isa(isa_before)
+        _native.set_tune(tune_before)
     bw = statistics.median(bws)
     if not as_json:
         print(f"read bound: {bw:.1f} GB/s ({threads} threads, best of {len(read_strategies(threads))} "
@@ -194,7 +213,7 @@ def run_kernel_bench(types: str = "Q4_0,Q8_0,Q4_K,Q6_K", rows: int = 14336, cols
               "| % of one-stream read |")
         print("|---|---|---|---:|---:|---:|---:|")
     for key in keys:
-        name, (r, c), isa = key
+        name, (r, c), (isa, tune) = key
         res = {"type": name, "rows": r, "cols": c, "isa": isa, **info[key],
                "gb_per_s": statistics.median(gbs[key]), "samples_gb_per_s": gbs[key],
                "fraction_of_bandwidth": statistics.median(fracs[key]),
@@ -204,11 +223,13 @@ def run_kernel_bench(types: str = "Q4_0,Q8_0,Q4_K,Q6_K", rows: int = 14336, cols
                "one_stream_samples_gb_per_s": bwm,
                "fraction_of_one_stream": statistics.median(g / b for g, b in zip(gbs[key], bwm)),
                "threads": threads,
-               "clock": "thread_time" if cpu_time else "wall"}
+               "clock": "thread_time" if cpu_time else "wall",
+               "tune": _native.tune() if tune is None else {**_native.set_tune(tune), "spec": tune}}
+        _native.set_tune(tune_before)
         if as_json:
             print(json.dumps(res), flush=True)
         else:
-            print(f"| {name} | {r}x{c} | {isa} | {res['weight_bytes'] / 1e6:.1f} | "
+            print(f"| {name} | {r}x{c} | {label((isa, tune))} | {res['weight_bytes'] / 1e6:.1f} | "
                   f"{res['gb_per_s']:.1f} | {100 * res['fraction_of_bandwidth']:.0f}% | "
                   f"{100 * res['fraction_of_one_stream']:.0f}% |", flush=True)
     return 0
