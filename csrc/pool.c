@@ -75,9 +75,11 @@ static int detect_slow_gather(void) {
  * for the 1-row kernels and the strided 4/8-row groups. In-process A/B on the Zen 4 of
  * BENCHMARKS.md section 25 (bench --kernels --tune, 2 threads, from DRAM): Q4_K/Q6_K 1-row at
  * the 7B shapes +50-75% without it (16-17 -> 25-29 GB/s), Q5_K/IQ4_XS/Q3_K +10-50%, Q4_0/Q5_0
- * strided +20-40%; the adjacent 4-row kernels on long rows level or better with it (kept). */
-#define MF_TUNE_AMD_ZEN4 (mf_tune.pf_rows = 0, mf_tune.pf_strided = 0)
-mf_tune_t mf_tune = {.pf_rows = 8, .pf_rows_multi = 8, .pf_strided = 2, .q8_vd4_min_rb = 2048, .k_vd4_min_rb = 6144,
+ * strided +20-40%; the adjacent 4-row kernels on long rows level or better with it (kept).
+ * K-quant rows of >= 6 KiB (the 7B's ffn_down) in 8-row groups: Q4_K 3584x18944 +19% (21.5 ->
+ * 25.5 GB/s, 9 trials), Q6_K level. */
+#define MF_TUNE_AMD_ZEN4 (mf_tune.pf_rows = 0, mf_tune.pf_strided = 0, mf_tune.k_vd8_min_rb = 6144)
+mf_tune_t mf_tune = {.pf_rows = 8, .pf_rows_multi = 8, .pf_strided = 2, .q8_vd4_min_rb = 2048, .k_vd4_min_rb = 6144, .k_vd8_min_rb = 1 << 20,
                      .stride_max_rb = 3072, .task_kib = 64};
 const char *mf_tune_source = "default";
 static char tune_source_buf[192];
@@ -101,7 +103,7 @@ static const char *tune_table_source;
 static int tune_apply(const char *spec) {
     static const struct { const char *name; int *field; } names[] = {
         {"pf_rows", &mf_tune.pf_rows}, {"pf_rows_multi", &mf_tune.pf_rows_multi}, {"pf_strided", &mf_tune.pf_strided},
-        {"q8_vd4_min_rb", &mf_tune.q8_vd4_min_rb}, {"k_vd4_min_rb", &mf_tune.k_vd4_min_rb},
+        {"q8_vd4_min_rb", &mf_tune.q8_vd4_min_rb}, {"k_vd4_min_rb", &mf_tune.k_vd4_min_rb}, {"k_vd8_min_rb", &mf_tune.k_vd8_min_rb},
         {"stride_max_rb", &mf_tune.stride_max_rb}, {"task_kib", &mf_tune.task_kib}};
     const char *p = spec;
     int rc = 0;
@@ -455,10 +457,10 @@ static PyObject *py_isa_hw(PyObject *self, PyObject *unused) { return PyUnicode_
 
 /* The ISAs with kernels of their own (avx512 without VNNI runs the avx2 kernels). */
 static PyObject *py_tune(PyObject *self, PyObject *unused) {
-    return Py_BuildValue("{s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "source", mf_tune_source, "pf_rows", mf_tune.pf_rows,
+    return Py_BuildValue("{s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "source", mf_tune_source, "pf_rows", mf_tune.pf_rows,
                          "pf_rows_multi", mf_tune.pf_rows_multi,
                          "pf_strided", mf_tune.pf_strided, "q8_vd4_min_rb", mf_tune.q8_vd4_min_rb,
-                         "k_vd4_min_rb", mf_tune.k_vd4_min_rb, "stride_max_rb", mf_tune.stride_max_rb,
+                         "k_vd4_min_rb", mf_tune.k_vd4_min_rb, "k_vd8_min_rb", mf_tune.k_vd8_min_rb, "stride_max_rb", mf_tune.stride_max_rb,
                          "task_kib", mf_tune.task_kib);
 }
 
@@ -468,7 +470,7 @@ static PyObject *py_set_tune(PyObject *self, PyObject *args) {
     if (tune_set(spec)) {
         tune_set(NULL);
         return PyErr_Format(PyExc_ValueError, "tuning '%s': expected name=value,... with names pf_rows, pf_rows_multi, pf_strided, "
-                            "q8_vd4_min_rb, k_vd4_min_rb, stride_max_rb, task_kib and values 0..1048576", spec);
+                            "q8_vd4_min_rb, k_vd4_min_rb, k_vd8_min_rb, stride_max_rb, task_kib and values 0..1048576", spec);
     }
     return py_tune(self, NULL);
 }

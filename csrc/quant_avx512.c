@@ -194,20 +194,24 @@ KQ_DRIVER(q5_k, 176, fin_min)
 KQ_DRIVER(q6_k, 210, fin_plain)
 KQ_DRIVER(q3_k, 110, fin_plain)
 
-/* 4 rows block by block: per row exactly vd_T's arithmetic (the same bits); X loads shared */
-#define KQ_DRIVER4(T, BYTES, FINAL)                                                                  \
-    VNNI static void vd4_##T(const uint8_t *w, size_t rb, const void *xv, int64_t nb, float *out) {  \
+/* R rows block by block: per row exactly vd_T's arithmetic (the same bits); X loads shared.
+ * 4 rows on long rows everywhere; 8 rows where the CPU's tuning row asks (mf_tune.k_vd8_min_rb). */
+#define KQ_DRIVERN(NAME, T, BYTES, FINAL, R)                                                         \
+    VNNI static void NAME(const uint8_t *w, size_t rb, const void *xv, int64_t nb, float *out) {     \
         const mf_q8_256 *x = xv;                                                                    \
-        __m512 acc[4];                                                                              \
-        __m256 accm[4];                                                                             \
-        for (int r = 0; r < 4; r++) { acc[r] = _mm512_setzero_ps(); accm[r] = _mm256_setzero_ps(); } \
+        __m512 acc[R];                                                                              \
+        __m256 accm[R];                                                                             \
+        for (int r = 0; r < R; r++) { acc[r] = _mm512_setzero_ps(); accm[r] = _mm256_setzero_ps(); } \
         for (int64_t b = 0; b < nb; b++)                                                            \
-            for (int r = 0; r < 4; r++) T##_step(w + r * rb + b * BYTES, x + b, &acc[r], &accm[r]);  \
-        for (int r = 0; r < 4; r++) out[r] = FINAL(acc[r], accm[r]);                                \
+            for (int r = 0; r < R; r++) T##_step(w + r * rb + b * BYTES, x + b, &acc[r], &accm[r]);  \
+        for (int r = 0; r < R; r++) out[r] = FINAL(acc[r], accm[r]);                                \
     }
-KQ_DRIVER4(q4_k, 144, fin_min)
-KQ_DRIVER4(q5_k, 176, fin_min)
-KQ_DRIVER4(q6_k, 210, fin_plain)
+KQ_DRIVERN(vd4_q4_k, q4_k, 144, fin_min, 4)
+KQ_DRIVERN(vd4_q5_k, q5_k, 176, fin_min, 4)
+KQ_DRIVERN(vd4_q6_k, q6_k, 210, fin_plain, 4)
+KQ_DRIVERN(vd8_q4_k, q4_k, 144, fin_min, 8)
+KQ_DRIVERN(vd8_q5_k, q5_k, 176, fin_min, 8)
+KQ_DRIVERN(vd8_q6_k, q6_k, 210, fin_plain, 8)
 
 /* ---------------- 32-element types x Q8_32 (256-bit VNNI) ----------------
  * Per block the work is one 32-byte product and its float scale; vpdpbusd replaces the
@@ -418,7 +422,7 @@ VD4_Q41(vd4_q5_1, 24, 8, 1)
     }
 VDZ_Q4_0(vdz4_q4_0, 4)
 VDZ_Q4_0(vdz8_q4_0, 8)
-mf_vecdot4_fn mf_vecdot8_avx512[T_MAX] = {[T_Q4_0] = vdz8_q4_0};
+mf_vecdot4_fn mf_vecdot8_avx512[T_MAX] = {[T_Q4_0] = vdz8_q4_0, [T_Q4_K] = vd8_q4_k, [T_Q5_K] = vd8_q5_k, [T_Q6_K] = vd8_q6_k};
 
 mf_vecdot4_fn mf_vecdot4_avx512[T_MAX] = {
     [T_Q4_0] = vdz4_q4_0, [T_Q5_0] = vd4_q5_0, [T_Q4_1] = vd4_q4_1, [T_Q5_1] = vd4_q5_1,

@@ -60,6 +60,7 @@ typedef struct {
     int pf_strided;    /* strided 4/8-row groups: rows ahead in each part */
     int q8_vd4_min_rb; /* avx512vnni: Q8_0 rows of at least this many bytes take the 4-row kernel */
     int k_vd4_min_rb;  /* avx512vnni: Q4_K/Q5_K/Q6_K rows of at least this many bytes: 4-row kernel */
+    int k_vd8_min_rb;  /* the same for their 8-row kernel (taken before the 4-row one) */
     int stride_max_rb; /* avx512vnni 4/8-row kernels: rows up to this many bytes grouped a part apart */
     int task_kib;      /* decode: contiguous KiB of W per task (1-row, two streams: 4x this) */
 } mf_tune_t;

@@ -86,6 +86,9 @@ static void mm_task_scalar(void *p, int64_t t) {
  * columns, +5% at 2048, -13% at 1024, mixed at 640; Q4_K/Q5_K/Q6_K (4 rows block by block, each
  * row's bits as the 1-row kernel's) +35-40% at 14336-18944 columns, 2-12% slower at 3584-4096.
  * Shorter rows keep the 1-row kernel (two streams per core). Other CPUs: pool.c's table. */
+static int vd8_min_rb(int type) {
+    return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K ? mf_tune.k_vd8_min_rb : 0;
+}
 static int vd4_min_rb(int type) {
     return type == T_Q8_0 ? mf_tune.q8_vd4_min_rb
          : type == T_Q4_K || type == T_Q5_K || type == T_Q6_K ? mf_tune.k_vd4_min_rb : 0;
@@ -412,6 +415,7 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
         c.vd4 = mf_vecdot4_avx512[type];
         c.vd8 = mf_vecdot8_avx512[type];
         if (c.rb < vd4_min_rb(type)) c.vd4 = NULL;
+        if (c.rb < vd8_min_rb(type)) c.vd8 = NULL;
         c.strided = (c.vd4 || c.vd8) && c.rb <= mf_tune.stride_max_rb;
         c.xfmt = mf_xfmt_avx512[type];
         c.xs = c.xfmt == XF_Q8_256 ? (size_t)(cols / 256) * sizeof(mf_q8_256) : (size_t)(cols / 32) * sizeof(mf_q8_32);
@@ -426,7 +430,7 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
         c.streams = c.vd4 || c.vd8 ? 1 : 2;
         const int64_t tb = (int64_t)mf_tune.task_kib * 1024 * (c.streams > 1 ? 4 : 1); /* 2 x 128 KiB */
         if (share * c.rb > tb) share = tb / c.rb;
-        c.rt = (share + 3) & ~(int64_t)3;
+        c.rt = share < 4 ? 4 : (share + 3) & ~(int64_t)3; /* rows longer than a task: 4 rows a task */
     }
     p->ntasks = rows == 0 ? 0 : (rows + c.rt - 1) / c.rt;
     p->c = c;
