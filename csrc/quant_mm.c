@@ -428,7 +428,7 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
          * grouping (and so the result bits) independent of the task size. */
         int64_t share = (rows + nt - 1) / nt;
         c.streams = c.vd4 || c.vd8 ? 1 : 2;
-        const int64_t tb = (int64_t)mf_tune.task_kib * 1024 * (c.streams > 1 ? 4 : 1); /* 2 x 128 KiB */
+        const int64_t tb = c.streams > 1 ? (int64_t)mf_tune.task_kib * 4096 : (int64_t)mf_tune.task_kib_multi * 1024;
         if (share * c.rb > tb) share = tb / c.rb;
         c.rt = share < 4 ? 4 : (share + 3) & ~(int64_t)3; /* rows longer than a task: 4 rows a task */
     }

@@ -143,7 +143,7 @@ def test_bench_kernels_json_reports_medians_against_bandwidth():
         assert r["gb_per_s"] > 0 and r["threads"] == 2 and r["copies"] >= 2
         assert len(r["one_stream_samples_gb_per_s"]) == 2 and r["fraction_of_one_stream"] > 0
         assert len(r["read_bound_strategies"]) == 2 and r["mem_read_gb_per_s"] > 0
-    for bad_arg, needle in (("--shapes", "12y4"), ("--isa", "avx9")):
+    for bad_arg, needle in (("--shapes", "12y4"), ("--isa", "avx9"), ("--tune", "pf_rows=x")):
         bad = memfit("bench", "--kernels", bad_arg, needle, check=False)
         assert bad.returncode != 0 and needle in bad.stderr.strip().splitlines()[-1]
     bad = memfit("bench", "--kernels", "--stream-bytes", "12XB", check=False)

@@ -115,6 +115,7 @@ def test_bad_argument_is_one_line_error(tmp_path, args, needle):
 @pytest.mark.parametrize("env, needle", [
     ({"MEMFIT_THREADS": "abc"}, "MEMFIT_THREADS"), ({"MEMFIT_THREADS": "0"}, "MEMFIT_THREADS"),
     ({"MEMFIT_ISA": "sse9"}, "MEMFIT_ISA"), ({"MEMFIT_GATHER": "yes"}, "MEMFIT_GATHER"),
+    ({"MEMFIT_TUNE": "pf_rows=many"}, "MEMFIT_TUNE"),
     ({"MEMFIT_ATTN": "f64"}, "MEMFIT_ATTN"),
 ])
 def test_bad_environment_is_an_error(tmp_path, env, needle):

@@ -24,8 +24,8 @@ BIG = 1 << 20
 TUNINGS = [
     f"pf_rows=0,pf_rows_multi=0,pf_strided=0,k_vd4_min_rb={BIG},k_vd8_min_rb={BIG},q8_vd4_min_rb={BIG}",
     "pf_rows=3,pf_rows_multi=16,pf_strided=5,k_vd4_min_rb=0,k_vd8_min_rb=0,q8_vd4_min_rb=0",
-    "k_vd4_min_rb=0,k_vd8_min_rb=0,stride_max_rb=0,task_kib=4",
-    f"k_vd4_min_rb=0,k_vd8_min_rb={BIG},stride_max_rb={BIG},task_kib=1024",
+    "k_vd4_min_rb=0,k_vd8_min_rb=0,stride_max_rb=0,task_kib=4,task_kib_multi=4",
+    f"k_vd4_min_rb=0,k_vd8_min_rb={BIG},stride_max_rb={BIG},task_kib=1024,task_kib_multi=999",
 ]
 
 

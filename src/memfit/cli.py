@@ -77,8 +77,8 @@ def _port(text: str) -> int:
 
 
 def _check_env() -> None:
-    """MEMFIT_THREADS / MEMFIT_ISA / MEMFIT_GATHER / MEMFIT_ATTN with a value the kernels would
-    ignore are errors."""
+    """MEMFIT_THREADS / MEMFIT_ISA / MEMFIT_GATHER / MEMFIT_ATTN / MEMFIT_TUNE with a value the
+    kernels would ignore are errors."""
     v = os.environ.get("MEMFIT_THREADS")
     if v not in (None, "") and (not v.strip().isdigit() or int(v) < 1):
         raise RequestError(f"MEMFIT_THREADS={v!r} is not a positive integer; unset it or give "
@@ -91,6 +91,15 @@ def _check_env() -> None:
     if v not in (None, "", "llama", "f32"):
         raise RequestError(f"MEMFIT_ATTN={v!r} is not llama (an f16 KV cache attended as llama.cpp "
                            f"does) or f32 (accumulated in f32); unset it for llama")
+    v = os.environ.get("MEMFIT_TUNE")
+    if v not in (None, "", "default"):
+        try:
+            from . import _native
+            _native.set_tune(v)
+        except ImportError:
+            pass
+        except ValueError as e:
+            raise RequestError(f"MEMFIT_TUNE: {e}; unset it for this CPU's row") from None
     v = os.environ.get("MEMFIT_ISA")
     if v not in (None, ""):
         names = ("scalar", "avx2", "avx512", "avx512vnni")
