@@ -51,7 +51,7 @@ extern _Alignas(64) uint8_t mf_grid_iq3xxs[256 * 4], mf_grid_iq3s[512 * 4];
 extern _Alignas(64) int8_t mf_grid_iq1s[2048 * 8]; /* -1/0/+1; IQ1_S and IQ1_M share it */
 extern uint8_t mf_ksigns_iq2xs[128];                /* ggml's ksigns_iq2xs */
 extern int mf_slow_gather; /* pool.c: this CPU's AVX2 gathers are slower than scalar loads */
-/* Decode matvec tuning (pool.c mf_tune_init): chosen per CPU family from a measured table,
+/* Decode matvec and prefill GEMM tiling (pool.c tune_init): chosen per CPU family from a measured table,
  * each field overridable by MEMFIT_TUNE="name=value,...". None changes a result bit: they pick
  * among kernels with the same per-row arithmetic and the order rows are read in. */
 typedef struct {
@@ -64,6 +64,7 @@ typedef struct {
     int stride_max_rb; /* avx512vnni 4/8-row kernels: rows up to this many bytes grouped a part apart */
     int task_kib;      /* decode, 1-row kernels (two streams): 4x this many contiguous KiB of W per task */
     int task_kib_multi; /* decode, 4/8-row kernels: contiguous KiB of W per task */
+    int kg_tile_kib;   /* prefill, K-quant GEMM (avx512vnni): KiB of unpacked W per task */
 } mf_tune_t;
 extern mf_tune_t mf_tune;
 extern const char *mf_tune_source; /* "xeon-default", "amd-zen4", ... (+ " +env") */

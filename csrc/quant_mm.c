@@ -75,9 +75,6 @@ static void mm_task_scalar(void *p, int64_t t) {
  * for a row does not depend on the other rows, the row count or the task split. A type
  * without a batched kernel runs its vec-dots in both modes. So a prompt row gets the same bits whether its prompt was chunked, packed with
  * others or found partly in the prefix cache. */
-#ifndef MF_KG_TILE
-#define MF_KG_TILE (1024 * 1024) /* bytes of unpacked W per GEMM task (L2: 2 MiB per core) */
-#endif
 #ifndef MF_KG_RT_MAX
 #define MF_KG_RT_MAX (64 / MF_KG_R * MF_KG_R)
 #endif
@@ -384,7 +381,8 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
             if (vec_only) {
                 /* row-independent: every X row is dotted as if alone */
             } else if (mf_kunpack_avx2[type] && mf_isa >= MF_ISA_AVX512VNNI) {
-                int64_t rk = MF_KG_TILE / (c.nb * (int64_t)sizeof(mf_kw)) / MF_KG_R * MF_KG_R;
+                /* unpacked W per GEMM task: mf_tune.kg_tile_kib (the Xeons' 2 MiB L2: 1 MiB) */
+                int64_t rk = (int64_t)mf_tune.kg_tile_kib * 1024 / (c.nb * (int64_t)sizeof(mf_kw)) / MF_KG_R * MF_KG_R;
                 c.rt = rk < MF_KG_R ? MF_KG_R : rk > MF_KG_RT_MAX ? MF_KG_RT_MAX : rk;
                 while (c.rt > MF_KG_R && (rows + c.rt - 1) / c.rt < 4 * nt) c.rt -= MF_KG_R;
                 c.kg = 1;
