@@ -33,6 +33,8 @@ def test_profile_parts_add_up(tmp_path):
     assert p["layer_rest_ms"] > 0 and p["layers_ms"] <= p["ms_per_token"]
     assert p["bound_ms"] == pytest.approx(p["weight_bytes_per_token"] / 1e10 * 1e3)
     assert "| output matvec | Q" in format_profile(p)
+    # the decode tuning in use is part of the record (a profile on another CPU row differs)
+    assert p["tune"] == _native.tune() and f"(tuning {p['tune']['source']})" in format_profile(p)
     # the counters are off again: a plain forward adds nothing
     before = _native.profile_stats()["matmul"]
     m.forward([1], m.new_cache(4))

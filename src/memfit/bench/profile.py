@@ -101,7 +101,7 @@ def profile_decode(model, n_gen: int = 32, n_prompt: int = 0, seed: int = 0,
     idle_ms = (st["wall_ns"] * thr - st["busy_ns"]) / thr * per
     res = {
         "model": getattr(model, "path", None) and str(model.path), "threads": thr,
-        "isa": _native.isa(), "n_gen": n_gen, "n_prompt": n_prompt, "fused_layers": layer_ns[0] > 0,
+        "isa": _native.isa(), "tune": _native.tune(), "n_gen": n_gen, "n_prompt": n_prompt, "fused_layers": layer_ns[0] > 0,
         "ms_per_token": total_ms, "tokens_per_s": 1e3 / total_ms,
         "layers_ms": layers_ms, "layer_matvec_ms": layer_mat_ms,
         "layer_rest_ms": layers_ms - layer_mat_ms if layer_ns[0] else None,
@@ -122,7 +122,9 @@ def format_profile(p: dict) -> str:
     """Markdown: one line per matmul weight set, then the buckets that make up a token."""
     probe = p.get("read_probe_gb_per_s")
     lines = [f"decode profile: {p['n_gen']} tokens after {p['n_prompt']} prompt tokens, "
-             f"{p['threads']} threads, isa {p['isa']}: {p['ms_per_token']:.2f} ms/token "
+             f"{p['threads']} threads, isa {p['isa']}"
+             + (f" (tuning {p['tune']['source']})" if p.get("tune") else "")
+             + f": {p['ms_per_token']:.2f} ms/token "
              f"({p['tokens_per_s']:.2f} tok/s)"
              + (f"; read probe {probe:.1f} GB/s, bound {p['bound_ms']:.2f} ms "
                 f"({100 * p['fraction_of_bound']:.0f}% of it)" if probe else ""),
