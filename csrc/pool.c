@@ -78,11 +78,15 @@ static int detect_slow_gather(void) {
  * strided +20-40%; the adjacent 4-row kernels on long rows level or better with it (kept).
  * K-quant rows of >= 6 KiB (the 7B's ffn_down) in 8-row groups: Q4_K 3584x18944 +19% (21.5 ->
  * 25.5 GB/s, 9 trials), Q6_K level. Decode tasks of 128 KiB instead of 64: Q4_K/Q6_K at
- * 3584 columns and the output matrix +5-15% (two runs of 7 trials). */
+ * 3584 columns and the output matrix +5-15% (two runs of 7 trials). One stream per task for the
+ * 1-row kernels instead of two (the Xeon's choice): Q4_K/Q6_K at the 7B's short rows and the
+ * output matrix +45-65% (20-24 -> 31-39 GB/s, 85-95% of the read probe), Q3_K +48%, MXFP4 +22%,
+ * Q5_K +13%, the compute-bound IQ types level (5 trials). */
 #define MF_TUNE_AMD_ZEN4 \
-    (mf_tune.pf_rows = 0, mf_tune.pf_strided = 0, mf_tune.k_vd8_min_rb = 6144, mf_tune.task_kib = 128)
+    (mf_tune.pf_rows = 0, mf_tune.pf_strided = 0, mf_tune.k_vd8_min_rb = 6144, mf_tune.task_kib = 128, \
+     mf_tune.streams = 1)
 mf_tune_t mf_tune = {.pf_rows = 8, .pf_rows_multi = 8, .pf_strided = 2, .q8_vd4_min_rb = 2048, .k_vd4_min_rb = 6144, .k_vd8_min_rb = 1 << 20,
-                     .stride_max_rb = 3072, .task_kib = 64, .task_kib_multi = 64, .kg_tile_kib = 1024};
+                     .stride_max_rb = 3072, .streams = 2, .task_kib = 64, .task_kib_multi = 64, .kg_tile_kib = 1024};
 const char *mf_tune_source = "default";
 static char tune_source_buf[192];
 
@@ -106,7 +110,7 @@ static int tune_apply(const char *spec) {
     static const struct { const char *name; int *field; } names[] = {
         {"pf_rows", &mf_tune.pf_rows}, {"pf_rows_multi", &mf_tune.pf_rows_multi}, {"pf_strided", &mf_tune.pf_strided},
         {"q8_vd4_min_rb", &mf_tune.q8_vd4_min_rb}, {"k_vd4_min_rb", &mf_tune.k_vd4_min_rb}, {"k_vd8_min_rb", &mf_tune.k_vd8_min_rb},
-        {"stride_max_rb", &mf_tune.stride_max_rb}, {"task_kib", &mf_tune.task_kib},
+        {"stride_max_rb", &mf_tune.stride_max_rb}, {"task_kib", &mf_tune.task_kib}, {"streams", &mf_tune.streams},
         {"task_kib_multi", &mf_tune.task_kib_multi}, {"kg_tile_kib", &mf_tune.kg_tile_kib}};
     const char *p = spec;
     int rc = 0;
@@ -128,6 +132,8 @@ static int tune_apply(const char *spec) {
         p = *end ? end + 1 : end;
     }
     if (mf_tune.task_kib < 4) mf_tune.task_kib = 4;
+    if (mf_tune.streams < 1) mf_tune.streams = 1;
+    if (mf_tune.streams > 16) mf_tune.streams = 16;
     if (mf_tune.task_kib_multi < 4) mf_tune.task_kib_multi = 4;
     if (mf_tune.kg_tile_kib < 16) mf_tune.kg_tile_kib = 16;
     return rc;
@@ -462,11 +468,11 @@ static PyObject *py_isa_hw(PyObject *self, PyObject *unused) { return PyUnicode_
 
 /* The ISAs with kernels of their own (avx512 without VNNI runs the avx2 kernels). */
 static PyObject *py_tune(PyObject *self, PyObject *unused) {
-    return Py_BuildValue("{s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "source", mf_tune_source, "pf_rows", mf_tune.pf_rows,
+    return Py_BuildValue("{s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "source", mf_tune_source, "pf_rows", mf_tune.pf_rows,
                          "pf_rows_multi", mf_tune.pf_rows_multi,
                          "pf_strided", mf_tune.pf_strided, "q8_vd4_min_rb", mf_tune.q8_vd4_min_rb,
                          "k_vd4_min_rb", mf_tune.k_vd4_min_rb, "k_vd8_min_rb", mf_tune.k_vd8_min_rb, "stride_max_rb", mf_tune.stride_max_rb,
-                         "task_kib", mf_tune.task_kib, "task_kib_multi", mf_tune.task_kib_multi,
+                         "streams", mf_tune.streams, "task_kib", mf_tune.task_kib, "task_kib_multi", mf_tune.task_kib_multi,
                          "kg_tile_kib", mf_tune.kg_tile_kib);
 }
 
@@ -476,7 +482,7 @@ static PyObject *py_set_tune(PyObject *self, PyObject *args) {
     if (tune_set(spec)) {
         tune_set(NULL);
         return PyErr_Format(PyExc_ValueError, "tuning '%s': expected name=value,... with names pf_rows, pf_rows_multi, pf_strided, "
-                            "q8_vd4_min_rb, k_vd4_min_rb, k_vd8_min_rb, stride_max_rb, task_kib, task_kib_multi, kg_tile_kib and values 0..1048576", spec);
+                            "q8_vd4_min_rb, k_vd4_min_rb, k_vd8_min_rb, stride_max_rb, streams, task_kib, task_kib_multi, kg_tile_kib and values 0..1048576", spec);
     }
     return py_tune(self, NULL);
 }

@@ -62,7 +62,8 @@ typedef struct {
     int k_vd4_min_rb;  /* avx512vnni: Q4_K/Q5_K/Q6_K rows of at least this many bytes: 4-row kernel */
     int k_vd8_min_rb;  /* the same for their 8-row kernel (taken before the 4-row one) */
     int stride_max_rb; /* avx512vnni 4/8-row kernels: rows up to this many bytes grouped a part apart */
-    int task_kib;      /* decode, 1-row kernels (two streams): 4x this many contiguous KiB of W per task */
+    int streams;       /* decode, 1-row kernels: a task's rows read as this many interleaved streams */
+    int task_kib;      /* decode, 1-row kernels: 4x this many contiguous KiB of W per task */
     int task_kib_multi; /* decode, 4/8-row kernels: contiguous KiB of W per task */
     int kg_tile_kib;   /* prefill, K-quant GEMM (avx512vnni): KiB of unpacked W per task */
 } mf_tune_t;

@@ -425,8 +425,8 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
          * at 11 GB/s (one thread: 6 GB/s). A multiple of 4 rows keeps the 4-row kernel's
          * grouping (and so the result bits) independent of the task size. */
         int64_t share = (rows + nt - 1) / nt;
-        c.streams = c.vd4 || c.vd8 ? 1 : 2;
-        const int64_t tb = c.streams > 1 ? (int64_t)mf_tune.task_kib * 4096 : (int64_t)mf_tune.task_kib_multi * 1024;
+        c.streams = c.vd4 || c.vd8 ? 1 : mf_tune.streams;
+        const int64_t tb = c.vd4 || c.vd8 ? (int64_t)mf_tune.task_kib_multi * 1024 : (int64_t)mf_tune.task_kib * 4096;
         if (share * c.rb > tb) share = tb / c.rb;
         c.rt = share < 4 ? 4 : (share + 3) & ~(int64_t)3; /* rows longer than a task: 4 rows a task */
     }

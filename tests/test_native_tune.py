@@ -22,9 +22,10 @@ from memfit.quant.random import random_blocks  # noqa: E402
 ISAS = ["scalar", "avx2", "avx512", "avx512vnni"]
 BIG = 1 << 20
 TUNINGS = [
-    f"pf_rows=0,pf_rows_multi=0,pf_strided=0,k_vd4_min_rb={BIG},k_vd8_min_rb={BIG},q8_vd4_min_rb={BIG}",
+    "streams=5,task_kib=8",
+    f"streams=1,pf_rows=0,pf_rows_multi=0,pf_strided=0,k_vd4_min_rb={BIG},k_vd8_min_rb={BIG},q8_vd4_min_rb={BIG}",
     "pf_rows=3,pf_rows_multi=16,pf_strided=5,k_vd4_min_rb=0,k_vd8_min_rb=0,q8_vd4_min_rb=0",
-    "k_vd4_min_rb=0,k_vd8_min_rb=0,stride_max_rb=0,task_kib=4,task_kib_multi=4",
+    "k_vd4_min_rb=0,k_vd8_min_rb=0,stride_max_rb=0,task_kib=4,task_kib_multi=4,streams=3",
     f"k_vd4_min_rb=0,k_vd8_min_rb={BIG},stride_max_rb={BIG},task_kib=1024,task_kib_multi=999",
 ]
 
