@@ -160,7 +160,7 @@ static void tune_init(void) {
     }
     tune_table = mf_tune;
     tune_table_source = mf_tune_source;
-    tune_set(getenv("MEMFIT_TUNE")); /* an unknown name is ignored here (no way to say so) */
+    tune_set(getenv("MEMFIT_TUNE")); /* a bad spec is refused by the CLI (cli.py _check_env) */
 }
 
 static const char *isa_names[] = {"scalar", "avx2", "avx512", "avx512vnni"};
@@ -466,7 +466,6 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
 
 static PyObject *py_isa_hw(PyObject *self, PyObject *unused) { return PyUnicode_FromString(isa_names[mf_isa_hw]); }
 
-/* The ISAs with kernels of their own (avx512 without VNNI runs the avx2 kernels). */
 static PyObject *py_tune(PyObject *self, PyObject *unused) {
     return Py_BuildValue("{s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "source", mf_tune_source, "pf_rows", mf_tune.pf_rows,
                          "pf_rows_multi", mf_tune.pf_rows_multi,
@@ -487,6 +486,7 @@ static PyObject *py_set_tune(PyObject *self, PyObject *args) {
     return py_tune(self, NULL);
 }
 
+/* The ISAs with kernels of their own (avx512 without VNNI runs the avx2 kernels). */
 static PyObject *py_isas(PyObject *self, PyObject *unused) {
     return Py_BuildValue("(sss)", "scalar", "avx2", "avx512vnni");
 }

@@ -68,7 +68,7 @@ typedef struct {
     int kg_tile_kib;   /* prefill, K-quant GEMM (avx512vnni): KiB of unpacked W per task */
 } mf_tune_t;
 extern mf_tune_t mf_tune;
-extern const char *mf_tune_source; /* "xeon-default", "amd-zen4", ... (+ " +env") */
+extern const char *mf_tune_source; /* "default", "amd-zen4", ... (+ " +" the MEMFIT_TUNE spec) */
 int mf_tables_ready(int type);                      /* 1 when the type's tables are installed */
 
 /* A K-quant block unpacked for the prefill kernel (see quant_avx2.c). */

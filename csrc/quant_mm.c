@@ -82,7 +82,7 @@ static void mm_task_scalar(void *p, int64_t t) {
  * On the Xeon, from DRAM, in-process A/B (docs/NOTES.md): Q8_0 4 rows +45-70% at 3584-14336
  * columns, +5% at 2048, -13% at 1024, mixed at 640; Q4_K/Q5_K/Q6_K (4 rows block by block, each
  * row's bits as the 1-row kernel's) +35-40% at 14336-18944 columns, 2-12% slower at 3584-4096.
- * Shorter rows keep the 1-row kernel (two streams per core). Other CPUs: pool.c's table. */
+ * Shorter rows keep the 1-row kernel (mf_tune.streams per task). Other CPUs: pool.c's table. */
 static int vd8_min_rb(int type) {
     return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K ? mf_tune.k_vd8_min_rb : 0;
 }
@@ -164,9 +164,10 @@ static void vec_rows_strided(const mm_ctx *c, int64_t r0, int64_t r1, int64_t i0
 static void mm_task_vec(void *p, int64_t t) {
     mm_ctx *c = p;
     int64_t r0 = t * c->rt, r1 = r0 + c->rt < c->rows ? r0 + c->rt : c->rows;
-    /* 1-row kernels read the task as c->streams parts in row-by-row alternation: from DRAM,
-     * two long ascending streams per core measured ~8-10% faster than one (1 thread, Q4_K/Q6_K
-     * 14336x4096: 8.3 -> 9.1, 8.9 -> 9.9 GB/s per CPU-second); alternating 8-row or 16-row
+    /* 1-row kernels read the task as c->streams (mf_tune.streams) parts in row-by-row
+     * alternation. On the Xeon, from DRAM, two long ascending streams per core measured ~8-10%
+     * faster than one (1 thread, Q4_K/Q6_K 14336x4096: 8.3 -> 9.1, 8.9 -> 9.9 GB/s per
+     * CPU-second; on Zen 4 one stream is +45-65%, pool.c); alternating 8-row or 16-row
      * stretches gained nothing, nor did 4 or 2 adjacent rows block by block on rows under
      * 6 KiB (longer rows take the 4-row kernel: mf_tune.k_vd4_min_rb, q8_vd4_min_rb). */
     const int64_t S = c->streams > 1 ? c->streams : 1, part = (r1 - r0 + S - 1) / S;
@@ -419,7 +420,8 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
         c.xs = c.xfmt == XF_Q8_256 ? (size_t)(cols / 256) * sizeof(mf_q8_256) : (size_t)(cols / 32) * sizeof(mf_q8_32);
     }
     if (p->fn == mm_task_vec) {
-        /* decode streams W once: tasks of ~mf_tune.task_kib contiguous KiB (at most one
+        /* decode streams W once: tasks of ~4 x mf_tune.task_kib contiguous KiB for the 1-row
+         * kernels, mf_tune.task_kib_multi for the 4/8-row ones (at most one
          * share per thread). Small interleaved tiles defeat the hardware prefetchers: with
          * 16-row tiles two threads streamed SmolLM2's layers at 5.7 GB/s, with 64 KiB tasks
          * at 11 GB/s (one thread: 6 GB/s). A multiple of 4 rows keeps the 4-row kernel's

@@ -975,8 +975,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(scalar, avx2, avx512vnni; default: the active one)")
     b.add_argument("--tune", default=None, metavar="LIST",
                    help="with --kernels: ';'-separated decode tunings to alternate on the same matrices, "
-                        "each 'default' (this CPU's row) or MEMFIT_TUNE's name=value,... (pf_rows, pf_rows_multi, pf_strided, streams, "
-                        "q8_vd4_min_rb, k_vd4_min_rb, stride_max_rb, task_kib)")
+                        "each 'default' (this CPU's row) or MEMFIT_TUNE's name=value,... (the names "
+                        "memfit._native.tune() shows, e.g. pf_rows=0,streams=1)")
     b.add_argument("--cpu-time", action="store_true",
                    help="with --kernels -t 1: time by this thread's CPU time (other processes on a shared machine do not count)")
     _add_spec_args(b, bench=True)

@@ -161,8 +161,9 @@ def run_kernel_bench(types: str = "Q4_0,Q8_0,Q4_K,Q6_K", rows: int = 14336, cols
     _native.set_tune(tune_before)
     if mem_limit is not None:
         _check_memory(names, shape_list, stream_bytes, mem_limit)
-    keys = [(n, s, (i, t)) for n in names for s in shape_list for i in isa_list for t in tune_list]
-    multi = len(isa_list) > 1 or len(tune_list) > 1
+    variants = [(i, t) for i in isa_list for t in tune_list]
+    keys = [(n, s, v) for n in names for s in shape_list for v in variants]
+    multi = len(variants) > 1
 
     def label(v):
         return v[0] + ("" if v[1] is None else f" [{v[1] or 'default'}]")
@@ -185,14 +186,13 @@ def run_kernel_bench(types: str = "Q4_0,Q8_0,Q4_K,Q6_K", rows: int = 14336, cols
                 for (r, c) in shape_list:
                     ws = _matrices(name, r, c, k, stream_bytes)
                     nbytes = int(ws[0].data.nbytes)
-                    for v in [(i, t) for i in isa_list for t in tune_list]:
+                    for v in variants:
                         _native.set_isa(v[0])
-                        if v[1] is not None:
-                            _native.set_tune(v[1])
+                        tune = _native.tune() if v[1] is None else {**_native.set_tune(v[1]), "spec": v[1]}
                         g = nbytes / _time_matvec(ws, 10, k, clock) / 1e9
                         gbs[(name, (r, c), v)].append(g)
                         fracs[(name, (r, c), v)].append(g / bw)
-                        info[(name, (r, c), v)] = {"weight_bytes": nbytes, "copies": len(ws)}
+                        info[(name, (r, c), v)] = {"weight_bytes": nbytes, "copies": len(ws), "tune": tune}
                     del ws
             if not as_json:
                 print(f"  trial {k + 1}/{max(1, trials)}: read bound {bw:.1f} GB/s ({_strategy(st)}; "
@@ -223,9 +223,7 @@ def run_kernel_bench(types: str = "Q4_0,Q8_0,Q4_K,Q6_K", rows: int = 14336, cols
                "one_stream_samples_gb_per_s": bwm,
                "fraction_of_one_stream": statistics.median(g / b for g, b in zip(gbs[key], bwm)),
                "threads": threads,
-               "clock": "thread_time" if cpu_time else "wall",
-               "tune": _native.tune() if tune is None else {**_native.set_tune(tune), "spec": tune}}
-        _native.set_tune(tune_before)
+               "clock": "thread_time" if cpu_time else "wall"}
         if as_json:
             print(json.dumps(res), flush=True)
         else:
