@@ -163,15 +163,17 @@ def test_a_streaming_run_uses_the_budget(smollm2_path, tmp_path, budget_mib):
     from the file, the tokenizer's build peak before any weight, and a plan for what a process
     does at once (a `run` tokenizes its prompt before its forward, not beside it; a step's
     logits rows, not perplexity's slices beside the prompt reserve). Measured on the Xeon:
-    0.91 at 170 MiB, 0.92 at 200 (0.85-0.88 before the last)."""
+    0.91 at 170 MiB, 0.92 at 200 (0.85-0.88 before the last) with a 440-token prompt; on a
+    Zen 4 the 440-token prompt peaked at 0.897-0.905 of 170 MiB (the scratch of the 72 rows it
+    leaves unused is ~2% of the budget), so the prompt is 500 tokens: 0.918 at 170, 0.931 at 200."""
     words = ("time people year way day man thing woman life child world school state family "
              "student group country problem hand part place case week company system").split()
     prompt = tmp_path / "prompt.txt"
-    prompt.write_text(" ".join(words[(i * 7 + i // 5) % len(words)] for i in range(440)))
+    prompt.write_text(" ".join(words[(i * 7 + i // 5) % len(words)] for i in range(500)))
     budget = budget_mib * MiB
     peak, d = _peak_of("run", smollm2_path, "-f", prompt, "-n", 4, "--temp", 0, "--json",
                        "-c", 512, "-t", 2, "--mem-budget", budget)
-    assert 400 < len(d["prompt_ids"]) < 512 and d["load"]["streamed_tensors"] > 0
+    assert 480 < len(d["prompt_ids"]) < 512 and d["load"]["streamed_tensors"] > 0
     assert peak <= budget
     assert peak >= 0.9 * budget, (peak / MiB, budget_mib)  # was 66% at 200 MiB
 
