@@ -8,6 +8,7 @@
 #include "kv_quant.h"    /* the q8_0 / q4_0 cache types */
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
@@ -706,40 +707,56 @@ typedef struct {
     uint16_t acc[MF_ATTN_MAX_DIM];
 } fa_state;
 
-static void fa_keys(fa_state *st, const float *sc, const uint16_t *const *v, int nb, int64_t Dv, float scale,
-                    float softcap) {
+/* fa_keys' state update for nb scores sc (before the scale): per key, the factor the
+ * accumulator is scaled by first (1: not scaled) and the weight its V row is added with */
+static void fa_step(float *M, float *S, const float *sc, int nb, float scale, float softcap, float *ms_out,
+                    float *vs_out) {
     for (int b = 0; b < nb; b++) {
         float s = sc[b] * scale;
         if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
         float ms = 1.0f, vs = 1.0f;
-        if (s > st->M) {
-            const float m_old = st->M;
-            st->M = s;
-            ms = expf(m_old - st->M);
-            fa_scale(st->acc, Dv, ms);
+        if (s > *M) {
+            const float m_old = *M;
+            *M = s;
+            ms = expf(m_old - *M);
         } else {
-            vs = expf(s - st->M);
+            vs = expf(s - *M);
         }
-        fa_mad(st->acc, v[b], Dv, vs);
-        st->S = st->S * ms + vs;
+        *S = *S * ms + vs;
+        ms_out[b] = ms;
+        vs_out[b] = vs;
     }
 }
 
-static void fa_finish(const fa_state *st, const float *sink, int64_t Dv, float *o) {
-    float S = st->S;
-    for (int64_t j = 0; j < Dv; j++) o[j] = mf_f16_table[st->acc[j]];
+/* out = acc / S with the sink (fa_finish on an accumulator already in out) */
+static void fa_finish_f32(float M, float S, const float *sink, int64_t Dv, float *o) {
     if (sink) {
         float ms = 1.0f, vs = 1.0f;
-        if (*sink > st->M) {
-            ms = expf(st->M - *sink);
+        if (*sink > M) {
+            ms = expf(M - *sink);
             for (int64_t j = 0; j < Dv; j++) o[j] *= ms;
         } else {
-            vs = expf(*sink - st->M);
+            vs = expf(*sink - M);
         }
         S = S * ms + vs;
     }
     const float inv = S == 0.0f ? 0.0f : 1.0f / S;
     for (int64_t j = 0; j < Dv; j++) o[j] *= inv;
+}
+
+static void fa_keys(fa_state *st, const float *sc, const uint16_t *const *v, int nb, int64_t Dv, float scale,
+                    float softcap) {
+    float ms[KB], vs[KB];
+    fa_step(&st->M, &st->S, sc, nb, scale, softcap, ms, vs);
+    for (int b = 0; b < nb; b++) {
+        if (ms[b] != 1.0f) fa_scale(st->acc, Dv, ms[b]); /* (scaling by 1 leaves f16 values as they are) */
+        fa_mad(st->acc, v[b], Dv, vs[b]);
+    }
+}
+
+static void fa_finish(const fa_state *st, const float *sink, int64_t Dv, float *o) {
+    for (int64_t j = 0; j < Dv; j++) o[j] = mf_f16_table[st->acc[j]];
+    fa_finish_f32(st->M, st->S, sink, Dv, o);
 }
 
 static void fa16_paged_task(void *p, int64_t task) {
@@ -794,6 +811,156 @@ static void fa16_task(void *p, int64_t task) {
     fa_finish(&st, a->sinks ? a->sinks + h : NULL, Dv, a->out + (i * a->Hq + h) * Dv);
 }
 
+/* The heads of one KV group together, with fa16_paged_task's arithmetic per (query row, head)
+ * bit for bit: FA_SB keys at a time are converted from f16 to f32 once for every head of the
+ * task (F16C conversion is exact, and the dots run in dot4/dot1's order on the same values:
+ * the scores of the same key groups of four), each head's softmax state is stepped key by key
+ * (fa_step: fa_keys' scalar arithmetic), and its f16 accumulator is held in vector registers as
+ * f32 values rounded to f16 after every update (a vcvtps2ph / vcvtph2ps round trip: the values
+ * fa_scale and fa_mad store). Lanes are independent, so 8-wide (AVX2) and 16-wide (AVX-512)
+ * give the same bits. The sharing is what pays: K and V rows are converted once per group
+ * instead of once per head, and the accumulator is not stored and reloaded at every key. */
+#define FA_SB 16
+#define MF_FAG_MAX_HEADS 128 /* heads of one task at most */
+
+typedef struct {
+    const mf_paged_args *pa;
+    int64_t hc, cpg; /* heads per task, tasks per KV group */
+} fag_ctx;
+
+#ifdef MF_X86
+#define MF_AVX512F __attribute__((target("avx512f,avx512vl,avx2,fma,f16c")))
+
+/* acc[0..W*8) over nb keys: acc = r16(acc * ms[b]) where ms[b] != 1, acc = r16(v_b * vs[b] + acc) */
+#define FA_ACC8(W)                                                                                                  \
+    MF_AVX2 static void fa_acc8_##W(float *acc, const float *v, int64_t vstride, int nb, const float *ms,           \
+                                    const float *vs) {                                                              \
+        __m256 a[W];                                                                                                \
+        for (int r = 0; r < W; r++) a[r] = _mm256_loadu_ps(acc + 8 * r);                                           \
+        for (int b = 0; b < nb; b++) {                                                                              \
+            if (ms[b] != 1.0f) {                                                                                    \
+                const __m256 m = _mm256_set1_ps(ms[b]);                                                             \
+                for (int r = 0; r < W; r++)                                                                         \
+                    a[r] = _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_mul_ps(a[r], m), _MM_FROUND_TO_NEAREST_INT));   \
+            }                                                                                                       \
+            const __m256 w = _mm256_set1_ps(vs[b]);                                                                 \
+            const float *vb = v + b * vstride;                                                                      \
+            for (int r = 0; r < W; r++)                                                                             \
+                a[r] = _mm256_cvtph_ps(                                                                             \
+                    _mm256_cvtps_ph(_mm256_fmadd_ps(_mm256_loadu_ps(vb + 8 * r), w, a[r]), _MM_FROUND_TO_NEAREST_INT)); \
+        }                                                                                                           \
+        for (int r = 0; r < W; r++) _mm256_storeu_ps(acc + 8 * r, a[r]);                                           \
+    }
+FA_ACC8(8)
+FA_ACC8(1)
+
+#define FA_ACC16(W)                                                                                                 \
+    MF_AVX512F static void fa_acc16_##W(float *acc, const float *v, int64_t vstride, int nb, const float *ms,       \
+                                        const float *vs) {                                                          \
+        __m512 a[W];                                                                                                \
+        for (int r = 0; r < W; r++) a[r] = _mm512_loadu_ps(acc + 16 * r);                                          \
+        for (int b = 0; b < nb; b++) {                                                                              \
+            if (ms[b] != 1.0f) {                                                                                    \
+                const __m512 m = _mm512_set1_ps(ms[b]);                                                             \
+                for (int r = 0; r < W; r++)                                                                         \
+                    a[r] = _mm512_cvtph_ps(_mm512_cvtps_ph(_mm512_mul_ps(a[r], m), _MM_FROUND_TO_NEAREST_INT));   \
+            }                                                                                                       \
+            const __m512 w = _mm512_set1_ps(vs[b]);                                                                 \
+            const float *vb = v + b * vstride;                                                                      \
+            for (int r = 0; r < W; r++)                                                                             \
+                a[r] = _mm512_cvtph_ps(                                                                             \
+                    _mm512_cvtps_ph(_mm512_fmadd_ps(_mm512_loadu_ps(vb + 16 * r), w, a[r]), _MM_FROUND_TO_NEAREST_INT)); \
+        }                                                                                                           \
+        for (int r = 0; r < W; r++) _mm512_storeu_ps(acc + 16 * r, a[r]);                                          \
+    }
+FA_ACC16(8)
+FA_ACC16(1)
+
+/* the accumulator update of one head over nb keys (Dv a multiple of 8) */
+static void fa_acc(float *acc, const float *v, int64_t vstride, int64_t Dv, int nb, const float *ms,
+                   const float *vs) {
+    int64_t j = 0;
+    if (mf_isa >= MF_ISA_AVX512 && Dv % 16 == 0) {
+        for (; j + 128 <= Dv; j += 128) fa_acc16_8(acc + j, v + j, vstride, nb, ms, vs);
+        for (; j < Dv; j += 16) fa_acc16_1(acc + j, v + j, vstride, nb, ms, vs);
+        return;
+    }
+    for (; j + 64 <= Dv; j += 64) fa_acc8_8(acc + j, v + j, vstride, nb, ms, vs);
+    for (; j < Dv; j += 8) fa_acc8_1(acc + j, v + j, vstride, nb, ms, vs);
+}
+
+/* f16 row -> f32 (exact) */
+MF_AVX2 static void fa_cvt_row(const uint16_t *s, float *d, int64_t n) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(d + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + j))));
+    for (; j < n; j++) d[j] = mf_f16_table[s[j]];
+}
+
+/* scores of keys [b0, b1) of a block of nb keys in fa_scores' grouping: groups of four from the
+ * block's first key while four fit in nb, then one by one */
+MF_AVX2 static void fa_scores_f32(const float *q, const float *kf, int64_t D, int b0, int b1, int nb, float *sc) {
+    const int nb4 = nb & ~3;
+    int b = b0;
+    for (; b + 4 <= b1 && b + 4 <= nb4; b += 4)
+        _mm_storeu_ps(sc + b, dot4_avx2_f32(q, kf + (b - b0) * D, kf + (b - b0 + 1) * D, kf + (b - b0 + 2) * D,
+                                            kf + (b - b0 + 3) * D, D));
+    for (; b < b1; b++) sc[b] = dot1_avx2_f32(q, kf + (b - b0) * D, D);
+}
+
+static _Thread_local float *fag_buf;
+static _Thread_local size_t fag_cap;
+
+static void fa16g_task(void *p, int64_t task) {
+    const fag_ctx *c = p;
+    const mf_paged_args *pa = c->pa;
+    const int64_t G = pa->Hq / pa->Hkv, per_row = pa->Hkv * c->cpg;
+    const int64_t i = task / per_row, r = task % per_row, g = r / c->cpg, ch = r % c->cpg;
+    const int64_t h0 = g * G + ch * c->hc, nh = G - ch * c->hc < c->hc ? G - ch * c->hc : c->hc;
+    const int64_t D = pa->D, Dv = pa->Dv, Hkv = pa->Hkv, qp = pa->q_pos[i], bs = pa->bs;
+    const int64_t lo = paged_lo_f16(pa, qp);
+    const int32_t *tab = pa->tables + pa->q_tab[i];
+    const int vin = pa->v == NULL; /* V inside K: V rows are the first Dv values of the K rows */
+    /* kf [FA_SB, D], vf [FA_SB, Dv] (absent with V inside K), acc [nh, Dv] */
+    const size_t need = (size_t)FA_SB * (size_t)(D + (vin ? 0 : Dv)) + (size_t)nh * (size_t)Dv;
+    if (need > fag_cap) {
+        free(fag_buf);
+        fag_buf = malloc(need * sizeof(float));
+        fag_cap = fag_buf ? need : 0;
+        if (!fag_buf) { /* the per-head kernel needs no buffer */
+            for (int64_t hh = 0; hh < nh; hh++) fa16_paged_task((void *)pa, i * pa->Hq + h0 + hh);
+            return;
+        }
+    }
+    float *kf = fag_buf, *vf = vin ? kf : kf + FA_SB * D, *acc = kf + FA_SB * (D + (vin ? 0 : Dv));
+    const int64_t vstride = vin ? D : Dv;
+    float M[MF_FAG_MAX_HEADS], S[MF_FAG_MAX_HEADS], sc[KB], ms[FA_SB], vs[FA_SB];
+    for (int64_t hh = 0; hh < nh; hh++) M[hh] = -INFINITY, S[hh] = 0.0f;
+    memset(acc, 0, (size_t)nh * (size_t)Dv * sizeof(float));
+    for (int64_t t0 = lo; t0 <= qp; t0 += KB) {
+        const int nb = (int)(qp + 1 - t0 < KB ? qp + 1 - t0 : KB);
+        for (int b0 = 0; b0 < nb; b0 += FA_SB) {
+            const int b1 = b0 + FA_SB < nb ? b0 + FA_SB : nb;
+            for (int b = b0; b < b1; b++) {
+                const int64_t t = t0 + b, row = (int64_t)tab[t / bs] * bs + t % bs;
+                fa_cvt_row((const uint16_t *)pa->k + (row * Hkv + g) * D, kf + (b - b0) * D, D);
+                if (!vin) fa_cvt_row((const uint16_t *)pa->v + (row * Hkv + g) * Dv, vf + (b - b0) * Dv, Dv);
+            }
+            for (int64_t hh = 0; hh < nh; hh++) {
+                fa_scores_f32(pa->q + (i * pa->Hq + h0 + hh) * D, kf, D, b0, b1, nb, sc);
+                fa_step(&M[hh], &S[hh], sc + b0, b1 - b0, pa->scale, pa->softcap, ms, vs);
+                fa_acc(acc + hh * Dv, vf, vstride, Dv, b1 - b0, ms, vs);
+            }
+        }
+    }
+    for (int64_t hh = 0; hh < nh; hh++) {
+        const int64_t h = h0 + hh;
+        float *o = pa->out + (i * pa->Hq + h) * Dv;
+        memcpy(o, acc + hh * Dv, (size_t)Dv * sizeof(float));
+        fa_finish_f32(M[hh], S[hh], pa->sinks ? pa->sinks + h : NULL, Dv, o);
+    }
+}
+#endif
+
 int mf_attention_paged(const mf_paged_args *pa) {
     if (pa->kv_type == MF_KV_Q8_0 || pa->kv_type == MF_KV_Q4_0) {
         /* csrc/kv_quant.c over the raw rows; llama.cpp's Hadamard rotation of q, k, v and the
@@ -813,8 +980,22 @@ int mf_attention_paged(const mf_paged_args *pa) {
     if (pa->kv_type == MF_KV_F16 && mf_attn_ggml_fa) {
         int64_t T = 1;
         for (int64_t i = 0; i < pa->n; i++) T = pa->q_pos[i] + 1 > T ? pa->q_pos[i] + 1 : T;
+        const int par = pa->n * pa->Hq > 1 && pa->n * pa->Hq * T * (pa->D + pa->Dv) >= PAR_MIN;
+#ifdef MF_X86
+        if (use_avx2() && pa->Dv % 8 == 0 && mf_tune.fa_heads > 0) { /* a KV group's heads together */
+            const int64_t G = pa->Hq / pa->Hkv, want = 2 * (int64_t)mf_n_threads();
+            int64_t hc = G < mf_tune.fa_heads ? G : mf_tune.fa_heads;
+            while (hc > 1 && pa->n * pa->Hkv * ((G + hc - 1) / hc) < want) hc--;
+            fag_ctx c = {.pa = pa, .hc = hc, .cpg = (G + hc - 1) / hc};
+            const int64_t tasks = pa->n * pa->Hkv * c.cpg;
+            if (par && tasks > 1) mf_parallel_for(tasks, fa16g_task, &c);
+            else
+                for (int64_t t = 0; t < tasks; t++) fa16g_task(&c, t);
+            return 0;
+        }
+#endif
         const int64_t tasks = pa->n * pa->Hq;
-        if (tasks > 1 && pa->n * pa->Hq * T * (pa->D + pa->Dv) >= PAR_MIN)
+        if (par)
             mf_parallel_for(tasks, fa16_paged_task, (void *)pa);
         else
             for (int64_t t = 0; t < tasks; t++) fa16_paged_task((void *)pa, t);

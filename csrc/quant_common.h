@@ -66,6 +66,8 @@ typedef struct {
     int task_kib;      /* decode, 1-row kernels: 4x this many contiguous KiB of W per task */
     int task_kib_multi; /* decode, 4/8-row kernels: contiguous KiB of W per task */
     int kg_tile_kib;   /* prefill, K-quant GEMM (avx512vnni): KiB of unpacked W per task */
+    int fa_heads;      /* f16-cache attention (AVX2 and up): q heads of one KV group per task at most,
+                        * sharing the K/V rows' conversion (0: one head per task, ops.c fa16_paged_task) */
 } mf_tune_t;
 extern mf_tune_t mf_tune;
 extern const char *mf_tune_source; /* "default", "amd-zen4", ... (+ " +" the MEMFIT_TUNE spec) */

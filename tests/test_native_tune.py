@@ -88,3 +88,40 @@ def test_memfit_tune_env_and_cpu_row():
     row = _native.set_tune("default")
     assert "+" not in row["source"] and row["task_kib"] in (64, 128)
     _native.set_tune(os.environ.get("MEMFIT_TUNE", ""))
+
+
+# f16-cache attention: the heads of a KV group in one task (sharing the K/V rows' conversion,
+# the accumulator in registers) against one head per task (fa_heads=0, ops.c fa16_paged_task):
+# the same bits for every head split, GQA and MLA-like shapes (V inside K), dots with a tail
+# (D % 8), Dv not a multiple of 16 (the 8-wide accumulator), windows, softcap, sinks
+@pytest.mark.parametrize("Hq, Hkv, D, Dv, window, softcap, v_in_k, sinks", [
+    (8, 2, 64, 64, 0, 0.0, False, False), (4, 1, 256, 256, 0, 0.0, False, False),
+    (6, 3, 76, 40, 37, 0.0, False, True), (12, 1, 48, 32, 0, 0.0, True, False),
+    (5, 5, 24, 24, 0, 30.0, False, False), (16, 2, 128, 144, 100, 0.0, False, True)])
+def test_attention_head_groups_same_bits(isa, Hq, Hkv, D, Dv, window, softcap, v_in_k, sinks):
+    rng = np.random.default_rng(Hq * 1000 + D + Dv)
+    bs, n_blocks = 16, 20
+    K = (rng.standard_normal((n_blocks * bs, Hkv, D)) * 2).astype(np.float16)
+    V = None if v_in_k else rng.standard_normal((n_blocks * bs, Hkv, Dv)).astype(np.float16)
+    tabs = [rng.permutation(n_blocks)[:12], rng.permutation(n_blocks)[:3]]
+    tables = np.concatenate(tabs).astype(np.int32)
+    q_pos = np.array([0, 1, 63, 64, 65, 150, 191, 17, 40], np.int32)   # block edges, 4-key tails
+    q_tab = np.array([0] * 7 + [12] * 2, np.int32)
+    q = rng.standard_normal((len(q_pos), Hq, D)).astype(np.float32)
+    sk = rng.standard_normal(Hq).astype(np.float32) if sinks else None
+    kw = {} if sk is None else {"sinks": sk}
+
+    def run(spec, nt, rows=slice(None)):
+        _native.set_tune(spec)
+        _native.set_threads(nt)
+        out = np.empty((len(q_pos[rows]), Hq, Dv), np.float32)
+        _native.attention_paged(q[rows].copy(), K, V, 1, q_pos[rows], q_tab[rows], tables, bs, 0.2,
+                                window, softcap, out, **kw)
+        return out.view(np.uint32)
+
+    ref = run("fa_heads=0", 1)
+    for spec in ("", "fa_heads=1", "fa_heads=3", "fa_heads=128"):
+        for nt in (1, 2):
+            np.testing.assert_array_equal(run(spec, nt), ref, err_msg=f"{isa} [{spec}] threads={nt}")
+        # a row alone (decode) is the same row in the batch
+        np.testing.assert_array_equal(run(spec, 2, slice(5, 6)), ref[5:6], err_msg=f"{isa} [{spec}] one row")
