@@ -874,6 +874,7 @@ FA_ACC8(1)
         for (int r = 0; r < W; r++) _mm512_storeu_ps(acc + 16 * r, a[r]);                                          \
     }
 FA_ACC16(8)
+FA_ACC16(4)
 FA_ACC16(1)
 
 /* the accumulator update of one head over nb keys (Dv a multiple of 8) */
@@ -882,6 +883,7 @@ static void fa_acc(float *acc, const float *v, int64_t vstride, int64_t Dv, int 
     int64_t j = 0;
     if (mf_isa >= MF_ISA_AVX512 && Dv % 16 == 0) {
         for (; j + 128 <= Dv; j += 128) fa_acc16_8(acc + j, v + j, vstride, nb, ms, vs);
+        for (; j + 64 <= Dv; j += 64) fa_acc16_4(acc + j, v + j, vstride, nb, ms, vs); /* 4 chains, not 1 */
         for (; j < Dv; j += 16) fa_acc16_1(acc + j, v + j, vstride, nb, ms, vs);
         return;
     }
