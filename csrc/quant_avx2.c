@@ -531,6 +531,48 @@ AVX2 static void up_q2_k(const uint8_t *w, mf_kblk *o) {
     }
 }
 
+/* Q4_K and Q6_K straight into the avx512vnni K-quant GEMM's layout: the bytes that
+ * mf_kw_from_kblk makes of up_q4_k / up_q6_k, in one pass (the two passes were ~6% of a MoE
+ * prefill, whose small expert groups unpack W for few X rows). */
+static inline int32_t kw_pack16(int a, int b) { return (int32_t)((uint32_t)(uint16_t)a | ((uint32_t)(uint16_t)b << 16)); }
+
+AVX2 static void kw_q4_k(const uint8_t *w, mf_kw *o) {
+    uint32_t u[4];
+    k4_scales(w + 4, u);
+    const uint8_t *sc = (const uint8_t *)u, *mn = sc + 8;
+    const float d = f16(w);
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    for (int j = 0; j < 4; j++) {
+        __m256i q = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
+        _mm256_storeu_si256((__m256i *)(o->q + 64 * j), _mm256_and_si256(q, m4));
+        _mm256_storeu_si256((__m256i *)(o->q + 64 * j + 32), _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
+    }
+    for (int g = 0; g < 16; g++) o->s[g] = g < 8 ? d * (float)(int16_t)sc[g] : 0.0f; /* groups of 32 */
+    for (int p = 0; p < 8; p++) o->cc2[p] = p < 4 ? kw_pack16(mn[2 * p], mn[2 * p + 1]) : 0;
+    o->dc = -f16(w + 2);
+}
+
+AVX2 static void kw_q6_k(const uint8_t *w, mf_kw *o) {
+    const int8_t *sc = (const int8_t *)(w + 192);
+    const float d = f16(w + 208);
+    const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *ql = w + 64 * h;
+        __m256i a = _mm256_loadu_si256((const __m256i *)ql), c = _mm256_loadu_si256((const __m256i *)(ql + 32));
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
+        uint8_t *q = o->q + 128 * h;
+        _mm256_storeu_si256((__m256i *)q, _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4)));
+        _mm256_storeu_si256((__m256i *)(q + 32), _mm256_or_si256(_mm256_and_si256(c, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4)));
+        _mm256_storeu_si256((__m256i *)(q + 64), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4)));
+        _mm256_storeu_si256((__m256i *)(q + 96), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4)));
+    }
+    for (int g = 0; g < 16; g++) o->s[g] = d * (float)(int16_t)sc[g]; /* groups of 16 */
+    for (int p = 0; p < 8; p++) o->cc2[p] = kw_pack16(-32 * sc[2 * p], -32 * sc[2 * p + 1]);
+    o->dc = d;
+}
+
+mf_kwunpack_fn mf_kwunpack_avx2[T_MAX] = {[T_Q4_K] = kw_q4_k, [T_Q6_K] = kw_q6_k};
+
 mf_kunpack_fn mf_kunpack_avx2[T_MAX] = {
     [T_Q2_K] = up_q2_k, [T_Q3_K] = up_q3_k, [T_Q4_K] = up_q4_k, [T_Q5_K] = up_q5_k, [T_Q6_K] = up_q6_k,
     [T_IQ2_XXS] = mf_up_iq2_xxs, [T_IQ2_XS] = mf_up_iq2_xs, [T_IQ2_S] = mf_up_iq2_s,

@@ -170,6 +170,8 @@ typedef struct { _Alignas(64) int8_t qs[64][64]; int32_t bs[8][16]; int32_t bs32
  * and its float factor dc */
 typedef struct { _Alignas(64) uint8_t q[256]; float s[16]; int32_t cc2[8]; float dc; } mf_kw; /* 384 B */
 void mf_kw_from_kblk(const mf_kblk *k, int g32, mf_kw *o);
+typedef void (*mf_kwunpack_fn)(const uint8_t *w, mf_kw *o);
+extern mf_kwunpack_fn mf_kwunpack_avx2[T_MAX]; /* Q4_K, Q6_K: up + mf_kw_from_kblk in one (quant_avx2.c) */
 void mf_xband_build(const mf_q8_256 *rows, int64_t m, int64_t nb, mf_xband *o); /* rows[j*nb+b] */
 #ifndef MF_KG_R
 #define MF_KG_R 8 /* W rows per mf_kgemm_avx512 call, at most */

@@ -229,10 +229,15 @@ static void mm_task_kgemm(void *p, int64_t t) {
     mf_kw *wk = tl_reserve(&tl_kws, (size_t)((r1 - r0) * c->nb) * sizeof(mf_kw));
     if (!wk) { __atomic_store_n(&c->err, 1, __ATOMIC_RELAXED); return; } /* -3 from the caller */
     mf_kunpack_fn up = mf_kunpack_avx2[c->type];
+    mf_kwunpack_fn kw = mf_kwunpack_avx2[c->type];
     int bytes = mf_qtypes[c->type].bytes;
     mf_kblk kb;
     for (int64_t r = r0; r < r1; r++)
         for (int64_t b = 0; b < c->nb; b++) {
+            if (kw) {
+                kw(c->w + r * c->rb + b * bytes, wk + (r - r0) * c->nb + b);
+                continue;
+            }
             up(c->w + r * c->rb + b * bytes, &kb);
             mf_kw_from_kblk(&kb, c->g32, wk + (r - r0) * c->nb + b);
         }
