@@ -442,6 +442,30 @@ mf_vecdot_fn mf_vecdot_avx2[T_MAX] = {
  * and a correction cc[16] · bsums(x) (mins or the -32/-4 offsets). Then
  * dot = sum_b dx_b * (d_b * sum_c madd(maddubs(q_c, y_c), sv_c) + dc_b * cc_b · bsums_b). */
 
+/* the 256 codes of a Q4_K block (0..15), in value order */
+AVX2 static inline void k4_codes(const uint8_t *w, uint8_t *q) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    for (int j = 0; j < 4; j++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
+        _mm256_storeu_si256((__m256i *)(q + 64 * j), _mm256_and_si256(v, m4));
+        _mm256_storeu_si256((__m256i *)(q + 64 * j + 32), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+    }
+}
+/* the 256 codes of a Q6_K block (0..63, before the -32), in value order */
+AVX2 static inline void k6_codes(const uint8_t *w, uint8_t *q) {
+    const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *ql = w + 64 * h;
+        __m256i a = _mm256_loadu_si256((const __m256i *)ql), c = _mm256_loadu_si256((const __m256i *)(ql + 32));
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
+        uint8_t *p = q + 128 * h;
+        _mm256_storeu_si256((__m256i *)p, _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4)));
+        _mm256_storeu_si256((__m256i *)(p + 32), _mm256_or_si256(_mm256_and_si256(c, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4)));
+        _mm256_storeu_si256((__m256i *)(p + 64), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4)));
+        _mm256_storeu_si256((__m256i *)(p + 96), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4)));
+    }
+}
+
 AVX2 static void up_q4_k(const uint8_t *w, mf_kblk *o) {
     uint32_t u[4];
     k4_scales(w + 4, u);
@@ -449,12 +473,7 @@ AVX2 static void up_q4_k(const uint8_t *w, mf_kblk *o) {
     o->d = f16(w);
     o->dc = -f16(w + 2);
     for (int i = 0; i < 16; i++) o->cc[i] = mn[i / 2];
-    const __m256i m4 = _mm256_set1_epi8(0xF);
-    for (int j = 0; j < 4; j++) {
-        __m256i q = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
-        _mm256_storeu_si256((__m256i *)(o->q + 64 * j), _mm256_and_si256(q, m4));
-        _mm256_storeu_si256((__m256i *)(o->q + 64 * j + 32), _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
-    }
+    k4_codes(w, o->q);
     for (int c = 0; c < 8; c++) _mm256_storeu_si256((__m256i *)o->sv[c], _mm256_set1_epi16(sc[c]));
 }
 AVX2 static void up_q5_k(const uint8_t *w, mf_kblk *o) {
@@ -480,17 +499,7 @@ AVX2 static void up_q6_k(const uint8_t *w, mf_kblk *o) {
     const int8_t *sc = (const int8_t *)(w + 192);
     o->d = o->dc = f16(w + 208);
     for (int i = 0; i < 16; i++) o->cc[i] = (int16_t)(-32 * sc[i]);
-    const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3);
-    for (int h = 0; h < 2; h++) {
-        const uint8_t *ql = w + 64 * h;
-        __m256i a = _mm256_loadu_si256((const __m256i *)ql), c = _mm256_loadu_si256((const __m256i *)(ql + 32));
-        __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
-        uint8_t *q = o->q + 128 * h;
-        _mm256_storeu_si256((__m256i *)q, _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4)));
-        _mm256_storeu_si256((__m256i *)(q + 32), _mm256_or_si256(_mm256_and_si256(c, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4)));
-        _mm256_storeu_si256((__m256i *)(q + 64), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4)));
-        _mm256_storeu_si256((__m256i *)(q + 96), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4)));
-    }
+    k6_codes(w, o->q);
     for (int k = 0; k < 8; k++) _mm256_storeu_si256((__m256i *)o->sv[k], lane_scales(sc[2 * k], sc[2 * k + 1]));
 }
 AVX2 static void up_q3_k(const uint8_t *w, mf_kblk *o) {
@@ -541,12 +550,7 @@ AVX2 static void kw_q4_k(const uint8_t *w, mf_kw *o) {
     k4_scales(w + 4, u);
     const uint8_t *sc = (const uint8_t *)u, *mn = sc + 8;
     const float d = f16(w);
-    const __m256i m4 = _mm256_set1_epi8(0xF);
-    for (int j = 0; j < 4; j++) {
-        __m256i q = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
-        _mm256_storeu_si256((__m256i *)(o->q + 64 * j), _mm256_and_si256(q, m4));
-        _mm256_storeu_si256((__m256i *)(o->q + 64 * j + 32), _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
-    }
+    k4_codes(w, o->q);
     for (int g = 0; g < 16; g++) o->s[g] = g < 8 ? d * (float)(int16_t)sc[g] : 0.0f; /* groups of 32 */
     for (int p = 0; p < 8; p++) o->cc2[p] = p < 4 ? kw_pack16(mn[2 * p], mn[2 * p + 1]) : 0;
     o->dc = -f16(w + 2);
@@ -555,17 +559,7 @@ AVX2 static void kw_q4_k(const uint8_t *w, mf_kw *o) {
 AVX2 static void kw_q6_k(const uint8_t *w, mf_kw *o) {
     const int8_t *sc = (const int8_t *)(w + 192);
     const float d = f16(w + 208);
-    const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3);
-    for (int h = 0; h < 2; h++) {
-        const uint8_t *ql = w + 64 * h;
-        __m256i a = _mm256_loadu_si256((const __m256i *)ql), c = _mm256_loadu_si256((const __m256i *)(ql + 32));
-        __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
-        uint8_t *q = o->q + 128 * h;
-        _mm256_storeu_si256((__m256i *)q, _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4)));
-        _mm256_storeu_si256((__m256i *)(q + 32), _mm256_or_si256(_mm256_and_si256(c, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4)));
-        _mm256_storeu_si256((__m256i *)(q + 64), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4)));
-        _mm256_storeu_si256((__m256i *)(q + 96), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4)));
-    }
+    k6_codes(w, o->q);
     for (int g = 0; g < 16; g++) o->s[g] = d * (float)(int16_t)sc[g]; /* groups of 16 */
     for (int p = 0; p < 8; p++) o->cc2[p] = kw_pack16(-32 * sc[2 * p], -32 * sc[2 * p + 1]);
     o->dc = d;
