@@ -52,10 +52,12 @@ static int detect_isa(void) {
 #endif
 }
 
-/* AVX2 gathers that this CPU runs slower than scalar loads + inserts: AMD Zen 1-3 (family
- * 0x17, and 0x19 below model 0x10). Measured on Zen 3 (docs/NOTES.md session 8): IQ2 lattice
- * rows by vpgatherqq 0.61-0.76x, IQ3_XXS rows by vpgatherdd 1.2x slower; on the Xeon session 7
- * measured gathers faster. Both forms compute the same integers. MEMFIT_GATHER=0/1 overrides. */
+/* The IQ3 grid-row gathers (AVX2 8-lane, AVX-512 16-lane) that this CPU runs slower than scalar
+ * loads + inserts: AMD (families 0x17, 0x19, 0x1A). Measured on Zen 3 (docs/NOTES.md session
+ * 8): IQ2 lattice rows by vpgatherqq 0.61-0.76x (they keep other code), IQ3_XXS rows by
+ * vpgatherdd 1.2x slower; on Zen 4 (session 16) IQ3_S's 16-lane gathers 4.3 against 5.6 GB/s;
+ * on the Xeon session 7 measured gathers faster. Both forms compute the same integers.
+ * MEMFIT_GATHER=0/1 overrides. */
 int mf_slow_gather;
 
 static void cpu_family(int *amd, unsigned *fam, unsigned *model);
@@ -64,7 +66,10 @@ static int detect_slow_gather(void) {
     int amd;
     unsigned fam, model;
     cpu_family(&amd, &fam, &model);
-    return amd && (fam == 0x17 || (fam == 0x19 && model < 0x10));
+    /* Zen 1-3: IQ3_XXS's 8-lane AVX2 gathers (1.19x with loads); Zen 4: IQ3_S's 16-lane
+     * AVX-512 gathers (4.3 -> 5.6 GB/s with loads, BENCHMARKS.md section 26); Zen 5 unmeasured */
+    (void)model;
+    return amd && (fam == 0x17 || fam == 0x19 || fam == 0x1A);
 }
 
 /* Decode matvec tuning per CPU family (quant_common.h mf_tune_t). The defaults were measured

@@ -50,7 +50,7 @@ extern _Alignas(64) int8_t mf_grid_iq2xxs[256 * 8], mf_grid_iq2xs[512 * 8], mf_g
 extern _Alignas(64) uint8_t mf_grid_iq3xxs[256 * 4], mf_grid_iq3s[512 * 4];
 extern _Alignas(64) int8_t mf_grid_iq1s[2048 * 8]; /* -1/0/+1; IQ1_S and IQ1_M share it */
 extern uint8_t mf_ksigns_iq2xs[128];                /* ggml's ksigns_iq2xs */
-extern int mf_slow_gather; /* pool.c: this CPU's AVX2 gathers are slower than scalar loads */
+extern int mf_slow_gather; /* pool.c: this CPU's grid-row gathers are slower than scalar loads */
 /* Decode matvec and prefill GEMM tiling (pool.c tune_init): chosen per CPU family from a measured table,
  * each field overridable by MEMFIT_TUNE="name=value,...". None changes a result bit: they pick
  * among kernels with the same per-row arithmetic and the order rows are read in. */

@@ -137,25 +137,27 @@ def test_tiny_model_prefill_equals_token_by_token(tmp_path, name):
     assert err < 3e-2, err
 
 
-def test_gather_and_scalar_load_forms_same_bits():
-    # IQ3_XXS's AVX2 kernels gather the grid rows or load them one by one (MEMFIT_GATHER, else
-    # by CPU: csrc/pool.c); both must give the same bits, whichever this CPU uses by default
+@pytest.mark.parametrize("name, isa", [("IQ3_XXS", "avx2"), ("IQ3_XXS", "avx512vnni"), ("IQ3_S", "avx512vnni")])
+def test_gather_and_scalar_load_forms_same_bits(name, isa):
+    # the IQ3 kernels gather the grid rows or load them one by one (MEMFIT_GATHER, else by CPU:
+    # csrc/pool.c; IQ3_XXS's AVX2 kernels, and the AVX-512 ones of both types); both must give
+    # the same bits, whichever this CPU uses by default
     import subprocess
     import sys
+    from memfit import _native
+    if isa not in _native.isas():
+        pytest.skip(f"no {isa} kernels")
     code = ("import numpy as np, sys\n"
             "from memfit import _native\n"
             "from memfit.ops import QTensor\n"
             "from memfit.ops import native as nat\n"
             "from memfit.quant.random import random_blocks\n"
             "from memfit.quant.types import BY_NAME\n"
-            "t = BY_NAME['IQ3_XXS']; rng = np.random.default_rng(5)\n"
+            f"t = BY_NAME['{name}']; rng = np.random.default_rng(5)\n"
             "w = QTensor('w', t, (37, 768), random_blocks(t, 37 * 768, rng))\n"
             "x = rng.standard_normal((5, 768)).astype(np.float32)\n"
-            "_native.set_isa('avx2')\n"
+            f"_native.set_isa('{isa}')\n"
             "sys.stdout.write(np.concatenate([nat.matmul(x, w, rowwise=m).ravel() for m in (True, False)]).tobytes().hex())\n")
-    from memfit import _native
-    if "avx2" not in _native.isas():
-        pytest.skip("no avx2 kernels")
     outs = []
     for g in ("0", "1"):
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
