@@ -821,7 +821,6 @@ static void fa16_task(void *p, int64_t task) {
  * give the same bits. The sharing is what pays: K and V rows are converted once per group
  * instead of once per head, and the accumulator is not stored and reloaded at every key. */
 #define FA_SB 16
-#define MF_FAG_MAX_HEADS 128 /* heads of one task at most */
 
 typedef struct {
     const mf_paged_args *pa;
@@ -935,7 +934,7 @@ static void fa16g_task(void *p, int64_t task) {
     }
     float *kf = fag_buf, *vf = vin ? kf : kf + FA_SB * D, *acc = kf + FA_SB * (D + (vin ? 0 : Dv));
     const int64_t vstride = vin ? D : Dv;
-    float M[MF_FAG_MAX_HEADS], S[MF_FAG_MAX_HEADS], sc[KB], ms[FA_SB], vs[FA_SB];
+    float M[MF_FA_HEADS_MAX], S[MF_FA_HEADS_MAX], sc[KB], ms[FA_SB], vs[FA_SB];
     for (int64_t hh = 0; hh < nh; hh++) M[hh] = -INFINITY, S[hh] = 0.0f;
     memset(acc, 0, (size_t)nh * (size_t)Dv * sizeof(float));
     for (int64_t t0 = lo; t0 <= qp; t0 += KB) {

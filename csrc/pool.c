@@ -143,7 +143,7 @@ static int tune_apply(const char *spec) {
     if (mf_tune.streams > 16) mf_tune.streams = 16;
     if (mf_tune.task_kib_multi < 4) mf_tune.task_kib_multi = 4;
     if (mf_tune.kg_tile_kib < 16) mf_tune.kg_tile_kib = 16;
-    if (mf_tune.fa_heads > 128) mf_tune.fa_heads = 128; /* ops.c MF_FAG_MAX_HEADS */
+    if (mf_tune.fa_heads > MF_FA_HEADS_MAX) mf_tune.fa_heads = MF_FA_HEADS_MAX;
     return rc;
 }
 

@@ -543,8 +543,6 @@ AVX2 static void up_q2_k(const uint8_t *w, mf_kblk *o) {
 /* Q4_K and Q6_K straight into the avx512vnni K-quant GEMM's layout: the bytes that
  * mf_kw_from_kblk makes of up_q4_k / up_q6_k, in one pass (the two passes were ~6% of a MoE
  * prefill, whose small expert groups unpack W for few X rows). */
-static inline int32_t kw_pack16(int a, int b) { return (int32_t)((uint32_t)(uint16_t)a | ((uint32_t)(uint16_t)b << 16)); }
-
 AVX2 static void kw_q4_k(const uint8_t *w, mf_kw *o) {
     uint32_t u[4];
     k4_scales(w + 4, u);
@@ -552,7 +550,7 @@ AVX2 static void kw_q4_k(const uint8_t *w, mf_kw *o) {
     const float d = f16(w);
     k4_codes(w, o->q);
     for (int g = 0; g < 16; g++) o->s[g] = g < 8 ? d * (float)(int16_t)sc[g] : 0.0f; /* groups of 32 */
-    for (int p = 0; p < 8; p++) o->cc2[p] = p < 4 ? kw_pack16(mn[2 * p], mn[2 * p + 1]) : 0;
+    for (int p = 0; p < 8; p++) o->cc2[p] = p < 4 ? mf_pack16(mn[2 * p], mn[2 * p + 1]) : 0;
     o->dc = -f16(w + 2);
 }
 
@@ -561,7 +559,7 @@ AVX2 static void kw_q6_k(const uint8_t *w, mf_kw *o) {
     const float d = f16(w + 208);
     k6_codes(w, o->q);
     for (int g = 0; g < 16; g++) o->s[g] = d * (float)(int16_t)sc[g]; /* groups of 16 */
-    for (int p = 0; p < 8; p++) o->cc2[p] = kw_pack16(-32 * sc[2 * p], -32 * sc[2 * p + 1]);
+    for (int p = 0; p < 8; p++) o->cc2[p] = mf_pack16(-32 * sc[2 * p], -32 * sc[2 * p + 1]);
     o->dc = d;
 }
 

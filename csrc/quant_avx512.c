@@ -831,14 +831,13 @@ VNNI void mf_b32gemm_avx512(int type, const uint8_t *w, size_t rb, int64_t nrows
  * sub-block scale; the correction (mins / offsets) as vpdpwssd of bsum pairs x cc pairs; one
  * FMA with dx per block. Lanes never mix, so a row's result does not depend on the others. */
 
-static inline int32_t pack16(int a, int b) { return (int32_t)((uint32_t)(uint16_t)a | ((uint32_t)(uint16_t)b << 16)); }
 
 void mf_kw_from_kblk(const mf_kblk *k, int g32, mf_kw *o) {
     memcpy(o->q, k->q, 256);
     for (int g = 0; g < 16; g++)
         o->s[g] = g32 ? (g < 8 ? k->d * (float)k->sv[g][0] : 0.0f) : k->d * (float)k->sv[g / 2][(g % 2) * 8];
     for (int p = 0; p < 8; p++) /* groups of 32 (Q4_K/Q5_K: cc[2i] == cc[2i+1]): one cc per 32 */
-        o->cc2[p] = g32 ? (p < 4 ? pack16(k->cc[4 * p], k->cc[4 * p + 2]) : 0) : pack16(k->cc[2 * p], k->cc[2 * p + 1]);
+        o->cc2[p] = g32 ? (p < 4 ? mf_pack16(k->cc[4 * p], k->cc[4 * p + 2]) : 0) : mf_pack16(k->cc[2 * p], k->cc[2 * p + 1]);
     o->dc = k->dc;
 }
 
@@ -849,8 +848,8 @@ void mf_xband_build(const mf_q8_256 *rows, int64_t m, int64_t nb, mf_xband *o) {
             const mf_q8_256 *r = rows + j * nb + b;
             for (int g = 0; g < 64; g++) memcpy(&o[b].qs[g][4 * j], r->qs + 4 * g, 4);
             const int16_t *bs = r->bsums;
-            for (int p = 0; p < 8; p++) o[b].bs[p][j] = pack16(bs[2 * p], bs[2 * p + 1]);
-            for (int p = 0; p < 4; p++) o[b].bs32[p][j] = pack16(bs[4 * p] + bs[4 * p + 1], bs[4 * p + 2] + bs[4 * p + 3]);
+            for (int p = 0; p < 8; p++) o[b].bs[p][j] = mf_pack16(bs[2 * p], bs[2 * p + 1]);
+            for (int p = 0; p < 4; p++) o[b].bs32[p][j] = mf_pack16(bs[4 * p] + bs[4 * p + 1], bs[4 * p + 2] + bs[4 * p + 3]);
             o[b].dx[j] = r->d;
         }
 }

@@ -69,6 +69,7 @@ typedef struct {
     int fa_heads;      /* f16-cache attention (AVX2 and up): q heads of one KV group per task at most,
                         * sharing the K/V rows' conversion (0: one head per task, ops.c fa16_paged_task) */
 } mf_tune_t;
+#define MF_FA_HEADS_MAX 128 /* mf_tune.fa_heads at most (ops.c's per-task state arrays) */
 extern mf_tune_t mf_tune;
 extern const char *mf_tune_source; /* "default", "amd-zen4", ... (+ " +" the MEMFIT_TUNE spec) */
 int mf_tables_ready(int type);                      /* 1 when the type's tables are installed */
@@ -171,6 +172,8 @@ typedef struct { _Alignas(64) int8_t qs[64][64]; int32_t bs[8][16]; int32_t bs32
 typedef struct { _Alignas(64) uint8_t q[256]; float s[16]; int32_t cc2[8]; float dc; } mf_kw; /* 384 B */
 void mf_kw_from_kblk(const mf_kblk *k, int g32, mf_kw *o);
 typedef void (*mf_kwunpack_fn)(const uint8_t *w, mf_kw *o);
+/* two int16 as one int32 lane (low, high): the pairs vpdpwssd multiplies */
+static inline int32_t mf_pack16(int a, int b) { return (int32_t)((uint32_t)(uint16_t)a | ((uint32_t)(uint16_t)b << 16)); }
 extern mf_kwunpack_fn mf_kwunpack_avx2[T_MAX]; /* Q4_K, Q6_K: up + mf_kw_from_kblk in one (quant_avx2.c) */
 void mf_xband_build(const mf_q8_256 *rows, int64_t m, int64_t nb, mf_xband *o); /* rows[j*nb+b] */
 #ifndef MF_KG_R

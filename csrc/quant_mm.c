@@ -234,12 +234,10 @@ static void mm_task_kgemm(void *p, int64_t t) {
     mf_kblk kb;
     for (int64_t r = r0; r < r1; r++)
         for (int64_t b = 0; b < c->nb; b++) {
-            if (kw) {
-                kw(c->w + r * c->rb + b * bytes, wk + (r - r0) * c->nb + b);
-                continue;
-            }
-            up(c->w + r * c->rb + b * bytes, &kb);
-            mf_kw_from_kblk(&kb, c->g32, wk + (r - r0) * c->nb + b);
+            const uint8_t *src = c->w + r * c->rb + b * bytes;
+            mf_kw *dst = wk + (r - r0) * c->nb + b;
+            if (kw) kw(src, dst); /* one pass where the type has one */
+            else up(src, &kb), mf_kw_from_kblk(&kb, c->g32, dst);
         }
     _Alignas(64) float out[2 * MF_KG_R * MF_XB_ROWS];
     const mf_kw *wr[MF_KG_R];
