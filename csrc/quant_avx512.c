@@ -608,7 +608,7 @@ VNNI void mf_bdot_avx512(const mf_b32 *w, int64_t nb, int sgn, const uint8_t *x,
 typedef struct { int8_t q[32]; float d, c; int32_t bias, pad; } b32g_w; /* 48 B */
 
 const int mf_b32gemm_ok[T_MAX] = {[T_Q4_0] = 1, [T_Q4_1] = 1, [T_Q5_0] = 1, [T_Q5_1] = 1,
-                                   [T_Q8_0] = 1, [T_IQ4_NL] = 1, [T_MXFP4] = 1};
+                                   [T_Q8_0] = 1, [T_IQ4_NL] = 1, [T_MXFP4] = 1, [T_NVFP4] = 1};
 
 /* as mf_quantize_q8_32_avx2 (amax / 127, x * (1 / d) rounded to nearest even, d stored
  * rounded to f16, s = d * sum): the same bits, 16 values per step; the 16 rows' blocks go
@@ -645,16 +645,27 @@ VNNI void mf_b32band_quant_avx512(const float *x, int64_t cols, int64_t m, mf_b3
 }
 
 /* R W rows (w, row stride ws blocks) x one band, blocks [0, nb) -> out[16 r + j] (X row j);
- * acc: continue the sums in out (a split block range gives the same bits) */
-#define B32G(R)                                                                                  \
-    VNNI static void b32g_##R(const b32g_w *w, int64_t ws, int64_t nb, const mf_b32band *xb,     \
-                              int hasc, int acc, float *out) {                                   \
+ * acc: continue the sums in out (a split block range gives the same bits). H = 1 (NVFP4): a
+ * block's two 16-value halves have their own scales (d, c) and biases (bias, pad), so the
+ * first half's int32 sum goes into the float sum after 4 of the 8 steps */
+#define B32G_HALF(R, H, A, DX, W, F)                                                                \
+    if (H) {                                                                                     \
+        for (int r = 0; r < R; r++) {                                                            \
+            F[r] = _mm512_fmadd_ps(_mm512_mul_ps(DX, _mm512_set1_ps(W(r).d)), _mm512_cvtepi32_ps(A[r]), F[r]); \
+            A[r] = _mm512_set1_epi32(W(r).pad);                                                  \
+        }                                                                                        \
+    }
+#define B32G(R, H, NAME)                                                                         \
+    VNNI static void NAME(const b32g_w *w, int64_t ws, int64_t nb, const mf_b32band *xb,         \
+                          int hasc, int acc, float *out) {                                       \
         __m512 f[R];                                                                             \
         for (int r = 0; r < R; r++) f[r] = acc ? _mm512_loadu_ps(out + 16 * r) : _mm512_setzero_ps(); \
         for (int64_t b = 0; b < nb; b++) {                                                       \
             __m512i a[R];                                                                        \
+            const __m512 dx = _mm512_load_ps(xb[b].dx);                                          \
             for (int r = 0; r < R; r++) a[r] = _mm512_set1_epi32(w[r * ws + b].bias);            \
             for (int g = 0; g < 8; g++) {                                                        \
+                if (g == 4) { B32G_HALF(R, H, a, dx, B32G_W, f) }                                   \
                 const __m512i xv = _mm512_load_si512((const void *)xb[b].x[g]);                  \
                 for (int r = 0; r < R; r++) {                                                    \
                     int32_t wq;                                                                  \
@@ -662,9 +673,8 @@ VNNI void mf_b32band_quant_avx512(const float *x, int64_t cols, int64_t m, mf_b3
                     a[r] = _mm512_dpbusd_epi32(a[r], xv, _mm512_set1_epi32(wq));                 \
                 }                                                                                \
             }                                                                                    \
-            const __m512 dx = _mm512_load_ps(xb[b].dx);                                          \
             for (int r = 0; r < R; r++)                                                          \
-                f[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, _mm512_set1_ps(w[r * ws + b].d)),       \
+                f[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, _mm512_set1_ps(H ? w[r * ws + b].c : w[r * ws + b].d)), \
                                        _mm512_cvtepi32_ps(a[r]), f[r]);                          \
             if (hasc) {                                                                          \
                 const __m512 sx = _mm512_load_ps(xb[b].sx);                                      \
@@ -674,20 +684,25 @@ VNNI void mf_b32band_quant_avx512(const float *x, int64_t cols, int64_t m, mf_b3
         }                                                                                        \
         for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, f[r]);                        \
     }
-B32G(10)
-B32G(1)
+#define B32G_W(r) w[(r) * ws + b]
+B32G(10, 0, b32g_10)
+B32G(1, 0, b32g_1)
+B32G(10, 1, b32gh_10)
+B32G(1, 1, b32gh_1)
 
 /* the same per lane for two bands at once (xb, xb + nb): each W broadcast serves 32 X rows;
  * out[16 r + j] band 0, out[16 (R + r) + j] band 1 */
-#define B32G2(R)                                                                                 \
-    VNNI static void b32g2_##R(const b32g_w *w, int64_t ws, int64_t nb, const mf_b32band *xb,    \
-                               int hasc, float *out) {                                           \
+#define B32G2(R, H, NAME)                                                                        \
+    VNNI static void NAME(const b32g_w *w, int64_t ws, int64_t nb, const mf_b32band *xb,         \
+                          int hasc, float *out) {                                                \
         __m512 f0[R], f1[R];                                                                     \
         for (int r = 0; r < R; r++) f0[r] = f1[r] = _mm512_setzero_ps();                         \
         for (int64_t b = 0; b < nb; b++) {                                                       \
             __m512i a0[R], a1[R];                                                                \
+            const __m512 dx0 = _mm512_load_ps(xb[b].dx), dx1 = _mm512_load_ps(xb[nb + b].dx);    \
             for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_set1_epi32(w[r * ws + b].bias);   \
             for (int g = 0; g < 8; g++) {                                                        \
+                if (g == 4) { B32G_HALF(R, H, a0, dx0, B32G_W, f0) B32G_HALF(R, H, a1, dx1, B32G_W, f1) } \
                 const __m512i x0 = _mm512_load_si512((const void *)xb[b].x[g]);                  \
                 const __m512i x1 = _mm512_load_si512((const void *)xb[nb + b].x[g]);             \
                 for (int r = 0; r < R; r++) {                                                    \
@@ -698,9 +713,8 @@ B32G(1)
                     a1[r] = _mm512_dpbusd_epi32(a1[r], x1, wv);                                  \
                 }                                                                                \
             }                                                                                    \
-            const __m512 dx0 = _mm512_load_ps(xb[b].dx), dx1 = _mm512_load_ps(xb[nb + b].dx);    \
             for (int r = 0; r < R; r++) {                                                        \
-                const __m512 d = _mm512_set1_ps(w[r * ws + b].d);                                \
+                const __m512 d = _mm512_set1_ps(H ? w[r * ws + b].c : w[r * ws + b].d);          \
                 f0[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx0, d), _mm512_cvtepi32_ps(a0[r]), f0[r]); \
                 f1[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx1, d), _mm512_cvtepi32_ps(a1[r]), f1[r]); \
             }                                                                                    \
@@ -718,7 +732,8 @@ B32G(1)
             _mm512_storeu_ps(out + 16 * (R + r), f1[r]);                                         \
         }                                                                                        \
     }
-B32G2(5)
+B32G2(5, 0, b32g2_5)
+B32G2(5, 1, b32gh2_5)
 
 VNNI static inline void b32g_put(b32g_w *p, __m256i q, float d, float c) {
     _mm256_storeu_si256((__m256i *)p->q, q);
@@ -729,6 +744,16 @@ VNNI static inline void b32g_put(b32g_w *p, __m256i q, float d, float c) {
     p->d = d;
     p->c = c;
     p->pad = 0;
+}
+/* NVFP4: the halves' sums apart (bias for elements 0..15, pad for 16..31), d and c their scales */
+VNNI static inline void b32g_put_halves(b32g_w *p, __m256i q, float d0, float d1) {
+    _mm256_storeu_si256((__m256i *)p->q, q);
+    const __m256i sad = _mm256_sad_epu8(_mm256_xor_si256(q, _mm256_set1_epi8((char)0x80)), _mm256_setzero_si256());
+    const __m128i lo = _mm256_castsi256_si128(sad), hi = _mm256_extracti128_si256(sad, 1);
+    p->bias = -128 * ((int32_t)(_mm_cvtsi128_si64(lo) + _mm_extract_epi64(lo, 1)) - 16 * 128);
+    p->pad = -128 * ((int32_t)(_mm_cvtsi128_si64(hi) + _mm_extract_epi64(hi, 1)) - 16 * 128);
+    p->d = d0;
+    p->c = d1;
 }
 VNNI static inline float b32g_f16(const uint8_t *p) {
     uint16_t h;
@@ -741,8 +766,8 @@ VNNI static inline __m256i b32g_nib(const uint8_t *p) {
     return _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(t), _mm_srli_epi16(t, 4), 1), _mm256_set1_epi8(0xF));
 }
 
-/* W rows [0, nrows) x blocks [0, nb) of a packed matrix (row stride rb bytes) -> o (row
- * stride os blocks). Q4_0, Q4_1 and Q8_0 directly (unpacking 4096x4096 Q8_0 through
+/* W rows [0, nrows) x 32-value blocks [0, nb) of a packed matrix (row stride rb bytes) -> o
+ * (row stride os blocks; NVFP4: nb even, two per 64-value block). Q4_0, Q4_1 and Q8_0 directly (unpacking 4096x4096 Q8_0 through
  * mf_b32unpack_avx2 cost ~14% of a 512-row matmul), the others through mf_b32. */
 VNNI static void b32g_unpack(int type, const uint8_t *w, size_t rb, int64_t nrows, int64_t nb, b32g_w *o, int64_t os) {
     const int bytes = mf_qtypes[type].bytes;
@@ -758,6 +783,14 @@ VNNI static void b32g_unpack(int type, const uint8_t *w, size_t rb, int64_t nrow
         else if (type == T_Q8_0)
             for (int64_t b = 0; b < nb; b++, src += 34)
                 b32g_put(p + b, _mm256_loadu_si256((const __m256i *)(src + 2)), b32g_f16(src), 0.0f);
+        else if (type == T_NVFP4)
+            for (int64_t b = 0; b < nb; b += 2, src += 36) { /* one 64-value block: two bands' blocks */
+                _Alignas(32) int8_t q[64];
+                float d[4];
+                mf_up_nvfp4_avx2(src, q, d);
+                b32g_put_halves(p + b, _mm256_load_si256((const __m256i *)q), d[0], d[1]);
+                b32g_put_halves(p + b + 1, _mm256_load_si256((const __m256i *)(q + 32)), d[2], d[3]);
+            }
         else {
             mf_b32unpack_fn up = mf_b32unpack_avx2[type];
             const int off = type == T_Q5_0 ? 16 : 0, hasc = type == T_Q5_1;
@@ -773,11 +806,15 @@ VNNI static void b32g_unpack(int type, const uint8_t *w, size_t rb, int64_t nrow
 
 static _Thread_local tl_scratch tl_gws;
 
-/* Y rows [0, n) x W rows [0, nrows) (nb blocks of rb bytes per row) into y (row stride ys);
- * xb: ceil(n / 16) bands of nb blocks. */
+/* Y rows [0, n) x W rows [0, nrows) (nb 32-value blocks, rb bytes per row) into y (row stride
+ * ys); xb: ceil(n / 16) bands of nb blocks. */
 VNNI void mf_b32gemm_avx512(int type, const uint8_t *w, size_t rb, int64_t nrows, int64_t nb, const mf_b32band *xb,
                            int64_t n, float *y, int64_t ys) {
-    const int hasc = type == T_Q4_1 || type == T_Q5_1;
+    const int hasc = type == T_Q4_1 || type == T_Q5_1, half = type == T_NVFP4;
+    void (*g1)(const b32g_w *, int64_t, int64_t, const mf_b32band *, int, int, float *) = half ? b32gh_1 : b32g_1;
+    void (*g10)(const b32g_w *, int64_t, int64_t, const mf_b32band *, int, int, float *) = half ? b32gh_10 : b32g_10;
+    void (*g2_5)(const b32g_w *, int64_t, int64_t, const mf_b32band *, int, float *) = half ? b32gh2_5 : b32g2_5;
+    const size_t bb = (size_t)mf_qtypes[type].bytes * 32 / (size_t)mf_qtypes[type].block; /* bytes per 32 values */
     const int64_t np = (nrows + 9) / 10 * 10; /* zero rows pad the last group of 10 */
     b32g_w *gw = tl_reserve(&tl_gws, (size_t)(np * nb) * sizeof(b32g_w));
     float out[10 * 16];
@@ -789,9 +826,9 @@ VNNI void mf_b32gemm_avx512(int type, const uint8_t *w, size_t rb, int64_t nrows
                 const int64_t R = nrows - r < 8 ? nrows - r : 8;
                 for (int64_t b = 0; b < nb; b += 16) {
                     const int64_t kb = nb - b < 16 ? nb - b : 16;
-                    b32g_unpack(type, w + (size_t)r * rb + (size_t)b * mf_qtypes[type].bytes, rb, R, kb, wb, 16);
+                    b32g_unpack(type, w + (size_t)r * rb + (size_t)b * bb, rb, R, kb, wb, 16);
                     for (int64_t k = 0; k < R; k++)
-                        b32g_1(wb + k * 16, 16, kb, xb + t * nb + b, hasc, b > 0, out + 16 * k);
+                        g1(wb + k * 16, 16, kb, xb + t * nb + b, hasc, b > 0, out + 16 * k);
                 }
                 for (int64_t j = 0; j < m; j++)
                     for (int64_t k = 0; k < R; k++) y[(t * 16 + j) * ys + r + k] = out[16 * k + j];
@@ -807,7 +844,7 @@ VNNI void mf_b32gemm_avx512(int type, const uint8_t *w, size_t rb, int64_t nrows
         float *yt = y + t * 16 * ys;
         for (int64_t r = 0; r < nrows; r += 5) {
             const int64_t R = nrows - r < 5 ? nrows - r : 5;
-            b32g2_5(gw + r * nb, nb, nb, xt, hasc, out);
+            g2_5(gw + r * nb, nb, nb, xt, hasc, out);
             for (int64_t j = 0; j < 32; j++)
                 for (int64_t k = 0; k < R; k++) yt[j * ys + r + k] = out[16 * (k + (j >> 4) * 5) + (j & 15)];
         }
@@ -818,7 +855,7 @@ VNNI void mf_b32gemm_avx512(int type, const uint8_t *w, size_t rb, int64_t nrows
         float *yt = y + t * 16 * ys;
         for (int64_t r = 0; r < nrows; r += 10) {
             const int64_t R = nrows - r < 10 ? nrows - r : 10;
-            b32g_10(gw + r * nb, nb, nb, xt, hasc, 0, out);
+            g10(gw + r * nb, nb, nb, xt, hasc, 0, out);
             for (int64_t j = 0; j < m; j++)
                 for (int64_t k = 0; k < R; k++) yt[j * ys + r + k] = out[16 * k + j];
         }

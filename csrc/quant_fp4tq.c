@@ -220,6 +220,7 @@ AVX2 float mf_vd_tq2_0_avx2(const uint8_t *w, const void *xv, int64_t nb) {
 
 /* ---------------- prefill unpacks (the existing batched kernels do the rest) ----------------
  * MXFP4 -> mf_b32 with the signed kvalues (q = kv, d = 2^(e-128), c = 0), as IQ4_NL.
+ * NVFP4 -> signed values and 4 scales (mf_up_nvfp4_avx2) for the avx512vnni b32 GEMM.
  * TQ1_0 / TQ2_0 -> mf_kblk as a K-quant: q = digit 0..2 in element order, every sub-block
  * scale 1, correction -1 per 16 (cc . bsums = -sum(y)), d = dc = the block's d. */
 AVX2 void mf_up_mxfp4_avx2(const uint8_t *w, mf_b32 *o) {
@@ -228,6 +229,15 @@ AVX2 void mf_up_mxfp4_avx2(const uint8_t *w, mf_b32 *o) {
     _mm256_storeu_si256((__m256i *)o->q, _mm256_shuffle_epi8(kv_fp4_256(), n));
     o->d = e8m0_half(w[0]);
     o->c = 0;
+}
+/* NVFP4 -> its 64 signed values in element order and the 4 sub-block scales (x 0.5), for the
+ * b32 GEMM's half-scaled blocks (quant_avx512.c) */
+AVX2 void mf_up_nvfp4_avx2(const uint8_t *w, int8_t *q, float *d) {
+    __m256i a, b;
+    nvfp4_vals(w, kv_fp4_256(), &a, &b);
+    _mm256_storeu_si256((__m256i *)q, a);
+    _mm256_storeu_si256((__m256i *)(q + 32), b);
+    _mm_storeu_ps(d, ue4m3_4(w));
 }
 AVX2 static inline void tq_kblk_scales(float d, mf_kblk *o) {
     for (int c = 0; c < 8; c++) _mm256_storeu_si256((__m256i *)o->sv[c], _mm256_set1_epi16(1));

@@ -70,8 +70,8 @@ static void mm_task_scalar(void *p, int64_t t) {
 /* Kernel families per (type, ISA), chosen by the caller's mode (quant_common.h MF_MM_*) and
  * never by the row count (batch invariance): decode runs the one-row integer vec-dots (and
  * their 4/8-row forms, which keep each row's bits) for any n; prefill runs the type's batched
- * kernel for any n (K-quants: kgemm on avx512vnni, kblk on avx2; 32-element types: b32g
- * where it exists, else b32; float types: the 2x4 FMA GEMM). Each batched kernel's result
+ * kernel for any n (K-quants: kgemm on avx512vnni, kblk on avx2; 32-element types and NVFP4:
+ * b32g where it exists, else b32; float types: the 2x4 FMA GEMM). Each batched kernel's result
  * for a row does not depend on the other rows, the row count or the task split. A type
  * without a batched kernel runs its vec-dots in both modes. So a prompt row gets the same bits whether its prompt was chunked, packed with
  * others or found partly in the prefix cache. */
@@ -308,7 +308,7 @@ static void mm_task_b32(void *p, int64_t t) {
 static void mm_task_b32g(void *p, int64_t t) {
     mm_ctx *c = p;
     int64_t r0 = t * c->rt, r1 = r0 + c->rt < c->rows ? r0 + c->rt : c->rows;
-    mf_b32gemm_avx512(c->type, c->w + r0 * c->rb, (size_t)c->rb, r1 - r0, c->nb, (const mf_b32band *)c->xq, c->n,
+    mf_b32gemm_avx512(c->type, c->w + r0 * c->rb, (size_t)c->rb, r1 - r0, c->cols / 32, (const mf_b32band *)c->xq, c->n,
                       c->y + r0, c->rows);
 }
 
@@ -329,7 +329,7 @@ static void quant_x_task(void *p, int64_t i) {
     mm_ctx *c = p;
     if (c->xfmt == XF_B32BAND) { /* i: a band of 16 rows */
         const int64_t m = c->n - i * 16 < 16 ? c->n - i * 16 : 16;
-        mf_b32band_quant_avx512(c->x + i * 16 * c->cols, c->cols, m, (mf_b32band *)(void *)c->xq + i * c->nb);
+        mf_b32band_quant_avx512(c->x + i * 16 * c->cols, c->cols, m, (mf_b32band *)(void *)c->xq + i * (c->cols / 32));
         return;
     }
     const float *x = c->x + i * c->cols;
@@ -402,10 +402,10 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
                 p->fn = mm_task_kblk;
             } else if (mf_isa >= MF_ISA_AVX512VNNI && mf_b32gemm_ok[type]) {
                 c.xfmt = XF_B32BAND;
-                c.xs = (size_t)c.nb * sizeof(mf_b32band); /* per band of 16 rows */
-                /* W tile (48 B per unpacked block) <= ~192 KB, a multiple of 10 rows (the kernel's
-                 * group), >= 4 tasks per thread */
-                int64_t rk = (192 * 1024) / (c.nb * 48), t = 80;
+                c.xs = (size_t)(cols / 32) * sizeof(mf_b32band); /* per band of 16 rows */
+                /* W tile (48 B per unpacked 32 values) <= ~192 KB, a multiple of 10 rows (the
+                 * kernel's group), >= 4 tasks per thread */
+                int64_t rk = (192 * 1024) / (cols / 32 * 48), t = 80;
                 while (t > 10 && ((rows + t - 1) / t < 4 * nt || t > rk)) t /= 2;
                 c.rt = t;
                 p->fn = mm_task_b32g;
