@@ -89,9 +89,10 @@ static int detect_slow_gather(void) {
  * Q5_K +13%, the compute-bound IQ types level (5 trials). */
 #define MF_TUNE_AMD_ZEN4 \
     (mf_tune.pf_rows = 0, mf_tune.pf_strided = 0, mf_tune.k_vd8_min_rb = 6144, mf_tune.task_kib = 128, \
-     mf_tune.streams = 1)
+     mf_tune.streams = 1, mf_tune.task_kib_strided = 512)
 mf_tune_t mf_tune = {.pf_rows = 8, .pf_rows_multi = 8, .pf_strided = 2, .q8_vd4_min_rb = 2048, .k_vd4_min_rb = 6144, .k_vd8_min_rb = 1 << 20,
-                     .stride_max_rb = 3072, .streams = 2, .task_kib = 64, .task_kib_multi = 64, .kg_tile_kib = 1024,
+                     .stride_max_rb = 3072, .streams = 2, .task_kib = 64, .task_kib_multi = 64, .task_kib_strided = 64,
+                     .kg_tile_kib = 1024,
                      .fa_heads = 128};
 const char *mf_tune_source = "default";
 static char tune_source_buf[192];
@@ -117,7 +118,8 @@ static int tune_apply(const char *spec) {
         {"pf_rows", &mf_tune.pf_rows}, {"pf_rows_multi", &mf_tune.pf_rows_multi}, {"pf_strided", &mf_tune.pf_strided},
         {"q8_vd4_min_rb", &mf_tune.q8_vd4_min_rb}, {"k_vd4_min_rb", &mf_tune.k_vd4_min_rb}, {"k_vd8_min_rb", &mf_tune.k_vd8_min_rb},
         {"stride_max_rb", &mf_tune.stride_max_rb}, {"task_kib", &mf_tune.task_kib}, {"streams", &mf_tune.streams},
-        {"task_kib_multi", &mf_tune.task_kib_multi}, {"kg_tile_kib", &mf_tune.kg_tile_kib},
+        {"task_kib_multi", &mf_tune.task_kib_multi}, {"task_kib_strided", &mf_tune.task_kib_strided},
+        {"kg_tile_kib", &mf_tune.kg_tile_kib},
         {"fa_heads", &mf_tune.fa_heads}};
     const char *p = spec;
     int rc = 0;
@@ -142,6 +144,7 @@ static int tune_apply(const char *spec) {
     if (mf_tune.streams < 1) mf_tune.streams = 1;
     if (mf_tune.streams > 16) mf_tune.streams = 16;
     if (mf_tune.task_kib_multi < 4) mf_tune.task_kib_multi = 4;
+    if (mf_tune.task_kib_strided < 4) mf_tune.task_kib_strided = 4;
     if (mf_tune.kg_tile_kib < 16) mf_tune.kg_tile_kib = 16;
     if (mf_tune.fa_heads > MF_FA_HEADS_MAX) mf_tune.fa_heads = MF_FA_HEADS_MAX;
     return rc;
@@ -475,11 +478,12 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
 static PyObject *py_isa_hw(PyObject *self, PyObject *unused) { return PyUnicode_FromString(isa_names[mf_isa_hw]); }
 
 static PyObject *py_tune(PyObject *self, PyObject *unused) {
-    return Py_BuildValue("{s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "source", mf_tune_source, "pf_rows", mf_tune.pf_rows,
+    return Py_BuildValue("{s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "source", mf_tune_source, "pf_rows", mf_tune.pf_rows,
                          "pf_rows_multi", mf_tune.pf_rows_multi,
                          "pf_strided", mf_tune.pf_strided, "q8_vd4_min_rb", mf_tune.q8_vd4_min_rb,
                          "k_vd4_min_rb", mf_tune.k_vd4_min_rb, "k_vd8_min_rb", mf_tune.k_vd8_min_rb, "stride_max_rb", mf_tune.stride_max_rb,
                          "streams", mf_tune.streams, "task_kib", mf_tune.task_kib, "task_kib_multi", mf_tune.task_kib_multi,
+                         "task_kib_strided", mf_tune.task_kib_strided,
                          "kg_tile_kib", mf_tune.kg_tile_kib, "fa_heads", mf_tune.fa_heads);
 }
 
@@ -489,7 +493,7 @@ static PyObject *py_set_tune(PyObject *self, PyObject *args) {
     if (tune_set(spec)) {
         tune_set(NULL);
         return PyErr_Format(PyExc_ValueError, "tuning '%s': expected name=value,... with names pf_rows, pf_rows_multi, pf_strided, "
-                            "q8_vd4_min_rb, k_vd4_min_rb, k_vd8_min_rb, stride_max_rb, streams, task_kib, task_kib_multi, kg_tile_kib, fa_heads and values 0..1048576", spec);
+                            "q8_vd4_min_rb, k_vd4_min_rb, k_vd8_min_rb, stride_max_rb, streams, task_kib, task_kib_multi, task_kib_strided, kg_tile_kib, fa_heads and values 0..1048576", spec);
     }
     return py_tune(self, NULL);
 }

@@ -65,6 +65,7 @@ typedef struct {
     int streams;       /* decode, 1-row kernels: a task's rows read as this many interleaved streams */
     int task_kib;      /* decode, 1-row kernels: 4x this many contiguous KiB of W per task */
     int task_kib_multi; /* decode, 4/8-row kernels: contiguous KiB of W per task */
+    int task_kib_strided; /* decode, 4/8-row kernels on rows grouped a part apart (stride_max_rb): the same */
     int kg_tile_kib;   /* prefill, K-quant GEMM (avx512vnni): KiB of unpacked W per task */
     int fa_heads;      /* f16-cache attention (AVX2 and up): q heads of one KV group per task at most,
                         * sharing the K/V rows' conversion (0: one head per task, ops.c fa16_paged_task) */
@@ -116,6 +117,9 @@ float mf_vd_tq2_0_avx2(const uint8_t *w, const void *x, int64_t nb);
 float mf_vd_tq1_0_avx512(const uint8_t *w, const void *x, int64_t nb);
 float mf_vd_tq2_0_avx512(const uint8_t *w, const void *x, int64_t nb);
 void mf_vd4_tq2_0_avx512(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out);
+float mf_vd_mxfp4_avx512(const uint8_t *w, const void *x, int64_t nb);
+void mf_vd4_mxfp4_avx512(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out);
+void mf_vd8_mxfp4_avx512(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out);
 
 /* AVX2 (quant_avx2.c) */
 void mf_row_f32_avx2(int type, const uint8_t *w, float *dst, int64_t n);

@@ -316,6 +316,67 @@ VNNI float mf_vd_tq1_0_avx512(const uint8_t *w, const void *xv, int64_t nb) {
     return _mm512_reduce_add_ps(acc);
 }
 
+/* MXFP4, R = 1, 4 or 8 rows, two blocks per 512-bit step (lanes 0-7 the even block, 8-15 the
+ * odd one): the nibbles by one broadcast, shift and mask per block pair, the values + 12 as
+ * the u8 operand of vpdpbusd from the shifted table kv_fp4 + 12, the accumulator starting at
+ * -12 * (each lane's 4 y), so every int32 lane is the AVX2 kernel's lane exactly (sum of 4 kv *
+ * y); the scale 2^(e-128) (a table of the 256 codes) times dx, one FMA. Even blocks' lanes are
+ * the AVX2 kernel's a0, odd blocks' its a1, summed the same way at the end: the same bits as
+ * mf_vd_mxfp4_avx2 on every row, whatever R. The y vector and its correction are shared by
+ * the R rows. */
+static float e8m0_lut[256];
+__attribute__((constructor)) static void e8m0_lut_init(void) {
+    for (int e = 0; e < 256; e++) e8m0_lut[e] = e8m0_half((uint8_t)e);
+}
+#define VDZ_MXFP4(NAME, R)                                                                          \
+    VNNI static void NAME(const uint8_t *w, size_t rb, const void *xv, int64_t nb, float *out) {   \
+        const mf_q8_32 *x = xv;                                                                     \
+        __m512 a[R];                                                                                \
+        for (int r = 0; r < R; r++) a[r] = _mm512_setzero_ps();                                     \
+        const __m512i m4 = _mm512_set1_epi8(0xF), sh = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);    \
+        const __m512i kvu = _mm512_add_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)kv_fp4)), \
+                                            _mm512_set1_epi8(12));                                  \
+        for (int64_t b = 0; b < nb; b += 2, w += 34) {                                              \
+            const int two = b + 1 < nb;                                                             \
+            const __m256i y0 = _mm256_loadu_si256((const __m256i *)x[b].qs);                        \
+            const __m512i y = two ? _mm512_inserti64x4(_mm512_castsi256_si512(y0),                  \
+                                        _mm256_loadu_si256((const __m256i *)x[b + 1].qs), 1)        \
+                                  : _mm512_zextsi256_si512(y0);                                     \
+            const __m512i c = _mm512_sub_epi32(_mm512_setzero_si512(),                              \
+                                               _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(12), y)); \
+            const float dx1 = two ? x[b + 1].d : 0.0f;                                              \
+            for (int r = 0; r < R; r++) {                                                           \
+                const uint8_t *wr = w + r * rb;                                                     \
+                const __m256i q0 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(wr + 1))); \
+                const __m256i q1 = two ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(wr + 18))) \
+                                       : _mm256_setzero_si256();                                    \
+                __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1);                   \
+                q = _mm512_shuffle_epi8(kvu, _mm512_and_si512(_mm512_srlv_epi64(q, sh), m4));       \
+                if (!two) q = _mm512_zextsi256_si512(_mm512_castsi512_si256(q));                    \
+                const __m512i p = _mm512_dpbusd_epi32(c, q, y);                                     \
+                const __m512 s = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(e8m0_lut[wr[0]] * x[b].d)), \
+                                                    _mm256_set1_ps(two ? e8m0_lut[wr[17]] * dx1 : 0.0f), 1); \
+                a[r] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(p), a[r]);                             \
+            }                                                                                       \
+        }                                                                                           \
+        for (int r = 0; r < R; r++)                                                                 \
+            out[r] = hsum_ps(_mm256_add_ps(_mm512_castps512_ps256(a[r]), _mm512_extractf32x8_ps(a[r], 1))); \
+    }
+VDZ_MXFP4(vdz1_mxfp4, 1)
+VDZ_MXFP4(vdz4_mxfp4, 4)
+VDZ_MXFP4(vdz8_mxfp4, 8)
+VNNI float mf_vd_mxfp4_avx512(const uint8_t *w, const void *x, int64_t nb) {
+    float o;
+    vdz1_mxfp4(w, 0, x, nb, &o);
+    return o;
+}
+VNNI void mf_vd4_mxfp4_avx512(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out) {
+    vdz4_mxfp4(w, rb, x, nb, out);
+}
+VNNI void mf_vd8_mxfp4_avx512(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out) {
+    vdz8_mxfp4(w, rb, x, nb, out);
+}
+
 /* 4 rows block by block: per row exactly the 1-row kernel's operations (the same bits); the
  * X loads and -sum(y) shared. TQ2_0 only: 1 thread from DRAM at 7B shapes +3..17%; TQ1_0's
  * digit extraction dominates and its 4-row form measured -5..+10% (docs/NOTES.md) */

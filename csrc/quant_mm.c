@@ -428,14 +428,16 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
     }
     if (p->fn == mm_task_vec) {
         /* decode streams W once: tasks of ~4 x mf_tune.task_kib contiguous KiB for the 1-row
-         * kernels, mf_tune.task_kib_multi for the 4/8-row ones (at most one
+         * kernels, mf_tune.task_kib_multi for the 4/8-row ones (task_kib_strided where their rows are
+         * grouped a part apart) (at most one
          * share per thread). Small interleaved tiles defeat the hardware prefetchers: with
          * 16-row tiles two threads streamed SmolLM2's layers at 5.7 GB/s, with 64 KiB tasks
          * at 11 GB/s (one thread: 6 GB/s). A multiple of 4 rows keeps the 4-row kernel's
          * grouping (and so the result bits) independent of the task size. */
         int64_t share = (rows + nt - 1) / nt;
         c.streams = c.vd4 || c.vd8 ? 1 : mf_tune.streams;
-        const int64_t tb = c.vd4 || c.vd8 ? (int64_t)mf_tune.task_kib_multi * 1024 : (int64_t)mf_tune.task_kib * 4096;
+        const int64_t tb = c.strided ? (int64_t)mf_tune.task_kib_strided * 1024
+                         : c.vd4 || c.vd8 ? (int64_t)mf_tune.task_kib_multi * 1024 : (int64_t)mf_tune.task_kib * 4096;
         if (share * c.rb > tb) share = tb / c.rb;
         c.rt = share < 4 ? 4 : (share + 3) & ~(int64_t)3; /* rows longer than a task: 4 rows a task */
     }

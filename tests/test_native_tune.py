@@ -26,7 +26,8 @@ TUNINGS = [
     f"streams=1,pf_rows=0,pf_rows_multi=0,pf_strided=0,k_vd4_min_rb={BIG},k_vd8_min_rb={BIG},q8_vd4_min_rb={BIG}",
     "pf_rows=3,pf_rows_multi=16,pf_strided=5,k_vd4_min_rb=0,k_vd8_min_rb=0,q8_vd4_min_rb=0",
     "k_vd4_min_rb=0,k_vd8_min_rb=0,stride_max_rb=0,task_kib=4,task_kib_multi=4,streams=3",
-    f"k_vd4_min_rb=0,k_vd8_min_rb={BIG},stride_max_rb={BIG},task_kib=1024,task_kib_multi=999",
+    f"k_vd4_min_rb=0,k_vd8_min_rb={BIG},stride_max_rb={BIG},task_kib=1024,task_kib_multi=999,task_kib_strided=4",
+    f"stride_max_rb={BIG},task_kib_strided=2000",
 ]
 
 
@@ -49,7 +50,8 @@ def isa(request):
 # tunings that keep its 4-row threshold
 @pytest.mark.parametrize("name, cols", [("Q4_K", 256 * 3), ("Q4_K", 256 * 45), ("Q5_K", 256 * 43),
                                         ("Q6_K", 256 * 31), ("Q6_K", 256 * 5), ("Q4_0", 32 * 97),
-                                        ("Q5_0", 32 * 33), ("Q3_K", 256 * 9)])
+                                        ("Q5_0", 32 * 33), ("Q3_K", 256 * 9), ("MXFP4", 32 * 91),
+                                        ("MXFP4", 32 * 8)])
 def test_tunings_same_bits(isa, name, cols):
     t = BY_NAME[name]
     rng = np.random.default_rng(4100 + t.id + cols)

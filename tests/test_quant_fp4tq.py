@@ -119,6 +119,27 @@ def test_rows_independent_of_batch_split_and_threads(name, cols):
         _native.set_threads(threads)
 
 
+def test_mxfp4_decode_same_bits_on_avx2_and_avx512vnni():
+    # the avx512vnni MXFP4 decode kernels (1, 4 and 8 rows, two blocks per step) keep the AVX2
+    # kernel's int32 lanes and float steps: the same bits, odd block counts included
+    if _native.isa_hw() != "avx512vnni":
+        pytest.skip("no AVX-512 VNNI on this CPU")
+    t = BY_NAME["MXFP4"]
+    rng = np.random.default_rng(77)
+    before = _native.isa()
+    try:
+        for rows, cols in ((37, 32 * 91), (13, 32 * 3), (8, 32), (64, 32 * 128)):
+            w = QTensor("w", t, (rows, cols), random_blocks(t, rows * cols, rng))
+            X = rng.standard_normal((3, cols)).astype(np.float32)
+            got = {}
+            for isa in ("avx2", "avx512vnni"):
+                _native.set_isa(isa)
+                got[isa] = nat.matmul(X, w, rowwise=True)
+            _bits(got["avx512vnni"], got["avx2"], f"{rows}x{cols}")
+    finally:
+        _native.set_isa(before)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_tiny_model_prefill_equals_token_by_token(tmp_path, name):
     # a llama of the type (norms F32): one 20-token prefill vs the prompt fed 1 token per step
