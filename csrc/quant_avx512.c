@@ -423,13 +423,14 @@ VD4_Q41(vd4_q5_1, 24, 8, 1)
 VDZ_Q4_0(vdz4_q4_0, 4)
 VDZ_Q4_0(vdz8_q4_0, 8)
 mf_vecdot4_fn mf_vecdot8_avx512[T_MAX] = {[T_Q4_0] = vdz8_q4_0, [T_Q4_K] = vd8_q4_k, [T_Q5_K] = vd8_q5_k, [T_Q6_K] = vd8_q6_k,
-                                          [T_MXFP4] = mf_vd8_mxfp4_avx512};
+                                          [T_MXFP4] = mf_vd8_mxfp4_avx512, [T_NVFP4] = mf_vd8_nvfp4_avx512};
 
 mf_vecdot4_fn mf_vecdot4_avx512[T_MAX] = {
     [T_Q4_0] = vdz4_q4_0, [T_Q5_0] = vd4_q5_0, [T_Q4_1] = vd4_q4_1, [T_Q5_1] = vd4_q5_1,
     [T_Q8_0] = vd4_q8_0,
     [T_Q4_K] = vd4_q4_k, [T_Q5_K] = vd4_q5_k, [T_Q6_K] = vd4_q6_k,
     [T_TQ2_0] = mf_vd4_tq2_0_avx512, [T_MXFP4] = mf_vd4_mxfp4_avx512,
+    [T_NVFP4] = mf_vd4_nvfp4_avx512,
 };
 
 /* ---------------- prefill, K-quants: the AVX2 kernels (quant_avx2.c) with vpdpwssd ---------
@@ -549,6 +550,7 @@ mf_vecdot_fn mf_vecdot_avx512[T_MAX] = {
     [T_IQ2_XXS] = mf_vd_iq2_xxs_avx512, [T_IQ2_XS] = mf_vd_iq2_xs_avx512, [T_IQ2_S] = mf_vd_iq2_s_avx512,
     [T_IQ3_XXS] = mf_vd_iq3_xxs_avx512, [T_IQ3_S] = mf_vd_iq3_s_avx512, [T_IQ1_S] = mf_vd_iq1_s_avx512, [T_IQ1_M] = mf_vd_iq1_m_avx512,
     [T_TQ1_0] = mf_vd_tq1_0_avx512, [T_TQ2_0] = mf_vd_tq2_0_avx512, [T_MXFP4] = mf_vd_mxfp4_avx512,
+    [T_NVFP4] = mf_vd_nvfp4_avx512,
 };
 int mf_xfmt_avx512[T_MAX] = {
     [T_Q4_0] = XF_Q8_32, [T_Q8_0] = XF_Q8_32, [T_Q3_K] = XF_Q8_256, [T_Q5_0] = XF_Q8_32,
@@ -556,7 +558,7 @@ int mf_xfmt_avx512[T_MAX] = {
     [T_Q4_K] = XF_Q8_256, [T_Q5_K] = XF_Q8_256, [T_Q6_K] = XF_Q8_256,
     [T_IQ2_XXS] = XF_Q8_256, [T_IQ2_XS] = XF_Q8_256, [T_IQ2_S] = XF_Q8_256,
     [T_IQ3_XXS] = XF_Q8_256, [T_IQ3_S] = XF_Q8_256, [T_IQ1_S] = XF_Q8_256, [T_IQ1_M] = XF_Q8_256,
-    [T_TQ1_0] = XF_Q8_256, [T_TQ2_0] = XF_Q8_256, [T_MXFP4] = XF_Q8_32,
+    [T_TQ1_0] = XF_Q8_256, [T_TQ2_0] = XF_Q8_256, [T_MXFP4] = XF_Q8_32, [T_NVFP4] = XF_Q8_32,
 };
 
 /* ---------------- prefill, 32-element types: the AVX2 bdot kernels with vpdpbusd ----------

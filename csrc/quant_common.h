@@ -120,6 +120,9 @@ void mf_vd4_tq2_0_avx512(const uint8_t *w, size_t rb, const void *x, int64_t nb,
 float mf_vd_mxfp4_avx512(const uint8_t *w, const void *x, int64_t nb);
 void mf_vd4_mxfp4_avx512(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out);
 void mf_vd8_mxfp4_avx512(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out);
+float mf_vd_nvfp4_avx512(const uint8_t *w, const void *x, int64_t nb);
+void mf_vd4_nvfp4_avx512(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out);
+void mf_vd8_nvfp4_avx512(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out);
 
 /* AVX2 (quant_avx2.c) */
 void mf_row_f32_avx2(int type, const uint8_t *w, float *dst, int64_t n);

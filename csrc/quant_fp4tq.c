@@ -377,6 +377,71 @@ VNNI void mf_vd8_mxfp4_avx512(const uint8_t *w, size_t rb, const void *x, int64_
     vdz8_mxfp4(w, rb, x, nb, out);
 }
 
+/* NVFP4, R = 1, 4 or 8 rows, one 64-value block per 512-bit step: the 32 bytes broadcast to
+ * both halves, low nibbles in lanes 0-7 and high nibbles in 8-15 by one shift and mask, the
+ * values + 12 from the shifted table; y (the block's two Q8_0 blocks) permuted once per block
+ * into that order (vpermb) with its -12 * (4 y) correction as the accumulator's start, so each
+ * int32 lane is an exact sum of 4 kv * y of one sub-block: lane l (and 8 + l) of sub-block
+ * l / 2. Scales: the 4 UE4M3 codes as in ue4m3_4 (an f16 of 2^-7 of the value) times 128 dx of
+ * their Q8_0 block (the same product: 128 is exact), spread to the lanes; one FMA. The R rows
+ * share y and its correction; every row's bits are the R = 1 kernel's (its own arithmetic,
+ * not the AVX2 kernel's order of the two halves). */
+static const uint8_t nv_perm[64] = {
+    0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23,
+    32, 33, 34, 35, 36, 37, 38, 39, 48, 49, 50, 51, 52, 53, 54, 55,
+    8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31,
+    40, 41, 42, 43, 44, 45, 46, 47, 56, 57, 58, 59, 60, 61, 62, 63};
+#define VDZ_NVFP4(NAME, R)                                                                          \
+    VNNI static void NAME(const uint8_t *w, size_t rb, const void *xv, int64_t nb, float *out) {   \
+        const mf_q8_32 *x = xv;                                                                     \
+        __m512 a[R];                                                                                \
+        for (int r = 0; r < R; r++) a[r] = _mm512_setzero_ps();                                     \
+        const __m512i m4 = _mm512_set1_epi8(0xF), sh = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);    \
+        const __m512i kvu = _mm512_add_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)kv_fp4)), \
+                                            _mm512_set1_epi8(12));                                  \
+        const __m512i perm = _mm512_loadu_si512((const void *)nv_perm);                             \
+        const __m512i lanes = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 0, 0, 1, 1, 2, 2, 3, 3);    \
+        for (int64_t b = 0; b < nb; b++, w += 36) {                                                 \
+            const mf_q8_32 *y0 = x + 2 * b;                                                         \
+            const __m512i y = _mm512_permutexvar_epi8(perm, _mm512_inserti64x4(                     \
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)y0[0].qs)),              \
+                _mm256_loadu_si256((const __m256i *)y0[1].qs), 1));                                 \
+            const __m512i c = _mm512_sub_epi32(_mm512_setzero_si512(),                              \
+                                               _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(12), y)); \
+            const __m128 dx = _mm_mul_ps(_mm_setr_ps(y0[0].d, y0[0].d, y0[1].d, y0[1].d), _mm_set1_ps(128.0f)); \
+            for (int r = 0; r < R; r++) {                                                           \
+                const uint8_t *wr = w + r * rb;                                                     \
+                const __m512i qb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(wr + 4))); \
+                const __m512i q = _mm512_shuffle_epi8(kvu, _mm512_and_si512(_mm512_srlv_epi64(qb, sh), m4)); \
+                const __m512i p = _mm512_dpbusd_epi32(c, q, y);                                     \
+                uint32_t u;                                                                         \
+                memcpy(&u, wr, 4);                                                                  \
+                const __m128i e = _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)u));                     \
+                const __m128i h = _mm_slli_epi32(_mm_and_si128(e, _mm_set1_epi32(0x7F)), 7);        \
+                __m128 d = _mm_mul_ps(_mm_cvtph_ps(_mm_packus_epi32(h, h)), dx);                     \
+                d = _mm_andnot_ps(_mm_castsi128_ps(_mm_cmpeq_epi32(e, _mm_set1_epi32(0x7F))), d);   \
+                a[r] = _mm512_fmadd_ps(_mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(d)),     \
+                                       _mm512_cvtepi32_ps(p), a[r]);                                \
+            }                                                                                       \
+        }                                                                                           \
+        for (int r = 0; r < R; r++)                                                                 \
+            out[r] = hsum_ps(_mm256_add_ps(_mm512_castps512_ps256(a[r]), _mm512_extractf32x8_ps(a[r], 1))); \
+    }
+VDZ_NVFP4(vdz1_nvfp4, 1)
+VDZ_NVFP4(vdz4_nvfp4, 4)
+VDZ_NVFP4(vdz8_nvfp4, 8)
+VNNI float mf_vd_nvfp4_avx512(const uint8_t *w, const void *x, int64_t nb) {
+    float o;
+    vdz1_nvfp4(w, 0, x, nb, &o);
+    return o;
+}
+VNNI void mf_vd4_nvfp4_avx512(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out) {
+    vdz4_nvfp4(w, rb, x, nb, out);
+}
+VNNI void mf_vd8_nvfp4_avx512(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out) {
+    vdz8_nvfp4(w, rb, x, nb, out);
+}
+
 /* 4 rows block by block: per row exactly the 1-row kernel's operations (the same bits); the
  * X loads and -sum(y) shared. TQ2_0 only: 1 thread from DRAM at 7B shapes +3..17%; TQ1_0's
  * digit extraction dominates and its 4-row form measured -5..+10% (docs/NOTES.md) */

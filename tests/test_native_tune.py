@@ -51,7 +51,7 @@ def isa(request):
 @pytest.mark.parametrize("name, cols", [("Q4_K", 256 * 3), ("Q4_K", 256 * 45), ("Q5_K", 256 * 43),
                                         ("Q6_K", 256 * 31), ("Q6_K", 256 * 5), ("Q4_0", 32 * 97),
                                         ("Q5_0", 32 * 33), ("Q3_K", 256 * 9), ("MXFP4", 32 * 91),
-                                        ("MXFP4", 32 * 8)])
+                                        ("MXFP4", 32 * 8), ("NVFP4", 64 * 45), ("NVFP4", 64 * 3)])
 def test_tunings_same_bits(isa, name, cols):
     t = BY_NAME[name]
     rng = np.random.default_rng(4100 + t.id + cols)
