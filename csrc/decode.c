@@ -13,12 +13,15 @@
  * [n_ctx, Hkv, D], float16 when kv_f16 (else float32), row pos is written; the w* are the raw GGUF bytes of the 7 matrices.
  * Scratch is per calling thread and grows once (no allocation per call after the first).
  *
- * A MoE layer (moe_layer_new) has the same attention half and, for its FFN, the routed experts
- * of models/layers.py Model.moe_ffn: router matvec (+ bias), softmax or sigmoid, top-k (ties to
- * the lower expert, as numpy's stable argsort; on probability + exp_probs_b where the file has
- * it), weights renormalized (sum in double, clamped at 2^-14) and scaled, the union of the
+ * A MoE layer (moe_layer_new) has the same attention half (with YaRN rope and attention sinks
+ * where the layer has them: gpt-oss) and, for its FFN, the routed experts
+ * of models/layers.py Model.moe_ffn: router matvec (+ bias), softmax or sigmoid (or the logits
+ * themselves, softmax_weight: gpt-oss), top-k (ties to the lower expert, as numpy's stable
+ * argsort; on probability + exp_probs_b where the file has it), for softmax_weight a softmax
+ * over the chosen, weights renormalized (sum in double, clamped at 2^-14) and scaled, the union of the
  * rows' experts in index order, each expert's rows through mf_moe_ffn (csrc/moe.c) with its
- * gate/up/down read in place from the stacked ffn_*_exps tensors, then the shared expert
+ * gate/up/down read in place from the stacked ffn_*_exps tensors (+ their biases; SiLU, GELU or
+ * gpt-oss's clamped SwiGLU), then the shared expert
  * (sigmoid-gated by ffn_gate_inp_shexp, or ungated). decode_batch takes its 4 attention
  * matrices, the router, the 3 stacked expert tensors and the 3 shared-expert ones (if any).
  * Where the store streams the experts (they are not in place), the layer is two calls:
@@ -44,10 +47,11 @@ enum { W_Q, W_K, W_V, W_O, W_G, W_U, W_D, NW };
 /* a MoE layer's matrices: the attention's 4, then these */
 enum { M_ROUTER = 4, M_GE, M_UE, M_DE, M_GS, M_US, M_DS, NWM };
 enum { V_ATTN_NORM, V_Q_NORM, V_K_NORM, V_POST_ATTN, V_FFN_NORM, V_POST_FFW, V_BQ, V_BK, V_BV, V_BO,
-       V_FREQ, NV_DENSE, V_ROUTER_B = NV_DENSE, V_PROBS_B, V_SHEXP_GATE, NV };
+       V_FREQ, NV_DENSE, V_ROUTER_B = NV_DENSE, V_PROBS_B, V_SHEXP_GATE, V_SINKS, V_GATE_EB, V_UP_EB, V_DOWN_EB, NV };
 static const char *const vec_names[NV] = {"attn_norm", "q_norm", "k_norm", "post_attention_norm",
                                           "ffn_norm", "post_ffw_norm", "bq", "bk", "bv", "bo",
-                                          "freq_factors", "router_bias", "exp_probs_b", "shexp_gate"};
+                                          "freq_factors", "router_bias", "exp_probs_b", "shexp_gate",
+                                          "sinks", "gate_exps_b", "up_exps_b", "down_exps_b"};
 static const char *const w_names[NW] = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
                                         "ffn_up", "ffn_down"};
 static const char *const wm_names[NWM] = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp",
@@ -58,6 +62,7 @@ typedef struct {
     int64_t n_embd, n_head, n_head_kv, dk, dv, n_ff, n_rot, window;
     int neox, gelu;
     double rope_base, freq_scale;
+    double yarn_ext, yarn_attn, yarn_lo, yarn_hi; /* YaRN (mf_rope_yarn_f32; ext 0, attn 1: none) */
     float eps, attn_scale, softcap;
     int nw;                    /* weight buffers decode_batch takes: NW dense, 8 or NWM MoE */
     int types[NWM];
@@ -67,6 +72,8 @@ typedef struct {
     int have[NV];
     /* MoE layers (moe != 0) */
     int moe, qk_full, sigmoid, wnorm, shexp_gated;
+    int oai;       /* experts' activation gpt-oss's clamped SwiGLU (else gelu or silu) */
+    int softmax_w; /* gating softmax_weight: top-k by logit, weights a softmax over the chosen */
     int64_t n_expert, k_used, n_ff_exp, n_ff_sh;
     float wscale;
 } layer_t;
@@ -153,16 +160,16 @@ static int run_layer(const layer_t *L, float *x, int64_t n, const kvref_t *kv, c
         if (vec[V_Q_NORM]) mf_rmsnorm_f32(q, vec[V_Q_NORM], q, n * L->n_head, L->dk, L->eps);
         if (vec[V_K_NORM]) mf_rmsnorm_f32(k, vec[V_K_NORM], k, n * L->n_head_kv, L->dk, L->eps);
     }
-    mf_rope_f32(q, q, kv->pos, n, L->n_head, L->dk, L->n_rot, L->rope_base, L->freq_scale, L->neox,
-                vec[V_FREQ]);
-    mf_rope_f32(k, k, kv->pos, n, L->n_head_kv, L->dk, L->n_rot, L->rope_base, L->freq_scale, L->neox,
-                vec[V_FREQ]);
+    mf_rope_yarn_f32(q, q, kv->pos, n, L->n_head, L->dk, L->n_rot, L->rope_base, L->freq_scale, L->neox,
+                     vec[V_FREQ], L->yarn_ext, L->yarn_attn, L->yarn_lo, L->yarn_hi);
+    mf_rope_yarn_f32(k, k, kv->pos, n, L->n_head_kv, L->dk, L->n_rot, L->rope_base, L->freq_scale, L->neox,
+                     vec[V_FREQ], L->yarn_ext, L->yarn_attn, L->yarn_lo, L->yarn_hi);
     if (mf_kv_store(kv->kv_type, kv->K, kv->slots, k, n, kd) || mf_kv_store(kv->kv_type, kv->V, kv->slots, v, n, vd))
         return -4;
     mf_paged_args at = {.q = q, .k = kv->K, .v = kv->V, .out = att, .q_pos = kv->pos, .q_tab = kv->q_tab,
                         .tables = kv->tables, .n = n, .Hq = L->n_head, .Hkv = L->n_head_kv, .D = L->dk,
                         .Dv = L->dv, .bs = kv->bs, .scale = L->attn_scale, .softcap = L->softcap,
-                        .window = L->window, .kv_type = kv->kv_type};
+                        .window = L->window, .kv_type = kv->kv_type, .sinks = vec[V_SINKS]};
     if (mf_attention_paged(&at)) return -4;
     {
         float *ys[1] = {o};
@@ -201,17 +208,17 @@ static int moe_half(const layer_t *L, float *x, int64_t n, const uint8_t *const 
     const float *const *vec = L->vec;
     /* logits, probs, sel_p [n, X]; picked wts, group wts [n K]; shared: gate [n], g, u [n, Fs],
      * s [n, E]; experts' rows: x [n K, E], gate, up [n K, F], y [n K, E]; then int64: sel,
-     * group rows [n K], count [X], off [X + 1]; pointers [3 X] */
+     * group rows [n K], count [X], off [X + 1], the groups' experts [X]; pointers [3 X] */
     const size_t nf = (size_t)(3 * n * X + 2 * n * K + n + 2 * n * Fs + n * E + 2 * n * K * (E + F)),
-                 ni = (size_t)(2 * n * K + 2 * X + 1);
+                 ni = (size_t)(2 * n * K + 3 * X + 1);
     uint8_t *mem = moe_scratch(nf * 4 + ni * 8 + (size_t)(3 * X) * sizeof(void *) + 16);
     if (!mem) return -3;
     float *logits = (float *)mem, *probs = logits + n * X, *selp = probs + n * X, *pw = selp + n * X,
           *gw = pw + n * K, *sg = gw + n * K, *g = sg + n, *u = g + n * Fs, *sy = u + n * Fs,
           *xe = sy + n * E, *ge = xe + n * K * E, *ue = ge + n * K * F, *ye = ue + n * K * F;
     int64_t *sel = (int64_t *)(((uintptr_t)(ye + n * K * E) + 7) & ~(uintptr_t)7), *grow = sel + n * K,
-            *cnt = grow + n * K, *off = cnt + X;
-    const uint8_t **wp = (const uint8_t **)(((uintptr_t)(off + X + 1) + 7) & ~(uintptr_t)7);
+            *cnt = grow + n * K, *off = cnt + X, *gid = off + X + 1;
+    const uint8_t **wp = (const uint8_t **)(((uintptr_t)(gid + X) + 7) & ~(uintptr_t)7);
     int rc;
 
     mf_rmsnorm_f32(x, vec[V_FFN_NORM], h, n, E, L->eps);
@@ -223,6 +230,7 @@ static int moe_half(const layer_t *L, float *x, int64_t n, const uint8_t *const 
     }
     if (vec[V_ROUTER_B]) add_rows(logits, vec[V_ROUTER_B], n, X);
     if (L->sigmoid) mf_sigmoid_f32(logits, probs, n * X);
+    else if (L->softmax_w) memcpy(probs, logits, sizeof(float) * (size_t)(n * X));
     else mf_softmax_f32(logits, probs, n, X);
     const float *sp = probs;
     if (vec[V_PROBS_B]) {
@@ -246,6 +254,7 @@ static int moe_half(const layer_t *L, float *x, int64_t n, const uint8_t *const 
             pw[r * K + j] = probs[r * X + best];
             cnt[best]++;
         }
+        if (L->softmax_w) mf_softmax_f32(pw + r * K, pw + r * K, 1, K);
         if (L->wnorm) {
             double sum = 0.0;
             for (int64_t j = 0; j < K; j++) sum += (double)pw[r * K + j];
@@ -276,7 +285,7 @@ static int moe_half(const layer_t *L, float *x, int64_t n, const uint8_t *const 
         wp[2 * X + G] = xtab ? xtab[3 * e + 2] : w[M_DE] + e * db;
         off[G + 1] = off[G] + cnt[e];
         cnt[e] = off[G]; /* now the group's next free place */
-        G++;
+        gid[G++] = e;
     }
     for (int64_t r = 0; r < n; r++)
         for (int64_t j = 0; j < K; j++) {
@@ -294,12 +303,22 @@ static int moe_half(const layer_t *L, float *x, int64_t n, const uint8_t *const 
         float *ys[2] = {ge, ue};
         if ((rc = mf_matmul_grouped(2, &L->types[M_GE], wp, gr, E, xe, off, G, ys, n))) return rc;
     }
-    if (L->gelu) mf_gelu_mul_f32(ge, ue, ge, N * F);
+    /* the experts' biases (gpt-oss), as mf_moe_ffn adds them: gate and up before the
+     * activation, down before the routing weight */
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t m = off[g + 1] - off[g];
+        if (vec[V_GATE_EB]) add_rows(ge + off[g] * F, vec[V_GATE_EB] + gid[g] * F, m, F);
+        if (vec[V_UP_EB]) add_rows(ue + off[g] * F, vec[V_UP_EB] + gid[g] * F, m, F);
+    }
+    if (L->oai) mf_swiglu_oai_f32(ge, ue, ge, N * F, MF_OAI_ALPHA, MF_OAI_LIMIT);
+    else if (L->gelu) mf_gelu_mul_f32(ge, ue, ge, N * F);
     else mf_silu_mul_f32(ge, ue, ge, N * F);
     {
         float *ys[1] = {ye};
         if ((rc = mf_matmul_grouped(1, &L->types[M_DE], wp + 2 * X, &E, F, ge, off, G, ys, n))) return rc;
     }
+    if (vec[V_DOWN_EB])
+        for (int64_t g = 0; g < G; g++) add_rows(ye + off[g] * E, vec[V_DOWN_EB] + gid[g] * E, off[g + 1] - off[g], E);
     memset(out, 0, sizeof(float) * (size_t)(n * E));
     for (int64_t i = 0; i < N; i++) {
         const float s = gw[i], *yi = ye + i * E;
@@ -399,7 +418,7 @@ static PyObject *py_decode_layer_new(PyObject *self, PyObject *const *a, Py_ssiz
     *L = (layer_t){.n_embd = iv[0], .n_head = iv[1], .n_head_kv = iv[2], .dk = iv[3], .dv = iv[4],
                    .n_ff = iv[5], .n_rot = iv[6], .window = iv[7], .neox = (int)iv[8], .gelu = (int)iv[9],
                    .rope_base = fv[0], .freq_scale = fv[1], .eps = (float)fv[2],
-                   .attn_scale = (float)fv[3], .softcap = (float)fv[4], .nw = NW};
+                   .attn_scale = (float)fv[3], .softcap = (float)fv[4], .nw = NW, .yarn_attn = 1.0};
     PyObject *cap = PyCapsule_New(L, CAPSULE, layer_free);
     if (!cap) { free(L); return NULL; }
     if (L->n_embd <= 0 || L->n_head <= 0 || L->n_head_kv <= 0 || L->n_head % L->n_head_kv || L->dk <= 0 ||
@@ -454,21 +473,24 @@ fail:
  * moe_layer_fields():
  *   ints   = (n_embd, n_head, n_head_kv, dk, dv, n_rot, window, neox, gelu, qk_norm_full, n_expert,
  *             n_expert_used, n_ff_exp, n_ff_shexp, sigmoid, expert_weights_norm, shexp_gated,
- *             11 type ids: -1 for absent shared-expert matrices)
- *   floats = (rope_base, freq_scale, eps, attn_scale, softcap, expert_weights_scale)
- *   vecs   = 14 float32 arrays or None, in the order of vec_names */
-#define MOE_NI 17
+ *             swiglu_oai, softmax_weight, 11 type ids: -1 for absent shared-expert matrices)
+ *   floats = (rope_base, freq_scale, eps, attn_scale, softcap, expert_weights_scale, yarn_ext_factor,
+ *             yarn_attn_factor, yarn_corr_lo, yarn_corr_hi)
+ *   vecs   = 18 float32 arrays or None, in the order of vec_names (sinks [n_head]; the experts'
+ *            biases gate, up [n_expert, n_ff_exp], down [n_expert, n_embd]) */
+#define MOE_NI 19
+#define MOE_NF 10
 static PyObject *py_moe_layer_new(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     if (na != 3 || !PyTuple_Check(a[0]) || !PyTuple_Check(a[1]) || !PyTuple_Check(a[2]) ||
-        PyTuple_GET_SIZE(a[0]) != MOE_NI + NWM || PyTuple_GET_SIZE(a[1]) != 6 || PyTuple_GET_SIZE(a[2]) != NV)
-        return PyErr_Format(PyExc_TypeError, "moe_layer_new(ints[%d], floats[6], vecs[%d])", MOE_NI + NWM, NV);
+        PyTuple_GET_SIZE(a[0]) != MOE_NI + NWM || PyTuple_GET_SIZE(a[1]) != MOE_NF || PyTuple_GET_SIZE(a[2]) != NV)
+        return PyErr_Format(PyExc_TypeError, "moe_layer_new(ints[%d], floats[%d], vecs[%d])", MOE_NI + NWM, MOE_NF, NV);
     long long iv[MOE_NI + NWM];
-    double fv[6];
+    double fv[MOE_NF];
     for (int i = 0; i < MOE_NI + NWM; i++) {
         iv[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(a[0], i));
         if (iv[i] == -1 && PyErr_Occurred()) return NULL;
     }
-    for (int i = 0; i < 6; i++) {
+    for (int i = 0; i < MOE_NF; i++) {
         fv[i] = PyFloat_AsDouble(PyTuple_GET_ITEM(a[1], i));
         if (fv[i] == -1.0 && PyErr_Occurred()) return NULL;
     }
@@ -477,9 +499,10 @@ static PyObject *py_moe_layer_new(PyObject *self, PyObject *const *a, Py_ssize_t
     *L = (layer_t){.n_embd = iv[0], .n_head = iv[1], .n_head_kv = iv[2], .dk = iv[3], .dv = iv[4],
                    .n_rot = iv[5], .window = iv[6], .neox = (int)iv[7], .gelu = (int)iv[8], .qk_full = (int)iv[9],
                    .n_expert = iv[10], .k_used = iv[11], .n_ff_exp = iv[12], .n_ff_sh = iv[13],
-                   .sigmoid = (int)iv[14], .wnorm = (int)iv[15], .shexp_gated = (int)iv[16], .moe = 1,
-                   .rope_base = fv[0], .freq_scale = fv[1], .eps = (float)fv[2], .attn_scale = (float)fv[3],
-                   .softcap = (float)fv[4], .wscale = (float)fv[5]};
+                   .sigmoid = (int)iv[14], .wnorm = (int)iv[15], .shexp_gated = (int)iv[16], .oai = (int)iv[17],
+                   .softmax_w = (int)iv[18], .moe = 1, .rope_base = fv[0], .freq_scale = fv[1], .eps = (float)fv[2],
+                   .attn_scale = (float)fv[3], .softcap = (float)fv[4], .wscale = (float)fv[5],
+                   .yarn_ext = fv[6], .yarn_attn = fv[7], .yarn_lo = fv[8], .yarn_hi = fv[9]};
     L->nw = L->n_ff_sh ? NWM : M_GS;
     PyObject *cap = PyCapsule_New(L, CAPSULE, layer_free);
     if (!cap) { free(L); return NULL; }
@@ -487,7 +510,7 @@ static PyObject *py_moe_layer_new(PyObject *self, PyObject *const *a, Py_ssize_t
         L->dv <= 0 || L->dk > MF_ATTN_MAX_DIM || L->dv > MF_ATTN_MAX_DIM || L->n_rot < 0 || L->n_rot > L->dk ||
         L->n_rot % 2 || L->n_rot > MF_ROPE_MAX_ROT || L->window < 0 || L->softcap < 0 || L->n_expert < 1 ||
         L->k_used < 1 || L->k_used > L->n_expert || L->n_ff_exp <= 0 || L->n_ff_sh < 0 ||
-        (L->shexp_gated && !L->n_ff_sh)) {
+        (L->shexp_gated && !L->n_ff_sh) || (L->sigmoid && L->softmax_w) || (L->oai && L->gelu)) {
         PyErr_Format(PyExc_ValueError, "moe_layer_new: inconsistent layer shape (n_embd %lld, heads %lld/%lld, "
                      "head dims %lld/%lld, n_rot %lld, experts %lld (%lld used) of %lld rows, shared %lld)",
                      iv[0], iv[1], iv[2], iv[3], iv[4], iv[5], iv[10], iv[11], iv[12], iv[13]);
@@ -514,7 +537,8 @@ static PyObject *py_moe_layer_new(PyObject *self, PyObject *const *a, Py_ssize_t
         L->cols[j] = cols[j];
     }
     const int64_t qn = L->qk_full ? rows[W_Q] : L->dk, kn = L->qk_full ? rows[W_K] : L->dk;
-    const int64_t vlen[NV] = {E, qn, kn, E, E, E, rows[W_Q], rows[W_K], rows[W_V], E, L->n_rot / 2, X, X, E};
+    const int64_t vlen[NV] = {E, qn, kn, E, E, E, rows[W_Q], rows[W_K], rows[W_V], E, L->n_rot / 2, X, X, E,
+                              L->n_head, X * F, X * F, X * E};
     for (int i = 0; i < NV; i++) {
         PyObject *o = PyTuple_GET_ITEM(a[2], i);
         if (o == Py_None) {
@@ -829,10 +853,11 @@ static PyObject *py_moe_layer_fields(PyObject *self, PyObject *unused) {
     static const char *const ints[MOE_NI] = {"n_embd", "n_head", "n_head_kv", "head_dim_k", "head_dim_v", "n_rot",
                                              "window", "rope_neox", "gelu", "qk_norm_full", "n_expert",
                                              "n_expert_used", "n_ff_exp", "n_ff_shexp", "sigmoid",
-                                             "expert_weights_norm", "shexp_gated"};
-    static const char *const floats[6] = {"rope_base", "rope_freq_scale", "rms_eps", "attn_scale", "attn_softcap",
-                                          "expert_weights_scale"};
-    PyObject *a = names_tuple(ints, MOE_NI), *b = names_tuple(floats, 6), *c = names_tuple(wm_names, NWM),
+                                             "expert_weights_norm", "shexp_gated", "swiglu_oai", "softmax_weight"};
+    static const char *const floats[MOE_NF] = {"rope_base", "rope_freq_scale", "rms_eps", "attn_scale",
+                                               "attn_softcap", "expert_weights_scale", "yarn_ext_factor",
+                                               "yarn_attn_factor", "yarn_corr_lo", "yarn_corr_hi"};
+    PyObject *a = names_tuple(ints, MOE_NI), *b = names_tuple(floats, MOE_NF), *c = names_tuple(wm_names, NWM),
              *d = names_tuple(vec_names, NV), *r = NULL;
     if (a && b && c && d) r = PyTuple_Pack(4, a, b, c, d);
     Py_XDECREF(a); Py_XDECREF(b); Py_XDECREF(c); Py_XDECREF(d);

@@ -17,12 +17,10 @@ int mf_matmul_multi_ex(int k, const int *types, const uint8_t *const *ws, const 
                        int64_t cols, const float *x, int64_t n, float *const *ys, int vec_only);
 
 /* activations of the gated FFN (act): 0 silu, 1 gelu, 2 swiglu_oai with gpt-oss's alpha and
- * limit (ggml's LLM_FFN_SWIGLU_OAI_MOE) */
+ * limit (ops.h MF_OAI_*) */
 #define MF_ACT_SILU 0
 #define MF_ACT_GELU 1
 #define MF_ACT_SWIGLU_OAI 2
-#define OAI_ALPHA 1.702f
-#define OAI_LIMIT 7.0f
 
 /* y[m, d] += b[d] per row */
 static void add_bias(float *y, const float *b, int64_t m, int64_t d) {
@@ -74,7 +72,7 @@ int mf_moe_ffn(const float *x, int64_t n_embd, int64_t n_ff, const int *types, i
         if (bias && bias[3 * g]) add_bias(ga, bias[3 * g], m, n_ff);
         if (bias && bias[3 * g + 1]) add_bias(up, bias[3 * g + 1], m, n_ff);
         if (act == MF_ACT_SWIGLU_OAI)
-            mf_swiglu_oai_f32(ga, up, ga, m * n_ff, OAI_ALPHA, OAI_LIMIT);
+            mf_swiglu_oai_f32(ga, up, ga, m * n_ff, MF_OAI_ALPHA, MF_OAI_LIMIT);
         else if (act == MF_ACT_GELU)
             mf_gelu_mul_f32(ga, up, ga, m * n_ff);
         else

@@ -43,6 +43,9 @@ void mf_gelu_mul_f32(const float *g, const float *u, float *out, int64_t n);
 /* gpt-oss's clamped SwiGLU (ggml's swiglu_oai): x = min(g, limit), y = clamp(u, -limit, limit),
  * out = x / (1 + exp(-alpha x)) * (y + 1). */
 void mf_swiglu_oai_f32(const float *g, const float *u, float *out, int64_t n, float alpha, float limit);
+/* gpt-oss's alpha and limit (ggml's LLM_FFN_SWIGLU_OAI_MOE) */
+#define MF_OAI_ALPHA 1.702f
+#define MF_OAI_LIMIT 7.0f
 
 /* out[i] = float16 bits of x[i] (round to nearest even, IEEE overflow/subnormals), as numpy's
  * x.astype(float16). */

@@ -1,7 +1,8 @@
 """The fused MoE decode layer (csrc/decode.c moe_layer_new) against the op-by-op block it
 replaces: the same bits for every MoE architecture it covers (softmax top-k with and without
 renormalization, sigmoid + exp_probs_b + scale, the gated and the ungated shared expert, full
-Q/K norm, a leading dense layer), on every ISA, for 1..8 sequences decoding together (the
+Q/K norm, a leading dense layer; gpt-oss's YaRN, attention sinks, sliding layers, expert
+biases, softmax over the chosen and clamped SwiGLU, with MXFP4 experts), on every ISA, for 1..8 sequences decoding together (the
 batch's expert union), with tied router scores, and under a budget that streams experts (those
 layers run fused in two calls around the store). Bad arguments are one clear error."""
 
@@ -19,7 +20,7 @@ from memfit.models.synthetic import write_tiny_model
 from memfit.ops import get_ops
 from memfit.tokenizer import Tokenizer
 
-ARCHS = ["qwen3moe", "qwen2moe", "olmoe", "mixtral", "glm4moe"]
+ARCHS = ["qwen3moe", "qwen2moe", "olmoe", "mixtral", "glm4moe", "gpt-oss"]
 PROMPTS = [[5, 17, 200], [101], [3, 9, 27, 81, 243], [64, 64, 128, 7], [255, 1], [42] * 6,
            [11, 22, 33, 44, 55, 66, 77], [200, 100]]
 N_GEN = 6
@@ -95,7 +96,10 @@ def _fused_vs_blocks(path, n_seqs, monkeypatch, kv="f16", fused_runs=True):
 @pytest.mark.parametrize("isa", list(_native.isas()))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fused_moe_layer_equals_blocks(tmp_path, arch, isa, monkeypatch):
-    path = write_tiny_model(tmp_path / f"{arch}.gguf", arch, "Q4_K", seed=7)
+    # gpt-oss: MXFP4 experts, as its files ship
+    mx = {f"blk.{i}.ffn_{m}_exps.weight": "MXFP4" for i in range(16) for m in ("gate", "up", "down")}
+    path = write_tiny_model(tmp_path / f"{arch}.gguf", arch, "Q4_K", seed=7,
+                            **({"types": mx} if arch == "gpt-oss" else {}))
     old = _native.isa()
     _native.set_isa(isa)
     try:
@@ -192,16 +196,18 @@ def test_moe_layer_rejects_bad_arguments(tmp_path):
     ints = dict.fromkeys(fields[0], 1) | dict(n_embd=256, n_head=4, n_head_kv=2, head_dim_k=64,
                                                head_dim_v=64, n_rot=64, window=0, n_expert=8,
                                                n_expert_used=9, n_ff_exp=256, n_ff_shexp=0,
-                                               shexp_gated=0, qk_norm_full=0)
+                                               shexp_gated=0, qk_norm_full=0, swiglu_oai=0,
+                                               softmax_weight=0)
     iv = tuple(ints[k] for k in fields[0]) + (2,) * 8 + (-1,) * 3
-    vecs = (np.ones(256, np.float32),) + (None,) * 3 + (np.ones(256, np.float32),) + (None,) * 9
+    vecs = (np.ones(256, np.float32),) + (None,) * 3 + (np.ones(256, np.float32),) + (None,) * 13
+    FLOATS = (1e4, 1.0, 1e-6, 0.125, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0)
     with pytest.raises(ValueError, match="inconsistent"):
-        _native.moe_layer_new(iv, (1e4, 1.0, 1e-6, 0.125, 0.0, 1.0), vecs)
+        _native.moe_layer_new(iv, FLOATS, vecs)
     ints["n_expert_used"] = 2
     iv = tuple(ints[k] for k in fields[0]) + (2,) * 8 + (-1,) * 3
-    _native.moe_layer_new(iv, (1e4, 1.0, 1e-6, 0.125, 0.0, 1.0), vecs)
+    _native.moe_layer_new(iv, FLOATS, vecs)
     with pytest.raises(ValueError, match="ffn_norm is required"):
-        _native.moe_layer_new(iv, (1e4, 1.0, 1e-6, 0.125, 0.0, 1.0), vecs[:4] + (None,) * 10)
+        _native.moe_layer_new(iv, FLOATS, vecs[:4] + (None,) * 14)
     with pytest.raises(ValueError, match="router_bias has 7 values"):
-        _native.moe_layer_new(iv, (1e4, 1.0, 1e-6, 0.125, 0.0, 1.0),
-                              vecs[:11] + (np.ones(7, np.float32), None, None))
+        _native.moe_layer_new(iv, FLOATS,
+                              vecs[:11] + (np.ones(7, np.float32),) + (None,) * 6)

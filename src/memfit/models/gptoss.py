@@ -53,6 +53,8 @@ SPEC = ArchSpec("gpt-oss", act="swiglu_oai", rope_neox=True, qkv_bias=True, moe=
 
 class GptOss(Model):
     spec = SPEC
+    fused_moe_decode = True   # csrc/decode.c's MoE layer: YaRN, sinks, expert biases, clamped SwiGLU
+    ffn_norm_name = "post_attention_norm.weight"
 
     def rope_params(self, il):
         c = self.config

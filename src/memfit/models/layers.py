@@ -228,7 +228,8 @@ class Model:
     fused_decode = False
     # the block of a file with experts is csrc/decode.c's MoE layer (pre-norm attention, then
     # the routed experts and the shared expert of moe_ffn / routed_shared_ffn) and its dense
-    # layer where a layer has none (declared by qwen3moe, qwen2moe, olmoe, llama/mixtral, glm4moe)
+    # layer where a layer has none (declared by qwen3moe, qwen2moe, olmoe, llama/mixtral, glm4moe,
+    # gpt-oss)
     fused_moe_decode = False
     # the shared expert is added ungated (routed_shared_ffn: glm4moe), not by spec.shared_expert
     shexp_ungated = False
@@ -266,15 +267,18 @@ class Model:
         op)."""
         c, w, p = self.config, self.weights, f"blk.{il}."
         rs = self.route_spec
-        for bad, why in ((c.yarn, "YaRN rope"), (self.act not in ("silu", "gelu"), self.act),
-                         (rs.gating not in ("softmax", "sigmoid"), rs.gating),
+        for bad, why in ((self.act not in ("silu", "gelu", "swiglu_oai"), self.act),
+                         (rs.gating not in ("softmax", "sigmoid", "softmax_weight"), rs.gating),
                          (rs.n_group > 1 and rs.n_group_used < rs.n_group, "group-limited routing"),
-                         (w.has(p + "ffn_gate_exps.bias"), "expert biases"),
-                         (self.post_norms, "post norms"),
-                         (p + "attn_sinks.weight" in self.vec, "attention sinks")):
+                         (self.post_norms, "post norms")):
             if bad:
                 raise ValueError(f"the fused MoE layer does not compute {why}")
         base, fs, window = self.rope_params(il)
+        yarn = {}
+        if c.yarn:   # as rope() passes it
+            lo, hi = yarn_corr_dims(c.n_rot, c.n_ctx_orig, base, c.yarn_beta_fast, c.yarn_beta_slow)
+            yarn = dict(yarn_ext_factor=1.0, yarn_attn_factor=c.yarn_attn_factor, yarn_corr_lo=lo,
+                        yarn_corr_hi=hi)
         mats = {m: p + m + ".weight" for m in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp")}
         mats.update({f"ffn_{m}_exps": f"{p}ffn_{m}_exps.weight" for m in ("gate", "up", "down")})
         gated = self.spec.shared_expert
@@ -291,9 +295,14 @@ class Model:
             vecs.update(q_norm="attn_q_norm.weight", k_norm="attn_k_norm.weight")
         if gated:
             vecs["shexp_gate"] = "ffn_gate_inp_shexp.weight"
+        vecs["sinks"] = "attn_sinks.weight"
         v = {k: self.vec[p + nm] for k, nm in vecs.items() if p + nm in self.vec}
         if "rope_freqs.weight" in self.vec:
             v["freq_factors"] = self.vec["rope_freqs.weight"]
+        eb = self._expert_biases(il)
+        if eb is not None:   # [n_expert, rows] each, flat (views of F32 weights)
+            v.update({k: np.ascontiguousarray(b, np.float32).reshape(-1)
+                      for k, b in zip(("gate_exps_b", "up_exps_b", "down_exps_b"), eb)})
         g = w.info(mats["ffn_gate_exps"])[0]     # [n_expert, n_ff_exp, n_embd]
         return MoeLayerParams(
             n_embd=c.n_embd, n_head=c.n_head, n_head_kv=c.n_head_kv, head_dim_k=c.head_dim_k,
@@ -302,8 +311,9 @@ class Model:
             n_expert=g[0], n_expert_used=rs.k, n_ff_exp=g[1], n_ff_shexp=n_ff_sh,
             sigmoid=rs.gating == "sigmoid", expert_weights_norm=rs.norm, shexp_gated=gated,
             rope_base=base, rope_freq_scale=fs, rms_eps=c.rms_eps, attn_scale=c.attn_scale,
-            attn_softcap=c.attn_softcap, expert_weights_scale=rs.scale, weights=mats,
-            types={k: w.info(nm)[1].id for k, nm in mats.items()}, vecs=v)
+            attn_softcap=c.attn_softcap, expert_weights_scale=rs.scale,
+            swiglu_oai=self.act == "swiglu_oai", softmax_weight=rs.gating == "softmax_weight",
+            **yarn, weights=mats, types={k: w.info(nm)[1].id for k, nm in mats.items()}, vecs=v)
 
     def _decode_layers(self) -> list | None:
         """Per layer (native layer, its matrix names) for decode rows when the backend has the

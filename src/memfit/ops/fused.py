@@ -66,12 +66,20 @@ class MoeLayerParams:
     attn_scale: float
     attn_softcap: float
     expert_weights_scale: float
+    swiglu_oai: bool = False    # experts' activation gpt-oss's clamped SwiGLU
+    softmax_weight: bool = False  # top-k by logit, weights a softmax over the chosen (gpt-oss)
+    # YaRN as Model.rope applies it (ext_factor 0, attn_factor 1: none)
+    yarn_ext_factor: float = 0.0
+    yarn_attn_factor: float = 1.0
+    yarn_corr_lo: float = 0.0
+    yarn_corr_hi: float = 0.0
     # matrix slot (attn_q, ..., ffn_gate_inp, ffn_{gate,up,down}_exps, ffn_{gate,up,down}_shexp)
     # -> tensor (the shared expert's only where the layer has one)
     weights: dict[str, str] = field(default_factory=dict)
     types: dict[str, int] = field(default_factory=dict)
     # vector slot (attn_norm, q_norm, k_norm, ffn_norm, bq, bk, bv, bo, freq_factors,
-    # router_bias, exp_probs_b, shexp_gate) -> float32 values; absent: not in this layer
+    # router_bias, exp_probs_b, shexp_gate, sinks, gate_exps_b, up_exps_b, down_exps_b) ->
+    # float32 values; absent: not in this layer
     vecs: dict[str, np.ndarray] = field(default_factory=dict)
 
 
