@@ -163,6 +163,12 @@ def test_stop_aborts_generation(server, browser):
     n_user = len(d.find_elements(By.CSS_SELECTOR, ".msg.user"))
     d.execute_script("document.getElementById('temperature').value = '0.8';"
                      "document.getElementById('max-tokens').value = '900';")
+    # the answer must still be running when Stop is clicked: the page's requests get
+    # ignore_eos (an answer that ended by itself just before the click counted no disconnect)
+    d.execute_script("window.__fetch = window.fetch; window.fetch = (u, o) => {"
+                     " if (!o || !o.body) return window.__fetch(u, o);"
+                     " const b = JSON.parse(o.body); b.ignore_eos = true;"
+                     " return window.__fetch(u, Object.assign({}, o, {body: JSON.stringify(b)})); };")
     _send(d, "Write a very long story about a lighthouse keeper, with many chapters.")
     _wait(d, lambda: len((_last_answer(d) or {}).get("text", "")) > 20, 60, "streamed text")
     assert server.metrics()["memfit_requests_running"] == 1
@@ -183,6 +189,7 @@ def test_stop_aborts_generation(server, browser):
     assert _last_answer(d)["text"] == text          # nothing more arrives
     assert "stopped" in _last_answer(d)["note"]
     assert d.find_element(By.ID, "send").is_enabled()
+    d.execute_script("window.fetch = window.__fetch;")
     # the conversation goes on after a stop
     d.execute_script("document.getElementById('temperature').value = '0';"
                      "document.getElementById('max-tokens').value = '8';")

@@ -139,17 +139,21 @@ def test_fused_moe_layer_ties_and_routing_variants(tmp_path, monkeypatch):
     _fused_vs_blocks(path, (1, 4, 7), monkeypatch)
 
 
-def test_fused_moe_layer_under_a_budget(tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
+def test_fused_moe_layer_under_a_budget(tmp_path, monkeypatch, arch):
     # experts streamed through the store's cache: those layers run fused in two calls around
     # get_experts (StreamedMoeLayer; tests/test_moe_stream_fused.py); everything pinned: fused
-    # in place; both the bits of the mapped file
+    # in place; both the bits of the mapped file (gpt-oss: the streamed experts' biases are
+    # found by expert id)
     from memfit.models.layers import StreamedMoeLayer
     from memfit.memory.bandwidth import Bandwidth
     from memfit.memory.ledger import Ledger
     from memfit.memory.planner import ModelDesc, plan
     from memfit.memory.store import WeightStore
 
-    path = write_tiny_model(tmp_path / "m.gguf", "qwen3moe", "Q4_0", seed=3, n_layer=3)
+    mx = {f"blk.{i}.ffn_{m}_exps.weight": "MXFP4" for i in range(3) for m in ("gate", "up", "down")}
+    path = write_tiny_model(tmp_path / "m.gguf", arch, "Q4_0", seed=3, n_layer=3,
+                            **({"types": mx} if arch == "gpt-oss" else {}))
     ref = _fused_vs_blocks(path, (1, 3), monkeypatch)
     f = open_gguf(path)
     desc = ModelDesc.from_gguf(f)
