@@ -118,9 +118,11 @@ float mf_vd_tq1_0_avx512(const uint8_t *w, const void *x, int64_t nb);
 float mf_vd_tq2_0_avx512(const uint8_t *w, const void *x, int64_t nb);
 void mf_vd4_tq2_0_avx512(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out);
 float mf_vd_mxfp4_avx512(const uint8_t *w, const void *x, int64_t nb);
+void mf_vd1_mxfp4_avx512(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out);
 void mf_vd4_mxfp4_avx512(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out);
 void mf_vd8_mxfp4_avx512(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out);
 float mf_vd_nvfp4_avx512(const uint8_t *w, const void *x, int64_t nb);
+void mf_vd1_nvfp4_avx512(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out);
 void mf_vd4_nvfp4_avx512(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out);
 void mf_vd8_nvfp4_avx512(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out);
 

@@ -324,12 +324,19 @@ VNNI float mf_vd_tq1_0_avx512(const uint8_t *w, const void *xv, int64_t nb) {
  * the AVX2 kernel's a0, odd blocks' its a1, summed the same way at the end: the same bits as
  * mf_vd_mxfp4_avx2 on every row, whatever R. The y vector and its correction are shared by
  * the R rows. */
+/* the 1-row vec-dot of an R-row kernel (its R = 1 instance: the same bits) */
+#define VDZ_ONE_ROW(NAME, KERNEL)                                                                   \
+    VNNI float NAME(const uint8_t *w, const void *x, int64_t nb) {                                  \
+        float o;                                                                                    \
+        KERNEL(w, 0, x, nb, &o);                                                                    \
+        return o;                                                                                   \
+    }
 static float e8m0_lut[256];
 __attribute__((constructor)) static void e8m0_lut_init(void) {
     for (int e = 0; e < 256; e++) e8m0_lut[e] = e8m0_half((uint8_t)e);
 }
 #define VDZ_MXFP4(NAME, R)                                                                          \
-    VNNI static void NAME(const uint8_t *w, size_t rb, const void *xv, int64_t nb, float *out) {   \
+    VNNI void NAME(const uint8_t *w, size_t rb, const void *xv, int64_t nb, float *out) {          \
         const mf_q8_32 *x = xv;                                                                     \
         __m512 a[R];                                                                                \
         for (int r = 0; r < R; r++) a[r] = _mm512_setzero_ps();                                     \
@@ -362,20 +369,10 @@ __attribute__((constructor)) static void e8m0_lut_init(void) {
         for (int r = 0; r < R; r++)                                                                 \
             out[r] = hsum_ps(_mm256_add_ps(_mm512_castps512_ps256(a[r]), _mm512_extractf32x8_ps(a[r], 1))); \
     }
-VDZ_MXFP4(vdz1_mxfp4, 1)
-VDZ_MXFP4(vdz4_mxfp4, 4)
-VDZ_MXFP4(vdz8_mxfp4, 8)
-VNNI float mf_vd_mxfp4_avx512(const uint8_t *w, const void *x, int64_t nb) {
-    float o;
-    vdz1_mxfp4(w, 0, x, nb, &o);
-    return o;
-}
-VNNI void mf_vd4_mxfp4_avx512(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out) {
-    vdz4_mxfp4(w, rb, x, nb, out);
-}
-VNNI void mf_vd8_mxfp4_avx512(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out) {
-    vdz8_mxfp4(w, rb, x, nb, out);
-}
+VDZ_MXFP4(mf_vd1_mxfp4_avx512, 1)
+VDZ_MXFP4(mf_vd4_mxfp4_avx512, 4)
+VDZ_MXFP4(mf_vd8_mxfp4_avx512, 8)
+VDZ_ONE_ROW(mf_vd_mxfp4_avx512, mf_vd1_mxfp4_avx512)
 
 /* NVFP4, R = 1, 4 or 8 rows, one 64-value block per 512-bit step: the 32 bytes broadcast to
  * both halves, low nibbles in lanes 0-7 and high nibbles in 8-15 by one shift and mask, the
@@ -392,7 +389,7 @@ static const uint8_t nv_perm[64] = {
     8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31,
     40, 41, 42, 43, 44, 45, 46, 47, 56, 57, 58, 59, 60, 61, 62, 63};
 #define VDZ_NVFP4(NAME, R)                                                                          \
-    VNNI static void NAME(const uint8_t *w, size_t rb, const void *xv, int64_t nb, float *out) {   \
+    VNNI void NAME(const uint8_t *w, size_t rb, const void *xv, int64_t nb, float *out) {          \
         const mf_q8_32 *x = xv;                                                                     \
         __m512 a[R];                                                                                \
         for (int r = 0; r < R; r++) a[r] = _mm512_setzero_ps();                                     \
@@ -427,20 +424,10 @@ static const uint8_t nv_perm[64] = {
         for (int r = 0; r < R; r++)                                                                 \
             out[r] = hsum_ps(_mm256_add_ps(_mm512_castps512_ps256(a[r]), _mm512_extractf32x8_ps(a[r], 1))); \
     }
-VDZ_NVFP4(vdz1_nvfp4, 1)
-VDZ_NVFP4(vdz4_nvfp4, 4)
-VDZ_NVFP4(vdz8_nvfp4, 8)
-VNNI float mf_vd_nvfp4_avx512(const uint8_t *w, const void *x, int64_t nb) {
-    float o;
-    vdz1_nvfp4(w, 0, x, nb, &o);
-    return o;
-}
-VNNI void mf_vd4_nvfp4_avx512(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out) {
-    vdz4_nvfp4(w, rb, x, nb, out);
-}
-VNNI void mf_vd8_nvfp4_avx512(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out) {
-    vdz8_nvfp4(w, rb, x, nb, out);
-}
+VDZ_NVFP4(mf_vd1_nvfp4_avx512, 1)
+VDZ_NVFP4(mf_vd4_nvfp4_avx512, 4)
+VDZ_NVFP4(mf_vd8_nvfp4_avx512, 8)
+VDZ_ONE_ROW(mf_vd_nvfp4_avx512, mf_vd1_nvfp4_avx512)
 
 /* 4 rows block by block: per row exactly the 1-row kernel's operations (the same bits); the
  * X loads and -sum(y) shared. TQ2_0 only: 1 thread from DRAM at 7B shapes +3..17%; TQ1_0's
