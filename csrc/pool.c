@@ -86,10 +86,15 @@ static int detect_slow_gather(void) {
  * 3584 columns and the output matrix +5-15% (two runs of 7 trials). One stream per task for the
  * 1-row kernels instead of two (the Xeon's choice): Q4_K/Q6_K at the 7B's short rows and the
  * output matrix +45-65% (20-24 -> 31-39 GB/s, 85-95% of the read probe), Q3_K +48%, MXFP4 +22%,
- * Q5_K +13%, the compute-bound IQ types level (5 trials). */
+ * Q5_K +13%, the compute-bound IQ types level (5 trials). Session 17 (NOTES), in-process A/B
+ * alternated: the strided 4/8-row groups in 512 KiB tasks (task_kib_strided; 64 KiB before):
+ * MXFP4 2880x2880 +23%, Q8_0 4096x2880 +13%, Q4_0 4096x4096 +23%, Q5_0 14336x4096 +14%; and rows
+ * of up to 4.5 KiB strided (stride_max_rb 4608; 3072 before): Q8_0 at 4096 columns +46-72%
+ * (21-22 -> 30-38 GB/s), Q4_0 at 7168 +27%, MXFP4 at 7680 +34%. Longer rows were mixed (Q8_0
+ * 14336 +14%, Q4_K 18944 +6%, Q6_K 18944 -12%): they stay adjacent. */
 #define MF_TUNE_AMD_ZEN4 \
     (mf_tune.pf_rows = 0, mf_tune.pf_strided = 0, mf_tune.k_vd8_min_rb = 6144, mf_tune.task_kib = 128, \
-     mf_tune.streams = 1, mf_tune.task_kib_strided = 512)
+     mf_tune.streams = 1, mf_tune.task_kib_strided = 512, mf_tune.stride_max_rb = 4608)
 mf_tune_t mf_tune = {.pf_rows = 8, .pf_rows_multi = 8, .pf_strided = 2, .q8_vd4_min_rb = 2048, .k_vd4_min_rb = 6144, .k_vd8_min_rb = 1 << 20,
                      .stride_max_rb = 3072, .streams = 2, .task_kib = 64, .task_kib_multi = 64, .task_kib_strided = 64,
                      .kg_tile_kib = 1024,
