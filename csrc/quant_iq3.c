@@ -99,8 +99,8 @@ AVX2 static inline __m256i g1x4(uint32_t q4, __m128i hi) {
     return _mm256_i32gather_epi64((const long long *)(const void *)mf_grid_iq1s, idx, 8);
 }
 /* IQ3_XXS: 8 grid rows of 4 values from 8 byte indices, gathered, or loaded one by one where
- * gathers are slow (Zen 3: 1.19x; IQ1_S/IQ1_M's 64-bit rows measured level both ways and keep
- * the gather) */
+ * gathers are slow (Zen 3: 1.19x; IQ1_S/IQ1_M's 4-lane 64-bit rows here measured level both ways
+ * and keep the gather; their AVX-512 8-lane form, g1x8, loads them on Zen 4) */
 AVX2 static inline __m256i g3x8(const uint8_t *qs) {
     const uint32_t *G = (const uint32_t *)(const void *)mf_grid_iq3xxs;
     if (mf_slow_gather)
@@ -373,7 +373,15 @@ VNNI float mf_vd_iq3_s_avx512(const uint8_t *w, const void *xv, int64_t nb) {
 /* IQ1_S/IQ1_M: 8 grid rows (two sub-blocks) by one 8-lane 64-bit gather */
 VNNI static inline __m512i g1x8(const uint8_t *q8b, __m256i hi) {
     const __m256i idx = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q8b)), hi);
-    return _mm512_i32gather_epi64(idx, (const void *)mf_grid_iq1s, 8);
+    if (!mf_slow_gather) return _mm512_i32gather_epi64(idx, (const void *)mf_grid_iq1s, 8);
+    /* where gathers are slow (pool.c): the 8 rows by scalar loads, the same values */
+    const uint64_t *G = (const uint64_t *)(const void *)mf_grid_iq1s;
+    _Alignas(32) uint32_t ix[8];
+    _mm256_store_si256((__m256i *)ix, idx);
+    __m512i r = _mm512_castsi128_si512(_mm_set_epi64x((long long)G[ix[1]], (long long)G[ix[0]]));
+    r = _mm512_inserti64x2(r, _mm_set_epi64x((long long)G[ix[3]], (long long)G[ix[2]]), 1);
+    r = _mm512_inserti64x2(r, _mm_set_epi64x((long long)G[ix[5]], (long long)G[ix[4]]), 2);
+    return _mm512_inserti64x2(r, _mm_set_epi64x((long long)G[ix[7]], (long long)G[ix[6]]), 3);
 }
 
 /* unsigned grid+1 (0..2) . q8 by maddubs; grid . q8 = that - sum(q8), the delta +-sum(q8)/8:
