@@ -52,8 +52,8 @@ static int detect_isa(void) {
 #endif
 }
 
-/* The IQ3 grid-row gathers (AVX2 8-lane, AVX-512 16-lane) that this CPU runs slower than scalar
- * loads + inserts: AMD (families 0x17, 0x19, 0x1A). Measured on Zen 3 (docs/NOTES.md session
+/* The IQ grid-row gathers (IQ3: AVX2 8-lane, AVX-512 16-lane; IQ1: AVX-512 8-lane 64-bit) that
+ * this CPU runs slower than scalar loads + inserts: AMD (families 0x17, 0x19, 0x1A). Measured on Zen 3 (docs/NOTES.md session
  * 8): IQ2 lattice rows by vpgatherqq 0.61-0.76x (they keep other code), IQ3_XXS rows by
  * vpgatherdd 1.2x slower; on Zen 4 (session 16) IQ3_S's 16-lane gathers 4.3 against 5.6 GB/s;
  * on the Xeon session 7 measured gathers faster. IQ1_S/IQ1_M's AVX-512 8-lane 64-bit gathers on

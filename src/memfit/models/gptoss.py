@@ -66,4 +66,4 @@ class GptOss(Model):
         h = self.attention(il, self.norm(x, p + "attn_norm.weight"), pos, cache, last)
         x = (x if last is None else x[last]) + h
         # moe_ffn(): router bias, softmax over the chosen, expert biases, clamped SwiGLU
-        return x + self.moe_ffn(il, self.norm(x, p + "post_attention_norm.weight"), last)
+        return x + self.moe_ffn(il, self.norm(x, p + self.ffn_norm_name), last)

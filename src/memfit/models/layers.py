@@ -274,11 +274,10 @@ class Model:
             if bad:
                 raise ValueError(f"the fused MoE layer does not compute {why}")
         base, fs, window = self.rope_params(il)
-        yarn = {}
-        if c.yarn:   # as rope() passes it
-            lo, hi = yarn_corr_dims(c.n_rot, c.n_ctx_orig, base, c.yarn_beta_fast, c.yarn_beta_slow)
-            yarn = dict(yarn_ext_factor=1.0, yarn_attn_factor=c.yarn_attn_factor, yarn_corr_lo=lo,
-                        yarn_corr_hi=hi)
+        y, yarn = self._yarn(base), {}
+        if y:   # the arguments rope() passes
+            yarn = dict(yarn_ext_factor=y["ext_factor"], yarn_attn_factor=y["attn_factor"],
+                        yarn_corr_lo=y["corr_dims"][0], yarn_corr_hi=y["corr_dims"][1])
         mats = {m: p + m + ".weight" for m in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp")}
         mats.update({f"ffn_{m}_exps": f"{p}ffn_{m}_exps.weight" for m in ("gate", "up", "down")})
         gated = self.spec.shared_expert
@@ -353,6 +352,18 @@ class Model:
                 self._fused = []
         return self._fused or None
 
+    def _yarn(self, base: float) -> dict:
+        """The rope op's YaRN arguments for a rope base ({} without YaRN), the ramp's dims
+        computed once per base; rope() and the fused MoE layer's parameters take them."""
+        c = self.config
+        if not c.yarn:
+            return {}
+        corr = self._yarn_corr.get(base)
+        if corr is None:
+            corr = self._yarn_corr[base] = yarn_corr_dims(
+                c.n_rot, c.n_ctx_orig, base, c.yarn_beta_fast, c.yarn_beta_slow)
+        return dict(ext_factor=1.0, attn_factor=c.yarn_attn_factor, corr_dims=corr)
+
     def rope(self, x: np.ndarray, pos: np.ndarray, il: int, neox: bool | None = None) -> np.ndarray:
         """RoPE of x [n, heads, head_dim] on its first n_rot dims at layer il (rope_params),
         with the file's frequency factors (rope_freqs) and YaRN as llama.cpp applies them."""
@@ -362,12 +373,7 @@ class Model:
         ff = self.vec.get("rope_freqs.weight")  # llama3-style per-dim frequency factors
         if ff is not None:
             kw["freq_factors"] = ff
-        if c.yarn:
-            corr = self._yarn_corr.get(base)
-            if corr is None:
-                corr = self._yarn_corr[base] = yarn_corr_dims(
-                    c.n_rot, c.n_ctx_orig, base, c.yarn_beta_fast, c.yarn_beta_slow)
-            kw.update(ext_factor=1.0, attn_factor=c.yarn_attn_factor, corr_dims=corr)
+        kw.update(self._yarn(base))
         return self.ops.rope(np.ascontiguousarray(x), pos, c.n_rot, base, fs,
                              c.rope_neox if neox is None else neox, **kw)
 
