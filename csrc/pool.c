@@ -52,11 +52,11 @@ static int detect_isa(void) {
 #endif
 }
 
-/* The IQ grid-row gathers (IQ3: AVX2 8-lane, AVX-512 16-lane; IQ1: AVX-512 8-lane 64-bit) that
+/* The IQ grid-row gathers (IQ3: AVX2 8-lane; IQ1: AVX-512 8-lane 64-bit) that
  * this CPU runs slower than scalar loads + inserts: AMD (families 0x17, 0x19, 0x1A). Measured on Zen 3 (docs/NOTES.md session
  * 8): IQ2 lattice rows by vpgatherqq 0.61-0.76x (they keep other code), IQ3_XXS rows by
- * vpgatherdd 1.2x slower; on Zen 4 (session 16) IQ3_S's 16-lane gathers 4.3 against 5.6 GB/s;
- * on the Xeon session 7 measured gathers faster. IQ1_S/IQ1_M's AVX-512 8-lane 64-bit gathers on
+ * vpgatherdd 1.2x slower; on the Xeon session 7 measured gathers faster. (The AVX-512 IQ3
+ * kernels neither gather nor load: they look the rows up in registers, quant_iq3.c.) IQ1_S/IQ1_M's AVX-512 8-lane 64-bit gathers on
  * Zen 4 (session 17, 5 alternated pairs): loads +18% (IQ1_M 3584x3584), +5-10% (IQ1_S, long
  * rows). Both forms compute the same integers.
  * MEMFIT_GATHER=0/1 overrides. */
@@ -68,8 +68,8 @@ static int detect_slow_gather(void) {
     int amd;
     unsigned fam, model;
     cpu_family(&amd, &fam, &model);
-    /* Zen 1-3: IQ3_XXS's 8-lane AVX2 gathers (1.19x with loads); Zen 4: IQ3_S's 16-lane
-     * AVX-512 gathers (4.3 -> 5.6 GB/s with loads, BENCHMARKS.md section 26); Zen 5 unmeasured */
+    /* Zen 1-3: IQ3_XXS's 8-lane AVX2 gathers (1.19x with loads); Zen 4: IQ1_S/IQ1_M's 8-lane
+     * AVX-512 gathers (loads +5-18%, BENCHMARKS.md section 27); Zen 5 unmeasured */
     (void)model;
     return amd && (fam == 0x17 || fam == 0x19 || fam == 0x1A);
 }

@@ -48,6 +48,12 @@ void mf_get_scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m);
  * iq2xxs_grid and mf_grid_iq3xxs as uint32[256] is iq3xxs_grid. */
 extern _Alignas(64) int8_t mf_grid_iq2xxs[256 * 8], mf_grid_iq2xs[512 * 8], mf_grid_iq2s[1024 * 8];
 extern _Alignas(64) uint8_t mf_grid_iq3xxs[256 * 4], mf_grid_iq3s[512 * 4];
+/* IQ3_S's grid as two nibble tables for the AVX-512 VBMI byte lookups (quant_tables.c derives
+ * them from mf_grid_iq3s when it is installed): row i's values g0..g3 (odd, 1..15) as
+ * g0 | g1 << 4 in mf_iq3s_n01[i] and g2 | g3 << 4 in mf_iq3s_n23[i] */
+extern _Alignas(64) uint8_t mf_iq3s_n01[512], mf_iq3s_n23[512];
+/* IQ3_XXS's the same way, with each value's code (0..7: 4, 12, .., 52, 62) in place of the value */
+extern _Alignas(64) uint8_t mf_iq3xxs_n01[256], mf_iq3xxs_n23[256];
 extern _Alignas(64) int8_t mf_grid_iq1s[2048 * 8]; /* -1/0/+1; IQ1_S and IQ1_M share it */
 extern uint8_t mf_ksigns_iq2xs[128];                /* ggml's ksigns_iq2xs */
 extern int mf_slow_gather; /* pool.c: this CPU's grid-row gathers are slower than scalar loads */

@@ -291,9 +291,10 @@ AVX2 void mf_up_iq1_m(const uint8_t *w, mf_kblk *o) {
 }
 
 /* ---------------- AVX-512 VNNI vec-dots x Q8_K: two sub-blocks (64 values) per zmm ---------
- * grid rows by 16-lane gathers, signs as a 64-bit mask (negate y where set), sub-block scales
- * as int16 by vpdpwssd: the same exact integer block sums as the AVX2 kernels */
-#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")))
+ * grid rows by byte lookups (IQ3) or 8-lane gathers (IQ1), signs as a 64-bit mask (negate y
+ * where set), sub-block scales as int16 by vpdpwssd: the same exact integer block sums as the
+ * AVX2 kernels */
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx512dq,avx2,fma,f16c")))
 
 /* int16 scale vector of sub-blocks 2j (lanes 0..15) and 2j+1 (16..31) from int32 lanes of s8
  * (only its low 256 bits are read) */
@@ -302,43 +303,43 @@ VNNI static inline __m512i pair_scales(__m512i s8, int j) {
     return _mm512_permutexvar_epi16(_mm512_add_epi16(base, _mm512_set1_epi16((short)(4 * j))), s8);
 }
 
-/* 16 grid rows of 4 bytes from 16 indices: one 16-lane gather, or where gathers are slow
- * (mf_slow_gather: AMD, pool.c) the indices stored once and the rows read by scalar loads into
- * four 128-bit lanes (the same values; IQ3_S on Zen 4: 4.3 -> 5.6 GB/s, 2 threads) */
-VNNI static inline __m512i grid16(const uint8_t *grid, __m512i idx) {
-    if (!mf_slow_gather) return _mm512_i32gather_epi32(idx, (const void *)grid, 4);
-    const uint32_t *G = (const uint32_t *)(const void *)grid;
-    _Alignas(64) uint32_t ix[16];
-    _mm512_store_si512((void *)ix, idx);
-    __m128i l[4];
-    for (int k = 0; k < 4; k++) {
-        __m128i v = _mm_cvtsi32_si128((int)G[ix[4 * k]]);
-        v = _mm_insert_epi32(v, (int)G[ix[4 * k + 1]], 1);
-        v = _mm_insert_epi32(v, (int)G[ix[4 * k + 2]], 2);
-        l[k] = _mm_insert_epi32(v, (int)G[ix[4 * k + 3]], 3);
-    }
-    __m512i r = _mm512_castsi128_si512(l[0]);
-    r = _mm512_inserti32x4(r, l[1], 1);
-    r = _mm512_inserti32x4(r, l[2], 2);
-    return _mm512_inserti32x4(r, l[3], 3);
-}
+/* 16 rows r of group j (values 64j..64j+63) as qword pairs [n01[r], n23[r], n01[r+1],
+ * n23[r+1]] of the two lookups' results (bytes 4..7 of each qword unused), so that
+ * vpmultishiftqb takes nibble k of a qword's low 4 bytes to its byte k */
+#define IQ3_SEL2(j, r) 16 * (j) + (r), 64 + 16 * (j) + (r), 16 * (j) + (r) + 1, 64 + 16 * (j) + (r) + 1, 0, 0, 0, 0
+#define IQ3_SEL(j) {IQ3_SEL2(j, 0), IQ3_SEL2(j, 2), IQ3_SEL2(j, 4), IQ3_SEL2(j, 6), IQ3_SEL2(j, 8), IQ3_SEL2(j, 10), IQ3_SEL2(j, 12), IQ3_SEL2(j, 14)}
+static _Alignas(64) const uint8_t iq3_sel[4][64] = {IQ3_SEL(0), IQ3_SEL(1), IQ3_SEL(2), IQ3_SEL(3)};
 
+/* IQ3_XXS as IQ3_S below (one 256-entry table pair per value pair, bit 7 choosing the pair),
+ * the nibbles being value codes that one vpshufb turns into values; the signs of all 256
+ * values from the 7-bit ksigns fields by parity (iq_signs4x7), a 64-bit mask per 64 values */
 VNNI float mf_vd_iq3_xxs_avx512(const uint8_t *w, const void *xv, int64_t nb) {
     const mf_q8_256 *x = xv;
     __m512 acc = _mm512_setzero_ps();
+    __m512i t01[4], t23[4], sel[4];
+    for (int k = 0; k < 4; k++) {
+        t01[k] = _mm512_load_si512((const void *)(mf_iq3xxs_n01 + 64 * k));
+        t23[k] = _mm512_load_si512((const void *)(mf_iq3xxs_n23 + 64 * k));
+        sel[k] = _mm512_load_si512((const void *)iq3_sel[k]);
+    }
+    const __m512i nsh = _mm512_set1_epi64(0x1C1814100C080400LL), m4 = _mm512_set1_epi8(15);
+    const __m512i vals = _mm512_broadcast_i32x4(_mm_setr_epi8(4, 12, 20, 28, 36, 44, 52, 62, 0, 0, 0, 0, 0, 0, 0, 0));
     for (int64_t b = 0; b < nb; b++, w += 98) {
         const __m256i aux = _mm256_loadu_si256((const __m256i *)(w + 66));
         const __m256i ls = _mm256_add_epi32(_mm256_slli_epi32(_mm256_srli_epi32(aux, 28), 1), _mm256_set1_epi32(1));
         const __m512i s8 = _mm512_castsi256_si512(ls);
+        _Alignas(32) uint64_t sgs[4];
+        _mm256_store_si256((__m256i *)sgs, iq_signs4x7(aux));
+        const __m512i q = _mm512_loadu_si512((const void *)(w + 2));
+        const __mmask64 b7 = _mm512_movepi8_mask(q);
+        const __m512i v01 = _mm512_mask_blend_epi8(b7, _mm512_permutex2var_epi8(t01[0], q, t01[1]), _mm512_permutex2var_epi8(t01[2], q, t01[3]));
+        const __m512i v23 = _mm512_mask_blend_epi8(b7, _mm512_permutex2var_epi8(t23[0], q, t23[1]), _mm512_permutex2var_epi8(t23[2], q, t23[3]));
         __m512i sumi = _mm512_setzero_si512();
         for (int j = 0; j < 4; j++) {
-            const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 2 + 16 * j)));
-            const __m512i g = grid16(mf_grid_iq3xxs, idx);
-            const uint32_t a0 = rd32(w + 66 + 8 * j), a1 = rd32(w + 70 + 8 * j);
-            const uint64_t sg = (uint64_t)(iq3xxs_signs(a0, 0) | iq3xxs_signs(a0, 1) << 8 | iq3xxs_signs(a0, 2) << 16 | (uint32_t)iq3xxs_signs(a0, 3) << 24) |
-                                (uint64_t)(iq3xxs_signs(a1, 0) | iq3xxs_signs(a1, 1) << 8 | iq3xxs_signs(a1, 2) << 16 | (uint32_t)iq3xxs_signs(a1, 3) << 24) << 32;
+            const __m512i c = _mm512_and_si512(_mm512_multishift_epi64_epi8(nsh, _mm512_permutex2var_epi8(v01, sel[j], v23)), m4);
+            const __m512i g = _mm512_shuffle_epi8(vals, c);
             __m512i y = _mm512_loadu_si512((const void *)(x[b].qs + 64 * j));
-            y = _mm512_mask_sub_epi8(y, (__mmask64)sg, _mm512_setzero_si512(), y);
+            y = _mm512_mask_sub_epi8(y, (__mmask64)sgs[j], _mm512_setzero_si512(), y);
             sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(g, y), pair_scales(s8, j));
         }
         acc = _mm512_fmadd_ps(_mm512_set1_ps(f16s(w) * x[b].d * 0.25f), _mm512_cvtepi32_ps(sumi), acc);
@@ -346,19 +347,42 @@ VNNI float mf_vd_iq3_xxs_avx512(const uint8_t *w, const void *xv, int64_t nb) {
     return _mm512_reduce_add_ps(acc);
 }
 
+/* IQ3_S's 64 grid rows of a block by byte lookups instead of gathers (VBMI, which this ISA
+ * level has): the 9-bit index's low 7 bits pick a byte of a 128-entry table pair
+ * (vpermi2b), bit 7 and bit 8 (qh as a 64-bit mask, bit l for row l) choose among the four
+ * pairs. The tables hold two grid values per byte (mf_iq3s_n01/n23), so two sets of lookups
+ * give all four values of each row; per 16 rows one byte permute interleaves them as
+ * row-major [n01, n23] pairs and vpmultishiftqb + and spread the nibbles to bytes. The same
+ * integers as the gather form. Zen 4, bench --kernels 4096x4096, 2 threads: see
+ * BENCHMARKS.md section 28. */
+VNNI static inline __m512i iq3s_lookup(const __m512i t[8], __m512i q, __mmask64 b7, __mmask64 b8) {
+    const __m512i lo = _mm512_mask_blend_epi8(b7, _mm512_permutex2var_epi8(t[0], q, t[1]), _mm512_permutex2var_epi8(t[2], q, t[3]));
+    const __m512i hi = _mm512_mask_blend_epi8(b7, _mm512_permutex2var_epi8(t[4], q, t[5]), _mm512_permutex2var_epi8(t[6], q, t[7]));
+    return _mm512_mask_blend_epi8(b8, lo, hi);
+}
+
 VNNI float mf_vd_iq3_s_avx512(const uint8_t *w, const void *xv, int64_t nb) {
     const mf_q8_256 *x = xv;
     __m512 acc = _mm512_setzero_ps();
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i t01[8], t23[8];
+    for (int k = 0; k < 8; k++) {
+        t01[k] = _mm512_load_si512((const void *)(mf_iq3s_n01 + 64 * k));
+        t23[k] = _mm512_load_si512((const void *)(mf_iq3s_n23 + 64 * k));
+    }
+    __m512i sel[4];
+    for (int j = 0; j < 4; j++) sel[j] = _mm512_load_si512((const void *)iq3_sel[j]);
+    const __m512i nsh = _mm512_set1_epi64(0x1C1814100C080400LL), m4 = _mm512_set1_epi8(15);
     for (int64_t b = 0; b < nb; b++, w += 110) {
-        /* scale of sub-block ib: nibble ib of the 4 scale bytes, 1 + 2 s */
         const __m256i sn = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)rd32(w + 106)), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)), _mm256_set1_epi32(15));
         const __m512i s8 = _mm512_castsi256_si512(_mm256_add_epi32(_mm256_add_epi32(sn, sn), _mm256_set1_epi32(1)));
+        const __m512i q = _mm512_loadu_si512((const void *)(w + 2));
+        uint64_t h;
+        memcpy(&h, w + 66, 8);
+        const __mmask64 b7 = _mm512_movepi8_mask(q);
+        const __m512i v01 = iq3s_lookup(t01, q, b7, (__mmask64)h), v23 = iq3s_lookup(t23, q, b7, (__mmask64)h);
         __m512i sumi = _mm512_setzero_si512();
         for (int j = 0; j < 4; j++) {
-            const __m512i hi = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)(rd16(w + 66 + 2 * j) << 8)), lane), _mm512_set1_epi32(256));
-            const __m512i idx = _mm512_or_si512(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 2 + 16 * j))), hi);
-            const __m512i g = grid16(mf_grid_iq3s, idx);
+            const __m512i g = _mm512_and_si512(_mm512_multishift_epi64_epi8(nsh, _mm512_permutex2var_epi8(v01, sel[j], v23)), m4);
             uint64_t sg;
             memcpy(&sg, w + 74 + 8 * j, 8);
             __m512i y = _mm512_loadu_si512((const void *)(x[b].qs + 64 * j));

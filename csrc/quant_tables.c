@@ -16,6 +16,11 @@
 
 _Alignas(64) int8_t mf_grid_iq2xxs[256 * 8], mf_grid_iq2xs[512 * 8], mf_grid_iq2s[1024 * 8];
 _Alignas(64) uint8_t mf_grid_iq3xxs[256 * 4], mf_grid_iq3s[512 * 4];
+_Alignas(64) uint8_t mf_iq3s_n01[512], mf_iq3s_n23[512];
+_Alignas(64) uint8_t mf_iq3xxs_n01[256], mf_iq3xxs_n23[256];
+
+/* IQ3_XXS's grid value v as its code: 4 + 8 c, and 62 as 7 */
+static uint8_t iq3xxs_code(uint8_t v) { return (uint8_t)(v >= 60 ? 7 : (v - 4) / 8); }
 _Alignas(64) int8_t mf_grid_iq1s[2048 * 8];
 uint8_t mf_ksigns_iq2xs[128];
 
@@ -57,6 +62,18 @@ static PyObject *py_set_quant_table(PyObject *self, PyObject *const *a, Py_ssize
         }
         memcpy(tables[t].dst, v.buf, tables[t].bytes);
         PyBuffer_Release(&v);
+        if (t == TB_IQ3XXS) /* the nibble form of the same rows (quant_common.h) */
+            for (int i = 0; i < 256; i++) {
+                const uint8_t *g = mf_grid_iq3xxs + 4 * i;
+                mf_iq3xxs_n01[i] = (uint8_t)(iq3xxs_code(g[0]) | iq3xxs_code(g[1]) << 4);
+                mf_iq3xxs_n23[i] = (uint8_t)(iq3xxs_code(g[2]) | iq3xxs_code(g[3]) << 4);
+            }
+        if (t == TB_IQ3S) /* the nibble form of the same rows (quant_common.h) */
+            for (int i = 0; i < 512; i++) {
+                const uint8_t *g = mf_grid_iq3s + 4 * i;
+                mf_iq3s_n01[i] = (uint8_t)((g[0] & 15) | g[1] << 4);
+                mf_iq3s_n23[i] = (uint8_t)((g[2] & 15) | g[3] << 4);
+            }
         installed[t] = 1;
         Py_RETURN_NONE;
     }
