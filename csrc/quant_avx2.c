@@ -716,7 +716,10 @@ mf_b32unpack_fn mf_b32unpack_avx2[T_MAX] = {
 };
 
 /* The unsigned types' offset term c_b * s_{i,b} is summed per (W row, X row) outside the
- * integer kernel (mf_b32_corr_avx2, 8 X rows per vector), in the same order and rounding. */
+ * integer kernel (mf_b32_corr_avx2, 8 X rows per vector), in the same order and rounding.
+ * SIGNED 2: signed values whose halves have their own scales (NVFP4, mf_up_nvfp4_b32: d the
+ * first 16 values', c the last 16's); the 8 int32 lanes of a block's products are 4 values
+ * each, so lanes 0-3 take d and 4-7 c. */
 #define BDOT(M, SIGNED)                                                                              \
     AVX2 static void bdot##M##_##SIGNED(const mf_b32 *w, int64_t nb, const uint8_t *xb, size_t xs, float *out) { \
         __m256 acc[M];                                                                               \
@@ -730,7 +733,9 @@ mf_b32unpack_fn mf_b32unpack_avx2[T_MAX] = {
                 __m256i y = _mm256_loadu_si256((const __m256i *)x->qs);                              \
                 if (SIGNED) y = _mm256_sign_epi8(y, q);                                              \
                 __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, y), ones);                    \
-                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(w[b].d * x->d), _mm256_cvtepi32_ps(p), acc[i]); \
+                const __m256 dd = SIGNED == 2 ? _mm256_set_m128(_mm_set1_ps(w[b].c * x->d), _mm_set1_ps(w[b].d * x->d)) \
+                                              : _mm256_set1_ps(w[b].d * x->d);                       \
+                acc[i] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(p), acc[i]);                         \
             }                                                                                        \
         }                                                                                            \
         for (int i = 0; i < M; i++) out[i] = hsum_ps(acc[i]);                                        \
@@ -739,6 +744,8 @@ BDOT(4, 0)
 BDOT(1, 0)
 BDOT(4, 1)
 BDOT(1, 1)
+BDOT(4, 2)
+BDOT(1, 2)
 
 /* corr[j] = sum_b c_b * st[b * MF_BST + j] for j < m (<= MF_BST), b in order, mul then add */
 AVX2 void mf_b32_corr_avx2(const mf_b32 *w, int64_t nb, const float *st, int64_t m, float *corr) {
@@ -757,11 +764,11 @@ AVX2 void mf_bdot_avx2(const mf_b32 *w, int64_t nb, int sgn, const uint8_t *x, s
     int64_t i = 0;
     float o[4];
     for (; i + 4 <= m; i += 4) {
-        if (sgn) bdot4_1(w, nb, x + i * xs, xs, o); else bdot4_0(w, nb, x + i * xs, xs, o);
+        if (sgn == 2) bdot4_2(w, nb, x + i * xs, xs, o); else if (sgn) bdot4_1(w, nb, x + i * xs, xs, o); else bdot4_0(w, nb, x + i * xs, xs, o);
         for (int k = 0; k < 4; k++) out[(i + k) * ostride] = sgn ? o[k] : o[k] + corr[i + k];
     }
     for (; i < m; i++) {
-        if (sgn) bdot1_1(w, nb, x + i * xs, xs, o); else bdot1_0(w, nb, x + i * xs, xs, o);
+        if (sgn == 2) bdot1_2(w, nb, x + i * xs, xs, o); else if (sgn) bdot1_1(w, nb, x + i * xs, xs, o); else bdot1_0(w, nb, x + i * xs, xs, o);
         out[i * ostride] = sgn ? o[0] : o[0] + corr[i];
     }
 }

@@ -92,6 +92,7 @@ typedef void (*mf_b32unpack_fn)(const uint8_t *w, mf_b32 *o);
 /* prefill unpacks of MXFP4 (into mf_b32) and TQ1_0 / TQ2_0 (into mf_kblk), quant_fp4tq.c */
 void mf_up_mxfp4_avx2(const uint8_t *w, mf_b32 *o);
 void mf_up_nvfp4_avx2(const uint8_t *w, int8_t *q, float *d);
+void mf_up_nvfp4_b32(const uint8_t *w, mf_b32 *o); /* writes o[0], o[1] */
 void mf_up_tq1_0_avx2(const uint8_t *w, mf_kblk *o);
 void mf_up_tq2_0_avx2(const uint8_t *w, mf_kblk *o);
 

@@ -220,7 +220,8 @@ AVX2 float mf_vd_tq2_0_avx2(const uint8_t *w, const void *xv, int64_t nb) {
 
 /* ---------------- prefill unpacks (the existing batched kernels do the rest) ----------------
  * MXFP4 -> mf_b32 with the signed kvalues (q = kv, d = 2^(e-128), c = 0), as IQ4_NL.
- * NVFP4 -> signed values and 4 scales (mf_up_nvfp4_avx2) for the avx512vnni b32 GEMM.
+ * NVFP4 -> signed values and 4 scales (mf_up_nvfp4_avx2) for the avx512vnni b32 GEMM, or two
+ * half-scaled mf_b32 (mf_up_nvfp4_b32) for the AVX2 one.
  * TQ1_0 / TQ2_0 -> mf_kblk as a K-quant: q = digit 0..2 in element order, every sub-block
  * scale 1, correction -1 per 16 (cc . bsums = -sum(y)), d = dc = the block's d. */
 AVX2 void mf_up_mxfp4_avx2(const uint8_t *w, mf_b32 *o) {
@@ -238,6 +239,17 @@ AVX2 void mf_up_nvfp4_avx2(const uint8_t *w, int8_t *q, float *d) {
     _mm256_storeu_si256((__m256i *)q, a);
     _mm256_storeu_si256((__m256i *)(q + 32), b);
     _mm_storeu_ps(d, ue4m3_4(w));
+}
+/* NVFP4 -> two mf_b32 of 32 signed values, each with its two half scales as d and c (the
+ * AVX2 b32 GEMM's half-scaled form, quant_avx2.c BDOT) */
+AVX2 void mf_up_nvfp4_b32(const uint8_t *w, mf_b32 *o) {
+    _Alignas(16) float d[4];
+    __m256i a, b;
+    nvfp4_vals(w, kv_fp4_256(), &a, &b);
+    _mm256_storeu_si256((__m256i *)o[0].q, a);
+    _mm256_storeu_si256((__m256i *)o[1].q, b);
+    _mm_store_ps(d, ue4m3_4(w));
+    o[0].d = d[0], o[0].c = d[1], o[1].d = d[2], o[1].c = d[3];
 }
 AVX2 static inline void tq_kblk_scales(float d, mf_kblk *o) {
     for (int c = 0; c < 8; c++) _mm256_storeu_si256((__m256i *)o->sv[c], _mm256_set1_epi16(1));

@@ -71,7 +71,7 @@ static void mm_task_scalar(void *p, int64_t t) {
  * never by the row count (batch invariance): decode runs the one-row integer vec-dots (and
  * their 4/8-row forms, which keep each row's bits) for any n; prefill runs the type's batched
  * kernel for any n (K-quants: kgemm on avx512vnni, kblk on avx2; 32-element types and NVFP4:
- * b32g where it exists, else b32; float types: the 2x4 FMA GEMM). Each batched kernel's result
+ * b32g where it exists, else b32 (NVFP4 as half-scaled 32-value blocks); float types: the 2x4 FMA GEMM). Each batched kernel's result
  * for a row does not depend on the other rows, the row count or the task split. A type
  * without a batched kernel runs its vec-dots in both modes. So a prompt row gets the same bits whether its prompt was chunked, packed with
  * others or found partly in the prefix cache. */
@@ -281,23 +281,29 @@ static _Thread_local tl_scratch tl_bbs;
 static void mm_task_b32(void *p, int64_t t) {
     mm_ctx *c = p;
     int64_t r0 = t * c->rt, r1 = r0 + c->rt < c->rows ? r0 + c->rt : c->rows;
-    mf_b32 *wb = tl_reserve(&tl_bbs, (size_t)((r1 - r0) * c->nb) * sizeof(mf_b32));
+    /* NVFP4: each 64-value block as two half-scaled mf_b32 (sgn 2) */
+    const int nv = c->type == T_NVFP4;
+    const int64_t nbb = c->cols / 32;
+    mf_b32 *wb = tl_reserve(&tl_bbs, (size_t)((r1 - r0) * nbb) * sizeof(mf_b32));
     if (!wb) { __atomic_store_n(&c->err, 1, __ATOMIC_RELAXED); return; }
     mf_b32unpack_fn up = mf_b32unpack_avx2[c->type];
-    int bytes = mf_qtypes[c->type].bytes, sgn = c->type == T_Q8_0 || c->type == T_IQ4_NL || c->type == T_MXFP4;
+    int bytes = mf_qtypes[c->type].bytes, sgn = nv ? 2 : c->type == T_Q8_0 || c->type == T_IQ4_NL || c->type == T_MXFP4;
     for (int64_t r = r0; r < r1; r++)
-        for (int64_t b = 0; b < c->nb; b++) up(c->w + r * c->rb + b * bytes, wb + (r - r0) * c->nb + b);
-    float *st = sgn ? NULL : scratch_f32((size_t)(c->nb * MF_BST)), corr[MF_BST];
+        for (int64_t b = 0; b < c->nb; b++) {
+            const uint8_t *src = c->w + r * c->rb + b * bytes;
+            if (nv) mf_up_nvfp4_b32(src, wb + (r - r0) * nbb + 2 * b); else up(src, wb + (r - r0) * nbb + b);
+        }
+    float *st = sgn ? NULL : scratch_f32((size_t)(nbb * MF_BST)), corr[MF_BST];
     if (!sgn && !st) { __atomic_store_n(&c->err, 1, __ATOMIC_RELAXED); return; }
     for (int64_t i0 = 0; i0 < c->n; i0 += XT2) {
         int64_t m = c->n - i0 < XT2 ? c->n - i0 : XT2;
         if (!sgn) /* s of the tile's X rows, transposed to [block][row] (zero-padded) */
-            for (int64_t b = 0; b < c->nb; b++)
+            for (int64_t b = 0; b < nbb; b++)
                 for (int64_t i = 0; i < MF_BST; i++)
                     st[b * MF_BST + i] = i < m ? ((const mf_q8_32 *)(c->xq + (size_t)(i0 + i) * c->xs))[b].s : 0.0f;
         for (int64_t r = r0; r < r1; r++) {
-            if (!sgn) mf_b32_corr_avx2(wb + (r - r0) * c->nb, c->nb, st, m, corr);
-            (mf_isa >= MF_ISA_AVX512VNNI ? mf_bdot_avx512 : mf_bdot_avx2)(wb + (r - r0) * c->nb, c->nb, sgn, c->xq + (size_t)i0 * c->xs, c->xs, m,
+            if (!sgn) mf_b32_corr_avx2(wb + (r - r0) * nbb, nbb, st, m, corr);
+            (mf_isa >= MF_ISA_AVX512VNNI && !nv ? mf_bdot_avx512 : mf_bdot_avx2)(wb + (r - r0) * nbb, nbb, sgn, c->xq + (size_t)i0 * c->xs, c->xs, m,
                          corr, c->y + i0 * c->rows + r, c->rows);
         }
     }
@@ -409,8 +415,8 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
                 while (t > 10 && ((rows + t - 1) / t < 4 * nt || t > rk)) t /= 2;
                 c.rt = t;
                 p->fn = mm_task_b32g;
-            } else if (mf_b32unpack_avx2[type]) {
-                int64_t rk = (192 * 1024) / (c.nb * (int64_t)sizeof(mf_b32));
+            } else if (mf_b32unpack_avx2[type] || type == T_NVFP4) {
+                int64_t rk = (192 * 1024) / (cols / 32 * (int64_t)sizeof(mf_b32));
                 c.rt = rk < 1 ? 1 : rk > c.rt ? c.rt : rk;
                 p->fn = mm_task_b32;
             }

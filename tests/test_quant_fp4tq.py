@@ -92,9 +92,19 @@ def test_rows_independent_of_batch_split_and_threads(name, cols):
     # on the fastest path, decode and prefill mode each: a W row alone, X rows alone or in
     # another batch, 1 or 2 threads give the same bits. Decode: TQ2_0 on avx512vnni takes 4
     # rows at a time, a task part apart (short rows, 1024) or adjacent (13056). Prefill: MXFP4
-    # runs the b32 GEMM, NVFP4 its form with two scales per 32 values (avx512vnni; its vec-dots
-    # on avx2), TQ1_0/TQ2_0 the K-quant GEMM. 37 rows: 4/8-row
-    # groups and a remainder
+    # runs the b32 GEMM, NVFP4 its form with two scales per 32 values (avx512vnni; on avx2 the
+    # next test), TQ1_0/TQ2_0 the K-quant GEMM. 37 rows: 4/8-row groups and a remainder
+    _rows_independent(name, cols)
+
+
+@pytest.mark.parametrize("cols", [1024, 13056])
+def test_nvfp4_prefill_rows_independent_every_isa(isa, cols):
+    # NVFP4's prefill on each ISA path: avx512vnni's b32 GEMM, avx2's b32 GEMM of half-scaled
+    # 32-value blocks (quant_avx2.c BDOT), the scalar vec-dots
+    _rows_independent("NVFP4", cols)
+
+
+def _rows_independent(name, cols):
     t = BY_NAME[name]
     rng = np.random.default_rng(60 + t.id)
     rows = 37
