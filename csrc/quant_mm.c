@@ -400,7 +400,10 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
                 c.rt = rk < MF_KG_R ? MF_KG_R : rk > MF_KG_RT_MAX ? MF_KG_RT_MAX : rk;
                 while (c.rt > MF_KG_R && (rows + c.rt - 1) / c.rt < 4 * nt) c.rt -= MF_KG_R;
                 c.kg = 1;
-                c.g32 = type == T_Q4_K || type == T_Q5_K;
+                /* scales and corrections per 32 values (the unpacked halves of each 32 equal):
+                 * one int32 sum, conversion and FMA per 32 instead of per 16 */
+                c.g32 = type == T_Q4_K || type == T_Q5_K || type == T_IQ2_XXS || type == T_IQ3_XXS ||
+                        type == T_IQ3_S || type == T_IQ1_S || type == T_TQ1_0 || type == T_TQ2_0;
                 p->fn = mm_task_kgemm;
             } else if (mf_kunpack_avx2[type] && type != T_TQ2_0) { /* TQ2_0: its vec-dot beat kblk by 20% */
                 int64_t rk = (192 * 1024) / (c.nb * (int64_t)sizeof(mf_kblk));
