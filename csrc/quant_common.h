@@ -54,6 +54,9 @@ extern _Alignas(64) uint8_t mf_grid_iq3xxs[256 * 4], mf_grid_iq3s[512 * 4];
 extern _Alignas(64) uint8_t mf_iq3s_n01[512], mf_iq3s_n23[512];
 /* IQ3_XXS's the same way, with each value's code (0..7: 4, 12, .., 52, 62) in place of the value */
 extern _Alignas(64) uint8_t mf_iq3xxs_n01[256], mf_iq3xxs_n23[256];
+/* IQ2_XXS's grid as 2-bit value codes (0, 1, 2: 8, 25, 43) for the AVX-512 VBMI lookups: row i's
+ * values 0..3 in mf_iq2xxs_c03[i] (value k at bits 2k), values 4..7 in mf_iq2xxs_c47[i] */
+extern _Alignas(64) uint8_t mf_iq2xxs_c03[256], mf_iq2xxs_c47[256];
 extern _Alignas(64) int8_t mf_grid_iq1s[2048 * 8]; /* -1/0/+1; IQ1_S and IQ1_M share it */
 extern uint8_t mf_ksigns_iq2xs[128];                /* ggml's ksigns_iq2xs */
 extern int mf_slow_gather; /* pool.c: this CPU's grid-row gathers are slower than scalar loads */

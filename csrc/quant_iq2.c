@@ -259,6 +259,57 @@ VNNI static inline __m256i sdot32m(__m256i g, uint32_t signs, const int8_t *x, _
     const __m256i ys = _mm256_mask_sub_epi8(y, (__mmask32)signs, _mm256_setzero_si256(), y);
     return _mm256_madd_epi16(_mm256_maddubs_epi16(g, ys), sc);
 }
-VD_IQ2_XXS(mf_vd_iq2_xxs_avx512, VNNI, sdot32m)
+
+/* IQ2_XXS by byte lookups in registers (VBMI, part of this ISA path: pool.c): each grid row as
+ * two bytes of 2-bit value codes (mf_iq2xxs_c03/c47, quant_tables.c), looked up for the block's
+ * 32 indices by vpermi2b (low 7 bits) and a blend on bit 7; per 64 values one byte permute
+ * places each row's two code bytes in its qword, vpmultishiftqb takes value k's code to byte k
+ * and vpshufb turns codes into 8/25/43. Signs as a 64-bit mask (negate y where set), the
+ * sub-block scales by vpdpwssd: the block's exact int32 sums in 16 lanes, folded to the AVX2
+ * kernel's 8 (the same bits as it: tests/test_quant_iq2.py), one FMA per block. */
+#define VBMI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx512dq,avx2,fma,f16c")))
+#define IQ2_SEL1(j, i) 8 * (j) + (i), 64 + 8 * (j) + (i), 0, 0, 0, 0, 0, 0
+#define IQ2_SEL(j) {IQ2_SEL1(j, 0), IQ2_SEL1(j, 1), IQ2_SEL1(j, 2), IQ2_SEL1(j, 3), IQ2_SEL1(j, 4), IQ2_SEL1(j, 5), IQ2_SEL1(j, 6), IQ2_SEL1(j, 7)}
+static _Alignas(64) const uint8_t iq2_sel[4][64] = {IQ2_SEL(0), IQ2_SEL(1), IQ2_SEL(2), IQ2_SEL(3)};
+
+VBMI float mf_vd_iq2_xxs_avx512(const uint8_t *w, const void *xv, int64_t nb) {
+    const mf_q8_256 *x = xv;
+    __m256 acc = _mm256_setzero_ps();
+    __m512i t03[4], t47[4], sel[4];
+    for (int k = 0; k < 4; k++) {
+        t03[k] = _mm512_load_si512((const void *)(mf_iq2xxs_c03 + 64 * k));
+        t47[k] = _mm512_load_si512((const void *)(mf_iq2xxs_c47 + 64 * k));
+        sel[k] = _mm512_load_si512((const void *)iq2_sel[k]);
+    }
+    const __m512i csh = _mm512_set1_epi64(0x0E0C0A0806040200LL), m3 = _mm512_set1_epi8(3);
+    const __m512i vals = _mm512_broadcast_i32x4(_mm_setr_epi8(8, 25, 43, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0));
+    const __m512i ks0 = _mm512_loadu_si512((const void *)mf_ksigns_iq2xs), ks1 = _mm512_loadu_si512((const void *)(mf_ksigns_iq2xs + 64));
+    for (int64_t b = 0; b < nb; b++, w += 66) {
+        /* the 8 (4 index bytes, u32 signs | ls << 28) pairs split as in xxs_codes */
+        const __m256 lo = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(w + 2)));
+        const __m256 hi = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(w + 34)));
+        const __m256i gi = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(lo, hi, 0x88)), 0xD8);
+        const __m256i a = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(lo, hi, 0xDD)), 0xD8);
+        const __m512i s8 = _mm512_castsi256_si512(_mm256_add_epi32(_mm256_slli_epi32(_mm256_srli_epi32(a, 28), 1), _mm256_set1_epi32(1)));
+        _Alignas(32) uint64_t sgs[4];
+        _mm256_store_si256((__m256i *)sgs, iq_signs4x7_vbmi(a, ks0, ks1));
+        const __m512i q = _mm512_castsi256_si512(gi); /* bytes 32..63 unused */
+        const __mmask64 b7 = _mm512_movepi8_mask(q);
+        const __m512i v03 = _mm512_mask_blend_epi8(b7, _mm512_permutex2var_epi8(t03[0], q, t03[1]), _mm512_permutex2var_epi8(t03[2], q, t03[3]));
+        const __m512i v47 = _mm512_mask_blend_epi8(b7, _mm512_permutex2var_epi8(t47[0], q, t47[1]), _mm512_permutex2var_epi8(t47[2], q, t47[3]));
+        __m512i sumi = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) {
+            const __m512i c = _mm512_and_si512(_mm512_multishift_epi64_epi8(csh, _mm512_permutex2var_epi8(v03, sel[j], v47)), m3);
+            const __m512i g = _mm512_shuffle_epi8(vals, c);
+            __m512i y = _mm512_loadu_si512((const void *)(x[b].qs + 64 * j));
+            y = _mm512_mask_sub_epi8(y, (__mmask64)sgs[j], _mm512_setzero_si512(), y);
+            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(g, y), iq_pair_scales(s8, j));
+        }
+        /* lane L + lane 8 + L: the AVX2 kernel's 8 int32 lanes (s0 + s1), so its float steps and bits */
+        const __m256i s = _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16c(w) * x[b].d), _mm256_cvtepi32_ps(s), acc);
+    }
+    return 0.125f * hsum_ps(acc);
+}
 VD_IQ2_XS(mf_vd_iq2_xs_avx512, VNNI, sdot32m)
 VD_IQ2_S(mf_vd_iq2_s_avx512, VNNI, sdot32m)

@@ -296,12 +296,7 @@ AVX2 void mf_up_iq1_m(const uint8_t *w, mf_kblk *o) {
  * AVX2 kernels */
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx512dq,avx2,fma,f16c")))
 
-/* int16 scale vector of sub-blocks 2j (lanes 0..15) and 2j+1 (16..31) from int32 lanes of s8
- * (only its low 256 bits are read) */
-VNNI static inline __m512i pair_scales(__m512i s8, int j) {
-    const __m512i base = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_setzero_si512(), _mm512_set1_epi16(2));
-    return _mm512_permutexvar_epi16(_mm512_add_epi16(base, _mm512_set1_epi16((short)(4 * j))), s8);
-}
+#define pair_scales iq_pair_scales /* simd_x86.h */
 
 /* 16 rows r of group j (values 64j..64j+63) as qword pairs [n01[r], n23[r], n01[r+1],
  * n23[r+1]] of the two lookups' results (bytes 4..7 of each qword unused), so that
@@ -312,7 +307,7 @@ static _Alignas(64) const uint8_t iq3_sel[4][64] = {IQ3_SEL(0), IQ3_SEL(1), IQ3_
 
 /* IQ3_XXS as IQ3_S below (one 256-entry table pair per value pair, bit 7 choosing the pair),
  * the nibbles being value codes that one vpshufb turns into values; the signs of all 256
- * values from the 7-bit ksigns fields by parity (iq_signs4x7), a 64-bit mask per 64 values */
+ * values from the 7-bit ksigns fields (iq_signs4x7_vbmi), a 64-bit mask per 64 values */
 VNNI float mf_vd_iq3_xxs_avx512(const uint8_t *w, const void *xv, int64_t nb) {
     const mf_q8_256 *x = xv;
     __m512 acc = _mm512_setzero_ps();
@@ -324,12 +319,13 @@ VNNI float mf_vd_iq3_xxs_avx512(const uint8_t *w, const void *xv, int64_t nb) {
     }
     const __m512i nsh = _mm512_set1_epi64(0x1C1814100C080400LL), m4 = _mm512_set1_epi8(15);
     const __m512i vals = _mm512_broadcast_i32x4(_mm_setr_epi8(4, 12, 20, 28, 36, 44, 52, 62, 0, 0, 0, 0, 0, 0, 0, 0));
+    const __m512i ks0 = _mm512_loadu_si512((const void *)mf_ksigns_iq2xs), ks1 = _mm512_loadu_si512((const void *)(mf_ksigns_iq2xs + 64));
     for (int64_t b = 0; b < nb; b++, w += 98) {
         const __m256i aux = _mm256_loadu_si256((const __m256i *)(w + 66));
         const __m256i ls = _mm256_add_epi32(_mm256_slli_epi32(_mm256_srli_epi32(aux, 28), 1), _mm256_set1_epi32(1));
         const __m512i s8 = _mm512_castsi256_si512(ls);
         _Alignas(32) uint64_t sgs[4];
-        _mm256_store_si256((__m256i *)sgs, iq_signs4x7(aux));
+        _mm256_store_si256((__m256i *)sgs, iq_signs4x7_vbmi(aux, ks0, ks1));
         const __m512i q = _mm512_loadu_si512((const void *)(w + 2));
         const __mmask64 b7 = _mm512_movepi8_mask(q);
         const __m512i v01 = _mm512_mask_blend_epi8(b7, _mm512_permutex2var_epi8(t01[0], q, t01[1]), _mm512_permutex2var_epi8(t01[2], q, t01[3]));

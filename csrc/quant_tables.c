@@ -18,6 +18,7 @@ _Alignas(64) int8_t mf_grid_iq2xxs[256 * 8], mf_grid_iq2xs[512 * 8], mf_grid_iq2
 _Alignas(64) uint8_t mf_grid_iq3xxs[256 * 4], mf_grid_iq3s[512 * 4];
 _Alignas(64) uint8_t mf_iq3s_n01[512], mf_iq3s_n23[512];
 _Alignas(64) uint8_t mf_iq3xxs_n01[256], mf_iq3xxs_n23[256];
+_Alignas(64) uint8_t mf_iq2xxs_c03[256], mf_iq2xxs_c47[256];
 
 /* IQ3_XXS's grid value v as its code: 4 + 8 c, and 62 as 7 */
 static uint8_t iq3xxs_code(uint8_t v) { return (uint8_t)(v >= 60 ? 7 : (v - 4) / 8); }
@@ -67,6 +68,16 @@ static PyObject *py_set_quant_table(PyObject *self, PyObject *const *a, Py_ssize
                 const uint8_t *g = mf_grid_iq3xxs + 4 * i;
                 mf_iq3xxs_n01[i] = (uint8_t)(iq3xxs_code(g[0]) | iq3xxs_code(g[1]) << 4);
                 mf_iq3xxs_n23[i] = (uint8_t)(iq3xxs_code(g[2]) | iq3xxs_code(g[3]) << 4);
+            }
+        if (t == TB_IQ2XXS) /* the 2-bit code form of the same rows (quant_common.h) */
+            for (int i = 0; i < 256; i++) {
+                const int8_t *g = mf_grid_iq2xxs + 8 * i;
+                mf_iq2xxs_c03[i] = mf_iq2xxs_c47[i] = 0;
+                for (int k = 0; k < 8; k++) {
+                    const int c = g[k] == 8 ? 0 : g[k] == 25 ? 1 : 2; /* the grid's values: 8, 25, 43 */
+                    if (k < 4) mf_iq2xxs_c03[i] |= (uint8_t)(c << (2 * k));
+                    else mf_iq2xxs_c47[i] |= (uint8_t)(c << (2 * (k - 4)));
+                }
             }
         if (t == TB_IQ3S) /* the nibble form of the same rows (quant_common.h) */
             for (int i = 0; i < 512; i++) {

@@ -40,5 +40,19 @@ __attribute__((target("avx2"))) static inline __m256i iq_signs4x7(__m256i a) {
     sg = _mm256_or_si256(sg, _mm256_slli_epi32(iq_parity7(_mm256_and_si256(_mm256_srli_epi32(a, 14), m7)), 16));
     return _mm256_or_si256(sg, _mm256_slli_epi32(iq_parity7(_mm256_and_si256(_mm256_srli_epi32(a, 21), m7)), 24));
 }
+/* iq_signs4x7 with VBMI: the four 7-bit fields of each u32 to bytes (vpmultishiftqb; bit 7 is
+ * the next field's, ignored) and each byte through the 128-entry ksigns table in ks0/ks1 (ggml's
+ * ksigns_iq2xs: the same bytes as iq_parity7) by one vpermi2b */
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) static inline __m256i iq_signs4x7_vbmi(__m256i a, __m512i ks0,
+                                                                                           __m512i ks1) {
+    const __m512i f = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x352E2720150E0700LL), _mm512_castsi256_si512(a));
+    return _mm512_castsi512_si256(_mm512_permutex2var_epi8(ks0, f, ks1));
+}
+/* The IQ vec-dots' int16 scale vector of sub-blocks 2j (lanes 0..15) and 2j+1 (16..31) from the
+ * int32 lanes of s8 (only its low 256 bits are read), for vpdpwssd with 64 values' pair sums */
+__attribute__((target("avx512f,avx512bw"))) static inline __m512i iq_pair_scales(__m512i s8, int j) {
+    const __m512i base = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_setzero_si512(), _mm512_set1_epi16(2));
+    return _mm512_permutexvar_epi16(_mm512_add_epi16(base, _mm512_set1_epi16((short)(4 * j))), s8);
+}
 #endif
 #endif
