@@ -93,11 +93,17 @@ AVX2 static inline __m256i sdot32(__m256i g, uint32_t signs, const int8_t *x, __
  * sg[ib] holds the 4 sign bytes of sub-block ib and ls[ib] = 2 ls + 1 (as int16). */
 typedef struct { _Alignas(32) uint32_t gi[8]; uint32_t sg[8]; int16_t ls[8]; } iq2xxs_codes;
 
-AVX2 static inline void xxs_codes(const uint8_t *w, iq2xxs_codes *c) {
+/* a block's 8 (4 grid bytes, u32 aux) pairs split into the 32 grid bytes *g and the 8 aux words *a */
+AVX2 static inline void xxs_split(const uint8_t *w, __m256i *g, __m256i *a) {
     const __m256 lo = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(w + 2)));
     const __m256 hi = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(w + 34)));
-    const __m256i g = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(lo, hi, 0x88)), 0xD8);
-    const __m256i a = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(lo, hi, 0xDD)), 0xD8);
+    *g = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(lo, hi, 0x88)), 0xD8);
+    *a = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(lo, hi, 0xDD)), 0xD8);
+}
+
+AVX2 static inline void xxs_codes(const uint8_t *w, iq2xxs_codes *c) {
+    __m256i g, a;
+    xxs_split(w, &g, &a);
     const __m256i sg = iq_signs4x7(a);
     _mm256_store_si256((__m256i *)c->gi, g);
     _mm256_storeu_si256((__m256i *)c->sg, sg);
@@ -285,11 +291,8 @@ VBMI float mf_vd_iq2_xxs_avx512(const uint8_t *w, const void *xv, int64_t nb) {
     const __m512i vals = _mm512_broadcast_i32x4(_mm_setr_epi8(8, 25, 43, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0));
     const __m512i ks0 = _mm512_loadu_si512((const void *)mf_ksigns_iq2xs), ks1 = _mm512_loadu_si512((const void *)(mf_ksigns_iq2xs + 64));
     for (int64_t b = 0; b < nb; b++, w += 66) {
-        /* the 8 (4 index bytes, u32 signs | ls << 28) pairs split as in xxs_codes */
-        const __m256 lo = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(w + 2)));
-        const __m256 hi = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(w + 34)));
-        const __m256i gi = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(lo, hi, 0x88)), 0xD8);
-        const __m256i a = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(lo, hi, 0xDD)), 0xD8);
+        __m256i gi, a; /* index bytes; u32 signs | ls << 28 */
+        xxs_split(w, &gi, &a);
         const __m512i s8 = _mm512_castsi256_si512(_mm256_add_epi32(_mm256_slli_epi32(_mm256_srli_epi32(a, 28), 1), _mm256_set1_epi32(1)));
         _Alignas(32) uint64_t sgs[4];
         _mm256_store_si256((__m256i *)sgs, iq_signs4x7_vbmi(a, ks0, ks1));

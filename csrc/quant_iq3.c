@@ -296,8 +296,6 @@ AVX2 void mf_up_iq1_m(const uint8_t *w, mf_kblk *o) {
  * AVX2 kernels */
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx512dq,avx2,fma,f16c")))
 
-#define pair_scales iq_pair_scales /* simd_x86.h */
-
 /* 16 rows r of group j (values 64j..64j+63) as qword pairs [n01[r], n23[r], n01[r+1],
  * n23[r+1]] of the two lookups' results (bytes 4..7 of each qword unused), so that
  * vpmultishiftqb takes nibble k of a qword's low 4 bytes to its byte k */
@@ -336,7 +334,7 @@ VNNI float mf_vd_iq3_xxs_avx512(const uint8_t *w, const void *xv, int64_t nb) {
             const __m512i g = _mm512_shuffle_epi8(vals, c);
             __m512i y = _mm512_loadu_si512((const void *)(x[b].qs + 64 * j));
             y = _mm512_mask_sub_epi8(y, (__mmask64)sgs[j], _mm512_setzero_si512(), y);
-            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(g, y), pair_scales(s8, j));
+            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(g, y), iq_pair_scales(s8, j));
         }
         acc = _mm512_fmadd_ps(_mm512_set1_ps(f16s(w) * x[b].d * 0.25f), _mm512_cvtepi32_ps(sumi), acc);
     }
@@ -383,7 +381,7 @@ VNNI float mf_vd_iq3_s_avx512(const uint8_t *w, const void *xv, int64_t nb) {
             memcpy(&sg, w + 74 + 8 * j, 8);
             __m512i y = _mm512_loadu_si512((const void *)(x[b].qs + 64 * j));
             y = _mm512_mask_sub_epi8(y, (__mmask64)sg, _mm512_setzero_si512(), y);
-            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(g, y), pair_scales(s8, j));
+            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(g, y), iq_pair_scales(s8, j));
         }
         acc = _mm512_fmadd_ps(_mm512_set1_ps(f16s(w) * x[b].d), _mm512_cvtepi32_ps(sumi), acc);
     }
@@ -422,7 +420,7 @@ VNNI float mf_vd_iq1_s_avx512(const uint8_t *w, const void *xv, int64_t nb) {
             const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(src, _mm256_setr_epi32(0, 3, 6, 9, 8, 11, 14, 17)), _mm256_set1_epi32(0x700));
             const __m512i g = _mm512_add_epi8(g1x8(w + 2 + 8 * j, hi), one8);
             const __m512i y = _mm512_loadu_si512((const void *)(x[b].qs + 64 * j));
-            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(g, y), pair_scales(s8, j));
+            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(g, y), iq_pair_scales(s8, j));
             for (int k = 0; k < 2; k++) {
                 const unsigned q = (h2 >> (16 * k)) & 0xFFFF;
                 const int ib = 2 * j + k, l = (int)(2 * ((q >> 12) & 7) + 1), S = x[b].bsums[2 * ib] + x[b].bsums[2 * ib + 1];
