@@ -97,10 +97,17 @@ static int detect_slow_gather(void) {
 #define MF_TUNE_AMD_ZEN4 \
     (mf_tune.pf_rows = 0, mf_tune.pf_strided = 0, mf_tune.k_vd8_min_rb = 6144, mf_tune.task_kib = 128, \
      mf_tune.streams = 1, mf_tune.task_kib_strided = 512, mf_tune.stride_max_rb = 4608)
+/* Intel Emerald Rapids (family 6 model 207; the Xeon of BENCHMARKS.md section 30, 2 cores,
+ * 2 MiB L2 per core, 260 MiB L3): the decode kernels that prefetch in their block loop
+ * (mf_kpf_avx512) 3 KiB ahead in each row's stream, instead of the rows-ahead bursts. In-process
+ * A/B (bench --kernels --tune, 2 threads, from DRAM, 3 trials): Q4_K at the 7B shapes 14.3-16.5
+ * -> 17.3-22.4 GB/s, Q6_K 15.4-20.2 -> 19.2-23.5, Q8_0 15-21 -> 23-25; 2-8 KiB ahead within the
+ * noise of each other, 512 B short of them. The 7B Q4_K_M decode 3.1-3.5 -> 4.2-4.8 tok/s. */
+#define MF_TUNE_INTEL_EMR (mf_tune.pf_dist = 3072)
 mf_tune_t mf_tune = {.pf_rows = 8, .pf_rows_multi = 8, .pf_strided = 2, .q8_vd4_min_rb = 2048, .k_vd4_min_rb = 6144, .k_vd8_min_rb = 1 << 20,
                      .stride_max_rb = 3072, .streams = 2, .task_kib = 64, .task_kib_multi = 64, .task_kib_strided = 64,
                      .kg_tile_kib = 1024,
-                     .fa_heads = 128};
+                     .fa_heads = 128, .pf_dist = 0};
 const char *mf_tune_source = "default";
 static char tune_source_buf[192];
 
@@ -127,7 +134,7 @@ static int tune_apply(const char *spec) {
         {"stride_max_rb", &mf_tune.stride_max_rb}, {"task_kib", &mf_tune.task_kib}, {"streams", &mf_tune.streams},
         {"task_kib_multi", &mf_tune.task_kib_multi}, {"task_kib_strided", &mf_tune.task_kib_strided},
         {"kg_tile_kib", &mf_tune.kg_tile_kib},
-        {"fa_heads", &mf_tune.fa_heads}};
+        {"fa_heads", &mf_tune.fa_heads}, {"pf_dist", &mf_tune.pf_dist}};
     const char *p = spec;
     int rc = 0;
     while (*p) {
@@ -175,6 +182,9 @@ static void tune_init(void) {
     if (amd && (fam == 0x1A || (fam == 0x19 && model >= 0x10))) { /* Zen 4 and Zen 5 */
         MF_TUNE_AMD_ZEN4;
         mf_tune_source = fam == 0x1A ? "amd-zen5 (zen4 row)" : "amd-zen4";
+    } else if (!amd && fam == 6 && model == 0xCF) {
+        MF_TUNE_INTEL_EMR;
+        mf_tune_source = "intel-emr";
     }
     tune_table = mf_tune;
     tune_table_source = mf_tune_source;
@@ -485,13 +495,13 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
 static PyObject *py_isa_hw(PyObject *self, PyObject *unused) { return PyUnicode_FromString(isa_names[mf_isa_hw]); }
 
 static PyObject *py_tune(PyObject *self, PyObject *unused) {
-    return Py_BuildValue("{s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "source", mf_tune_source, "pf_rows", mf_tune.pf_rows,
+    return Py_BuildValue("{s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "source", mf_tune_source, "pf_rows", mf_tune.pf_rows,
                          "pf_rows_multi", mf_tune.pf_rows_multi,
                          "pf_strided", mf_tune.pf_strided, "q8_vd4_min_rb", mf_tune.q8_vd4_min_rb,
                          "k_vd4_min_rb", mf_tune.k_vd4_min_rb, "k_vd8_min_rb", mf_tune.k_vd8_min_rb, "stride_max_rb", mf_tune.stride_max_rb,
                          "streams", mf_tune.streams, "task_kib", mf_tune.task_kib, "task_kib_multi", mf_tune.task_kib_multi,
                          "task_kib_strided", mf_tune.task_kib_strided,
-                         "kg_tile_kib", mf_tune.kg_tile_kib, "fa_heads", mf_tune.fa_heads);
+                         "kg_tile_kib", mf_tune.kg_tile_kib, "fa_heads", mf_tune.fa_heads, "pf_dist", mf_tune.pf_dist);
 }
 
 static PyObject *py_set_tune(PyObject *self, PyObject *args) {
@@ -500,7 +510,7 @@ static PyObject *py_set_tune(PyObject *self, PyObject *args) {
     if (tune_set(spec)) {
         tune_set(NULL);
         return PyErr_Format(PyExc_ValueError, "tuning '%s': expected name=value,... with names pf_rows, pf_rows_multi, pf_strided, "
-                            "q8_vd4_min_rb, k_vd4_min_rb, k_vd8_min_rb, stride_max_rb, streams, task_kib, task_kib_multi, task_kib_strided, kg_tile_kib, fa_heads and values 0..1048576", spec);
+                            "q8_vd4_min_rb, k_vd4_min_rb, k_vd8_min_rb, stride_max_rb, streams, task_kib, task_kib_multi, task_kib_strided, kg_tile_kib, fa_heads, pf_dist and values 0..1048576", spec);
     }
     return py_tune(self, NULL);
 }

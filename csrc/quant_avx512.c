@@ -173,13 +173,17 @@ VNNI static inline void q3_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *
 }
 
 
-/* The 1-row kernels over the per-block steps. */
+/* The 1-row kernels over the per-block steps (the row's stream continues in the next row). */
 #define KQ_DRIVER(T, BYTES, FINAL)                                                                   \
     VNNI static float vd_##T(const uint8_t *w, const void *xv, int64_t nb) {                        \
         const mf_q8_256 *x = xv;                                                                    \
         __m512 acc = _mm512_setzero_ps();                                                           \
         __m256 accm = _mm256_setzero_ps();                                                          \
-        for (int64_t b = 0; b < nb; b++) T##_step(w + b * BYTES, x + b, &acc, &accm);               \
+        const int64_t pfd = mf_tune.pf_dist;                                                        \
+        for (int64_t b = 0; b < nb; b++) {                                                          \
+            if (pfd) mf_pf_span(w + b * BYTES + pfd, BYTES);                                        \
+            T##_step(w + b * BYTES, x + b, &acc, &accm);                                            \
+        }                                                                                           \
         return FINAL(acc, accm);                                                                    \
     }
 VNNI static inline float fin_min(__m512 acc, __m256 accm) {
@@ -202,8 +206,14 @@ KQ_DRIVER(q3_k, 110, fin_plain)
         __m512 acc[R];                                                                              \
         __m256 accm[R];                                                                             \
         for (int r = 0; r < R; r++) { acc[r] = _mm512_setzero_ps(); accm[r] = _mm256_setzero_ps(); } \
-        for (int64_t b = 0; b < nb; b++)                                                            \
+        const int64_t pfd = mf_tune.pf_dist, rowb = nb * BYTES;                                     \
+        for (int64_t b = 0; b < nb; b++) {                                                          \
+            if (pfd) {                                                                              \
+                const int64_t o = mf_pf_off(b * BYTES, pfd, rowb, rb, R);                           \
+                for (int r = 0; r < R; r++) mf_pf_span(w + r * rb + o, BYTES);                      \
+            }                                                                                       \
             for (int r = 0; r < R; r++) T##_step(w + r * rb + b * BYTES, x + b, &acc[r], &accm[r]);  \
+        }                                                                                           \
         for (int r = 0; r < R; r++) out[r] = FINAL(acc[r], accm[r]);                                \
     }
 KQ_DRIVERN(vd4_q4_k, q4_k, 144, fin_min, 4)
@@ -246,7 +256,12 @@ VNNI static void vd4_q8_0(const uint8_t *w, size_t rb, const void *xv, int64_t n
     const __m256i k80 = _mm256_set1_epi8((char)0x80);
     const __m128 off = _mm_set1_ps(-128.0f);
     float sc[4];
+    const int64_t pfd = mf_tune.pf_dist, rowb = nb * 34;
     for (int64_t b = 0; b < nb; b++, w += 34) {
+        if (pfd) {
+            const int64_t o = mf_pf_off(b * 34, pfd, rowb, rb, 4) - b * 34;
+            for (int r = 0; r < 4; r++) mf_pf_span(w + r * rb + o, 34);
+        }
         const __m256i y = _mm256_loadu_si256((const __m256i *)x[b].qs);
         const __m128 d4 = _mm_cvtph_ps(ld4_f16(w, w + rb, w + 2 * rb, w + 3 * rb));
         _mm_storeu_ps(sc, _mm_mul_ps(d4, _mm_set1_ps(x[b].d)));
@@ -267,8 +282,10 @@ VNNI static float vd_q8_0(const uint8_t *w, const void *xv, int64_t nb) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     float c0 = 0, c1 = 0;
     const __m256i k80 = _mm256_set1_epi8((char)0x80);
+    const int64_t pfd = mf_tune.pf_dist;
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2, w += 68) {
+        if (pfd) mf_pf_span(w + pfd, 68);
         uint16_t h0, h1;
         memcpy(&h0, w, 2); memcpy(&h1, w + 34, 2);
         const float d0 = _cvtsh_ss(h0), d1 = _cvtsh_ss(h1);
@@ -422,6 +439,9 @@ VD4_Q41(vd4_q5_1, 24, 8, 1)
     }
 VDZ_Q4_0(vdz4_q4_0, 4)
 VDZ_Q4_0(vdz8_q4_0, 8)
+const uint8_t mf_kpf_avx512[T_MAX] = {[T_Q4_K] = 1, [T_Q5_K] = 1, [T_Q6_K] = 1, [T_Q3_K] = 1, [T_Q8_0] = 1,
+                                       [T_MXFP4] = 1, [T_NVFP4] = 1};
+
 mf_vecdot4_fn mf_vecdot8_avx512[T_MAX] = {[T_Q4_0] = vdz8_q4_0, [T_Q4_K] = vd8_q4_k, [T_Q5_K] = vd8_q5_k, [T_Q6_K] = vd8_q6_k,
                                           [T_MXFP4] = mf_vd8_mxfp4_avx512, [T_NVFP4] = mf_vd8_nvfp4_avx512};
 

@@ -78,11 +78,33 @@ typedef struct {
     int kg_tile_kib;   /* prefill, K-quant GEMM (avx512vnni): KiB of unpacked W per task */
     int fa_heads;      /* f16-cache attention (AVX2 and up): q heads of one KV group per task at most,
                         * sharing the K/V rows' conversion (0: one head per task, ops.c fa16_paged_task) */
+    int pf_dist;       /* decode kernels that prefetch in their block loop (mf_kpf_avx512): W bytes
+                        * ahead in each row's stream, into L2 (0: none; then pf_rows* apply) */
 } mf_tune_t;
 #define MF_FA_HEADS_MAX 128 /* mf_tune.fa_heads at most (ops.c's per-task state arrays) */
 extern mf_tune_t mf_tune;
 extern const char *mf_tune_source; /* "default", "amd-zen4", ... (+ " +" the MEMFIT_TUNE spec) */
-int mf_tables_ready(int type);                      /* 1 when the type's tables are installed */
+int mf_tables_ready(int type);
+
+/* In-kernel prefetch for decode: each block step of a row prefetches (prefetcht1, into L2) the
+ * lines of the step `mf_tune.pf_dist` bytes further along the row's stream, so the requests stay
+ * in flight while the core computes (the row-ahead bursts of quant_mm.c prefetch_rows left the
+ * reads and the arithmetic one after the other: docs/NOTES.md session 20). No arithmetic
+ * changes. mf_pf_span: the lines of [p, p + bytes) (64-byte steps cover each line once or twice). */
+#define mf_pf_span(p, bytes)                                                                       \
+    do {                                                                                           \
+        for (int o_ = 0; o_ < (bytes); o_ += 64) __builtin_prefetch((const char *)(p) + o_, 0, 2); \
+    } while (0)
+/* The offset to prefetch from, for block position pos of one row of a group of R rows rb bytes
+ * apart with rowb bytes each: adjacent rows (rb == rowb) continue past a row's end in the same
+ * row of the next group (R rows on); rows a part apart (rb > rowb, quant_mm.c vec_rows_strided)
+ * continue in the next row. */
+static inline int64_t mf_pf_off(int64_t pos, int64_t d, int64_t rowb, size_t rb, int R) {
+    const int64_t o = pos + d;
+    return o >= rowb && (int64_t)rb == rowb ? o + (R - 1) * rowb : o;
+}
+/* types whose avx512vnni decode kernels (1-row and 4/8-row) prefetch in their block loop */
+extern const uint8_t mf_kpf_avx512[T_MAX];                      /* 1 when the type's tables are installed */
 
 /* A K-quant block unpacked for the prefill kernel (see quant_avx2.c). */
 typedef struct { _Alignas(64) uint8_t q[256]; int16_t sv[8][16]; int16_t cc[16]; float d, dc; } mf_kblk; /* 576 B */

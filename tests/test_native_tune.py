@@ -2,7 +2,8 @@
 among kernels with the same per-row arithmetic and the order rows are read in: no tuning may
 change a result bit. Every tuning below forces another kernel form (1-row with and without
 prefetch, 4-row and 8-row groups adjacent or a task part apart) on rows short and long, on
-every ISA this CPU runs; each must give the default row's bits for the decode (rowwise) matmul.
+every ISA this CPU runs, with and without the in-kernel prefetch (pf_dist); each must give the
+default row's bits for the decode (rowwise) matmul.
 """
 
 import json
@@ -28,6 +29,9 @@ TUNINGS = [
     "k_vd4_min_rb=0,k_vd8_min_rb=0,stride_max_rb=0,task_kib=4,task_kib_multi=4,streams=3",
     f"k_vd4_min_rb=0,k_vd8_min_rb={BIG},stride_max_rb={BIG},task_kib=1024,task_kib_multi=999,task_kib_strided=4",
     f"stride_max_rb={BIG},task_kib_strided=2000",
+    "pf_dist=3072,k_vd4_min_rb=0,k_vd8_min_rb=0,q8_vd4_min_rb=0",
+    f"pf_dist=64,stride_max_rb={BIG},streams=3",
+    "pf_dist=0,pf_rows=2",
 ]
 
 
