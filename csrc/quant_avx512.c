@@ -440,7 +440,8 @@ VD4_Q41(vd4_q5_1, 24, 8, 1)
 VDZ_Q4_0(vdz4_q4_0, 4)
 VDZ_Q4_0(vdz8_q4_0, 8)
 const uint8_t mf_kpf_avx512[T_MAX] = {[T_Q4_K] = 1, [T_Q5_K] = 1, [T_Q6_K] = 1, [T_Q3_K] = 1, [T_Q8_0] = 1,
-                                       [T_MXFP4] = 1, [T_NVFP4] = 1};
+                                       [T_MXFP4] = 1, [T_NVFP4] = 1, [T_IQ2_XXS] = 1, [T_IQ2_XS] = 1, [T_IQ2_S] = 1,
+                                       [T_IQ3_XXS] = 1, [T_IQ3_S] = 1, [T_IQ1_S] = 1, [T_IQ1_M] = 1};
 
 mf_vecdot4_fn mf_vecdot8_avx512[T_MAX] = {[T_Q4_0] = vdz8_q4_0, [T_Q4_K] = vd8_q4_k, [T_Q5_K] = vd8_q5_k, [T_Q6_K] = vd8_q6_k,
                                           [T_MXFP4] = mf_vd8_mxfp4_avx512, [T_NVFP4] = mf_vd8_nvfp4_avx512};

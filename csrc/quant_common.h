@@ -103,6 +103,11 @@ static inline int64_t mf_pf_off(int64_t pos, int64_t d, int64_t rowb, size_t rb,
     const int64_t o = pos + d;
     return o >= rowb && (int64_t)rb == rowb ? o + (R - 1) * rowb : o;
 }
+/* a 1-row kernel's block step: the step pf bytes further along the row (pf 0: none) */
+#define MF_PF_STEP(w, pf, bytes)                       \
+    do {                                               \
+        if (pf) mf_pf_span((w) + (pf), (bytes));       \
+    } while (0)
 /* types whose avx512vnni decode kernels (1-row and 4/8-row) prefetch in their block loop */
 extern const uint8_t mf_kpf_avx512[T_MAX];                      /* 1 when the type's tables are installed */
 

@@ -179,13 +179,15 @@ AVX2 static inline void s_codes(const uint8_t *w, iq2_codes *c) {
 }
 
 /* IQ2_XS and IQ2_S share the body once their codes are decoded: 32-weight chunks, scales per 16 */
-#define VD_IQ2_CODES(NAME, ATTR, SDOT, BLOCK, CODES, GRID, SC)                                         \
+#define VD_IQ2_CODES(NAME, ATTR, SDOT, BLOCK, CODES, GRID, SC, PF)                                     \
     ATTR float NAME(const uint8_t *w, const void *xv, int64_t nb) {                                    \
         const mf_q8_256 *x = xv;                                                                       \
         __m256 acc = _mm256_setzero_ps();                                                              \
         iq2_codes cc[2];                                                                               \
+        const int64_t pfd = PF ? mf_tune.pf_dist : 0;                                                  \
         if (nb > 0) CODES(w, &cc[0]);                                                                  \
         for (int64_t b = 0; b < nb; b++, w += BLOCK) {                                                 \
+            MF_PF_STEP(w, pfd, BLOCK);                                                                 \
             /* the next block's codes first: their latency overlaps this block's dots */               \
             if (b + 1 < nb) CODES(w + BLOCK, &cc[(b + 1) & 1]);                                        \
             const iq2_codes *c = &cc[b & 1];                                                           \
@@ -202,12 +204,12 @@ AVX2 static inline void s_codes(const uint8_t *w, iq2_codes *c) {
         }                                                                                              \
         return 0.125f * hsum_ps(acc);                                                                  \
     }
-#define VD_IQ2_XS(NAME, ATTR, SDOT) VD_IQ2_CODES(NAME, ATTR, SDOT, 74, xs_codes, mf_grid_iq2xs, 66)
-#define VD_IQ2_S(NAME, ATTR, SDOT) VD_IQ2_CODES(NAME, ATTR, SDOT, 82, s_codes, mf_grid_iq2s, 74)
+#define VD_IQ2_XS(NAME, ATTR, SDOT, PF) VD_IQ2_CODES(NAME, ATTR, SDOT, 74, xs_codes, mf_grid_iq2xs, 66, PF)
+#define VD_IQ2_S(NAME, ATTR, SDOT, PF) VD_IQ2_CODES(NAME, ATTR, SDOT, 82, s_codes, mf_grid_iq2s, 74, PF)
 
 VD_IQ2_XXS(mf_vd_iq2_xxs_avx2, AVX2, sdot32)
-VD_IQ2_XS(mf_vd_iq2_xs_avx2, AVX2, sdot32)
-VD_IQ2_S(mf_vd_iq2_s_avx2, AVX2, sdot32)
+VD_IQ2_XS(mf_vd_iq2_xs_avx2, AVX2, sdot32, 0)
+VD_IQ2_S(mf_vd_iq2_s_avx2, AVX2, sdot32, 0)
 
 /* ---------------- prefill unpack (mf_kblk) ----------------
  * q = grid * sign + 43 (0..86, u8 for maddubs/vpdpbusd; pair sums stay under 2^15), sv the
@@ -290,7 +292,9 @@ VBMI float mf_vd_iq2_xxs_avx512(const uint8_t *w, const void *xv, int64_t nb) {
     const __m512i csh = _mm512_set1_epi64(0x0E0C0A0806040200LL), m3 = _mm512_set1_epi8(3);
     const __m512i vals = _mm512_broadcast_i32x4(_mm_setr_epi8(8, 25, 43, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0));
     const __m512i ks0 = _mm512_loadu_si512((const void *)mf_ksigns_iq2xs), ks1 = _mm512_loadu_si512((const void *)(mf_ksigns_iq2xs + 64));
+    const int64_t pfd = mf_tune.pf_dist;
     for (int64_t b = 0; b < nb; b++, w += 66) {
+        MF_PF_STEP(w, pfd, 66);
         __m256i gi, a; /* index bytes; u32 signs | ls << 28 */
         xxs_split(w, &gi, &a);
         const __m512i s8 = _mm512_castsi256_si512(_mm256_add_epi32(_mm256_slli_epi32(_mm256_srli_epi32(a, 28), 1), _mm256_set1_epi32(1)));
@@ -314,5 +318,5 @@ VBMI float mf_vd_iq2_xxs_avx512(const uint8_t *w, const void *xv, int64_t nb) {
     }
     return 0.125f * hsum_ps(acc);
 }
-VD_IQ2_XS(mf_vd_iq2_xs_avx512, VNNI, sdot32m)
-VD_IQ2_S(mf_vd_iq2_s_avx512, VNNI, sdot32m)
+VD_IQ2_XS(mf_vd_iq2_xs_avx512, VNNI, sdot32m, 1)
+VD_IQ2_S(mf_vd_iq2_s_avx512, VNNI, sdot32m, 1)

@@ -318,7 +318,9 @@ VNNI float mf_vd_iq3_xxs_avx512(const uint8_t *w, const void *xv, int64_t nb) {
     const __m512i nsh = _mm512_set1_epi64(0x1C1814100C080400LL), m4 = _mm512_set1_epi8(15);
     const __m512i vals = _mm512_broadcast_i32x4(_mm_setr_epi8(4, 12, 20, 28, 36, 44, 52, 62, 0, 0, 0, 0, 0, 0, 0, 0));
     const __m512i ks0 = _mm512_loadu_si512((const void *)mf_ksigns_iq2xs), ks1 = _mm512_loadu_si512((const void *)(mf_ksigns_iq2xs + 64));
+    const int64_t pfd = mf_tune.pf_dist;
     for (int64_t b = 0; b < nb; b++, w += 98) {
+        MF_PF_STEP(w, pfd, 98);
         const __m256i aux = _mm256_loadu_si256((const __m256i *)(w + 66));
         const __m256i ls = _mm256_add_epi32(_mm256_slli_epi32(_mm256_srli_epi32(aux, 28), 1), _mm256_set1_epi32(1));
         const __m512i s8 = _mm512_castsi256_si512(ls);
@@ -366,7 +368,9 @@ VNNI float mf_vd_iq3_s_avx512(const uint8_t *w, const void *xv, int64_t nb) {
     __m512i sel[4];
     for (int j = 0; j < 4; j++) sel[j] = _mm512_load_si512((const void *)iq3_sel[j]);
     const __m512i nsh = _mm512_set1_epi64(0x1C1814100C080400LL), m4 = _mm512_set1_epi8(15);
+    const int64_t pfd = mf_tune.pf_dist;
     for (int64_t b = 0; b < nb; b++, w += 110) {
+        MF_PF_STEP(w, pfd, 110);
         const __m256i sn = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)rd32(w + 106)), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)), _mm256_set1_epi32(15));
         const __m512i s8 = _mm512_castsi256_si512(_mm256_add_epi32(_mm256_add_epi32(sn, sn), _mm256_set1_epi32(1)));
         const __m512i q = _mm512_loadu_si512((const void *)(w + 2));
@@ -408,7 +412,9 @@ VNNI float mf_vd_iq1_s_avx512(const uint8_t *w, const void *xv, int64_t nb) {
     const mf_q8_256 *x = xv;
     __m512 acc = _mm512_setzero_ps();
     const __m512i one8 = _mm512_set1_epi8(1);
+    const int64_t pfd = mf_tune.pf_dist;
     for (int64_t b = 0; b < nb; b++, w += 50) {
+        MF_PF_STEP(w, pfd, 50);
         const __m256i qh = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + 34)));
         const __m256i ls = _mm256_add_epi32(_mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(qh, 12), _mm256_set1_epi32(7)), 1), _mm256_set1_epi32(1));
         const __m512i s8 = _mm512_castsi256_si512(ls);
@@ -446,7 +452,9 @@ VNNI float mf_vd_iq1_m_avx512(const uint8_t *w, const void *xv, int64_t nb) {
     /* lanes of the pair's scale vector: 16-value group 4j + lane/8 */
     const __m512i qsel = _mm512_set_epi64(3 * 0x0001000100010001LL, 3 * 0x0001000100010001LL, 2 * 0x0001000100010001LL, 2 * 0x0001000100010001LL,
                                           0x0001000100010001LL, 0x0001000100010001LL, 0, 0);
+    const int64_t pfd = mf_tune.pf_dist;
     for (int64_t b = 0; b < nb; b++, w += 56) {
+        MF_PF_STEP(w, pfd, 56);
         uint64_t sc;
         memcpy(&sc, w + 48, 8);
         __m256i s16 = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(_mm256_set1_epi64x((long long)sc), sc_shuf), sc_mul), 13);
