@@ -155,8 +155,10 @@ AVX2 static float vd_q8_0(const uint8_t *w, const void *xv, int64_t nb) {
     const mf_q8_32 *x = xv;
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1);
+    const int64_t pfd = mf_tune.pf_dist;
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2, w += 68) {
+        MF_PF_STEP(w, pfd, 68);
         __m256i p0 = _mm256_madd_epi16(dot_ss(_mm256_loadu_si256((const __m256i *)(w + 2)), _mm256_loadu_si256((const __m256i *)x[b].qs)), ones);
         __m256i p1 = _mm256_madd_epi16(dot_ss(_mm256_loadu_si256((const __m256i *)(w + 36)), _mm256_loadu_si256((const __m256i *)x[b + 1].qs)), ones);
         acc0 = _mm256_fmadd_ps(_mm256_set1_ps(f16(w) * x[b].d), _mm256_cvtepi32_ps(p0), acc0);
@@ -216,7 +218,9 @@ AVX2 static float vd_q4_k(const uint8_t *w, const void *xv, int64_t nb) {
     __m256 acc = _mm256_setzero_ps();
     float accm = 0;
     const __m256i m4 = _mm256_set1_epi8(0xF);
+    const int64_t pfd = mf_tune.pf_dist;
     for (int64_t b = 0; b < nb; b++, w += 144) {
+        MF_PF_STEP(w, pfd, 144);
         uint32_t u[4];
         k4_scales(w + 4, u);
         const int summ = k4_minsum(u, x[b].bsums);
@@ -246,7 +250,9 @@ AVX2 static float vd_q5_k(const uint8_t *w, const void *xv, int64_t nb) {
     __m256 acc = _mm256_setzero_ps();
     float accm = 0;
     const __m256i m4 = _mm256_set1_epi8(0xF), b4 = _mm256_set1_epi8(0x10);
+    const int64_t pfd = mf_tune.pf_dist;
     for (int64_t b = 0; b < nb; b++, w += 176) {
+        MF_PF_STEP(w, pfd, 176);
         uint32_t u[4];
         k4_scales(w + 4, u);
         const int summ = k4_minsum(u, x[b].bsums);
@@ -280,7 +286,9 @@ AVX2 static float vd_q6_k(const uint8_t *w, const void *xv, int64_t nb) {
     const mf_q8_256 *x = xv;
     __m256 acc = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3);
+    const int64_t pfd = mf_tune.pf_dist;
     for (int64_t b = 0; b < nb; b++, w += 210) {
+        MF_PF_STEP(w, pfd, 210);
         const int8_t *sc = (const int8_t *)(w + 192);
         __m256i cv = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc)), _mm256_loadu_si256((const __m256i *)x[b].bsums));
         int corr = hsum_i32(cv);
@@ -909,6 +917,8 @@ AVX2 static void vd4_q4_1(const uint8_t *w, size_t rb, const void *xv, int64_t n
     const __m128 c = _mm256_castps256_ps128(_mm256_permutevar8x32_ps(macc, _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7)));
     _mm_storeu_ps(out, _mm_add_ps(hsum4_ps(a0, a1, a2, a3), c));
 }
+
+const uint8_t mf_kpf_avx2[T_MAX] = {[T_Q4_K] = 1, [T_Q5_K] = 1, [T_Q6_K] = 1, [T_Q8_0] = 1};
 
 mf_vecdot4_fn mf_vecdot4_avx2[T_MAX] = {
     [T_Q4_0] = vd4_q4_0, [T_Q4_1] = vd4_q4_1, [T_Q5_0] = vd4_q5_0, [T_Q5_1] = vd4_q5_1,

@@ -108,8 +108,8 @@ static inline int64_t mf_pf_off(int64_t pos, int64_t d, int64_t rowb, size_t rb,
     do {                                               \
         if (pf) mf_pf_span((w) + (pf), (bytes));       \
     } while (0)
-/* types whose avx512vnni decode kernels (1-row and 4/8-row) prefetch in their block loop */
-extern const uint8_t mf_kpf_avx512[T_MAX];                      /* 1 when the type's tables are installed */
+/* types whose avx512vnni (avx2) decode kernels, 1-row and 4/8-row, prefetch in their block loop */
+extern const uint8_t mf_kpf_avx512[T_MAX], mf_kpf_avx2[T_MAX];                      /* 1 when the type's tables are installed */
 
 /* A K-quant block unpacked for the prefill kernel (see quant_avx2.c). */
 typedef struct { _Alignas(64) uint8_t q[256]; int16_t sv[8][16]; int16_t cc[16]; float d, dc; } mf_kblk; /* 576 B */

@@ -379,6 +379,7 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
     } else {
         c.vd = vd;
         c.vd4 = mf_vecdot4_avx2[type];
+        c.kpf = mf_tune.pf_dist && mf_kpf_avx2[type];
         c.xfmt = q->xfmt;
         if (q->xfmt == XF_F32) {
             c.xq = (const uint8_t *)x;
