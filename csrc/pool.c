@@ -102,12 +102,15 @@ static int detect_slow_gather(void) {
  * (mf_kpf_avx512) 3 KiB ahead in each row's stream, instead of the rows-ahead bursts. In-process
  * A/B (bench --kernels --tune, 2 threads, from DRAM, 3 trials): Q4_K at the 7B shapes 14.3-16.5
  * -> 17.3-22.4 GB/s, Q6_K 15.4-20.2 -> 19.2-23.5, Q8_0 15-21 -> 23-25; 2-8 KiB ahead within the
- * noise of each other, 512 B short of them. The 7B Q4_K_M decode 3.1-3.5 -> 4.2-4.8 tok/s. */
-#define MF_TUNE_INTEL_EMR (mf_tune.pf_dist = 3072)
+ * noise of each other, 512 B short of them. The 7B Q4_K_M decode 3.1-3.5 -> 4.2-4.8 tok/s. The
+ * 4/8-row kernels, which walk 4-8 streams at once, 1 KiB ahead in each (pf_dist_multi; 3 KiB
+ * A/B): Q4_0's strided 8-row groups 16.4-23.5 -> 19.3-25.6 GB/s, MXFP4 at 4096 columns 18.0 ->
+ * 20.3, Q6_K 3584x18944 24.0 -> 26.5, the rest level. */
+#define MF_TUNE_INTEL_EMR (mf_tune.pf_dist = 3072, mf_tune.pf_dist_multi = 1024)
 mf_tune_t mf_tune = {.pf_rows = 8, .pf_rows_multi = 8, .pf_strided = 2, .q8_vd4_min_rb = 2048, .k_vd4_min_rb = 6144, .k_vd8_min_rb = 1 << 20,
                      .stride_max_rb = 3072, .streams = 2, .task_kib = 64, .task_kib_multi = 64, .task_kib_strided = 64,
                      .kg_tile_kib = 1024,
-                     .fa_heads = 128, .pf_dist = 0};
+                     .fa_heads = 128, .pf_dist = 0, .pf_dist_multi = 0};
 const char *mf_tune_source = "default";
 static char tune_source_buf[192];
 
@@ -134,7 +137,7 @@ static int tune_apply(const char *spec) {
         {"stride_max_rb", &mf_tune.stride_max_rb}, {"task_kib", &mf_tune.task_kib}, {"streams", &mf_tune.streams},
         {"task_kib_multi", &mf_tune.task_kib_multi}, {"task_kib_strided", &mf_tune.task_kib_strided},
         {"kg_tile_kib", &mf_tune.kg_tile_kib},
-        {"fa_heads", &mf_tune.fa_heads}, {"pf_dist", &mf_tune.pf_dist}};
+        {"fa_heads", &mf_tune.fa_heads}, {"pf_dist", &mf_tune.pf_dist}, {"pf_dist_multi", &mf_tune.pf_dist_multi}};
     const char *p = spec;
     int rc = 0;
     while (*p) {
@@ -495,13 +498,13 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
 static PyObject *py_isa_hw(PyObject *self, PyObject *unused) { return PyUnicode_FromString(isa_names[mf_isa_hw]); }
 
 static PyObject *py_tune(PyObject *self, PyObject *unused) {
-    return Py_BuildValue("{s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "source", mf_tune_source, "pf_rows", mf_tune.pf_rows,
+    return Py_BuildValue("{s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "source", mf_tune_source, "pf_rows", mf_tune.pf_rows,
                          "pf_rows_multi", mf_tune.pf_rows_multi,
                          "pf_strided", mf_tune.pf_strided, "q8_vd4_min_rb", mf_tune.q8_vd4_min_rb,
                          "k_vd4_min_rb", mf_tune.k_vd4_min_rb, "k_vd8_min_rb", mf_tune.k_vd8_min_rb, "stride_max_rb", mf_tune.stride_max_rb,
                          "streams", mf_tune.streams, "task_kib", mf_tune.task_kib, "task_kib_multi", mf_tune.task_kib_multi,
                          "task_kib_strided", mf_tune.task_kib_strided,
-                         "kg_tile_kib", mf_tune.kg_tile_kib, "fa_heads", mf_tune.fa_heads, "pf_dist", mf_tune.pf_dist);
+                         "kg_tile_kib", mf_tune.kg_tile_kib, "fa_heads", mf_tune.fa_heads, "pf_dist", mf_tune.pf_dist, "pf_dist_multi", mf_tune.pf_dist_multi);
 }
 
 static PyObject *py_set_tune(PyObject *self, PyObject *args) {
@@ -510,7 +513,7 @@ static PyObject *py_set_tune(PyObject *self, PyObject *args) {
     if (tune_set(spec)) {
         tune_set(NULL);
         return PyErr_Format(PyExc_ValueError, "tuning '%s': expected name=value,... with names pf_rows, pf_rows_multi, pf_strided, "
-                            "q8_vd4_min_rb, k_vd4_min_rb, k_vd8_min_rb, stride_max_rb, streams, task_kib, task_kib_multi, task_kib_strided, kg_tile_kib, fa_heads, pf_dist and values 0..1048576", spec);
+                            "q8_vd4_min_rb, k_vd4_min_rb, k_vd8_min_rb, stride_max_rb, streams, task_kib, task_kib_multi, task_kib_strided, kg_tile_kib, fa_heads, pf_dist, pf_dist_multi and values 0..1048576", spec);
     }
     return py_tune(self, NULL);
 }

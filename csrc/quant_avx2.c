@@ -102,7 +102,9 @@ AVX2 static float vd_q4_0(const uint8_t *w, const void *xv, int64_t nb) {
     __m256 acc = _mm256_setzero_ps();
     float corr = 0;
     const __m256i ones = _mm256_set1_epi16(1);
+    const int64_t pfd = mf_tune.pf_dist;
     for (int64_t b = 0; b < nb; b++, w += 18) {
+        MF_PF_STEP(w, pfd, 18);
         float d = f16(w);
         __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(nibbles32(w + 2), _mm256_loadu_si256((const __m256i *)x[b].qs)), ones);
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x[b].d), _mm256_cvtepi32_ps(p), acc);
@@ -115,7 +117,9 @@ AVX2 static float vd_q4_1(const uint8_t *w, const void *xv, int64_t nb) {
     __m256 acc = _mm256_setzero_ps();
     float corr = 0;
     const __m256i ones = _mm256_set1_epi16(1);
+    const int64_t pfd = mf_tune.pf_dist;
     for (int64_t b = 0; b < nb; b++, w += 20) {
+        MF_PF_STEP(w, pfd, 20);
         float d = f16(w), m = f16(w + 2);
         __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(nibbles32(w + 4), _mm256_loadu_si256((const __m256i *)x[b].qs)), ones);
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x[b].d), _mm256_cvtepi32_ps(p), acc);
@@ -128,7 +132,9 @@ AVX2 static float vd_q5_0(const uint8_t *w, const void *xv, int64_t nb) {
     __m256 acc = _mm256_setzero_ps();
     float corr = 0;
     const __m256i ones = _mm256_set1_epi16(1), b4 = _mm256_set1_epi8(0x10);
+    const int64_t pfd = mf_tune.pf_dist;
     for (int64_t b = 0; b < nb; b++, w += 22) {
+        MF_PF_STEP(w, pfd, 22);
         float d = f16(w);
         __m256i q = _mm256_or_si256(nibbles32(w + 6), _mm256_and_si256(bits32(w + 2), b4));
         __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)x[b].qs)), ones);
@@ -142,7 +148,9 @@ AVX2 static float vd_q5_1(const uint8_t *w, const void *xv, int64_t nb) {
     __m256 acc = _mm256_setzero_ps();
     float corr = 0;
     const __m256i ones = _mm256_set1_epi16(1), b4 = _mm256_set1_epi8(0x10);
+    const int64_t pfd = mf_tune.pf_dist;
     for (int64_t b = 0; b < nb; b++, w += 24) {
+        MF_PF_STEP(w, pfd, 24);
         float d = f16(w), m = f16(w + 2);
         __m256i q = _mm256_or_si256(nibbles32(w + 8), _mm256_and_si256(bits32(w + 4), b4));
         __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)x[b].qs)), ones);
@@ -175,7 +183,9 @@ AVX2 static float vd_iq4_nl(const uint8_t *w, const void *xv, int64_t nb) {
     __m256 acc = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1);
     const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)mf_kvalues_iq4nl));
+    const int64_t pfd = mf_tune.pf_dist;
     for (int64_t b = 0; b < nb; b++, w += 18) {
+        MF_PF_STEP(w, pfd, 18);
         __m256i q = _mm256_shuffle_epi8(kv, nibbles32(w + 2));
         __m256i p = _mm256_madd_epi16(dot_ss(q, _mm256_loadu_si256((const __m256i *)x[b].qs)), ones);
         acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w) * x[b].d), _mm256_cvtepi32_ps(p), acc);
@@ -318,7 +328,9 @@ AVX2 static float vd_q3_k(const uint8_t *w, const void *xv, int64_t nb) {
     const mf_q8_256 *x = xv;
     __m256 acc = _mm256_setzero_ps();
     const __m256i m2 = _mm256_set1_epi8(3), b2 = _mm256_set1_epi8(4);
+    const int64_t pfd = mf_tune.pf_dist;
     for (int64_t b = 0; b < nb; b++, w += 110) {
+        MF_PF_STEP(w, pfd, 110);
         int8_t sc[16];
         for (int i = 0; i < 16; i++) {
             const uint8_t *s = w + 96;
@@ -350,7 +362,9 @@ AVX2 static float vd_q2_k(const uint8_t *w, const void *xv, int64_t nb) {
     __m256 acc = _mm256_setzero_ps();
     float accm = 0;
     const __m256i m2 = _mm256_set1_epi8(3);
+    const int64_t pfd = mf_tune.pf_dist;
     for (int64_t b = 0; b < nb; b++, w += 84) {
+        MF_PF_STEP(w, pfd, 84);
         const uint8_t *sc = w;
         int summ = 0;
         for (int i = 0; i < 16; i++) summ += (sc[i] >> 4) * x[b].bsums[i];
@@ -374,7 +388,9 @@ AVX2 static float vd_iq4_xs(const uint8_t *w, const void *xv, int64_t nb) {
     const mf_q8_256 *x = xv;
     __m256 acc = _mm256_setzero_ps();
     const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)mf_kvalues_iq4nl));
+    const int64_t pfd = mf_tune.pf_dist;
     for (int64_t b = 0; b < nb; b++, w += 136) {
+        MF_PF_STEP(w, pfd, 136);
         uint16_t sh = (uint16_t)(w[2] | (w[3] << 8));
         __m256i sumi = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
@@ -795,7 +811,9 @@ AVX2 static inline __m128 hsum4_ps(__m256 a, __m256 b, __m256 c, __m256 d) {
         __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}; \
         __m128 cacc = _mm_setzero_ps();                                                            \
         const __m256i ones = _mm256_set1_epi16(1);                                                 \
+        const int64_t pfd = MF_PF_MULTI;                                                       \
         for (int64_t b = 0; b < nb; b++) {                                                         \
+            MF_PF_STEP4(w + b * bytes, w + rb + b * bytes, w + 2 * rb + b * bytes, w + 3 * rb + b * bytes, b, pfd, bytes, nb, rb); \
             __m256i y = _mm256_loadu_si256((const __m256i *)x[b].qs);                              \
             float dx = x[b].d;                                                                     \
             float cs[4];                                                                           \
@@ -836,7 +854,9 @@ AVX2 static void vd4_q4_0(const uint8_t *w, size_t rb, const void *xv, int64_t n
     const __m128 m8 = _mm_set1_ps(-8.0f);
     const uint8_t *w0 = w, *w1 = w + rb, *w2 = w + 2 * rb, *w3 = w + 3 * rb;
     float sc[4]; /* the 4 rows' d * dx: stored once, broadcast from memory (load ports, no shuffle) */
+    const int64_t pfd = MF_PF_MULTI;
     for (int64_t b = 0; b < nb; b++, w0 += 18, w1 += 18, w2 += 18, w3 += 18) {
+        MF_PF_STEP4(w0, w1, w2, w3, b, pfd, 18, nb, rb);
         const __m256i y = _mm256_loadu_si256((const __m256i *)x[b].qs);
         const __m128 d4 = _mm_cvtph_ps(ld4_f16(w0, w1, w2, w3));
         _mm_storeu_ps(sc, _mm_mul_ps(d4, _mm_set1_ps(x[b].d)));
@@ -866,7 +886,9 @@ AVX2 static void vd4_q5_0(const uint8_t *w, size_t rb, const void *xv, int64_t n
     const __m256i i2 = _mm256_set1_epi32(2), i3 = _mm256_set1_epi32(3);
     const __m128 m16 = _mm_set1_ps(-16.0f);
     const uint8_t *w0 = w, *w1 = w + rb, *w2 = w + 2 * rb, *w3 = w + 3 * rb;
+    const int64_t pfd = MF_PF_MULTI;
     for (int64_t b = 0; b < nb; b++, w0 += 22, w1 += 22, w2 += 22, w3 += 22) {
+        MF_PF_STEP4(w0, w1, w2, w3, b, pfd, 22, nb, rb);
         const __m256i y = _mm256_loadu_si256((const __m256i *)x[b].qs);
         const __m128 d4 = _mm_cvtph_ps(ld4_f16(w0, w1, w2, w3));
         const __m256 sc = _mm256_castps128_ps256(_mm_mul_ps(d4, _mm_set1_ps(x[b].d)));
@@ -896,7 +918,9 @@ AVX2 static void vd4_q4_1(const uint8_t *w, size_t rb, const void *xv, int64_t n
     const __m256i i0 = _mm256_set1_epi32(0), i1 = _mm256_set1_epi32(2);
     const __m256i i2 = _mm256_set1_epi32(4), i3 = _mm256_set1_epi32(6);
     const uint8_t *w0 = w, *w1 = w + rb, *w2 = w + 2 * rb, *w3 = w + 3 * rb;
+    const int64_t pfd = MF_PF_MULTI;
     for (int64_t b = 0; b < nb; b++, w0 += 20, w1 += 20, w2 += 20, w3 += 20) {
+        MF_PF_STEP4(w0, w1, w2, w3, b, pfd, 20, nb, rb);
         const __m256i y = _mm256_loadu_si256((const __m256i *)x[b].qs);
         const __m256 xs = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)&x[b])); /* dx s dx s .. */
         int32_t h0, h1, h2, h3;
@@ -918,7 +942,8 @@ AVX2 static void vd4_q4_1(const uint8_t *w, size_t rb, const void *xv, int64_t n
     _mm_storeu_ps(out, _mm_add_ps(hsum4_ps(a0, a1, a2, a3), c));
 }
 
-const uint8_t mf_kpf_avx2[T_MAX] = {[T_Q4_K] = 1, [T_Q5_K] = 1, [T_Q6_K] = 1, [T_Q8_0] = 1};
+const uint8_t mf_kpf_avx2[T_MAX] = {[T_Q4_K] = 1, [T_Q5_K] = 1, [T_Q6_K] = 1, [T_Q8_0] = 1, [T_Q3_K] = 1, [T_Q2_K] = 1,
+                                     [T_Q4_0] = 1, [T_Q4_1] = 1, [T_Q5_0] = 1, [T_Q5_1] = 1, [T_IQ4_NL] = 1, [T_IQ4_XS] = 1};
 
 mf_vecdot4_fn mf_vecdot4_avx2[T_MAX] = {
     [T_Q4_0] = vd4_q4_0, [T_Q4_1] = vd4_q4_1, [T_Q5_0] = vd4_q5_0, [T_Q5_1] = vd4_q5_1,

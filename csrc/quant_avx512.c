@@ -206,7 +206,7 @@ KQ_DRIVER(q3_k, 110, fin_plain)
         __m512 acc[R];                                                                              \
         __m256 accm[R];                                                                             \
         for (int r = 0; r < R; r++) { acc[r] = _mm512_setzero_ps(); accm[r] = _mm256_setzero_ps(); } \
-        const int64_t pfd = mf_tune.pf_dist, rowb = nb * BYTES;                                     \
+        const int64_t pfd = MF_PF_MULTI, rowb = nb * BYTES;                                     \
         for (int64_t b = 0; b < nb; b++) {                                                          \
             if (pfd) {                                                                              \
                 const int64_t o = mf_pf_off(b * BYTES, pfd, rowb, rb, R);                           \
@@ -256,7 +256,7 @@ VNNI static void vd4_q8_0(const uint8_t *w, size_t rb, const void *xv, int64_t n
     const __m256i k80 = _mm256_set1_epi8((char)0x80);
     const __m128 off = _mm_set1_ps(-128.0f);
     float sc[4];
-    const int64_t pfd = mf_tune.pf_dist, rowb = nb * 34;
+    const int64_t pfd = MF_PF_MULTI, rowb = nb * 34;
     for (int64_t b = 0; b < nb; b++, w += 34) {
         if (pfd) {
             const int64_t o = mf_pf_off(b * 34, pfd, rowb, rb, 4) - b * 34;
@@ -331,7 +331,9 @@ VNNI static void vd4_q5_0(const uint8_t *w, size_t rb, const void *xv, int64_t n
     const __m128 m16 = _mm_set1_ps(-16.0f);
     const uint8_t *w0 = w, *w1 = w + rb, *w2 = w + 2 * rb, *w3 = w + 3 * rb;
     float sc[4];
+    const int64_t pfd = MF_PF_MULTI;
     for (int64_t b = 0; b < nb; b++, w0 += 22, w1 += 22, w2 += 22, w3 += 22) {
+        MF_PF_STEP4(w0, w1, w2, w3, b, pfd, 22, nb, rb);
         const __m256i y = _mm256_loadu_si256((const __m256i *)x[b].qs);
         const __m128 d4 = _mm_cvtph_ps(ld4_f16(w0, w1, w2, w3));
         _mm_storeu_ps(sc, _mm_mul_ps(d4, _mm_set1_ps(x[b].d)));
@@ -360,7 +362,9 @@ VNNI static void vd4_q5_0(const uint8_t *w, size_t rb, const void *xv, int64_t n
         const __m256i i2 = _mm256_set1_epi32(4), i3 = _mm256_set1_epi32(6);                        \
         const uint8_t *w0 = w, *w1 = w + rb, *w2 = w + 2 * rb, *w3 = w + 3 * rb;                   \
         (void)b4;                                                                                  \
+        const int64_t pfd = MF_PF_MULTI;                                                       \
         for (int64_t b = 0; b < nb; b++, w0 += BYTES, w1 += BYTES, w2 += BYTES, w3 += BYTES) {     \
+            MF_PF_STEP4(w0, w1, w2, w3, b, pfd, BYTES, nb, rb);                                    \
             const __m256i y = _mm256_loadu_si256((const __m256i *)x[b].qs);                        \
             const __m256 xs = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)&x[b]));        \
             int32_t h0, h1, h2, h3;                                                                \
@@ -403,7 +407,12 @@ VD4_Q41(vd4_q5_1, 24, 8, 1)
         for (int l = 0; l < 16; l++) o[l] = (int32_t)((l & 7) % R * (int64_t)rb + (l >> 3) * 18);  \
         const __m512i offs = _mm512_loadu_si512(o);                                                 \
         const __mmask16 gm = R == 8 ? 0xFFFF : 0x0F0F; /* the group's rows, both blocks */          \
+        const int64_t pfd = MF_PF_MULTI;                                                        \
         for (int64_t b = 0; b < nb; b += 2, w += 36) {                                              \
+            if (pfd) {                                                                              \
+                const int64_t o = mf_pf_off(b * 18, pfd, nb * 18, rb, R) - b * 18;                  \
+                for (int r = 0; r < R; r++) mf_pf_span(w + r * rb + o, 36);                         \
+            }                                                                                       \
             const int two = b + 1 < nb;                                                             \
             const __mmask16 m = two ? gm : (__mmask16)(gm & 0x00FF);                                \
             const __m256i y0 = _mm256_loadu_si256((const __m256i *)x[b].qs);                        \
@@ -441,7 +450,10 @@ VDZ_Q4_0(vdz4_q4_0, 4)
 VDZ_Q4_0(vdz8_q4_0, 8)
 const uint8_t mf_kpf_avx512[T_MAX] = {[T_Q4_K] = 1, [T_Q5_K] = 1, [T_Q6_K] = 1, [T_Q3_K] = 1, [T_Q8_0] = 1,
                                        [T_MXFP4] = 1, [T_NVFP4] = 1, [T_IQ2_XXS] = 1, [T_IQ2_XS] = 1, [T_IQ2_S] = 1,
-                                       [T_IQ3_XXS] = 1, [T_IQ3_S] = 1, [T_IQ1_S] = 1, [T_IQ1_M] = 1};
+                                       [T_IQ3_XXS] = 1, [T_IQ3_S] = 1, [T_IQ1_S] = 1, [T_IQ1_M] = 1,
+                                       /* 1-row kernels: the AVX2 ones (mf_kpf_avx2) */
+                                       [T_Q4_0] = 1, [T_Q5_0] = 1, [T_Q4_1] = 1, [T_Q5_1] = 1, [T_Q2_K] = 1,
+                                       [T_IQ4_NL] = 1, [T_IQ4_XS] = 1};
 
 mf_vecdot4_fn mf_vecdot8_avx512[T_MAX] = {[T_Q4_0] = vdz8_q4_0, [T_Q4_K] = vd8_q4_k, [T_Q5_K] = vd8_q5_k, [T_Q6_K] = vd8_q6_k,
                                           [T_MXFP4] = mf_vd8_mxfp4_avx512, [T_NVFP4] = mf_vd8_nvfp4_avx512};

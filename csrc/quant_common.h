@@ -78,8 +78,11 @@ typedef struct {
     int kg_tile_kib;   /* prefill, K-quant GEMM (avx512vnni): KiB of unpacked W per task */
     int fa_heads;      /* f16-cache attention (AVX2 and up): q heads of one KV group per task at most,
                         * sharing the K/V rows' conversion (0: one head per task, ops.c fa16_paged_task) */
-    int pf_dist;       /* decode kernels that prefetch in their block loop (mf_kpf_avx512): W bytes
-                        * ahead in each row's stream, into L2 (0: none; then pf_rows* apply) */
+    int pf_dist;       /* decode kernels that prefetch in their block loop (mf_kpf_avx512/avx2): W
+                        * bytes ahead in each row's stream, 1-row kernels (0: no in-loop prefetch,
+                        * pf_rows* apply instead) */
+    int pf_dist_multi; /* the same for the 4/8-row kernels (while pf_dist is on): each of their
+                        * 4-8 streams a core walks at once gets this distance */
 } mf_tune_t;
 #define MF_FA_HEADS_MAX 128 /* mf_tune.fa_heads at most (ops.c's per-task state arrays) */
 extern mf_tune_t mf_tune;
@@ -93,7 +96,7 @@ int mf_tables_ready(int type);
  * changes. mf_pf_span: the lines of [p, p + bytes) (64-byte steps cover each line once or twice). */
 #define mf_pf_span(p, bytes)                                                                       \
     do {                                                                                           \
-        for (int o_ = 0; o_ < (bytes); o_ += 64) __builtin_prefetch((const char *)(p) + o_, 0, 2); \
+        for (int span_o_ = 0; span_o_ < (bytes); span_o_ += 64) __builtin_prefetch((const char *)(p) + span_o_, 0, 2); \
     } while (0)
 /* The offset to prefetch from, for block position pos of one row of a group of R rows rb bytes
  * apart with rowb bytes each: adjacent rows (rb == rowb) continue past a row's end in the same
@@ -103,10 +106,20 @@ static inline int64_t mf_pf_off(int64_t pos, int64_t d, int64_t rowb, size_t rb,
     const int64_t o = pos + d;
     return o >= rowb && (int64_t)rb == rowb ? o + (R - 1) * rowb : o;
 }
+#define MF_PF_MULTI (mf_tune.pf_dist ? mf_tune.pf_dist_multi : 0) /* 4/8-row kernels' distance */
 /* a 1-row kernel's block step: the step pf bytes further along the row (pf 0: none) */
 #define MF_PF_STEP(w, pf, bytes)                       \
     do {                                               \
         if (pf) mf_pf_span((w) + (pf), (bytes));       \
+    } while (0)
+/* a 4-row kernel's block step b (row pointers w0..w3 at that block, rows rb bytes apart) */
+#define MF_PF_STEP4(w0, w1, w2, w3, b, pf, bytes, nb, rb)                                              \
+    do {                                                                                               \
+        if (pf) {                                                                                      \
+            const int64_t s4_o_ = mf_pf_off((b) * (bytes), (pf), (nb) * (bytes), (rb), 4) - (b) * (bytes); \
+            mf_pf_span((w0) + s4_o_, bytes); mf_pf_span((w1) + s4_o_, bytes);                          \
+            mf_pf_span((w2) + s4_o_, bytes); mf_pf_span((w3) + s4_o_, bytes);                          \
+        }                                                                                              \
     } while (0)
 /* types whose avx512vnni (avx2) decode kernels, 1-row and 4/8-row, prefetch in their block loop */
 extern const uint8_t mf_kpf_avx512[T_MAX], mf_kpf_avx2[T_MAX];                      /* 1 when the type's tables are installed */

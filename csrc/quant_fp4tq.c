@@ -355,7 +355,7 @@ __attribute__((constructor)) static void e8m0_lut_init(void) {
         const __m512i m4 = _mm512_set1_epi8(0xF), sh = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);    \
         const __m512i kvu = _mm512_add_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)kv_fp4)), \
                                             _mm512_set1_epi8(12));                                  \
-        const int64_t pfd = mf_tune.pf_dist;                                                        \
+        const int64_t pfd = (R == 1 ? mf_tune.pf_dist : MF_PF_MULTI);                                                        \
         for (int64_t b = 0; b < nb; b += 2, w += 34) {                                              \
             if (pfd) {                                                                              \
                 const int64_t o = mf_pf_off(b * 17, pfd, nb * 17, rb, R) - b * 17;                  \
@@ -415,7 +415,7 @@ static const uint8_t nv_perm[64] = {
                                             _mm512_set1_epi8(12));                                  \
         const __m512i perm = _mm512_loadu_si512((const void *)nv_perm);                             \
         const __m512i lanes = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 0, 0, 1, 1, 2, 2, 3, 3);    \
-        const int64_t pfd = mf_tune.pf_dist;                                                        \
+        const int64_t pfd = (R == 1 ? mf_tune.pf_dist : MF_PF_MULTI);                                                        \
         for (int64_t b = 0; b < nb; b++, w += 36) {                                                 \
             if (pfd) {                                                                              \
                 const int64_t o = mf_pf_off(b * 36, pfd, nb * 36, rb, R) - b * 36;                  \

@@ -30,7 +30,8 @@ TUNINGS = [
     f"k_vd4_min_rb=0,k_vd8_min_rb={BIG},stride_max_rb={BIG},task_kib=1024,task_kib_multi=999,task_kib_strided=4",
     f"stride_max_rb={BIG},task_kib_strided=2000",
     "pf_dist=3072,k_vd4_min_rb=0,k_vd8_min_rb=0,q8_vd4_min_rb=0",
-    f"pf_dist=64,stride_max_rb={BIG},streams=3",
+    f"pf_dist=64,pf_dist_multi=4096,stride_max_rb={BIG},streams=3",
+    "pf_dist=1024,pf_dist_multi=0,k_vd4_min_rb=0,k_vd8_min_rb=0",
     "pf_dist=0,pf_rows=2",
 ]
 
