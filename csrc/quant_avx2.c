@@ -813,7 +813,7 @@ AVX2 static inline __m128 hsum4_ps(__m256 a, __m256 b, __m256 c, __m256 d) {
         const __m256i ones = _mm256_set1_epi16(1);                                                 \
         const int64_t pfd = MF_PF_MULTI;                                                       \
         for (int64_t b = 0; b < nb; b++) {                                                         \
-            MF_PF_STEP4(w + b * bytes, w + rb + b * bytes, w + 2 * rb + b * bytes, w + 3 * rb + b * bytes, b, pfd, bytes, nb, rb); \
+            MF_PF_ROWS(w + b * bytes, 4, rb, b * bytes, nb * bytes, pfd, bytes);                       \
             __m256i y = _mm256_loadu_si256((const __m256i *)x[b].qs);                              \
             float dx = x[b].d;                                                                     \
             float cs[4];                                                                           \
@@ -856,7 +856,7 @@ AVX2 static void vd4_q4_0(const uint8_t *w, size_t rb, const void *xv, int64_t n
     float sc[4]; /* the 4 rows' d * dx: stored once, broadcast from memory (load ports, no shuffle) */
     const int64_t pfd = MF_PF_MULTI;
     for (int64_t b = 0; b < nb; b++, w0 += 18, w1 += 18, w2 += 18, w3 += 18) {
-        MF_PF_STEP4(w0, w1, w2, w3, b, pfd, 18, nb, rb);
+        MF_PF_ROWS(w0, 4, rb, b * 18, nb * 18, pfd, 18);
         const __m256i y = _mm256_loadu_si256((const __m256i *)x[b].qs);
         const __m128 d4 = _mm_cvtph_ps(ld4_f16(w0, w1, w2, w3));
         _mm_storeu_ps(sc, _mm_mul_ps(d4, _mm_set1_ps(x[b].d)));
@@ -888,7 +888,7 @@ AVX2 static void vd4_q5_0(const uint8_t *w, size_t rb, const void *xv, int64_t n
     const uint8_t *w0 = w, *w1 = w + rb, *w2 = w + 2 * rb, *w3 = w + 3 * rb;
     const int64_t pfd = MF_PF_MULTI;
     for (int64_t b = 0; b < nb; b++, w0 += 22, w1 += 22, w2 += 22, w3 += 22) {
-        MF_PF_STEP4(w0, w1, w2, w3, b, pfd, 22, nb, rb);
+        MF_PF_ROWS(w0, 4, rb, b * 22, nb * 22, pfd, 22);
         const __m256i y = _mm256_loadu_si256((const __m256i *)x[b].qs);
         const __m128 d4 = _mm_cvtph_ps(ld4_f16(w0, w1, w2, w3));
         const __m256 sc = _mm256_castps128_ps256(_mm_mul_ps(d4, _mm_set1_ps(x[b].d)));
@@ -920,7 +920,7 @@ AVX2 static void vd4_q4_1(const uint8_t *w, size_t rb, const void *xv, int64_t n
     const uint8_t *w0 = w, *w1 = w + rb, *w2 = w + 2 * rb, *w3 = w + 3 * rb;
     const int64_t pfd = MF_PF_MULTI;
     for (int64_t b = 0; b < nb; b++, w0 += 20, w1 += 20, w2 += 20, w3 += 20) {
-        MF_PF_STEP4(w0, w1, w2, w3, b, pfd, 20, nb, rb);
+        MF_PF_ROWS(w0, 4, rb, b * 20, nb * 20, pfd, 20);
         const __m256i y = _mm256_loadu_si256((const __m256i *)x[b].qs);
         const __m256 xs = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)&x[b])); /* dx s dx s .. */
         int32_t h0, h1, h2, h3;

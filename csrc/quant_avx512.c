@@ -181,7 +181,7 @@ VNNI static inline void q3_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *
         __m256 accm = _mm256_setzero_ps();                                                          \
         const int64_t pfd = mf_tune.pf_dist;                                                        \
         for (int64_t b = 0; b < nb; b++) {                                                          \
-            if (pfd) mf_pf_span(w + b * BYTES + pfd, BYTES);                                        \
+            MF_PF_STEP(w + b * BYTES, pfd, BYTES);                                                  \
             T##_step(w + b * BYTES, x + b, &acc, &accm);                                            \
         }                                                                                           \
         return FINAL(acc, accm);                                                                    \
@@ -208,10 +208,7 @@ KQ_DRIVER(q3_k, 110, fin_plain)
         for (int r = 0; r < R; r++) { acc[r] = _mm512_setzero_ps(); accm[r] = _mm256_setzero_ps(); } \
         const int64_t pfd = MF_PF_MULTI, rowb = nb * BYTES;                                     \
         for (int64_t b = 0; b < nb; b++) {                                                          \
-            if (pfd) {                                                                              \
-                const int64_t o = mf_pf_off(b * BYTES, pfd, rowb, rb, R);                           \
-                for (int r = 0; r < R; r++) mf_pf_span(w + r * rb + o, BYTES);                      \
-            }                                                                                       \
+            MF_PF_ROWS(w + b * BYTES, R, rb, b * BYTES, rowb, pfd, BYTES);                          \
             for (int r = 0; r < R; r++) T##_step(w + r * rb + b * BYTES, x + b, &acc[r], &accm[r]);  \
         }                                                                                           \
         for (int r = 0; r < R; r++) out[r] = FINAL(acc[r], accm[r]);                                \
@@ -258,10 +255,7 @@ VNNI static void vd4_q8_0(const uint8_t *w, size_t rb, const void *xv, int64_t n
     float sc[4];
     const int64_t pfd = MF_PF_MULTI, rowb = nb * 34;
     for (int64_t b = 0; b < nb; b++, w += 34) {
-        if (pfd) {
-            const int64_t o = mf_pf_off(b * 34, pfd, rowb, rb, 4) - b * 34;
-            for (int r = 0; r < 4; r++) mf_pf_span(w + r * rb + o, 34);
-        }
+        MF_PF_ROWS(w, 4, rb, b * 34, rowb, pfd, 34);
         const __m256i y = _mm256_loadu_si256((const __m256i *)x[b].qs);
         const __m128 d4 = _mm_cvtph_ps(ld4_f16(w, w + rb, w + 2 * rb, w + 3 * rb));
         _mm_storeu_ps(sc, _mm_mul_ps(d4, _mm_set1_ps(x[b].d)));
@@ -285,7 +279,7 @@ VNNI static float vd_q8_0(const uint8_t *w, const void *xv, int64_t nb) {
     const int64_t pfd = mf_tune.pf_dist;
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2, w += 68) {
-        if (pfd) mf_pf_span(w + pfd, 68);
+        MF_PF_STEP(w, pfd, 68);
         uint16_t h0, h1;
         memcpy(&h0, w, 2); memcpy(&h1, w + 34, 2);
         const float d0 = _cvtsh_ss(h0), d1 = _cvtsh_ss(h1);
@@ -333,7 +327,7 @@ VNNI static void vd4_q5_0(const uint8_t *w, size_t rb, const void *xv, int64_t n
     float sc[4];
     const int64_t pfd = MF_PF_MULTI;
     for (int64_t b = 0; b < nb; b++, w0 += 22, w1 += 22, w2 += 22, w3 += 22) {
-        MF_PF_STEP4(w0, w1, w2, w3, b, pfd, 22, nb, rb);
+        MF_PF_ROWS(w0, 4, rb, b * 22, nb * 22, pfd, 22);
         const __m256i y = _mm256_loadu_si256((const __m256i *)x[b].qs);
         const __m128 d4 = _mm_cvtph_ps(ld4_f16(w0, w1, w2, w3));
         _mm_storeu_ps(sc, _mm_mul_ps(d4, _mm_set1_ps(x[b].d)));
@@ -364,7 +358,7 @@ VNNI static void vd4_q5_0(const uint8_t *w, size_t rb, const void *xv, int64_t n
         (void)b4;                                                                                  \
         const int64_t pfd = MF_PF_MULTI;                                                       \
         for (int64_t b = 0; b < nb; b++, w0 += BYTES, w1 += BYTES, w2 += BYTES, w3 += BYTES) {     \
-            MF_PF_STEP4(w0, w1, w2, w3, b, pfd, BYTES, nb, rb);                                    \
+            MF_PF_ROWS(w0, 4, rb, b * BYTES, nb * BYTES, pfd, BYTES);                              \
             const __m256i y = _mm256_loadu_si256((const __m256i *)x[b].qs);                        \
             const __m256 xs = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)&x[b]));        \
             int32_t h0, h1, h2, h3;                                                                \
@@ -409,10 +403,7 @@ VD4_Q41(vd4_q5_1, 24, 8, 1)
         const __mmask16 gm = R == 8 ? 0xFFFF : 0x0F0F; /* the group's rows, both blocks */          \
         const int64_t pfd = MF_PF_MULTI;                                                        \
         for (int64_t b = 0; b < nb; b += 2, w += 36) {                                              \
-            if (pfd) {                                                                              \
-                const int64_t o = mf_pf_off(b * 18, pfd, nb * 18, rb, R) - b * 18;                  \
-                for (int r = 0; r < R; r++) mf_pf_span(w + r * rb + o, 36);                         \
-            }                                                                                       \
+            MF_PF_ROWS(w, R, rb, b * 18, nb * 18, pfd, 36);                                         \
             const int two = b + 1 < nb;                                                             \
             const __mmask16 m = two ? gm : (__mmask16)(gm & 0x00FF);                                \
             const __m256i y0 = _mm256_loadu_si256((const __m256i *)x[b].qs);                        \

@@ -87,7 +87,7 @@ typedef struct {
 #define MF_FA_HEADS_MAX 128 /* mf_tune.fa_heads at most (ops.c's per-task state arrays) */
 extern mf_tune_t mf_tune;
 extern const char *mf_tune_source; /* "default", "amd-zen4", ... (+ " +" the MEMFIT_TUNE spec) */
-int mf_tables_ready(int type);
+int mf_tables_ready(int type);                      /* 1 when the type's tables are installed */
 
 /* In-kernel prefetch for decode: each block step of a row prefetches (prefetcht1, into L2) the
  * lines of the step `mf_tune.pf_dist` bytes further along the row's stream, so the requests stay
@@ -112,17 +112,18 @@ static inline int64_t mf_pf_off(int64_t pos, int64_t d, int64_t rowb, size_t rb,
     do {                                               \
         if (pf) mf_pf_span((w) + (pf), (bytes));       \
     } while (0)
-/* a 4-row kernel's block step b (row pointers w0..w3 at that block, rows rb bytes apart) */
-#define MF_PF_STEP4(w0, w1, w2, w3, b, pf, bytes, nb, rb)                                              \
+/* an R-row kernel's block step: w the first row at position pos of rows of rowb bytes, the rows
+ * rb bytes apart; the step's bytes pf further along each row's stream (pf 0: none) */
+#define MF_PF_ROWS(w, R, rb, pos, rowb, pf, bytes)                                                     \
     do {                                                                                               \
         if (pf) {                                                                                      \
-            const int64_t s4_o_ = mf_pf_off((b) * (bytes), (pf), (nb) * (bytes), (rb), 4) - (b) * (bytes); \
-            mf_pf_span((w0) + s4_o_, bytes); mf_pf_span((w1) + s4_o_, bytes);                          \
-            mf_pf_span((w2) + s4_o_, bytes); mf_pf_span((w3) + s4_o_, bytes);                          \
+            const int64_t rows_o_ = mf_pf_off((pos), (pf), (rowb), (rb), (R)) - (pos);                 \
+            for (int rows_r_ = 0; rows_r_ < (R); rows_r_++)                                            \
+                mf_pf_span((w) + rows_r_ * (int64_t)(rb) + rows_o_, bytes);                            \
         }                                                                                              \
     } while (0)
 /* types whose avx512vnni (avx2) decode kernels, 1-row and 4/8-row, prefetch in their block loop */
-extern const uint8_t mf_kpf_avx512[T_MAX], mf_kpf_avx2[T_MAX];                      /* 1 when the type's tables are installed */
+extern const uint8_t mf_kpf_avx512[T_MAX], mf_kpf_avx2[T_MAX];
 
 /* A K-quant block unpacked for the prefill kernel (see quant_avx2.c). */
 typedef struct { _Alignas(64) uint8_t q[256]; int16_t sv[8][16]; int16_t cc[16]; float d, dc; } mf_kblk; /* 576 B */

@@ -357,10 +357,7 @@ __attribute__((constructor)) static void e8m0_lut_init(void) {
                                             _mm512_set1_epi8(12));                                  \
         const int64_t pfd = (R == 1 ? mf_tune.pf_dist : MF_PF_MULTI);                                                        \
         for (int64_t b = 0; b < nb; b += 2, w += 34) {                                              \
-            if (pfd) {                                                                              \
-                const int64_t o = mf_pf_off(b * 17, pfd, nb * 17, rb, R) - b * 17;                  \
-                for (int r = 0; r < R; r++) mf_pf_span(w + r * rb + o, 34);                         \
-            }                                                                                       \
+            MF_PF_ROWS(w, R, rb, b * 17, nb * 17, pfd, 34);                                         \
             const int two = b + 1 < nb;                                                             \
             const __m256i y0 = _mm256_loadu_si256((const __m256i *)x[b].qs);                        \
             const __m512i y = two ? _mm512_inserti64x4(_mm512_castsi256_si512(y0),                  \
@@ -417,10 +414,7 @@ static const uint8_t nv_perm[64] = {
         const __m512i lanes = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 0, 0, 1, 1, 2, 2, 3, 3);    \
         const int64_t pfd = (R == 1 ? mf_tune.pf_dist : MF_PF_MULTI);                                                        \
         for (int64_t b = 0; b < nb; b++, w += 36) {                                                 \
-            if (pfd) {                                                                              \
-                const int64_t o = mf_pf_off(b * 36, pfd, nb * 36, rb, R) - b * 36;                  \
-                for (int r = 0; r < R; r++) mf_pf_span(w + r * rb + o, 36);                         \
-            }                                                                                       \
+            MF_PF_ROWS(w, R, rb, b * 36, nb * 36, pfd, 36);                                         \
             const mf_q8_32 *y0 = x + 2 * b;                                                         \
             const __m512i y = _mm512_permutexvar_epi8(perm, _mm512_inserti64x4(                     \
                 _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)y0[0].qs)),              \
