@@ -107,6 +107,16 @@ static int detect_slow_gather(void) {
  * A/B): Q4_0's strided 8-row groups 16.4-23.5 -> 19.3-25.6 GB/s, MXFP4 at 4096 columns 18.0 ->
  * 20.3, Q6_K 3584x18944 24.0 -> 26.5, the rest level. */
 #define MF_TUNE_INTEL_EMR (mf_tune.pf_dist = 3072, mf_tune.pf_dist_multi = 1024)
+/* AMD Zen 3 (family 25 models 0x00-0x0F, 0x20-0x2F, 0x40-0x5F; measured on the EPYC Milan,
+ * model 1, of BENCHMARKS.md section 31: 2 cores, AVX2 only, 512 KiB L2 per core, 32 MiB L3):
+ * the AVX2 decode kernels prefetch in their block loop 2 KiB ahead (1 KiB in each of a 4/8-row
+ * group's streams), one stream per 1-row task, no rows-ahead bursts for the kernels that do not
+ * prefetch in their loop. In-process A/B (bench --kernels --tune, 2 threads, from DRAM, 3 trials
+ * each): Q4_K at the 7B shapes 13.5-20.0 -> 20.4-27.6 GB/s, Q6_K 11-16 -> 19-22, Q8_0 18-20 ->
+ * 27-29 (91-107% of the read probe), Q4_0 13-19 -> 19-23, IQ4_XS 13-14 -> 16-20; 1, 2 and 3 KiB
+ * ahead within the noise of each other. Without the bursts the compute-bound kernels gain too
+ * (IQ3_S, MXFP4, Q3_K, IQ2_XS +5-30%). The 7B Q4_K_M decode 3.7-4.4 -> 5.5-5.9 tok/s. */
+#define MF_TUNE_AMD_ZEN3 (mf_tune.pf_dist = 2048, mf_tune.pf_dist_multi = 1024, mf_tune.streams = 1, mf_tune.pf_rows = 0)
 mf_tune_t mf_tune = {.pf_rows = 8, .pf_rows_multi = 8, .pf_strided = 2, .q8_vd4_min_rb = 2048, .k_vd4_min_rb = 6144, .k_vd8_min_rb = 1 << 20,
                      .stride_max_rb = 3072, .streams = 2, .task_kib = 64, .task_kib_multi = 64, .task_kib_strided = 64,
                      .kg_tile_kib = 1024,
@@ -182,9 +192,14 @@ static void tune_init(void) {
     int amd;
     unsigned fam, model;
     cpu_family(&amd, &fam, &model);
-    if (amd && (fam == 0x1A || (fam == 0x19 && model >= 0x10))) { /* Zen 4 and Zen 5 */
+    /* family 25 holds Zen 3 (models 0x00-0x0F, 0x20-0x2F, 0x40-0x5F) and Zen 4 (the rest) */
+    const int zen3 = amd && fam == 0x19 && (model < 0x10 || (model >= 0x20 && model < 0x30) || (model >= 0x40 && model < 0x60));
+    if (amd && (fam == 0x1A || (fam == 0x19 && !zen3))) { /* Zen 4 and Zen 5 */
         MF_TUNE_AMD_ZEN4;
         mf_tune_source = fam == 0x1A ? "amd-zen5 (zen4 row)" : "amd-zen4";
+    } else if (zen3) {
+        MF_TUNE_AMD_ZEN3;
+        mf_tune_source = "amd-zen3";
     } else if (!amd && fam == 6 && model == 0xCF) {
         MF_TUNE_INTEL_EMR;
         mf_tune_source = "intel-emr";
