@@ -8,6 +8,7 @@ engine give a sequence the same tokens cold, cached, chunked or batched (tests/t
 
 import numpy as np
 import pytest
+from conftest import isa_paths
 
 _native = pytest.importorskip("memfit._native")
 from memfit.ops import QTensor  # noqa: E402
@@ -16,18 +17,11 @@ from memfit.quant.random import random_blocks  # noqa: E402
 from memfit.quant.types import BY_NAME, SUPPORTED_NAMES  # noqa: E402
 
 NAMES = list(SUPPORTED_NAMES)
-ISAS = ["scalar", "avx2", "avx512", "avx512vnni"]
 NS = (1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 15, 16, 17, 33)
 MODES = {"prefill": {"rowwise": False}, "decode": {"rowwise": True}}
 
 
-def _isas() -> list[str]:
-    own = _native.isas()
-    hw = ISAS.index(_native.isa_hw())
-    return [i for i in own if ISAS.index(i) <= hw]
-
-
-@pytest.fixture(params=_isas())
+@pytest.fixture(params=isa_paths())
 def isa(request):
     before, threads = _native.isa(), _native.get_threads()
     _native.set_isa(request.param)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from conftest import isa_paths
 from memfit import _native
 from memfit.engine.engine import Engine
 from memfit.engine.sampler import SamplingParams
@@ -93,7 +94,7 @@ def _fused_vs_blocks(path, n_seqs, monkeypatch, kv="f16", fused_runs=True):
     return fused
 
 
-@pytest.mark.parametrize("isa", list(_native.isas()))
+@pytest.mark.parametrize("isa", isa_paths())
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fused_moe_layer_equals_blocks(tmp_path, arch, isa, monkeypatch):
     # gpt-oss: MXFP4 experts, as its files ship

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from conftest import isa_paths
 from memfit import _native
 from memfit.gguf import open_gguf
 from memfit.memory.bandwidth import Bandwidth
@@ -102,7 +103,7 @@ def _same(a, b, what):
             assert np.array_equal(x[1], y[1]), f"{what}, {n} sequences, #{i}: logits differ"
 
 
-@pytest.mark.parametrize("isa", list(_native.isas()))
+@pytest.mark.parametrize("isa", isa_paths())
 @pytest.mark.parametrize("arch", ARCHS)
 def test_streamed_fused_equals_op_by_op_and_resident(tmp_path, arch, isa, monkeypatch):
     path = _write(tmp_path, arch)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import isa_paths
 
 N = pytest.importorskip("memfit._native")
 from memfit.ops import reference as R  # noqa: E402
@@ -18,15 +19,7 @@ assert hasattr(N, "attention"), "memfit._native is stale: rebuild it (pip instal
 RTOL = 1e-5
 
 
-def _isas() -> list[str]:
-    # the ISAs with code of their own (the native module says which) that this CPU runs
-    order = ["scalar", "avx2", "avx512", "avx512vnni"]
-    own = getattr(N, "isas", lambda: ("scalar", "avx2"))()
-    hw = order.index(N.isa_hw())
-    return [i for i in own if order.index(i) <= hw]
-
-
-@pytest.fixture(params=_isas(), autouse=True)
+@pytest.fixture(params=isa_paths(), autouse=True)
 def isa(request):
     prev = N.isa()
     N.set_isa(request.param)

@@ -23,6 +23,7 @@ put it first on PYTHONPATH:
 import gguf
 import numpy as np
 import pytest
+from conftest import isa_paths
 
 _native = pytest.importorskip("memfit._native")
 from memfit.ops import QTensor  # noqa: E402
@@ -40,15 +41,7 @@ def _gguf_deq(t, raw):
     return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(t.id)).reshape(-1).astype(np.float32)
 
 
-def _kernel_isas() -> list[str]:
-    # the ISAs with kernels of their own (the native module says which; avx512 without its own
-    # kernels runs avx2's) that this CPU runs: nothing is parametrized only to be skipped
-    own = getattr(_native, "isas", lambda: ("scalar", "avx2"))()
-    hw = ISAS.index(_native.isa_hw())
-    return [i for i in own if ISAS.index(i) <= hw]
-
-
-@pytest.fixture(params=_kernel_isas())
+@pytest.fixture(params=isa_paths())
 def isa(request):
     name = request.param
     before = _native.isa()
