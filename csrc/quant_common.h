@@ -58,6 +58,10 @@ extern _Alignas(64) uint8_t mf_iq3xxs_n01[256], mf_iq3xxs_n23[256];
  * values 0..3 in mf_iq2xxs_c03[i] (value k at bits 2k), values 4..7 in mf_iq2xxs_c47[i] */
 extern _Alignas(64) uint8_t mf_iq2xxs_c03[256], mf_iq2xxs_c47[256];
 extern _Alignas(64) int8_t mf_grid_iq1s[2048 * 8]; /* -1/0/+1; IQ1_S and IQ1_M share it */
+/* the same rows in IQ1's unsigned form for the AVX2 vec-dots: entry q | n << 8 (n: the 3 high
+ * index bits and, in bit 3, the delta's sign) holds 8 bytes 8 (grid + 1) + (n & 8 ? 0 : 2),
+ * i.e. 8 (grid + delta) + 9 with delta = +-1/8 scaled by 8 */
+extern _Alignas(64) uint64_t mf_iq1_u[4096];
 extern uint8_t mf_ksigns_iq2xs[128];                /* ggml's ksigns_iq2xs */
 extern int mf_slow_gather; /* pool.c: this CPU's grid-row gathers are slower than scalar loads */
 /* Decode matvec and prefill GEMM tiling (pool.c tune_init): chosen per CPU family from a measured table,

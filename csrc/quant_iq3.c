@@ -93,14 +93,9 @@ AVX2 static inline __m256i sign32(uint32_t bits) {
     b = _mm256_or_si256(b, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
     return _mm256_or_si256(_mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(1));
 }
-/* IQ1_S/IQ1_M: 4 grid rows of 8 values (11-bit indexes: low bytes q4 | high bits hi) */
-AVX2 static inline __m256i g1x4(uint32_t q4, __m128i hi) {
-    const __m128i idx = _mm_or_si128(_mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)q4)), hi);
-    return _mm256_i32gather_epi64((const long long *)(const void *)mf_grid_iq1s, idx, 8);
-}
 /* IQ3_XXS: 8 grid rows of 4 values from 8 byte indices, gathered, or loaded one by one where
- * gathers are slow (Zen 3: 1.19x; IQ1_S/IQ1_M's 4-lane 64-bit rows here measured level both ways
- * and keep the gather; their AVX-512 8-lane form, g1x8, loads them on Zen 4) */
+ * gathers are slow (Zen 3: 1.19x; IQ1_S/IQ1_M's AVX2 kernels load their rows, iq1_rows8; their
+ * AVX-512 8-lane form, g1x8, loads them where gathers are slow) */
 AVX2 static inline __m256i g3x8(const uint8_t *qs) {
     const uint32_t *G = (const uint32_t *)(const void *)mf_grid_iq3xxs;
     if (mf_slow_gather)
@@ -151,37 +146,68 @@ AVX2 float mf_vd_iq3_s_avx2(const uint8_t *w, const void *xv, int64_t nb) {
     return hsum_ps(acc);
 }
 
-/* grid . q8 via sign_epi8 (grid in -1/0/1); the delta per 32 values from bsums:
- * 8 * sum (2s+1) grid.q8 + sum (2s+1) (+-1) sum(q8) in int32, x d dx / 8 */
+/* IQ1_S / IQ1_M: each group of 8 values as one 64-bit row of mf_iq1_u, u = 8 (grid + delta) + 9
+ * (0..18), looked up by scalar loads at an index built in general registers (q | n << 8, n the
+ * group's high index bits and delta sign), so maddubs takes u unsigned; the 9 comes off once per
+ * block as 9 sum (scale . bsums). AMD Zen 3 (BENCHMARKS.md section 31), one thread from L1/L2:
+ * IQ1_M 31 -> 20 ns a block against the former form (4-row gathers of the signed grid, the delta
+ * folded in with sign ops); gathering the same u rows measured 27-44 ns. Sums stay exact int32. */
+AVX2 static inline void iq1_rows8(const uint8_t *qs, uint64_t n8, __m256i *u0, __m256i *u1) {
+    uint64_t q;
+    memcpy(&q, qs, 8);
+    uint64_t r[8];
+    for (int g = 0; g < 8; g++) r[g] = mf_iq1_u[((q >> (8 * g)) & 0xFF) | (((n8 >> (4 * g)) & 0xF) << 8)];
+    *u0 = _mm256_set_epi64x((long long)r[3], (long long)r[2], (long long)r[1], (long long)r[0]);
+    *u1 = _mm256_set_epi64x((long long)r[7], (long long)r[6], (long long)r[5], (long long)r[4]);
+}
+
+/* IQ1_S's 8 rows of sub-blocks 2j, 2j+1: index bits from each sub-block's u16 qh (3 per group,
+ * the delta's sign in bit 15 for all four) */
+AVX2 static inline void iq1s_rows8(const uint8_t *w, int j, __m256i *u0, __m256i *u1) {
+    uint64_t q;
+    memcpy(&q, w + 2 + 8 * j, 8);
+    const unsigned h0 = rd16(w + 34 + 4 * j), h1 = rd16(w + 36 + 4 * j);
+    const unsigned s0 = (h0 >> 4) & 0x800, s1 = (h1 >> 4) & 0x800;
+    uint64_t r[8];
+    for (int l = 0; l < 4; l++) r[l] = mf_iq1_u[((q >> (8 * l)) & 0xFF) | (((h0 >> (3 * l)) & 7) << 8) | s0];
+    for (int l = 0; l < 4; l++) r[4 + l] = mf_iq1_u[((q >> (32 + 8 * l)) & 0xFF) | (((h1 >> (3 * l)) & 7) << 8) | s1];
+    *u0 = _mm256_set_epi64x((long long)r[3], (long long)r[2], (long long)r[1], (long long)r[0]);
+    *u1 = _mm256_set_epi64x((long long)r[7], (long long)r[6], (long long)r[5], (long long)r[4]);
+}
+
+/* scale 2s+1 per 32 values (int16 lane ib of ls), the 9 off as 9 sum (scale . bsums) per 16
+ * values; x d dx / 8. One thread from L1/L2 on Zen 3: 30.5 -> 25.5 ns a block. */
 AVX2 float mf_vd_iq1_s_avx2(const uint8_t *w, const void *xv, int64_t nb) {
     const mf_q8_256 *x = xv;
     __m256 acc = _mm256_setzero_ps();
-    const __m256i one8 = _mm256_set1_epi8(1);
+    /* int16 lane k of ls to lanes 2k, 2k+1: the scale per 16 values, as the bsums */
+    const __m256i dup16 = _mm256_setr_epi8(0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7, 8, 9, 8, 9, 10, 11, 10, 11, 12, 13, 12, 13, 14, 15, 14, 15);
     for (int64_t b = 0; b < nb; b++, w += 50) {
-        const uint8_t *qs = w + 2;
+        const __m128i qh = _mm_loadu_si128((const __m128i *)(w + 34));
+        const __m128i ls = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(qh, 12), _mm_set1_epi16(7)), 1), _mm_set1_epi16(1));
+        const __m256i ls2 = _mm256_broadcastsi128_si256(ls);
+        const __m256i cs = _mm256_madd_epi16(_mm256_shuffle_epi8(ls2, dup16), _mm256_loadu_si256((const __m256i *)x[b].bsums));
         __m256i sumi = _mm256_setzero_si256();
-        int sumd = 0;
-        for (int ib = 0; ib < 8; ib++, qs += 4) {
-            const unsigned qh = rd16(w + 34 + 2 * ib);
-            const int ls = (int)(2 * ((qh >> 12) & 7) + 1);
-            const __m256i g = g1x4(rd32(qs), _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)(qh << 8)), _mm_setr_epi32(0, 3, 6, 9)), _mm_set1_epi32(0x700)));
-            const __m256i y = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(x[b].qs + 32 * ib)), g);
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(one8, y), _mm256_set1_epi16((short)ls)));
-            const int s = x[b].bsums[2 * ib] + x[b].bsums[2 * ib + 1];
-            sumd += ls * s * (1 - (int)((qh >> 14) & 2)); /* arithmetic, not a branch on random bits */
+        for (int j = 0; j < 4; j++) {
+            __m256i u0, u1;
+            iq1s_rows8(w, j, &u0, &u1);
+            const __m256i y0 = _mm256_loadu_si256((const __m256i *)(x[b].qs + 64 * j));
+            const __m256i y1 = _mm256_loadu_si256((const __m256i *)(x[b].qs + 64 * j + 32));
+            const __m256i sv0 = _mm256_shuffle_epi8(ls2, _mm256_set1_epi16((short)(0x0100 * (4 * j + 1) + 4 * j)));
+            const __m256i sv1 = _mm256_shuffle_epi8(ls2, _mm256_set1_epi16((short)(0x0100 * (4 * j + 3) + 4 * j + 2)));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(u0, y0), sv0));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(u1, y1), sv1));
         }
-        const __m256i tot = _mm256_add_epi32(_mm256_slli_epi32(sumi, 3), _mm256_setr_epi32(sumd, 0, 0, 0, 0, 0, 0, 0));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16s(w) * x[b].d * 0.125f), _mm256_cvtepi32_ps(tot), acc);
+        sumi = _mm256_sub_epi32(sumi, _mm256_add_epi32(_mm256_slli_epi32(cs, 3), cs));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16s(w) * x[b].d * 0.125f), _mm256_cvtepi32_ps(sumi), acc);
     }
     return hsum_ps(acc);
 }
 
-/* the delta per 8 values: a = 8*grid +- 1 (|a| <= 9) dotted with q8, scales per 16 values;
- * x d dx / 8 */
+/* scales per 16 values, as the bsums; x d dx / 8 */
 AVX2 float mf_vd_iq1_m_avx2(const uint8_t *w, const void *xv, int64_t nb) {
     const mf_q8_256 *x = xv;
     __m256 acc = _mm256_setzero_ps();
-    const __m256i eight = _mm256_set1_epi8(8), one8 = _mm256_set1_epi8(1), all = _mm256_set1_epi8(-1);
     /* int16 lane k of the block's scale vector: u16 word k/4 (bytes 2(k/4), +1) */
     const __m256i sc_shuf = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3,
                                              4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7);
@@ -196,22 +222,21 @@ AVX2 float mf_vd_iq1_m_avx2(const uint8_t *w, const void *xv, int64_t nb) {
         /* 16 scales 2s+1 as int16, lane k = 2 ib + half: (word >> 3 (k%4)) & 7 via << (13 - 3 (k%4)), >> 13 */
         __m256i s16 = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(_mm256_set1_epi64x((long long)sc), sc_shuf), sc_mul), 13);
         s16 = _mm256_or_si256(_mm256_add_epi16(s16, s16), _mm256_set1_epi16(1));
+        const __m256i cs = _mm256_madd_epi16(s16, _mm256_loadu_si256((const __m256i *)x[b].bsums));
         const __m256i slo = _mm256_permute2x128_si256(s16, s16, 0x00), shi = _mm256_permute2x128_si256(s16, s16, 0x11);
         __m256i sumi = _mm256_setzero_si256();
-        for (int ib = 0; ib < 8; ib++) {
-            const uint8_t *qs = w + 4 * ib;
-            const unsigned hh = rd16(w + 32 + 2 * ib);
-            const __m128i nib = _mm_srlv_epi32(_mm_set1_epi32((int)(hh << 8)), _mm_setr_epi32(0, 4, 8, 12));
-            const __m256i g = g1x4(rd32(qs), _mm_and_si128(nib, _mm_set1_epi32(0x700)));
-            /* delta sign bit (nibble bit 3, at bit 11 of nib) -> -1 bytes where set, else +1 */
-            const __m256i dbit = _mm256_cvtepu32_epi64(_mm_and_si128(nib, _mm_set1_epi32(0x800)));
-            const __m256i dl = _mm256_or_si256(_mm256_xor_si256(_mm256_cmpeq_epi64(dbit, _mm256_setzero_si256()), all), one8);
-            const __m256i a = _mm256_add_epi8(_mm256_sign_epi8(eight, g), dl);
-            const __m256i y = _mm256_loadu_si256((const __m256i *)(x[b].qs + 32 * ib));
-            const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(a), _mm256_sign_epi8(y, a));
-            const __m256i sv = _mm256_shuffle_epi8(ib < 4 ? slo : shi, _mm256_add_epi8(pick, _mm256_set1_epi8((char)(4 * (ib % 4)))));
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, sv));
+        for (int j = 0; j < 4; j++) {
+            __m256i u0, u1;
+            iq1_rows8(w + 8 * j, rd32(w + 32 + 4 * j), &u0, &u1);
+            const __m256i y0 = _mm256_loadu_si256((const __m256i *)(x[b].qs + 64 * j));
+            const __m256i y1 = _mm256_loadu_si256((const __m256i *)(x[b].qs + 64 * j + 32));
+            const __m256i ss = j < 2 ? slo : shi;
+            const __m256i sv0 = _mm256_shuffle_epi8(ss, _mm256_add_epi8(pick, _mm256_set1_epi8((char)(8 * (j % 2)))));
+            const __m256i sv1 = _mm256_shuffle_epi8(ss, _mm256_add_epi8(pick, _mm256_set1_epi8((char)(8 * (j % 2) + 4))));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(u0, y0), sv0));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(u1, y1), sv1));
         }
+        sumi = _mm256_sub_epi32(sumi, _mm256_add_epi32(_mm256_slli_epi32(cs, 3), cs));
         const float d = mf_f16_table[iq1m_d16(w)];
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x[b].d * 0.125f), _mm256_cvtepi32_ps(sumi), acc);
     }
@@ -258,18 +283,16 @@ AVX2 void mf_up_iq3_s(const uint8_t *w, mf_kblk *o) {
     o->d = o->dc = f16s(w);
 }
 
-/* 8 grid +- 1 + 9 of 4 groups: g from g1x4, dl the delta's sign per group (-1 or +1 bytes) */
-AVX2 static inline __m256i iq1_u(__m256i g, __m256i dl) {
-    return _mm256_add_epi8(_mm256_add_epi8(_mm256_sign_epi8(_mm256_set1_epi8(8), g), dl), _mm256_set1_epi8(9));
-}
-
+/* the rows of mf_iq1_u are already 8 grid +- 1 + 9 */
 AVX2 void mf_up_iq1_s(const uint8_t *w, mf_kblk *o) {
     int16_t s16[16];
-    for (int ib = 0; ib < 8; ib++) {
-        const unsigned qh = rd16(w + 34 + 2 * ib);
-        s16[2 * ib] = s16[2 * ib + 1] = (int16_t)(2 * ((qh >> 12) & 7) + 1);
-        const __m256i g = g1x4(rd32(w + 2 + 4 * ib), _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)(qh << 8)), _mm_setr_epi32(0, 3, 6, 9)), _mm_set1_epi32(0x700)));
-        _mm256_storeu_si256((__m256i *)(o->q + 32 * ib), iq1_u(g, _mm256_set1_epi8((char)(1 - (int)((qh >> 14) & 2)))));
+    for (int j = 0; j < 4; j++) {
+        s16[4 * j] = s16[4 * j + 1] = (int16_t)(2 * ((rd16(w + 34 + 4 * j) >> 12) & 7) + 1);
+        s16[4 * j + 2] = s16[4 * j + 3] = (int16_t)(2 * ((rd16(w + 36 + 4 * j) >> 12) & 7) + 1);
+        __m256i u0, u1;
+        iq1s_rows8(w, j, &u0, &u1);
+        _mm256_storeu_si256((__m256i *)(o->q + 64 * j), u0);
+        _mm256_storeu_si256((__m256i *)(o->q + 64 * j + 32), u1);
     }
     put_scales(o, s16, 9);
     o->d = o->dc = f16s(w) * 0.125f;
@@ -278,13 +301,11 @@ AVX2 void mf_up_iq1_s(const uint8_t *w, mf_kblk *o) {
 AVX2 void mf_up_iq1_m(const uint8_t *w, mf_kblk *o) {
     int16_t s16[16];
     for (int k = 0; k < 16; k++) s16[k] = (int16_t)(2 * ((rd16(w + 48 + 2 * (k / 4)) >> (3 * (k % 4))) & 7) + 1);
-    const __m256i all = _mm256_set1_epi8(-1), one8 = _mm256_set1_epi8(1);
-    for (int ib = 0; ib < 8; ib++) {
-        const __m128i nib = _mm_srlv_epi32(_mm_set1_epi32((int)(rd16(w + 32 + 2 * ib) << 8)), _mm_setr_epi32(0, 4, 8, 12));
-        const __m256i g = g1x4(rd32(w + 4 * ib), _mm_and_si128(nib, _mm_set1_epi32(0x700)));
-        const __m256i dbit = _mm256_cvtepu32_epi64(_mm_and_si128(nib, _mm_set1_epi32(0x800)));
-        const __m256i dl = _mm256_or_si256(_mm256_xor_si256(_mm256_cmpeq_epi64(dbit, _mm256_setzero_si256()), all), one8);
-        _mm256_storeu_si256((__m256i *)(o->q + 32 * ib), iq1_u(g, dl));
+    for (int j = 0; j < 4; j++) {
+        __m256i u0, u1;
+        iq1_rows8(w + 8 * j, rd32(w + 32 + 4 * j), &u0, &u1);
+        _mm256_storeu_si256((__m256i *)(o->q + 64 * j), u0);
+        _mm256_storeu_si256((__m256i *)(o->q + 64 * j + 32), u1);
     }
     put_scales(o, s16, 9);
     o->d = o->dc = mf_f16_table[iq1m_d16(w)] * 0.125f;

@@ -23,6 +23,7 @@ _Alignas(64) uint8_t mf_iq2xxs_c03[256], mf_iq2xxs_c47[256];
 /* IQ3_XXS's grid value v as its code: 4 + 8 c, and 62 as 7 */
 static uint8_t iq3xxs_code(uint8_t v) { return (uint8_t)(v >= 60 ? 7 : (v - 4) / 8); }
 _Alignas(64) int8_t mf_grid_iq1s[2048 * 8];
+_Alignas(64) uint64_t mf_iq1_u[4096];
 uint8_t mf_ksigns_iq2xs[128];
 
 enum { TB_IQ2XXS, TB_IQ2XS, TB_IQ2S, TB_IQ3XXS, TB_IQ3S, TB_IQ1S, TB_KSIGNS, TB_N };
@@ -78,6 +79,13 @@ static PyObject *py_set_quant_table(PyObject *self, PyObject *const *a, Py_ssize
                     if (k < 4) mf_iq2xxs_c03[i] |= (uint8_t)(c << (2 * k));
                     else mf_iq2xxs_c47[i] |= (uint8_t)(c << (2 * (k - 4)));
                 }
+            }
+        if (t == TB_IQ1S) /* the unsigned form of the same rows (quant_common.h) */
+            for (int i = 0; i < 4096; i++) {
+                uint64_t v = 0;
+                for (int k = 0; k < 8; k++)
+                    v |= (uint64_t)(uint8_t)(8 * (mf_grid_iq1s[8 * (i & 2047) + k] + 1) + (i & 2048 ? 0 : 2)) << (8 * k);
+                mf_iq1_u[i] = v;
             }
         if (t == TB_IQ3S) /* the nibble form of the same rows (quant_common.h) */
             for (int i = 0; i < 512; i++) {
