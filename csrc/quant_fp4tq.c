@@ -86,26 +86,52 @@ AVX2 static inline __m256i kv_fp4_256(void) {
     return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kv_fp4));
 }
 
-/* per block: the int32 lanes of the 32-value dot, times 2^(e-128) * dx (one FMA); even and
- * odd blocks in two accumulators (one FMA chain's latency bounded the loop) */
-AVX2 static inline __m256 mxfp4_block(const uint8_t *w, const mf_q8_32 *x, __m256i kv, __m256 acc) {
-    const __m256i m4 = _mm256_set1_epi8(0xF);
-    const __m128i t = _mm_loadu_si128((const __m128i *)(w + 1));
-    const __m256i q = _mm256_shuffle_epi8(kv, _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), m4));
-    const __m256i p = _mm256_madd_epi16(fp4_dot(q, _mm256_loadu_si256((const __m256i *)x->qs)), _mm256_set1_epi16(1));
-    return _mm256_fmadd_ps(_mm256_set1_ps(e8m0_half(w[0]) * x->d), _mm256_cvtepi32_ps(p), acc);
+static float e8m0_lut[256]; /* e8m0_half of every code (the scalar and vector kernels' scales) */
+__attribute__((constructor)) static void e8m0_lut_init(void) {
+    for (int e = 0; e < 256; e++) e8m0_lut[e] = e8m0_half((uint8_t)e);
 }
-AVX2 float mf_vd_mxfp4_avx2(const uint8_t *w, const void *xv, int64_t nb) {
-    const mf_q8_32 *x = xv;
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    const __m256i kv = kv_fp4_256();
-    int64_t b = 0;
-    for (; b + 2 <= nb; b += 2, w += 34) {
-        a0 = mxfp4_block(w, x + b, kv, a0);
-        a1 = mxfp4_block(w + 17, x + b + 1, kv, a1);
+
+/* MXFP4 x Q8_0, R = 1 or 4 rows. Per block the 8 int32 lanes of the 32-value dot (lane k: the
+ * values 4k..4k+3, low nibbles first), times 2^(e-128) * dx in one FMA; even and odd blocks in
+ * two accumulators per row (one FMA chain's latency bounded the loop), summed at the end. The
+ * values enter maddubs unsigned, as kv + 12 (0..24), and 12 * y's pair sums (shared by the R
+ * rows) come off in int16 (|pairs| <= 6144, no saturation): every int32 lane is the exact
+ * sum of kv * y, as the avx512vnni kernels' (VDZ_MXFP4), so all of them give the same bits
+ * whatever R or ISA. The nibbles: one 128-bit broadcast, a per-lane shift, a mask. */
+#define VD_MXFP4_AVX2(NAME, R)                                                                      \
+    AVX2 void NAME(const uint8_t *w, size_t rb, const void *xv, int64_t nb, float *out) {          \
+        const mf_q8_32 *x = xv;                                                                     \
+        __m256 a0[R], a1[R];                                                                        \
+        for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();                            \
+        const __m256i m4 = _mm256_set1_epi8(0xF), sh = _mm256_set_epi64x(4, 4, 0, 0);              \
+        const __m256i kvu = _mm256_add_epi8(kv_fp4_256(), _mm256_set1_epi8(12));                    \
+        const __m256i ones = _mm256_set1_epi16(1), twelve = _mm256_set1_epi8(12);                   \
+        const int64_t pfd = (R == 1 ? mf_tune.pf_dist : MF_PF_MULTI);                               \
+        for (int64_t b = 0; b < nb; b += 2, w += 34) {                                              \
+            MF_PF_ROWS(w, R, rb, b * 17, nb * 17, pfd, 34);                                         \
+            for (int h = 0; h < 2 && b + h < nb; h++) {                                             \
+                const __m256i y = _mm256_loadu_si256((const __m256i *)x[b + h].qs);                 \
+                const __m256i c = _mm256_maddubs_epi16(twelve, y);                                  \
+                const float dx = x[b + h].d;                                                        \
+                for (int r = 0; r < R; r++) {                                                       \
+                    const uint8_t *wr = w + r * rb + 17 * h;                                        \
+                    __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(wr + 1))); \
+                    q = _mm256_shuffle_epi8(kvu, _mm256_and_si256(_mm256_srlv_epi64(q, sh), m4));   \
+                    const __m256i p = _mm256_madd_epi16(_mm256_sub_epi16(_mm256_maddubs_epi16(q, y), c), ones); \
+                    const __m256 s = _mm256_set1_ps(e8m0_lut[wr[0]] * dx);                          \
+                    if (h) a1[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(p), a1[r]);               \
+                    else a0[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(p), a0[r]);                 \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+        for (int r = 0; r < R; r++) out[r] = hsum_ps(_mm256_add_ps(a0[r], a1[r]));                  \
     }
-    if (b < nb) a0 = mxfp4_block(w, x + b, kv, a0);
-    return hsum_ps(_mm256_add_ps(a0, a1));
+VD_MXFP4_AVX2(mf_vd1_mxfp4_avx2, 1)
+VD_MXFP4_AVX2(mf_vd4_mxfp4_avx2, 4)
+AVX2 float mf_vd_mxfp4_avx2(const uint8_t *w, const void *x, int64_t nb) {
+    float o;
+    mf_vd1_mxfp4_avx2(w, 0, x, nb, &o);
+    return o;
 }
 
 /* the 4 UE4M3 scales of an NVFP4 block (x 0.5) -> 4 floats (see ue4m3_half) */
@@ -343,10 +369,6 @@ VNNI float mf_vd_tq1_0_avx512(const uint8_t *w, const void *xv, int64_t nb) {
         KERNEL(w, 0, x, nb, &o);                                                                    \
         return o;                                                                                   \
     }
-static float e8m0_lut[256];
-__attribute__((constructor)) static void e8m0_lut_init(void) {
-    for (int e = 0; e < 256; e++) e8m0_lut[e] = e8m0_half((uint8_t)e);
-}
 #define VDZ_MXFP4(NAME, R)                                                                          \
     VNNI void NAME(const uint8_t *w, size_t rb, const void *xv, int64_t nb, float *out) {          \
         const mf_q8_32 *x = xv;                                                                     \
