@@ -142,6 +142,13 @@ void mf_up_mxfp4_avx2(const uint8_t *w, mf_b32 *o);
 void mf_up_nvfp4_avx2(const uint8_t *w, int8_t *q, float *d);
 void mf_up_nvfp4_b32(const uint8_t *w, mf_b32 *o); /* writes o[0], o[1] */
 void mf_up_tq1_0_avx2(const uint8_t *w, mf_kblk *o);
+/* MXFP4's AVX2 prefill GEMM (quant_fp4tq.c): 8 W rows unpacked per block as 8 chunks of their
+ * values 4k..4k+3 (+ 12, unsigned), row r at bytes 4r..4r+3 of each chunk, and their scales */
+typedef struct { _Alignas(32) uint8_t u[8][32]; float d[8]; } mf_mx8; /* 288 B */
+void mf_up_mxfp4_x8(const uint8_t *w, size_t rb, int nr, int64_t nb, mf_mx8 *o);
+void mf_mx8_ysum12_avx2(const uint8_t *xb, size_t xs, int64_t m, int64_t nb, int32_t *sy);
+void mf_mx8_gemm_avx2(const mf_mx8 *w, int64_t nb, int nr, const uint8_t *xb, size_t xs, const int32_t *sy,
+                      int64_t m, float *y, int64_t ostride);
 void mf_up_tq2_0_avx2(const uint8_t *w, mf_kblk *o);
 
 /* 4 consecutive W rows (row stride rb bytes) against one prepared X row -> out[4] */

@@ -257,6 +257,88 @@ AVX2 void mf_up_mxfp4_avx2(const uint8_t *w, mf_b32 *o) {
     o->d = e8m0_half(w[0]);
     o->c = 0;
 }
+/* MXFP4 prefill on AVX2, 8 W rows at once (ggml's repacked 8x8 MXFP4 GEMM does the same
+ * interleaving; here it is built per task from the file's blocks, so the store's bytes stay
+ * as they are): chunk k of an mf_mx8 holds the values 4k..4k+3 of the 8 rows, so one
+ * maddubs against y's 4 bytes 4k..4k+3 broadcast gives each row's two pair sums in its own
+ * lanes, and the 8 chunks' sums (4 in int16 at most: |4 * 2 * 24 * 128| < 2^15) end in one
+ * int32 lane per row: sum (kv + 12) y, less 12 sum y (sy, per X row and block), the exact
+ * integer dot of the block. Per row and X row then one product (d * dx) and one FMA per
+ * block, in block order: no lane crosses rows, so a row's bits do not depend on the rows or X
+ * rows beside it. Rows past nr (the matrix end) repeat row nr - 1; their results are dropped. */
+AVX2 void mf_up_mxfp4_x8(const uint8_t *w, size_t rb, int nr, int64_t nb, mf_mx8 *o) {
+    const __m256i m4 = _mm256_set1_epi8(0xF), sh = _mm256_set_epi64x(4, 4, 0, 0);
+    const __m256i kvu = _mm256_add_epi8(kv_fp4_256(), _mm256_set1_epi8(12));
+    for (int r = 0; r < 8; r++) {
+        const uint8_t *wr = w + (size_t)(r < nr ? r : nr - 1) * rb;
+        for (int64_t b = 0; b < nb; b++, wr += 17) {
+            __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(wr + 1)));
+            q = _mm256_shuffle_epi8(kvu, _mm256_and_si256(_mm256_srlv_epi64(q, sh), m4));
+            _Alignas(32) uint32_t t[8];
+            _mm256_store_si256((__m256i *)t, q);
+            for (int k = 0; k < 8; k++) memcpy(&o[b].u[k][4 * r], &t[k], 4);
+            o[b].d[r] = e8m0_lut[wr[0]];
+        }
+    }
+}
+/* sy[i * nb + b] = 12 * (sum of X row i's block b) */
+AVX2 void mf_mx8_ysum12_avx2(const uint8_t *xb, size_t xs, int64_t m, int64_t nb, int32_t *sy) {
+    const __m256i one8 = _mm256_set1_epi8(1), ones = _mm256_set1_epi16(1);
+    for (int64_t i = 0; i < m; i++) {
+        const mf_q8_32 *x = (const mf_q8_32 *)(xb + (size_t)i * xs);
+        for (int64_t b = 0; b < nb; b++) {
+            const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(one8, _mm256_loadu_si256((const __m256i *)x[b].qs)), ones);
+            __m128i v = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+            v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4e));
+            v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0xb1));
+            sy[i * nb + b] = 12 * _mm_cvtsi128_si32(v);
+        }
+    }
+}
+#define MX8_DOT(M)                                                                                  \
+    AVX2 static void mx8_dot##M(const mf_mx8 *w, int64_t nb, const uint8_t *xb, size_t xs, const int32_t *sy, float *out) { \
+        __m256 acc[M];                                                                              \
+        for (int i = 0; i < M; i++) acc[i] = _mm256_setzero_ps();                                   \
+        const __m256i ones = _mm256_set1_epi16(1);                                                  \
+        for (int64_t b = 0; b < nb; b++) {                                                          \
+            const mf_mx8 *wb = w + b;                                                               \
+            const __m256 d8 = _mm256_loadu_ps(wb->d);                                               \
+            for (int i = 0; i < M; i++) {                                                           \
+                const mf_q8_32 *x = (const mf_q8_32 *)(xb + (size_t)i * xs) + b;                    \
+                int32_t y4[8];                                                                      \
+                memcpy(y4, x->qs, 32);                                                              \
+                __m256i h[2];                                                                       \
+                for (int g = 0; g < 2; g++) {                                                       \
+                    const __m256i *u = (const __m256i *)wb->u[4 * g];                               \
+                    const __m256i p0 = _mm256_maddubs_epi16(_mm256_load_si256(u), _mm256_set1_epi32(y4[4 * g])); \
+                    const __m256i p1 = _mm256_maddubs_epi16(_mm256_load_si256(u + 1), _mm256_set1_epi32(y4[4 * g + 1])); \
+                    const __m256i p2 = _mm256_maddubs_epi16(_mm256_load_si256(u + 2), _mm256_set1_epi32(y4[4 * g + 2])); \
+                    const __m256i p3 = _mm256_maddubs_epi16(_mm256_load_si256(u + 3), _mm256_set1_epi32(y4[4 * g + 3])); \
+                    h[g] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p0, p1), _mm256_add_epi16(p2, p3)), ones); \
+                }                                                                                   \
+                const __m256i s = _mm256_sub_epi32(_mm256_add_epi32(h[0], h[1]), _mm256_set1_epi32(sy[i * nb + b])); \
+                acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(x->d)), _mm256_cvtepi32_ps(s), acc[i]); \
+            }                                                                                       \
+        }                                                                                           \
+        for (int i = 0; i < M; i++) _mm256_storeu_ps(out + 8 * i, acc[i]);                          \
+    }
+MX8_DOT(4)
+MX8_DOT(1)
+/* X rows [0, m) against one 8-row group (nr of them real): y[i * ostride + r] */
+AVX2 void mf_mx8_gemm_avx2(const mf_mx8 *w, int64_t nb, int nr, const uint8_t *xb, size_t xs, const int32_t *sy,
+                           int64_t m, float *y, int64_t ostride) {
+    float o[4 * 8];
+    int64_t i = 0;
+    for (; i < m; ) {
+        const int M = i + 4 <= m ? 4 : 1;
+        if (M == 4) mx8_dot4(w, nb, xb + (size_t)i * xs, xs, sy + i * nb, o);
+        else mx8_dot1(w, nb, xb + (size_t)i * xs, xs, sy + i * nb, o);
+        for (int k = 0; k < M; k++)
+            for (int r = 0; r < nr; r++) y[(i + k) * ostride + r] = o[8 * k + r];
+        i += M;
+    }
+}
+
 /* NVFP4 -> its 64 signed values in element order and the 4 sub-block scales (x 0.5), for the
  * b32 GEMM's half-scaled blocks (quant_avx512.c) */
 AVX2 void mf_up_nvfp4_avx2(const uint8_t *w, int8_t *q, float *d) {

@@ -310,6 +310,30 @@ static void mm_task_b32(void *p, int64_t t) {
     }
 }
 
+/* prefill, MXFP4 on AVX2: the task's rows unpacked once as 8-row groups (mf_mx8), then per X
+ * tile of XT2 rows each group against 4 X rows at a time (quant_fp4tq.c mf_mx8_gemm_avx2) */
+static void mm_task_mx8(void *p, int64_t t) {
+    mm_ctx *c = p;
+    int64_t r0 = t * c->rt, r1 = r0 + c->rt < c->rows ? r0 + c->rt : c->rows;
+    const int64_t ng = (r1 - r0 + 7) / 8;
+    mf_mx8 *wb = tl_reserve(&tl_bbs, (size_t)(ng * c->nb) * sizeof(mf_mx8));
+    int32_t *sy = (int32_t *)scratch_f32((size_t)(XT2 * c->nb));
+    if (!wb || !sy) { __atomic_store_n(&c->err, 1, __ATOMIC_RELAXED); return; }
+    for (int64_t g = 0; g < ng; g++) {
+        const int64_t nr = r1 - r0 - 8 * g < 8 ? r1 - r0 - 8 * g : 8;
+        mf_up_mxfp4_x8(c->w + (r0 + 8 * g) * c->rb, (size_t)c->rb, (int)nr, c->nb, wb + g * c->nb);
+    }
+    for (int64_t i0 = 0; i0 < c->n; i0 += XT2) {
+        int64_t m = c->n - i0 < XT2 ? c->n - i0 : XT2;
+        mf_mx8_ysum12_avx2(c->xq + (size_t)i0 * c->xs, c->xs, m, c->nb, sy);
+        for (int64_t g = 0; g < ng; g++) {
+            const int64_t nr = r1 - r0 - 8 * g < 8 ? r1 - r0 - 8 * g : 8;
+            mf_mx8_gemm_avx2(wb + g * c->nb, c->nb, (int)nr, c->xq + (size_t)i0 * c->xs, c->xs, sy, m,
+                             c->y + i0 * c->rows + r0 + 8 * g, c->rows);
+        }
+    }
+}
+
 /* prefill, 32-element types on avx512vnni: X as 16-row bands (mf_b32band, built once per
  * call), W rows of the task unpacked once (quant_avx512.c) */
 static void mm_task_b32g(void *p, int64_t t) {
@@ -420,6 +444,12 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
                 while (t > 10 && ((rows + t - 1) / t < 4 * nt || t > rk)) t /= 2;
                 c.rt = t;
                 p->fn = mm_task_b32g;
+            } else if (type == T_MXFP4) {
+                /* 8-row groups of 36 B per 32 values, <= ~192 KB a task, >= 4 tasks per thread */
+                int64_t rk = (192 * 1024) / (cols / 32 * (int64_t)sizeof(mf_mx8) / 8) / 8 * 8, t = 64;
+                while (t > 8 && ((rows + t - 1) / t < 4 * nt || t > rk)) t -= 8;
+                c.rt = t;
+                p->fn = mm_task_mx8;
             } else if (mf_b32unpack_avx2[type] || type == T_NVFP4) {
                 int64_t rk = (192 * 1024) / (cols / 32 * (int64_t)sizeof(mf_b32));
                 c.rt = rk < 1 ? 1 : rk > c.rt ? c.rt : rk;
