@@ -255,6 +255,20 @@ AVX2 static float vd_q4_k(const uint8_t *w, const void *xv, int64_t nb) {
     }
     return hsum_ps(acc) - accm;
 }
+/* Q5_K: bit k of every byte of qh moved to bit 4 by one 16-bit shift (by at most 4: the bits a
+ * shift carries across a byte boundary never land on bit 4) instead of a mask, compare and mask */
+AVX2 static inline __m256i q5_hbit(__m256i qh, int k) {
+    switch (k) {
+    case 0: return _mm256_slli_epi16(qh, 4);
+    case 1: return _mm256_slli_epi16(qh, 3);
+    case 2: return _mm256_slli_epi16(qh, 2);
+    case 3: return _mm256_slli_epi16(qh, 1);
+    case 4: return qh;
+    case 5: return _mm256_srli_epi16(qh, 1);
+    case 6: return _mm256_srli_epi16(qh, 2);
+    default: return _mm256_srli_epi16(qh, 3);
+    }
+}
 AVX2 static float vd_q5_k(const uint8_t *w, const void *xv, int64_t nb) {
     const mf_q8_256 *x = xv;
     __m256 acc = _mm256_setzero_ps();
@@ -273,9 +287,7 @@ AVX2 static float vd_q5_k(const uint8_t *w, const void *xv, int64_t nb) {
         __m256i sumi = _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
             __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
-            __m256i mlo = _mm256_set1_epi8((char)(1 << (2 * j))), mhi = _mm256_set1_epi8((char)(1 << (2 * j + 1)));
-            __m256i hlo = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, mlo), mlo), b4);
-            __m256i hhi = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, mhi), mhi), b4);
+            __m256i hlo = _mm256_and_si256(q5_hbit(qh, 2 * j), b4), hhi = _mm256_and_si256(q5_hbit(qh, 2 * j + 1), b4);
             __m256i lo = _mm256_or_si256(_mm256_and_si256(q, m4), hlo);
             __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4), hhi);
             __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(y + 64 * j)));
