@@ -25,6 +25,15 @@ static uint8_t iq3xxs_code(uint8_t v) { return (uint8_t)(v >= 60 ? 7 : (v - 4) /
 _Alignas(64) int8_t mf_grid_iq1s[2048 * 8];
 _Alignas(64) uint64_t mf_iq1_u[4096];
 uint8_t mf_ksigns_iq2xs[128];
+_Alignas(64) uint64_t mf_ksign_u64[128];
+__attribute__((constructor)) static void ksign_u64_init(void) {
+    for (int i = 0; i < 128; i++) {
+        const int s = i | (__builtin_popcount((unsigned)i) & 1) << 7;
+        uint64_t r = 0;
+        for (int k = 0; k < 8; k++) r |= (uint64_t)((s >> k) & 1 ? 0xFF : 0x01) << (8 * k);
+        mf_ksign_u64[i] = r;
+    }
+}
 
 enum { TB_IQ2XXS, TB_IQ2XS, TB_IQ2S, TB_IQ3XXS, TB_IQ3S, TB_IQ1S, TB_KSIGNS, TB_N };
 static const struct { const char *name; void *dst; size_t bytes; } tables[TB_N] = {
