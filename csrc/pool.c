@@ -136,6 +136,15 @@ static void cpu_family(int *amd, unsigned *fam, unsigned *model) {
 #endif
 }
 
+static int has_bmi2(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (b >> 8) & 1;
+#else
+    return 0;
+#endif
+}
+
 static mf_tune_t tune_table; /* this CPU's row of the table, before MEMFIT_TUNE */
 static const char *tune_table_source;
 
@@ -147,7 +156,8 @@ static int tune_apply(const char *spec) {
         {"stride_max_rb", &mf_tune.stride_max_rb}, {"task_kib", &mf_tune.task_kib}, {"streams", &mf_tune.streams},
         {"task_kib_multi", &mf_tune.task_kib_multi}, {"task_kib_strided", &mf_tune.task_kib_strided},
         {"kg_tile_kib", &mf_tune.kg_tile_kib},
-        {"fa_heads", &mf_tune.fa_heads}, {"pf_dist", &mf_tune.pf_dist}, {"pf_dist_multi", &mf_tune.pf_dist_multi}};
+        {"fa_heads", &mf_tune.fa_heads}, {"pf_dist", &mf_tune.pf_dist}, {"pf_dist_multi", &mf_tune.pf_dist_multi},
+        {"iq1_pdep", &mf_tune.iq1_pdep}};
     const char *p = spec;
     int rc = 0;
     while (*p) {
@@ -174,6 +184,7 @@ static int tune_apply(const char *spec) {
     if (mf_tune.task_kib_strided < 4) mf_tune.task_kib_strided = 4;
     if (mf_tune.kg_tile_kib < 16) mf_tune.kg_tile_kib = 16;
     if (mf_tune.fa_heads > MF_FA_HEADS_MAX) mf_tune.fa_heads = MF_FA_HEADS_MAX;
+    mf_tune.iq1_pdep = mf_tune.iq1_pdep && has_bmi2(); /* 0 or 1, never pdep without BMI2 */
     return rc;
 }
 
@@ -204,6 +215,8 @@ static void tune_init(void) {
         MF_TUNE_INTEL_EMR;
         mf_tune_source = "intel-emr";
     }
+    /* pdep is fast where BMI2 is, except on AMD Zen 1/2 (family 0x17: microcoded) */
+    mf_tune.iq1_pdep = has_bmi2() && !(amd && fam < 0x19);
     tune_table = mf_tune;
     tune_table_source = mf_tune_source;
     tune_set(getenv("MEMFIT_TUNE")); /* a bad spec is refused by the CLI (cli.py _check_env) */
@@ -513,13 +526,14 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
 static PyObject *py_isa_hw(PyObject *self, PyObject *unused) { return PyUnicode_FromString(isa_names[mf_isa_hw]); }
 
 static PyObject *py_tune(PyObject *self, PyObject *unused) {
-    return Py_BuildValue("{s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "source", mf_tune_source, "pf_rows", mf_tune.pf_rows,
+    return Py_BuildValue("{s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "source", mf_tune_source, "pf_rows", mf_tune.pf_rows,
                          "pf_rows_multi", mf_tune.pf_rows_multi,
                          "pf_strided", mf_tune.pf_strided, "q8_vd4_min_rb", mf_tune.q8_vd4_min_rb,
                          "k_vd4_min_rb", mf_tune.k_vd4_min_rb, "k_vd8_min_rb", mf_tune.k_vd8_min_rb, "stride_max_rb", mf_tune.stride_max_rb,
                          "streams", mf_tune.streams, "task_kib", mf_tune.task_kib, "task_kib_multi", mf_tune.task_kib_multi,
                          "task_kib_strided", mf_tune.task_kib_strided,
-                         "kg_tile_kib", mf_tune.kg_tile_kib, "fa_heads", mf_tune.fa_heads, "pf_dist", mf_tune.pf_dist, "pf_dist_multi", mf_tune.pf_dist_multi);
+                         "kg_tile_kib", mf_tune.kg_tile_kib, "fa_heads", mf_tune.fa_heads, "pf_dist", mf_tune.pf_dist, "pf_dist_multi", mf_tune.pf_dist_multi,
+                         "iq1_pdep", mf_tune.iq1_pdep);
 }
 
 static PyObject *py_set_tune(PyObject *self, PyObject *args) {
@@ -528,7 +542,7 @@ static PyObject *py_set_tune(PyObject *self, PyObject *args) {
     if (tune_set(spec)) {
         tune_set(NULL);
         return PyErr_Format(PyExc_ValueError, "tuning '%s': expected name=value,... with names pf_rows, pf_rows_multi, pf_strided, "
-                            "q8_vd4_min_rb, k_vd4_min_rb, k_vd8_min_rb, stride_max_rb, streams, task_kib, task_kib_multi, task_kib_strided, kg_tile_kib, fa_heads, pf_dist, pf_dist_multi and values 0..1048576", spec);
+                            "q8_vd4_min_rb, k_vd4_min_rb, k_vd8_min_rb, stride_max_rb, streams, task_kib, task_kib_multi, task_kib_strided, kg_tile_kib, fa_heads, pf_dist, pf_dist_multi, iq1_pdep and values 0..1048576", spec);
     }
     return py_tune(self, NULL);
 }
