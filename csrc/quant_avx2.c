@@ -255,19 +255,12 @@ AVX2 static float vd_q4_k(const uint8_t *w, const void *xv, int64_t nb) {
     }
     return hsum_ps(acc) - accm;
 }
-/* Q5_K: bit k of every byte of qh moved to bit 4 by one 16-bit shift (by at most 4: the bits a
- * shift carries across a byte boundary never land on bit 4) instead of a mask, compare and mask */
-AVX2 static inline __m256i q5_hbit(__m256i qh, int k) {
-    switch (k) {
-    case 0: return _mm256_slli_epi16(qh, 4);
-    case 1: return _mm256_slli_epi16(qh, 3);
-    case 2: return _mm256_slli_epi16(qh, 2);
-    case 3: return _mm256_slli_epi16(qh, 1);
-    case 4: return qh;
-    case 5: return _mm256_srli_epi16(qh, 1);
-    case 6: return _mm256_srli_epi16(qh, 2);
-    default: return _mm256_srli_epi16(qh, 3);
-    }
+/* bit k of every byte of v moved to bit t (k, t < 8) by one 16-bit shift, for the K-quants' high
+ * bits (Q5_K: t 4, Q3_K: t 2) instead of a mask, compare and mask: what a left shift carries
+ * into the next byte lands below bit t - k <= t, what a right shift carries in lands at or
+ * above bit 8 - (k - t) > t, so bit t of each byte is its own bit k (callers mask the rest) */
+AVX2 static inline __m256i bit_to(__m256i v, int k, int t) {
+    return k < t ? _mm256_slli_epi16(v, t - k) : _mm256_srli_epi16(v, k - t);
 }
 AVX2 static float vd_q5_k(const uint8_t *w, const void *xv, int64_t nb) {
     const mf_q8_256 *x = xv;
@@ -287,7 +280,7 @@ AVX2 static float vd_q5_k(const uint8_t *w, const void *xv, int64_t nb) {
         __m256i sumi = _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
             __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
-            __m256i hlo = _mm256_and_si256(q5_hbit(qh, 2 * j), b4), hhi = _mm256_and_si256(q5_hbit(qh, 2 * j + 1), b4);
+            __m256i hlo = _mm256_and_si256(bit_to(qh, 2 * j, 4), b4), hhi = _mm256_and_si256(bit_to(qh, 2 * j + 1, 4), b4);
             __m256i lo = _mm256_or_si256(_mm256_and_si256(q, m4), hlo);
             __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4), hhi);
             __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(y + 64 * j)));
@@ -363,20 +356,6 @@ AVX2 static inline __m128i q3_scales(const uint8_t *s) {
     const __m128i t = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(v, 0xAA), _mm_setr_epi32(0, 2, 4, 6)), _mm_set1_epi8(3));
     return _mm_sub_epi8(_mm_or_si128(a, _mm_slli_epi32(t, 4)), _mm_set1_epi8(32));
 }
-/* bit k of every byte of hm moved to bit 2 (16-bit shifts by at most 5: the bits a shift carries
- * across a byte boundary never land on bit 2) */
-AVX2 static inline __m256i q3_hbit(__m256i hm, int k) {
-    switch (k) {
-    case 0: return _mm256_slli_epi16(hm, 2);
-    case 1: return _mm256_slli_epi16(hm, 1);
-    case 2: return hm;
-    case 3: return _mm256_srli_epi16(hm, 1);
-    case 4: return _mm256_srli_epi16(hm, 2);
-    case 5: return _mm256_srli_epi16(hm, 3);
-    case 6: return _mm256_srli_epi16(hm, 4);
-    default: return _mm256_srli_epi16(hm, 5);
-    }
-}
 AVX2 static float vd_q3_k(const uint8_t *w, const void *xv, int64_t nb) {
     const mf_q8_256 *x = xv;
     __m256 acc = _mm256_setzero_ps();
@@ -394,7 +373,7 @@ AVX2 static float vd_q3_k(const uint8_t *w, const void *xv, int64_t nb) {
             const __m256i sd = c ? _mm256_permute2x128_si256(sc16, sc16, 0x11) : _mm256_permute2x128_si256(sc16, sc16, 0x00);
             for (int s = 0; s < 4; s++) {
                 int k = 4 * c + s;
-                __m256i h = _mm256_and_si256(q3_hbit(hm, k), b2);
+                __m256i h = _mm256_and_si256(bit_to(hm, k, 2), b2);
                 __m256i v = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2 * s), m2), h);
                 __m256i p = _mm256_maddubs_epi16(v, _mm256_loadu_si256((const __m256i *)(x[b].qs + 32 * k)));
                 sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, _mm256_shuffle_epi8(sd, pk[s])));

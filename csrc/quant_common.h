@@ -63,9 +63,9 @@ extern _Alignas(64) int8_t mf_grid_iq1s[2048 * 8]; /* -1/0/+1; IQ1_S and IQ1_M s
  * i.e. 8 (grid + delta) + 9 with delta = +-1/8 scaled by 8 */
 extern _Alignas(64) uint64_t mf_iq1_u[4096];
 extern uint8_t mf_ksigns_iq2xs[128];                /* ggml's ksigns_iq2xs */
-/* sign patterns for sign_epi8 of ggml's 7-bit even-parity sign index i (ksigns_iq2xs[i] =
- * i | parity(i) << 7): byte k 0xFF (-1) where bit k is set, else 0x01. Built from that rule at
- * load (quant_tables.c) for the AVX2 IQ2_XXS vec-dot's table loads (simd_x86.h sign4_k7). */
+/* mf_ksigns_iq2xs as sign_epi8 patterns: byte k of entry i 0xFF (-1) where bit k of
+ * ksigns_iq2xs[i] is set, else 0x01; derived when that table is installed (quant_tables.c), for
+ * the AVX2 IQ2_XXS vec-dot's table loads (simd_x86.h sign4_k7). */
 extern _Alignas(64) uint64_t mf_ksign_u64[128];
 extern int mf_slow_gather; /* pool.c: this CPU's grid-row gathers are slower than scalar loads */
 /* Decode matvec and prefill GEMM tiling (pool.c tune_init): chosen per CPU family from a measured table,

@@ -26,14 +26,6 @@ _Alignas(64) int8_t mf_grid_iq1s[2048 * 8];
 _Alignas(64) uint64_t mf_iq1_u[4096];
 uint8_t mf_ksigns_iq2xs[128];
 _Alignas(64) uint64_t mf_ksign_u64[128];
-__attribute__((constructor)) static void ksign_u64_init(void) {
-    for (int i = 0; i < 128; i++) {
-        const int s = i | (__builtin_popcount((unsigned)i) & 1) << 7;
-        uint64_t r = 0;
-        for (int k = 0; k < 8; k++) r |= (uint64_t)((s >> k) & 1 ? 0xFF : 0x01) << (8 * k);
-        mf_ksign_u64[i] = r;
-    }
-}
 
 enum { TB_IQ2XXS, TB_IQ2XS, TB_IQ2S, TB_IQ3XXS, TB_IQ3S, TB_IQ1S, TB_KSIGNS, TB_N };
 static const struct { const char *name; void *dst; size_t bytes; } tables[TB_N] = {
@@ -95,6 +87,12 @@ static PyObject *py_set_quant_table(PyObject *self, PyObject *const *a, Py_ssize
                 for (int k = 0; k < 8; k++)
                     v |= (uint64_t)(uint8_t)(8 * (mf_grid_iq1s[8 * (i & 2047) + k] + 1) + (i & 2048 ? 0 : 2)) << (8 * k);
                 mf_iq1_u[i] = v;
+            }
+        if (t == TB_KSIGNS) /* the same signs as +-1 bytes (quant_common.h) */
+            for (int i = 0; i < 128; i++) {
+                uint64_t r = 0;
+                for (int k = 0; k < 8; k++) r |= (uint64_t)((mf_ksigns_iq2xs[i] >> k) & 1 ? 0xFF : 0x01) << (8 * k);
+                mf_ksign_u64[i] = r;
             }
         if (t == TB_IQ3S) /* the nibble form of the same rows (quant_common.h) */
             for (int i = 0; i < 512; i++) {
