@@ -80,6 +80,15 @@ def test_deterministic_from_seed(tmp_path, tiny):
     assert a.stat().st_size == b.stat().st_size and _sha(a) != _sha(b)
 
 
+def test_help_lists_every_shape():
+    from memfit.cli import SYNTH_ARCHS, SYNTH_SIZES
+    sizes: dict[str, list[str]] = {}
+    for arch, size in CONFIGS:
+        sizes.setdefault(arch, []).append(size)
+    assert SYNTH_ARCHS.split(" | ") == list(sizes)
+    assert SYNTH_SIZES == "; ".join(f"{a} {'|'.join(s)}" for a, s in sizes.items())
+
+
 def test_unknown_config_named(tmp_path):
     with pytest.raises(RequestError, match="llama-13x"):
         synth(tmp_path / "x.gguf", "llama", "13x", progress=False)

@@ -22,8 +22,18 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"memfit: error: {message} (see `{self.prog} --help`)\n")
 
 
+# `memfit synth`'s shapes (synth.CONFIGS written out: importing synth at parse time would load
+# numpy for every command; tests/test_synth.py checks that the two agree)
+SYNTH_ARCHS = "llama | qwen2 | qwen3moe | qwen2moe | olmoe | mixtral | glm4moe | deepseek2 | gpt-oss | glm-dsa"
+SYNTH_SIZES = ("llama tiny|1b|1b-24l|7b; qwen2 tiny|1.5b|7b; qwen3moe tiny|2gb|30b-a3b; qwen2moe tiny; "
+               "olmoe tiny; mixtral tiny|2gb; glm4moe tiny|4.5-air; deepseek2 tiny|v3|kimi-k2; "
+               "gpt-oss tiny|20b|120b; glm-dsa tiny|5")
+
+
 # ------------------------------------------------------------------ argument validators
 # argparse reports a failing type as "argument -r/--repetitions: <message>", before any work.
+
+
 
 def _int_at_least(lo: int, what: str = ""):
     def conv(text: str) -> int:
@@ -1010,8 +1020,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sy = sub.add_parser("synth", help="write a synthetic GGUF with real shapes and random valid blocks (for budget tests)")
     sy.add_argument("output", help="output .gguf path (an existing file is kept unless --force)")
-    sy.add_argument("--arch", default="llama", help="llama | qwen2 | qwen3moe | mixtral | qwen2moe | olmoe | glm4moe (default llama)")
-    sy.add_argument("--size", default="7b", help="tiny | 1b | 1.5b | 7b; MoE: tiny | 2gb | 30b-a3b (qwen3moe) | 4.5-air (glm4moe) (default 7b)")
+    sy.add_argument("--arch", default="llama", help=SYNTH_ARCHS + " (default llama)")
+    sy.add_argument("--size", default="7b", help="by arch: " + SYNTH_SIZES + " (default 7b)")
     sy.add_argument("--layers", type=_int_at_least(1), default=None, metavar="N",
                     help="write only the first N layers of the shape (leading dense layers kept, NextN layers dropped)")
     sy.add_argument("--quant", default="Q4_K_M",
