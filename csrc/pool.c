@@ -136,6 +136,16 @@ static void cpu_family(int *amd, unsigned *fam, unsigned *model) {
 #endif
 }
 
+static int has_bmi1(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (b >> 3) & 1;
+#else
+    return 0;
+#endif
+}
+int mf_has_bmi1;
+
 static int has_bmi2(void) {
 #if defined(__x86_64__) || defined(__i386__)
     unsigned a, b, c, d;
@@ -238,6 +248,8 @@ void mf_init_isa(void) {
     mf_isa = mf_isa_hw;
     const char *g = getenv("MEMFIT_GATHER");
     mf_slow_gather = g && (!strcmp(g, "0") || !strcmp(g, "1")) ? !strcmp(g, "0") : detect_slow_gather();
+    const char *bm = getenv("MEMFIT_BMI1");
+    mf_has_bmi1 = has_bmi1() && !(bm && !strcmp(bm, "0"));
     tune_init();
     const char *env = getenv("MEMFIT_ISA");
     if (env && *env) {

@@ -5,6 +5,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 enum {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
@@ -35,6 +36,8 @@ extern const int8_t mf_kvalues_iq4nl[16];
 extern float mf_f16_table[65536];
 
 static inline float mf_f16(const uint8_t *p) { return mf_f16_table[p[0] | (p[1] << 8)]; }
+/* a little-endian u32 of a block (unaligned) */
+static inline uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 
 void mf_quant_init(void);
 /* 1 when the native core computes with the type: a float type, or a quant type whose
@@ -65,9 +68,10 @@ extern _Alignas(64) uint64_t mf_iq1_u[4096];
 extern uint8_t mf_ksigns_iq2xs[128];                /* ggml's ksigns_iq2xs */
 /* mf_ksigns_iq2xs as sign_epi8 patterns: byte k of entry i 0xFF (-1) where bit k of
  * ksigns_iq2xs[i] is set, else 0x01; derived when that table is installed (quant_tables.c), for
- * the AVX2 IQ2_XXS vec-dot's table loads (simd_x86.h sign4_k7). */
+ * the AVX2 IQ2_XXS vec-dot's table loads (quant_iq2.c). */
 extern _Alignas(64) uint64_t mf_ksign_u64[128];
 extern int mf_slow_gather; /* pool.c: this CPU's grid-row gathers are slower than scalar loads */
+extern int mf_has_bmi1;    /* pool.c: BMI1 (bextr); MEMFIT_BMI1=0 turns it off */
 /* Decode matvec and prefill GEMM tiling (pool.c tune_init): chosen per CPU family from a measured table,
  * each field overridable by MEMFIT_TUNE="name=value,...". None changes a result bit: they pick
  * among kernels with the same per-row arithmetic and the order rows are read in. */

@@ -10,7 +10,6 @@
 
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
-static inline uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 static inline unsigned rd16(const uint8_t *p) { return (unsigned)(p[0] | (p[1] << 8)); }
 /* IQ1_M's f16 d: the top nibbles of its four u16 scale words (bytes 48..55) */
 static inline unsigned iq1m_d16(const uint8_t *b) {
@@ -125,17 +124,27 @@ AVX2 float mf_vd_iq3_xxs_avx2(const uint8_t *w, const void *xv, int64_t nb) {
     return hsum_ps(acc);
 }
 
-AVX2 float mf_vd_iq3_s_avx2(const uint8_t *w, const void *xv, int64_t nb) {
+/* IQ3_S's 8 grid rows of sub-block ib: index = qs[k] | bit k of qh << 8; gathered, or loaded
+ * one by one where gathers are slow (g3x8) */
+AVX2 static inline __m256i g3s8(const uint8_t *qs, unsigned qh, int slow) {
+    const uint32_t *G = (const uint32_t *)(const void *)mf_grid_iq3s;
+    if (slow)
+        return _mm256_setr_epi32((int)G[qs[0] | (qh << 8 & 256)], (int)G[qs[1] | (qh << 7 & 256)],
+                                 (int)G[qs[2] | (qh << 6 & 256)], (int)G[qs[3] | (qh << 5 & 256)],
+                                 (int)G[qs[4] | (qh << 4 & 256)], (int)G[qs[5] | (qh << 3 & 256)],
+                                 (int)G[qs[6] | (qh << 2 & 256)], (int)G[qs[7] | (qh << 1 & 256)]);
+    const __m256i hi = _mm256_and_si256(_mm256_sllv_epi32(_mm256_set1_epi32((int)qh), _mm256_setr_epi32(8, 7, 6, 5, 4, 3, 2, 1)), _mm256_set1_epi32(256));
+    const __m256i idx = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs)), hi);
+    return _mm256_i32gather_epi32((const int *)G, idx, 4);
+}
+
+AVX2 static inline __attribute__((always_inline)) float vd_iq3_s(const uint8_t *w, const void *xv, int64_t nb, int slow) {
     const mf_q8_256 *x = xv;
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 110) {
         __m256i sumi = _mm256_setzero_si256();
         for (int ib = 0; ib < 8; ib++) {
-            const uint8_t *qs = w + 2 + 8 * ib;
-            const unsigned qh = w[66 + ib];
-            const __m256i hi = _mm256_and_si256(_mm256_sllv_epi32(_mm256_set1_epi32((int)qh), _mm256_setr_epi32(8, 7, 6, 5, 4, 3, 2, 1)), _mm256_set1_epi32(256));
-            const __m256i idx = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs)), hi);
-            const __m256i g = _mm256_i32gather_epi32((const int *)(const void *)mf_grid_iq3s, idx, 4);
+            const __m256i g = g3s8(w + 2 + 8 * ib, w[66 + ib], slow);
             const __m256i y = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(x[b].qs + 32 * ib)), sign32(rd32(w + 74 + 4 * ib)));
             const __m256i p = _mm256_maddubs_epi16(g, y);
             const int sc = 1 + 2 * ((w[106 + ib / 2] >> (4 * (ib % 2))) & 0xF);
@@ -144,6 +153,10 @@ AVX2 float mf_vd_iq3_s_avx2(const uint8_t *w, const void *xv, int64_t nb) {
         acc = _mm256_fmadd_ps(_mm256_set1_ps(f16s(w) * x[b].d), _mm256_cvtepi32_ps(sumi), acc);
     }
     return hsum_ps(acc);
+}
+
+AVX2 float mf_vd_iq3_s_avx2(const uint8_t *w, const void *xv, int64_t nb) {
+    return mf_slow_gather ? vd_iq3_s(w, xv, nb, 1) : vd_iq3_s(w, xv, nb, 0);
 }
 
 /* IQ1_S / IQ1_M: each group of 8 values as one 64-bit row of mf_iq1_u, u = 8 (grid + delta) + 9

@@ -5,14 +5,6 @@
 #if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
 #include <immintrin.h>
 
-/* 32 sign bytes for sign_epi8 from 4 rows of mf_ksign_u64 (quant_common.h), the four 7-bit
- * even-parity indexes at bits 0, 7, 14, 21 of a: scalar loads at indexes taken in general
- * registers. On Zen 3 this beat building them with shuffles and compares for IQ2_XXS (+20%)
- * and lost for IQ3_XXS / IQ3_S (-10-15%: their grid rows already take 8 scalar loads). */
-__attribute__((target("avx2"))) static inline __m256i sign4_k7(uint32_t a) {
-    return _mm256_set_epi64x((long long)mf_ksign_u64[(a >> 21) & 127], (long long)mf_ksign_u64[(a >> 14) & 127],
-                             (long long)mf_ksign_u64[(a >> 7) & 127], (long long)mf_ksign_u64[a & 127]);
-}
 __attribute__((target("avx2"))) static inline float hsum_ps(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
