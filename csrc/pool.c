@@ -167,7 +167,7 @@ static int tune_apply(const char *spec) {
         {"task_kib_multi", &mf_tune.task_kib_multi}, {"task_kib_strided", &mf_tune.task_kib_strided},
         {"kg_tile_kib", &mf_tune.kg_tile_kib},
         {"fa_heads", &mf_tune.fa_heads}, {"pf_dist", &mf_tune.pf_dist}, {"pf_dist_multi", &mf_tune.pf_dist_multi},
-        {"iq1_pdep", &mf_tune.iq1_pdep}};
+        {"pdep", &mf_tune.pdep}};
     const char *p = spec;
     int rc = 0;
     while (*p) {
@@ -194,7 +194,7 @@ static int tune_apply(const char *spec) {
     if (mf_tune.task_kib_strided < 4) mf_tune.task_kib_strided = 4;
     if (mf_tune.kg_tile_kib < 16) mf_tune.kg_tile_kib = 16;
     if (mf_tune.fa_heads > MF_FA_HEADS_MAX) mf_tune.fa_heads = MF_FA_HEADS_MAX;
-    mf_tune.iq1_pdep = mf_tune.iq1_pdep && has_bmi2(); /* 0 or 1, never pdep without BMI2 */
+    mf_tune.pdep = mf_tune.pdep && has_bmi2(); /* 0 or 1, never pdep without BMI2 */
     return rc;
 }
 
@@ -226,7 +226,7 @@ static void tune_init(void) {
         mf_tune_source = "intel-emr";
     }
     /* pdep is fast where BMI2 is, except on AMD Zen 1/2 (family 0x17: microcoded) */
-    mf_tune.iq1_pdep = has_bmi2() && !(amd && fam < 0x19);
+    mf_tune.pdep = has_bmi2() && !(amd && fam < 0x19);
     tune_table = mf_tune;
     tune_table_source = mf_tune_source;
     tune_set(getenv("MEMFIT_TUNE")); /* a bad spec is refused by the CLI (cli.py _check_env) */
@@ -545,7 +545,7 @@ static PyObject *py_tune(PyObject *self, PyObject *unused) {
                          "streams", mf_tune.streams, "task_kib", mf_tune.task_kib, "task_kib_multi", mf_tune.task_kib_multi,
                          "task_kib_strided", mf_tune.task_kib_strided,
                          "kg_tile_kib", mf_tune.kg_tile_kib, "fa_heads", mf_tune.fa_heads, "pf_dist", mf_tune.pf_dist, "pf_dist_multi", mf_tune.pf_dist_multi,
-                         "iq1_pdep", mf_tune.iq1_pdep);
+                         "pdep", mf_tune.pdep);
 }
 
 static PyObject *py_set_tune(PyObject *self, PyObject *args) {
@@ -554,7 +554,7 @@ static PyObject *py_set_tune(PyObject *self, PyObject *args) {
     if (tune_set(spec)) {
         tune_set(NULL);
         return PyErr_Format(PyExc_ValueError, "tuning '%s': expected name=value,... with names pf_rows, pf_rows_multi, pf_strided, "
-                            "q8_vd4_min_rb, k_vd4_min_rb, k_vd8_min_rb, stride_max_rb, streams, task_kib, task_kib_multi, task_kib_strided, kg_tile_kib, fa_heads, pf_dist, pf_dist_multi, iq1_pdep and values 0..1048576", spec);
+                            "q8_vd4_min_rb, k_vd4_min_rb, k_vd8_min_rb, stride_max_rb, streams, task_kib, task_kib_multi, task_kib_strided, kg_tile_kib, fa_heads, pf_dist, pf_dist_multi, pdep and values 0..1048576", spec);
     }
     return py_tune(self, NULL);
 }

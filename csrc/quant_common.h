@@ -95,7 +95,7 @@ typedef struct {
                         * pf_rows* apply instead) */
     int pf_dist_multi; /* the same for the 4/8-row kernels (while pf_dist is on): each of their
                         * 4-8 streams a core walks at once gets this distance */
-    int iq1_pdep;      /* IQ1_S/IQ1_M AVX2 decode: grid-row indexes built by pdep (1; only with BMI2) */
+    int pdep;          /* IQ1_S/IQ1_M/IQ3_S AVX2 decode: grid-row indexes built by pdep (1; only with BMI2) */
 } mf_tune_t;
 #define MF_FA_HEADS_MAX 128 /* mf_tune.fa_heads at most (ops.c's per-task state arrays) */
 extern mf_tune_t mf_tune;

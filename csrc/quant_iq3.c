@@ -9,6 +9,7 @@
 #include <string.h>
 
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
+#define BMI2 __attribute__((target("avx2,fma,f16c,bmi2")))
 
 static inline unsigned rd16(const uint8_t *p) { return (unsigned)(p[0] | (p[1] << 8)); }
 /* IQ1_M's f16 d: the top nibbles of its four u16 scale words (bytes 48..55) */
@@ -124,39 +125,46 @@ AVX2 float mf_vd_iq3_xxs_avx2(const uint8_t *w, const void *xv, int64_t nb) {
     return hsum_ps(acc);
 }
 
-/* IQ3_S's 8 grid rows of sub-block ib: index = qs[k] | bit k of qh << 8; gathered, or loaded
- * one by one where gathers are slow (g3x8) */
-AVX2 static inline __m256i g3s8(const uint8_t *qs, unsigned qh, int slow) {
-    const uint32_t *G = (const uint32_t *)(const void *)mf_grid_iq3s;
-    if (slow)
-        return _mm256_setr_epi32((int)G[qs[0] | (qh << 8 & 256)], (int)G[qs[1] | (qh << 7 & 256)],
-                                 (int)G[qs[2] | (qh << 6 & 256)], (int)G[qs[3] | (qh << 5 & 256)],
-                                 (int)G[qs[4] | (qh << 4 & 256)], (int)G[qs[5] | (qh << 3 & 256)],
-                                 (int)G[qs[6] | (qh << 2 & 256)], (int)G[qs[7] | (qh << 1 & 256)]);
+/* IQ3_S's 8 grid rows of sub-block ib, index qs[k] | bit k of qh << 8: gathered, or (where
+ * pdep is fast, mf_tune.pdep) the indexes built as the u16 lanes of two u64 by pdep and the rows
+ * loaded one by one. One thread from L1/L2 on Zen 3: 39 -> 33-38 ns a block (rows loaded at
+ * indexes built by shifts and masks: 39, as the gathers). The same rows: the same bits. */
+AVX2 static inline __m256i g3s8_gather(const uint8_t *qs, unsigned qh) {
     const __m256i hi = _mm256_and_si256(_mm256_sllv_epi32(_mm256_set1_epi32((int)qh), _mm256_setr_epi32(8, 7, 6, 5, 4, 3, 2, 1)), _mm256_set1_epi32(256));
     const __m256i idx = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs)), hi);
-    return _mm256_i32gather_epi32((const int *)G, idx, 4);
+    return _mm256_i32gather_epi32((const int *)(const void *)mf_grid_iq3s, idx, 4);
+}
+BMI2 static inline __m256i g3s8_pdep(const uint8_t *qs, unsigned qh) {
+    const uint32_t *G = (const uint32_t *)(const void *)mf_grid_iq3s;
+    uint64_t q;
+    memcpy(&q, qs, 8);
+    const uint64_t lo = _pdep_u64(q, 0x00FF00FF00FF00FFull) | _pdep_u64(qh, 0x0100010001000100ull);
+    const uint64_t hi = _pdep_u64(q >> 32, 0x00FF00FF00FF00FFull) | _pdep_u64(qh >> 4, 0x0100010001000100ull);
+    return _mm256_setr_epi32((int)G[(uint16_t)lo], (int)G[(uint16_t)(lo >> 16)], (int)G[(uint16_t)(lo >> 32)], (int)G[lo >> 48],
+                             (int)G[(uint16_t)hi], (int)G[(uint16_t)(hi >> 16)], (int)G[(uint16_t)(hi >> 32)], (int)G[hi >> 48]);
 }
 
-AVX2 static inline __attribute__((always_inline)) float vd_iq3_s(const uint8_t *w, const void *xv, int64_t nb, int slow) {
-    const mf_q8_256 *x = xv;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w += 110) {
-        __m256i sumi = _mm256_setzero_si256();
-        for (int ib = 0; ib < 8; ib++) {
-            const __m256i g = g3s8(w + 2 + 8 * ib, w[66 + ib], slow);
-            const __m256i y = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(x[b].qs + 32 * ib)), sign32(rd32(w + 74 + 4 * ib)));
-            const __m256i p = _mm256_maddubs_epi16(g, y);
-            const int sc = 1 + 2 * ((w[106 + ib / 2] >> (4 * (ib % 2))) & 0xF);
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, _mm256_set1_epi16((short)sc)));
-        }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16s(w) * x[b].d), _mm256_cvtepi32_ps(sumi), acc);
+#define VD_IQ3_S(NAME, ATTR, ROWS)                                                                     \
+    ATTR static float NAME(const uint8_t *w, const void *xv, int64_t nb) {                             \
+        const mf_q8_256 *x = xv;                                                                       \
+        __m256 acc = _mm256_setzero_ps();                                                              \
+        for (int64_t b = 0; b < nb; b++, w += 110) {                                                   \
+            __m256i sumi = _mm256_setzero_si256();                                                     \
+            for (int ib = 0; ib < 8; ib++) {                                                           \
+                const __m256i g = ROWS(w + 2 + 8 * ib, w[66 + ib]);                                    \
+                const __m256i y = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(x[b].qs + 32 * ib)), sign32(rd32(w + 74 + 4 * ib))); \
+                const __m256i p = _mm256_maddubs_epi16(g, y);                                          \
+                const int sc = 1 + 2 * ((w[106 + ib / 2] >> (4 * (ib % 2))) & 0xF);                    \
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, _mm256_set1_epi16((short)sc)));     \
+            }                                                                                          \
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(f16s(w) * x[b].d), _mm256_cvtepi32_ps(sumi), acc);    \
+        }                                                                                              \
+        return hsum_ps(acc);                                                                           \
     }
-    return hsum_ps(acc);
-}
-
+VD_IQ3_S(vd_iq3_s_gather, AVX2, g3s8_gather)
+VD_IQ3_S(vd_iq3_s_pdep, BMI2, g3s8_pdep)
 AVX2 float mf_vd_iq3_s_avx2(const uint8_t *w, const void *xv, int64_t nb) {
-    return mf_slow_gather ? vd_iq3_s(w, xv, nb, 1) : vd_iq3_s(w, xv, nb, 0);
+    return mf_tune.pdep ? vd_iq3_s_pdep(w, xv, nb) : vd_iq3_s_gather(w, xv, nb);
 }
 
 /* IQ1_S / IQ1_M: each group of 8 values as one 64-bit row of mf_iq1_u, u = 8 (grid + delta) + 9
@@ -190,9 +198,8 @@ AVX2 static inline void iq1s_rows8(const uint8_t *w, int j, __m256i *u0, __m256i
 
 /* The same rows with the 4 indexes of 4 groups built at once by pdep (BMI2): the group bytes to
  * bits 16g..16g+7, the high bits to 16g+8.., the delta sign to bit 16g+11 (IQ1_S). On Zen 3
- * (one thread, L1/L2) IQ1_S 26.1 -> 17.0 ns a block. Only where pdep is fast (mf_tune.iq1_pdep:
+ * (one thread, L1/L2) IQ1_S 26.1 -> 17.0 ns a block. Only where pdep is fast (mf_tune.pdep:
  * BMI2 and not AMD Zen 1/2, whose pdep is microcoded). The same rows: the same bits. */
-#define BMI2 __attribute__((target("avx2,fma,f16c,bmi2")))
 BMI2 static inline __m256i iq1_u4(uint64_t i) {
     return _mm256_set_epi64x((long long)mf_iq1_u[i >> 48], (long long)mf_iq1_u[(i >> 32) & 0xFFFF],
                              (long long)mf_iq1_u[(i >> 16) & 0xFFFF], (long long)mf_iq1_u[i & 0xFFFF]);
@@ -284,10 +291,10 @@ VD_IQ1_S(vd_iq1_s_pdep, BMI2, iq1s_rows8_pdep)
 VD_IQ1_M(vd_iq1_m_gpr, AVX2, iq1_rows8)
 VD_IQ1_M(vd_iq1_m_pdep, BMI2, iq1_rows8_pdep)
 AVX2 float mf_vd_iq1_s_avx2(const uint8_t *w, const void *x, int64_t nb) {
-    return mf_tune.iq1_pdep ? vd_iq1_s_pdep(w, x, nb) : vd_iq1_s_gpr(w, x, nb);
+    return mf_tune.pdep ? vd_iq1_s_pdep(w, x, nb) : vd_iq1_s_gpr(w, x, nb);
 }
 AVX2 float mf_vd_iq1_m_avx2(const uint8_t *w, const void *x, int64_t nb) {
-    return mf_tune.iq1_pdep ? vd_iq1_m_pdep(w, x, nb) : vd_iq1_m_gpr(w, x, nb);
+    return mf_tune.pdep ? vd_iq1_m_pdep(w, x, nb) : vd_iq1_m_gpr(w, x, nb);
 }
 
 /* ---------------- prefill: blocks unpacked for the K-quant GEMMs (mf_kblk) ----------------

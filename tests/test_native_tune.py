@@ -33,8 +33,8 @@ TUNINGS = [
     f"pf_dist=64,pf_dist_multi=4096,stride_max_rb={BIG},streams=3",
     "pf_dist=1024,pf_dist_multi=0,k_vd4_min_rb=0,k_vd8_min_rb=0",
     "pf_dist=0,pf_rows=2",
-    "iq1_pdep=0",
-    "iq1_pdep=1",
+    "pdep=0",
+    "pdep=1",
 ]
 
 
@@ -59,7 +59,7 @@ def isa(request):
                                         ("Q6_K", 256 * 31), ("Q6_K", 256 * 5), ("Q4_0", 32 * 97),
                                         ("Q5_0", 32 * 33), ("Q3_K", 256 * 9), ("MXFP4", 32 * 91),
                                         ("MXFP4", 32 * 8), ("NVFP4", 64 * 45), ("NVFP4", 64 * 3),
-                                        ("IQ1_S", 256 * 7), ("IQ1_M", 256 * 5)])
+                                        ("IQ1_S", 256 * 7), ("IQ1_M", 256 * 5), ("IQ3_S", 256 * 11)])
 def test_tunings_same_bits(isa, name, cols):
     t = BY_NAME[name]
     rng = np.random.default_rng(4100 + t.id + cols)
@@ -79,16 +79,16 @@ def test_tunings_same_bits(isa, name, cols):
                                           err_msg=f"{name} {isa} [{spec}] one X row")
 
 
-def test_iq1_pdep_only_with_bmi2():
-    # the IQ1 AVX2 kernels build their row indexes by pdep (iq1_pdep) only where the CPU has
+def test_pdep_only_with_bmi2():
+    # the IQ1 and IQ3_S AVX2 kernels build their row indexes by pdep only where the CPU has
     # BMI2: asking for it elsewhere leaves it 0 (tests above then compare the same form twice)
     row = _native.set_tune("default")
-    assert row["iq1_pdep"] in (0, 1)
-    on = _native.set_tune("iq1_pdep=1")["iq1_pdep"]
+    assert row["pdep"] in (0, 1)
+    on = _native.set_tune("pdep=1")["pdep"]
     flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
     if flags:
         assert on == ("bmi2" in flags)
-    assert _native.set_tune("iq1_pdep=0")["iq1_pdep"] == 0
+    assert _native.set_tune("pdep=0")["pdep"] == 0
     _native.set_tune(os.environ.get("MEMFIT_TUNE", ""))
 
 
