@@ -974,10 +974,12 @@ AVX2 static void vd4_q4_1(const uint8_t *w, size_t rb, const void *xv, int64_t n
 }
 
 const uint8_t mf_kpf_avx2[T_MAX] = {[T_Q4_K] = 1, [T_Q5_K] = 1, [T_Q6_K] = 1, [T_Q8_0] = 1, [T_Q3_K] = 1, [T_Q2_K] = 1,
-                                     [T_Q4_0] = 1, [T_Q4_1] = 1, [T_Q5_0] = 1, [T_Q5_1] = 1, [T_IQ4_NL] = 1, [T_IQ4_XS] = 1, [T_MXFP4] = 1};
+                                     [T_Q4_0] = 1, [T_Q4_1] = 1, [T_Q5_0] = 1, [T_Q5_1] = 1, [T_IQ4_NL] = 1, [T_IQ4_XS] = 1, [T_MXFP4] = 1,
+                                     [T_NVFP4] = 1};
 
 mf_vecdot4_fn mf_vecdot4_avx2[T_MAX] = {
     [T_Q4_0] = vd4_q4_0, [T_Q4_1] = vd4_q4_1, [T_Q5_0] = vd4_q5_0, [T_Q5_1] = vd4_q5_1, [T_MXFP4] = mf_vd4_mxfp4_avx2,
+    [T_NVFP4] = mf_vd4_nvfp4_avx2,
     /* Q8_0/IQ4_NL: the 4-row form measured 2x slower from DRAM (49152x576), so not used */
 };
 

@@ -184,6 +184,7 @@ void mf_dq_tq2_0(const uint8_t *b, float *y);
 float mf_vd_mxfp4_avx2(const uint8_t *w, const void *x, int64_t nb);
 void mf_vd1_mxfp4_avx2(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out);
 void mf_vd4_mxfp4_avx2(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out);
+void mf_vd4_nvfp4_avx2(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out);
 float mf_vd_nvfp4_avx2(const uint8_t *w, const void *x, int64_t nb);
 float mf_vd_tq1_0_avx2(const uint8_t *w, const void *x, int64_t nb);
 float mf_vd_tq2_0_avx2(const uint8_t *w, const void *x, int64_t nb);

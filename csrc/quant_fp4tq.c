@@ -78,10 +78,6 @@ void mf_dq_tq2_0(const uint8_t *b, float *y) {
 
 /* ---------------- AVX2 ---------------- */
 
-/* signed x signed bytes -> 16 pair sums via |a| * sign(b, a) (|a| <= 12: no saturation) */
-AVX2 static inline __m256i fp4_dot(__m256i a, __m256i b) {
-    return _mm256_maddubs_epi16(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
-}
 AVX2 static inline __m256i kv_fp4_256(void) {
     return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kv_fp4));
 }
@@ -144,7 +140,8 @@ AVX2 static inline __m128 ue4m3_4(const uint8_t *p) {
     return _mm_andnot_ps(_mm_castsi128_ps(_mm_cmpeq_epi32(b, _mm_set1_epi32(0x7F))), d);
 }
 
-/* one NVFP4 block's 64 values as two 32-byte vectors in element order (the two Q8_0 blocks) */
+/* one NVFP4 block's 64 values as two 32-byte vectors in element order (the two Q8_0 blocks),
+ * looked up in kv (the signed values, or kv + 12 for the unsigned form) */
 AVX2 static inline void nvfp4_vals(const uint8_t *w, __m256i kv, __m256i *a, __m256i *b) {
     const __m256i m4 = _mm256_set1_epi8(0xF);
     const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 4));
@@ -155,24 +152,50 @@ AVX2 static inline void nvfp4_vals(const uint8_t *w, __m256i kv, __m256i *a, __m
     *b = _mm256_permute2x128_si256(v0, v1, 0x31);
 }
 
-/* per block: 4 sub-block int32 lane groups, each times d_s * dx of its Q8_0 block */
-AVX2 float mf_vd_nvfp4_avx2(const uint8_t *w, const void *xv, int64_t nb) {
-    const mf_q8_32 *x = xv;
-    __m256 acc = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1), kv = kv_fp4_256();
-    const __m256i i01 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), i23 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
-    for (int64_t b = 0; b < nb; b++, w += 36) {
-        const mf_q8_32 *y = x + 2 * b;
-        const __m128 s = _mm_mul_ps(ue4m3_4(w), _mm_setr_ps(y[0].d, y[0].d, y[1].d, y[1].d));
-        const __m256 s8 = _mm256_castps128_ps256(s);
-        __m256i va, vb;
-        nvfp4_vals(w, kv, &va, &vb);
-        const __m256i pa = _mm256_madd_epi16(fp4_dot(va, _mm256_loadu_si256((const __m256i *)y[0].qs)), ones);
-        const __m256i pb = _mm256_madd_epi16(fp4_dot(vb, _mm256_loadu_si256((const __m256i *)y[1].qs)), ones);
-        acc = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(s8, i01), _mm256_cvtepi32_ps(pa), acc);
-        acc = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(s8, i23), _mm256_cvtepi32_ps(pb), acc);
+/* NVFP4 x Q8_0, R = 1 or 4 rows. The values stay in the block's nibble order (sub-block s's
+ * low nibbles are its values 0..7, the high ones 8..15) and y is put in that order instead,
+ * once per block for the R rows: y_lo = 8-value pieces 0, 2, 4, 6 of the block's 64, y_hi =
+ * 1, 3, 5, 7. The two 32-byte dots then sum in int16 and give, after one vpmaddwd, int32 lanes
+ * [s0 s0 s1 s1 s2 s2 s3 s3], scaled by d_s * dx in one FMA a block. The values enter maddubs
+ * unsigned, as kv + 12 (0..24), and 12 * y's pair sums (shared by the R rows) come off in int16
+ * (|pairs| <= 12288): every int32 lane is an exact sum of kv * y, so R = 1 and R = 4 give the
+ * same bits. */
+#define VD_NVFP4_AVX2(NAME, R)                                                                      \
+    AVX2 void NAME(const uint8_t *w, size_t rb, const void *xv, int64_t nb, float *out) {          \
+        const mf_q8_32 *x = xv;                                                                     \
+        __m256 acc[R];                                                                              \
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                   \
+        const __m256i ones = _mm256_set1_epi16(1), twelve = _mm256_set1_epi8(12), m4 = _mm256_set1_epi8(0xF); \
+        const __m256i kvu = _mm256_add_epi8(kv_fp4_256(), twelve);                                  \
+        const __m256i dup = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);                              \
+        const int64_t pfd = (R == 1 ? mf_tune.pf_dist : MF_PF_MULTI);                               \
+        for (int64_t b = 0; b < nb; b++, w += 36) {                                                 \
+            MF_PF_ROWS(w, R, rb, b * 36, nb * 36, pfd, 36);                                         \
+            const mf_q8_32 *y = x + 2 * b;                                                          \
+            /* 8-value pieces [0 2 1 3] and [4 6 5 7], then the low and high halves of each */      \
+            const __m256i ta = _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i *)y[0].qs), 0xD8); \
+            const __m256i tb = _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i *)y[1].qs), 0xD8); \
+            const __m256i ylo = _mm256_permute2x128_si256(ta, tb, 0x20), yhi = _mm256_permute2x128_si256(ta, tb, 0x31); \
+            const __m256i c = _mm256_add_epi16(_mm256_maddubs_epi16(twelve, ylo), _mm256_maddubs_epi16(twelve, yhi)); \
+            const __m256 dy = _mm256_setr_ps(y[0].d, y[0].d, y[0].d, y[0].d, y[1].d, y[1].d, y[1].d, y[1].d); \
+            for (int r = 0; r < R; r++) {                                                           \
+                const uint8_t *wr = w + r * rb;                                                     \
+                const __m256 s = _mm256_mul_ps(_mm256_permutevar8x32_ps(_mm256_castps128_ps256(ue4m3_4(wr)), dup), dy); \
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(wr + 4));                    \
+                const __m256i lo = _mm256_shuffle_epi8(kvu, _mm256_and_si256(q, m4));               \
+                const __m256i hi = _mm256_shuffle_epi8(kvu, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4)); \
+                const __m256i p16 = _mm256_sub_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, ylo), _mm256_maddubs_epi16(hi, yhi)), c); \
+                acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones)), acc[r]); \
+            }                                                                                       \
+        }                                                                                           \
+        for (int r = 0; r < R; r++) out[r] = hsum_ps(acc[r]);                                       \
     }
-    return hsum_ps(acc);
+VD_NVFP4_AVX2(mf_vd1_nvfp4_avx2, 1)
+VD_NVFP4_AVX2(mf_vd4_nvfp4_avx2, 4)
+AVX2 float mf_vd_nvfp4_avx2(const uint8_t *w, const void *x, int64_t nb) {
+    float o;
+    mf_vd1_nvfp4_avx2(w, 0, x, nb, &o);
+    return o;
 }
 
 /* the 256 activation values of a Q8_K block summed into 8 int32 lanes */
