@@ -162,6 +162,10 @@ void mf_up_tq2_0_avx2(const uint8_t *w, mf_kblk *o);
 
 /* 4 consecutive W rows (row stride rb bytes) against one prepared X row -> out[4] */
 typedef void (*mf_vecdot4_fn)(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out);
+/* one W row against 4 X rows xs bytes apart: out[i] the same bits as the type's 1-row vec-dot
+ * of X row i (quant_mm.c takes it where a type has one) */
+typedef void (*mf_vecdotx4_fn)(const uint8_t *w, const void *x, size_t xs, int64_t nb, float *out);
+void mf_vdx4_tq2_0_avx2(const uint8_t *w, const void *x, size_t xs, int64_t nb, float *out);
 
 /* IQ2_XXS / IQ2_XS / IQ2_S (quant_iq2.c): dequantize one block, vec-dots x Q8_256, prefill unpack */
 void mf_dq_iq2_xxs(const uint8_t *b, float *y);

@@ -247,24 +247,43 @@ AVX2 float mf_vd_tq1_0_avx2(const uint8_t *w, const void *xv, int64_t nb) {
     }
     return hsum_ps(acc);
 }
-AVX2 float mf_vd_tq2_0_avx2(const uint8_t *w, const void *xv, int64_t nb) {
-    const mf_q8_256 *x = xv;
-    __m256 acc = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1), m2 = _mm256_set1_epi8(3);
-    for (int64_t b = 0; b < nb; b++, w += 66) {
-        const int8_t *y = x[b].qs;
-        __m256i s16 = _mm256_setzero_si256();
-        for (int j = 0; j < 2; j++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 32 * j));
-            for (int l = 0; l < 4; l++) {
-                const __m256i v = _mm256_and_si256(_mm256_srli_epi16(q, 2 * l), m2);
-                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(v, _mm256_loadu_si256((const __m256i *)(y + 128 * j + 32 * l))));
-            }
-        }
-        const __m256i tot = _mm256_sub_epi32(_mm256_madd_epi16(s16, ones), q8k_sum8(x + b));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(mf_f16(w + 64) * x[b].d), _mm256_cvtepi32_ps(tot), acc);
+/* TQ2_0 x Q8_K for X = 1 or 4 activation rows (x rows xs bytes apart): each 2-bit digit
+ * vector is extracted once and dotted with the X rows' bytes; per X row the int16 pair sums,
+ * the int32 total less sum(y) and the FMA are those of one row alone, so every X row's result
+ * has the same bits whichever form computed it (prefill runs 4 X rows at once, decode 1). */
+#define VD_TQ2_0_AVX2(NAME, NX)                                                                     \
+    AVX2 void NAME(const uint8_t *w, const void *xv, size_t xs, int64_t nb, float *out) {          \
+        __m256 acc[NX];                                                                             \
+        for (int i = 0; i < NX; i++) acc[i] = _mm256_setzero_ps();                                  \
+        const __m256i ones = _mm256_set1_epi16(1), m2 = _mm256_set1_epi8(3);                        \
+        for (int64_t b = 0; b < nb; b++, w += 66) {                                                 \
+            __m256i s16[NX];                                                                        \
+            for (int i = 0; i < NX; i++) s16[i] = _mm256_setzero_si256();                           \
+            for (int j = 0; j < 2; j++) {                                                           \
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 32 * j));                \
+                for (int l = 0; l < 4; l++) {                                                       \
+                    const __m256i v = _mm256_and_si256(_mm256_srli_epi16(q, 2 * l), m2);           \
+                    for (int i = 0; i < NX; i++) {                                                  \
+                        const mf_q8_256 *x = (const mf_q8_256 *)((const uint8_t *)xv + i * xs) + b; \
+                        s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(v, _mm256_loadu_si256((const __m256i *)(x->qs + 128 * j + 32 * l)))); \
+                    }                                                                               \
+                }                                                                                   \
+            }                                                                                       \
+            const float d = mf_f16(w + 64);                                                         \
+            for (int i = 0; i < NX; i++) {                                                          \
+                const mf_q8_256 *x = (const mf_q8_256 *)((const uint8_t *)xv + i * xs) + b;        \
+                const __m256i tot = _mm256_sub_epi32(_mm256_madd_epi16(s16[i], ones), q8k_sum8(x)); \
+                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(d * x->d), _mm256_cvtepi32_ps(tot), acc[i]); \
+            }                                                                                       \
+        }                                                                                           \
+        for (int i = 0; i < NX; i++) out[i] = hsum_ps(acc[i]);                                      \
     }
-    return hsum_ps(acc);
+VD_TQ2_0_AVX2(vd_tq2_0_x1, 1)
+VD_TQ2_0_AVX2(mf_vdx4_tq2_0_avx2, 4)
+AVX2 float mf_vd_tq2_0_avx2(const uint8_t *w, const void *xv, int64_t nb) {
+    float o;
+    vd_tq2_0_x1(w, xv, 0, nb, &o);
+    return o;
 }
 
 /* ---------------- prefill unpacks (the existing batched kernels do the rest) ----------------

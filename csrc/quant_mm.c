@@ -25,6 +25,7 @@ typedef struct {
     mf_vecdot_fn vd;
     mf_vecdot4_fn vd4; /* optional 4-row variant */
     mf_vecdot4_fn vd8; /* optional 8-row variant (each row's bits equal vd4's) */
+    mf_vecdotx4_fn vx4; /* optional 4-X-row variant of vd (each X row's bits equal vd's) */
     int streams;       /* decode, 1-row kernels: rows of a task read as this many streams */
     int strided;       /* decode, 4/8-row kernels on short rows: a group's rows are a task part apart */
     int kpf;           /* decode: the kernels prefetch in their block loop (no row-ahead prefetch) */
@@ -136,7 +137,14 @@ static void vec_rows(const mm_ctx *c, int64_t a, int64_t b, int64_t i0, int64_t 
     for (; r < b; r++) {
         const uint8_t *w = c->w + r * c->rb;
         if (pf && !c->kpf && mf_tune.pf_rows) prefetch_rows(c, r + mf_tune.pf_rows, r + mf_tune.pf_rows + 1, end);
-        for (int64_t i = i0; i < i1; i++)
+        int64_t i = i0;
+        if (c->vx4)
+            for (; i + 4 <= i1; i += 4) {
+                float o[4];
+                c->vx4(w, c->xq + (size_t)i * c->xs, c->xs, c->nb, o);
+                for (int k = 0; k < 4; k++) c->y[(i + k) * c->rows + r] = o[k];
+            }
+        for (; i < i1; i++)
             c->y[i * c->rows + r] = c->vd(w, c->xq + (size_t)i * c->xs, c->nb);
     }
 }
@@ -403,6 +411,8 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
     } else {
         c.vd = vd;
         c.vd4 = mf_vecdot4_avx2[type];
+        /* TQ2_0 prefill (and batched decode): each 2-bit digit vector serves 4 X rows */
+        if (type == T_TQ2_0) c.vx4 = mf_vdx4_tq2_0_avx2;
         c.kpf = mf_tune.pf_dist && mf_kpf_avx2[type];
         c.xfmt = q->xfmt;
         if (q->xfmt == XF_F32) {
@@ -458,7 +468,7 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
         }
     }
     if (p->fn == mm_task_vec && mf_isa >= MF_ISA_AVX512VNNI && (mf_vecdot_avx512[type] || mf_vecdot4_avx512[type])) {
-        if (mf_vecdot_avx512[type]) c.vd = mf_vecdot_avx512[type];
+        if (mf_vecdot_avx512[type]) c.vd = mf_vecdot_avx512[type], c.vx4 = NULL; /* vx4 pairs with the AVX2 vd */
         c.vd4 = mf_vecdot4_avx512[type];
         c.vd8 = mf_vecdot8_avx512[type];
         if (c.rb < vd4_min_rb(type)) c.vd4 = NULL;
