@@ -136,24 +136,19 @@ static void cpu_family(int *amd, unsigned *fam, unsigned *model) {
 #endif
 }
 
-static int has_bmi1(void) {
+/* CPUID leaf 7's EBX feature bit (BMI1: 3, BMI2: 8) */
+static int cpuid7_ebx(int bit) {
 #if defined(__x86_64__) || defined(__i386__)
     unsigned a, b, c, d;
-    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (b >> 3) & 1;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (b >> bit) & 1;
 #else
+    (void)bit;
     return 0;
 #endif
 }
+static int has_bmi1(void) { return cpuid7_ebx(3); }
+static int has_bmi2(void) { return cpuid7_ebx(8); }
 int mf_has_bmi1;
-
-static int has_bmi2(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    unsigned a, b, c, d;
-    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (b >> 8) & 1;
-#else
-    return 0;
-#endif
-}
 
 static mf_tune_t tune_table; /* this CPU's row of the table, before MEMFIT_TUNE */
 static const char *tune_table_source;
