@@ -983,6 +983,9 @@ mf_vecdot4_fn mf_vecdot4_avx2[T_MAX] = {
     /* Q8_0/IQ4_NL: the 4-row form measured 2x slower from DRAM (49152x576), so not used */
 };
 
+/* TQ2_0 prefill (and batched decode): each 2-bit digit vector serves 4 X rows */
+mf_vecdotx4_fn mf_vecdotx4_avx2[T_MAX] = {[T_TQ2_0] = mf_vdx4_tq2_0_avx2};
+
 /* ---------------- prefill: float weights ----------------
  * W rows converted to f32 once per task (row_f32), then 2 W rows x 4 X rows per pass:
  * 6 loads per 8 FMAs instead of 2 per 1. */

@@ -163,7 +163,7 @@ void mf_up_tq2_0_avx2(const uint8_t *w, mf_kblk *o);
 /* 4 consecutive W rows (row stride rb bytes) against one prepared X row -> out[4] */
 typedef void (*mf_vecdot4_fn)(const uint8_t *w, size_t rb, const void *x, int64_t nb, float *out);
 /* one W row against 4 X rows xs bytes apart: out[i] the same bits as the type's 1-row vec-dot
- * of X row i (quant_mm.c takes it where a type has one) */
+ * of X row i (quant_mm.c takes it where mf_vecdotx4_avx2 has one) */
 typedef void (*mf_vecdotx4_fn)(const uint8_t *w, const void *x, size_t xs, int64_t nb, float *out);
 void mf_vdx4_tq2_0_avx2(const uint8_t *w, const void *x, size_t xs, int64_t nb, float *out);
 
@@ -208,6 +208,7 @@ void mf_vd8_nvfp4_avx512(const uint8_t *w, size_t rb, const void *x, int64_t nb,
 void mf_row_f32_avx2(int type, const uint8_t *w, float *dst, int64_t n);
 void mf_fgemm_avx2(const float *wf, int64_t nr, const float *x, int64_t m, int64_t cols, float *y, int64_t ys);
 extern mf_vecdot4_fn mf_vecdot4_avx2[T_MAX];
+extern mf_vecdotx4_fn mf_vecdotx4_avx2[T_MAX]; /* optional: 1 W row x 4 X rows, each X row the bits of the 1-row kernel */
 extern mf_b32unpack_fn mf_b32unpack_avx2[T_MAX];
 #define MF_BST 16 /* X rows per prefill tile: stride of the transposed s table */
 void mf_bdot_avx2(const mf_b32 *w, int64_t nb, int sgn, const uint8_t *x, size_t xs, int64_t m,

@@ -124,11 +124,14 @@ __attribute__((constructor)) static void e8m0_lut_init(void) {
     }
 VD_MXFP4_AVX2(mf_vd1_mxfp4_avx2, 1)
 VD_MXFP4_AVX2(mf_vd4_mxfp4_avx2, 4)
-AVX2 float mf_vd_mxfp4_avx2(const uint8_t *w, const void *x, int64_t nb) {
-    float o;
-    mf_vd1_mxfp4_avx2(w, 0, x, nb, &o);
-    return o;
-}
+/* the 1-row vec-dot signature over an R-row kernel's R = 1 instance */
+#define VD_ONE_ROW_AVX2(NAME, VD1)                                                                  \
+    AVX2 float NAME(const uint8_t *w, const void *x, int64_t nb) {                                  \
+        float o;                                                                                    \
+        VD1(w, 0, x, nb, &o);                                                                       \
+        return o;                                                                                   \
+    }
+VD_ONE_ROW_AVX2(mf_vd_mxfp4_avx2, mf_vd1_mxfp4_avx2)
 
 /* the 4 UE4M3 scales of an NVFP4 block (x 0.5) -> 4 floats (see ue4m3_half) */
 AVX2 static inline __m128 ue4m3_4(const uint8_t *p) {
@@ -192,11 +195,7 @@ AVX2 static inline void nvfp4_vals(const uint8_t *w, __m256i kv, __m256i *a, __m
     }
 VD_NVFP4_AVX2(mf_vd1_nvfp4_avx2, 1)
 VD_NVFP4_AVX2(mf_vd4_nvfp4_avx2, 4)
-AVX2 float mf_vd_nvfp4_avx2(const uint8_t *w, const void *x, int64_t nb) {
-    float o;
-    mf_vd1_nvfp4_avx2(w, 0, x, nb, &o);
-    return o;
-}
+VD_ONE_ROW_AVX2(mf_vd_nvfp4_avx2, mf_vd1_nvfp4_avx2)
 
 /* the 256 activation values of a Q8_K block summed into 8 int32 lanes */
 AVX2 static inline __m256i q8k_sum8(const mf_q8_256 *x) {

@@ -411,8 +411,7 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
     } else {
         c.vd = vd;
         c.vd4 = mf_vecdot4_avx2[type];
-        /* TQ2_0 prefill (and batched decode): each 2-bit digit vector serves 4 X rows */
-        if (type == T_TQ2_0) c.vx4 = mf_vdx4_tq2_0_avx2;
+        c.vx4 = mf_vecdotx4_avx2[type];
         c.kpf = mf_tune.pf_dist && mf_kpf_avx2[type];
         c.xfmt = q->xfmt;
         if (q->xfmt == XF_F32) {

@@ -33,8 +33,6 @@ SYNTH_SIZES = ("llama tiny|1b|1b-24l|7b; qwen2 tiny|1.5b|7b; qwen3moe tiny|2gb|3
 # ------------------------------------------------------------------ argument validators
 # argparse reports a failing type as "argument -r/--repetitions: <message>", before any work.
 
-
-
 def _int_at_least(lo: int, what: str = ""):
     def conv(text: str) -> int:
         try:
