@@ -203,15 +203,11 @@ static inline void k4_scales(const uint8_t *q, uint32_t u[4]) {
     u[2] = mins_lo;
     u[0] &= k1;
 }
-/* sum_j mins[j] * (bsums[2j] + bsums[2j+1]), mins = bytes 8..15 of u, built in registers (an
- * 8-byte load over two 4-byte stack stores stalled store forwarding every block) */
-AVX2 static inline int k4_minsum(const uint32_t u[4], const int16_t *bsums) {
-    __m128i mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)((uint64_t)u[3] << 32 | u[2])));
-    __m128i pairs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bsums), _mm_loadu_si128((const __m128i *)(bsums + 8)));
-    __m128i mm = _mm_madd_epi16(mins, pairs);
-    mm = _mm_add_epi32(mm, _mm_shuffle_epi32(mm, 0x4e));
-    mm = _mm_add_epi32(mm, _mm_shuffle_epi32(mm, 0xb1));
-    return _mm_cvtsi128_si32(mm);
+/* mins[j] * bsums[i] for i = 2j, 2j+1 summed in pairs: 8 int32 lanes, lane j = mins[j] * (bsums[2j] +
+ * bsums[2j+1]) (mins = bytes 8..15 of u, each byte doubled then widened; one madd, no hadd) */
+AVX2 static inline __m256i k4_mins(const uint32_t u[4], const int16_t *bsums) {
+    const __m128i m8 = _mm_cvtsi64_si128((int64_t)((uint64_t)u[3] << 32 | u[2]));
+    return _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8)), _mm256_loadu_si256((const __m256i *)bsums));
 }
 /* The 8 scales (bytes 0..7 of u) as 16-bit values in both lanes: scale j broadcast by one vpshufb. */
 AVX2 static inline __m256i k4_sc16(uint32_t u0, uint32_t u1) {
@@ -221,19 +217,19 @@ AVX2 static inline __m256i k4_sc16(uint32_t u0, uint32_t u1) {
 
 /* ---------------- K-quants x Q8_256 ---------------- */
 
-/* Same arithmetic as the plain form: sumi lanes, d*dx, dmin*dx*summ in the same order; the
+/* Q4_K (and Q5_K below): sumi lanes times d*dx and the mins' 8 lanes (k4_mins) times dmin*dx, each
+ * into its own float accumulator, reduced once at the end (no horizontal sum per block); the
  * scales broadcast by vpshufb and d, dmin convert in one vcvtph2ps. */
 AVX2 static float vd_q4_k(const uint8_t *w, const void *xv, int64_t nb) {
     const mf_q8_256 *x = xv;
-    __m256 acc = _mm256_setzero_ps();
-    float accm = 0;
+    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(0xF);
     const int64_t pfd = mf_tune.pf_dist;
     for (int64_t b = 0; b < nb; b++, w += 144) {
         MF_PF_STEP(w, pfd, 144);
         uint32_t u[4];
         k4_scales(w + 4, u);
-        const int summ = k4_minsum(u, x[b].bsums);
+        const __m256i mm = k4_mins(u, x[b].bsums);
         const __m256i sc = k4_sc16(u[0], u[1]);
         const uint8_t *qs = w + 16;
         const int8_t *y = x[b].qs;
@@ -251,9 +247,9 @@ AVX2 static float vd_q4_k(const uint8_t *w, const void *xv, int64_t nb) {
         memcpy(&h, w, 4);
         const __m128 dm = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(h)), _mm_set1_ps(x[b].d)); /* d*dx, dmin*dx */
         acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(dm), _mm256_cvtepi32_ps(sumi), acc);
-        accm += _mm_cvtss_f32(_mm_movehdup_ps(dm)) * (float)summ;
+        accm = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)), _mm256_cvtepi32_ps(mm), accm);
     }
-    return hsum_ps(acc) - accm;
+    return hsum_ps(acc) - hsum_ps(accm);
 }
 /* bit k of every byte of v moved to bit t (k, t < 8) by one 16-bit shift, for the K-quants' high
  * bits (Q5_K: t 4, Q3_K: t 2) instead of a mask, compare and mask: what a left shift carries
@@ -264,15 +260,14 @@ AVX2 static inline __m256i bit_to(__m256i v, int k, int t) {
 }
 AVX2 static float vd_q5_k(const uint8_t *w, const void *xv, int64_t nb) {
     const mf_q8_256 *x = xv;
-    __m256 acc = _mm256_setzero_ps();
-    float accm = 0;
+    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(0xF), b4 = _mm256_set1_epi8(0x10);
     const int64_t pfd = mf_tune.pf_dist;
     for (int64_t b = 0; b < nb; b++, w += 176) {
         MF_PF_STEP(w, pfd, 176);
         uint32_t u[4];
         k4_scales(w + 4, u);
-        const int summ = k4_minsum(u, x[b].bsums);
+        const __m256i mm = k4_mins(u, x[b].bsums);
         const __m256i sc = k4_sc16(u[0], u[1]);
         const uint8_t *qs = w + 48;
         __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 16));
@@ -293,9 +288,9 @@ AVX2 static float vd_q5_k(const uint8_t *w, const void *xv, int64_t nb) {
         memcpy(&h, w, 4);
         const __m128 dm = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(h)), _mm_set1_ps(x[b].d)); /* d*dx, dmin*dx */
         acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(dm), _mm256_cvtepi32_ps(sumi), acc);
-        accm += _mm_cvtss_f32(_mm_movehdup_ps(dm)) * (float)summ;
+        accm = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)), _mm256_cvtepi32_ps(mm), accm);
     }
-    return hsum_ps(acc) - accm;
+    return hsum_ps(acc) - hsum_ps(accm);
 }
 /* Q6_K: the 16 scales widened once per block and picked per 32 values by vpshufb (two scalar
  * broadcasts and an insert each cost 24 shuffle-port ops a block); the high 2 bits moved to
@@ -386,8 +381,7 @@ AVX2 static float vd_q3_k(const uint8_t *w, const void *xv, int64_t nb) {
 }
 AVX2 static float vd_q2_k(const uint8_t *w, const void *xv, int64_t nb) {
     const mf_q8_256 *x = xv;
-    __m256 acc = _mm256_setzero_ps();
-    float accm = 0;
+    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
     const __m256i m2 = _mm256_set1_epi8(3);
     const __m128i m4 = _mm_set1_epi8(0xF);
     const __m256i pk[4] = {q6_pick(0), q6_pick(1), q6_pick(2), q6_pick(3)};
@@ -397,7 +391,7 @@ AVX2 static float vd_q2_k(const uint8_t *w, const void *xv, int64_t nb) {
         const __m128i s8 = _mm_loadu_si128((const __m128i *)w);
         const __m256i sc16 = _mm256_cvtepu8_epi16(_mm_and_si128(s8, m4));
         const __m256i mn16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s8, 4), m4));
-        const int summ = hsum_i32(_mm256_madd_epi16(mn16, _mm256_loadu_si256((const __m256i *)x[b].bsums)));
+        const __m256i mm = _mm256_madd_epi16(mn16, _mm256_loadu_si256((const __m256i *)x[b].bsums));
         __m256i sumi = _mm256_setzero_si256();
         for (int c = 0; c < 2; c++) {
             __m256i q = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * c));
@@ -411,9 +405,9 @@ AVX2 static float vd_q2_k(const uint8_t *w, const void *xv, int64_t nb) {
         }
         float dx = x[b].d;
         acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w + 80) * dx), _mm256_cvtepi32_ps(sumi), acc);
-        accm += f16(w + 82) * dx * (float)summ;
+        accm = _mm256_fmadd_ps(_mm256_set1_ps(f16(w + 82) * dx), _mm256_cvtepi32_ps(mm), accm);
     }
-    return hsum_ps(acc) - accm;
+    return hsum_ps(acc) - hsum_ps(accm);
 }
 AVX2 static float vd_iq4_xs(const uint8_t *w, const void *xv, int64_t nb) {
     const mf_q8_256 *x = xv;
