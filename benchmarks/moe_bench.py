@@ -107,6 +107,39 @@ def bound_at_measured(plan: dict, tg: dict) -> float | None:
     return 1.0 / max(t_mem, t_disk)
 
 
+def quiet_probe(model: str, threads: int, chunk: int = 1 << 20) -> dict:
+    """The bound's rates measured now, in this process, just before a run: memory as `bench
+    --kernels` and `--profile` take it (the best of the read strategies, `threads` threads) and
+    the disk as a streamed decode reads it (random O_DIRECT requests of ~1 MB in the experts'
+    bytes, the store's requests in flight; memory/bandwidth.py measure_disk_random)."""
+    from memfit.gguf.reader import open_gguf
+    from memfit.memory.bandwidth import measure_disk_random, read_bound
+    from memfit.ops import native
+    with open_gguf(model) as g:
+        x = [t for t in g.tensors.values() if t.name.endswith("_exps.weight") and t.file_index == 0]
+    lo = min((t.offset for t in x), default=0)
+    hi = max((t.offset + t.nbytes for t in x), default=None)
+    native.set_threads(threads)
+    mem, st = read_bound()
+    out = {"mem_read_bytes_per_s": mem, "mem_strategy": st}
+    try:
+        out["disk_random_bytes_per_s"] = measure_disk_random(model, chunk, lo, hi)
+        out["disk_request_bytes"] = chunk
+    except OSError as e:
+        out["disk_error"] = str(e)
+    return out
+
+
+def bound_at_probe(plan: dict, probe: dict, tg: dict) -> float | None:
+    """bound_at_measured with the quiet probe's rates instead of the plan's cached ones."""
+    if not plan or "error" in plan or not probe or "disk_random_bytes_per_s" not in probe \
+            or not tg.get("bytes_read_per_token"):
+        return None
+    t_mem = plan["mem_bytes_per_token"] / probe["mem_read_bytes_per_s"]
+    t_disk = tg["bytes_read_per_token"] / probe["disk_random_bytes_per_s"]
+    return 1.0 / max(t_mem, t_disk)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
@@ -124,6 +157,9 @@ def main(argv=None) -> int:
     ap.add_argument("--parallel", default=None, metavar="N[,N...]",
                     help="memfit: aggregate decode of N sequences at once (bench --parallel; the "
                          "batch union of experts)")
+    ap.add_argument("--no-probe", action="store_true",
+                    help="memfit in a limit: no quiet probe of memory and random expert reads before "
+                         "the run (the bound then comes from the plan's cached rates only)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
@@ -148,6 +184,10 @@ def main(argv=None) -> int:
                    "--repack", "1" if side == "llama.cpp-repack" else "0",
                    "--max-seconds", str(a.peer_max_seconds), "--json"] + (
                        ["--no-warmup"] if a.peer_no_warmup else [])
+        probe = None
+        if side == "memfit" and limit is not None and not a.no_probe:
+            subprocess.run(["sync"])
+            probe = quiet_probe(a.model, a.threads)
         load0 = round(os.getloadavg()[0], 2)
         t0 = time.strftime("%H:%M:%S", time.gmtime())
         rec = run_limited(limit, cmd, a.timeout, env)
@@ -158,6 +198,10 @@ def main(argv=None) -> int:
         tg = next((t for t in rec["tests"] if t["test"].startswith("tg")), None)
         if tg and plan:
             rec["bound_tg_tokens_per_s"] = bound_at_measured(plan, tg)
+        if probe:
+            rec["probe"] = probe
+            if tg:
+                rec["bound_tg_probe_tokens_per_s"] = bound_at_probe(plan, probe, tg)
         with open(a.out, "a") as fh:
             fh.write(json.dumps(rec) + "\n")
         summ = "; ".join(f"{t['test']} {t['tokens_per_s']}" + (
@@ -165,7 +209,11 @@ def main(argv=None) -> int:
             if "expert_hit_rate" in t else "") for t in rec["tests"])
         print(f"# {t0} {side} {frac} {variant}: {summ}; rc {rec['rc']} oom {rec.get('oom_kill')} "
               f"peak {rec.get('cgroup_peak_bytes')} wall {rec['wall_s']} s load {load0}"
-              + (f" bound {rec['bound_tg_tokens_per_s']:.3f}" if rec.get("bound_tg_tokens_per_s") else ""),
+              + (f" bound {rec['bound_tg_tokens_per_s']:.3f}" if rec.get("bound_tg_tokens_per_s") else "")
+              + (f" probe bound {rec['bound_tg_probe_tokens_per_s']:.3f} (mem "
+                 f"{probe['mem_read_bytes_per_s'] / 1e9:.1f} GB/s, random reads "
+                 f"{probe['disk_random_bytes_per_s'] / 1e9:.2f} GB/s)"
+                 if rec.get("bound_tg_probe_tokens_per_s") else ""),
               flush=True)
     return 0
 

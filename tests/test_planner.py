@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from memfit.errors import BudgetError
@@ -286,3 +287,18 @@ def test_server_bytes_are_a_fixed_cost():
     with pytest.raises(BudgetError, match="Responses store 3.00 MiB"):
         plan(m, srv.min_budget_bytes - 1, 128, 2, BW, baseline_bytes=10 * MiB, n_batch=64,
              server_bytes=3 * MiB)
+
+
+def test_random_read_probe_reads_the_region_it_is_given(tmp_path):
+    """measure_disk_random (benchmarks/moe_bench.py's bound): random aligned requests inside
+    [lo, hi) of a real file; a region smaller than one request is an OSError, not a hang."""
+    from memfit.memory import bandwidth as bwmod
+    f = tmp_path / "w.bin"
+    f.write_bytes(np.random.default_rng(5).integers(0, 256, 6 << 20, dtype=np.uint8).tobytes())
+    try:
+        bps = bwmod.measure_disk_random(f, 256 << 10, lo=1 << 20, hi=5 << 20, max_s=0.2)
+    except OSError as e:  # a file system without O_DIRECT (tmpfs)
+        pytest.skip(f"no O_DIRECT here: {e}")
+    assert bps > 0
+    with pytest.raises(OSError, match="smaller than one request"):
+        bwmod.measure_disk_random(f, 1 << 20, lo=1 << 20, hi=(1 << 20) + 8192)

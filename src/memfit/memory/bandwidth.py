@@ -253,6 +253,36 @@ def measure_disk_bandwidth(path: str | os.PathLike, sample_bytes: int = 512 << 2
     return nbytes / dt
 
 
+def measure_disk_random(path: str | os.PathLike, chunk: int, lo: int = 0, hi: int | None = None,
+                        workers: int | None = None, max_s: float = 2.0, seed: int = 0) -> float:
+    """Read bandwidth (bytes/s) of requests the way a streamed MoE decode reads its missed experts:
+    O_DIRECT requests of `chunk` bytes (rounded up to the alignment) at random aligned offsets in
+    [lo, hi) of the file (the experts' bytes), IO_WORKERS in flight, for max_s seconds. Unlike
+    measure_disk_bandwidth's contiguous re-read, nothing here is a neighbour of the last request
+    nor (with a region much larger than the disk's cache) read twice: the rate a decode's ~1 MB
+    expert reads can have. Raises OSError where O_DIRECT is not possible."""
+    import random
+    from .io import IO_WORKERS
+    workers = workers or IO_WORKERS
+    chunk = -(-max(chunk, ALIGN) // ALIGN) * ALIGN
+    size = os.path.getsize(path)
+    hi = size if hi is None else min(hi, size)
+    lo = lo // ALIGN * ALIGN
+    if hi - lo < chunk:
+        raise OSError(f"{path}: the region is smaller than one request")
+    rng = random.Random(seed)
+    n = max(workers, int(max_s * 4e9) // chunk)  # more than max_s can read at 4 GB/s
+    offsets = [lo + rng.randrange((hi - lo - chunk) // ALIGN + 1) * ALIGN for _ in range(n)]
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    try:
+        nbytes, dt = _read_pass(fd, offsets, chunk, workers, max_s)
+    finally:
+        os.close(fd)
+    if nbytes == 0:
+        raise OSError(f"no bytes read from {path}")
+    return nbytes / dt
+
+
 def _read_pass(fd: int, offsets: list[int], chunk: int, workers: int,
                max_s: float) -> tuple[int, float]:
     """One walk over offsets (at most max_s seconds) by `workers` threads: (bytes, seconds)."""
