@@ -669,7 +669,7 @@ def _write(path: Path, arch: str, size: str, quant: str, seed: int, progress: bo
         if progress:
             print(f"synth {path.name}: calibrating the routers to overlap {routing_overlap}",
                   file=sys.stderr, flush=True)
-        r = calibrate_routing(tmp, routing_overlap, routing_skew, seed)
+        r = calibrate_routing(tmp, routing_overlap, routing_skew, seed, progress=progress)
         _set_measured(tmp, r["overlap"], r["top_share"])
         if progress:
             print(f"synth {path.name}: measured overlap {r['overlap']:.3f}, top-{mc.n_expert_used} "
@@ -776,7 +776,7 @@ def _router_rows(xs: list[np.ndarray], n_expert: int, k: int, overlap: float, sk
 
 def calibrate_routing(path, overlap: float, skew: float, seed: int,
                       n_tokens: int = ROUTING_CALIB_TOKENS, n_seqs: int = ROUTING_CALIB_SEQS,
-                      n_check: int = ROUTING_CHECK_TOKENS) -> dict:
+                      n_check: int = ROUTING_CHECK_TOKENS, progress: bool = False) -> dict:
     """Replace the router rows of a written MoE file (F32, in place) by rows computed from the
     real forward's router inputs (_router_rows) so that the model, run on a sequence of
     random tokens, routes with consecutive-token overlap ``overlap`` and popularity offsets
@@ -785,7 +785,8 @@ def calibrate_routing(path, overlap: float, skew: float, seed: int,
     l+1 sees its inputs). Then
     n_check other random tokens are decoded one at a time from a fresh load of the patched
     file and their choices measured: returns {"overlap", "top_share"} (means over the MoE
-    layers) and the per-layer lists."""
+    layers) and the per-layer lists. progress: a line on stderr per layer (a 48-layer 30B
+    takes minutes on 2 cores)."""
     from .gguf import open_gguf
     from .models import load_model
     rng = np.random.default_rng([seed, 1 << 21])
@@ -814,7 +815,11 @@ def calibrate_routing(path, overlap: float, skew: float, seed: int,
             if c.embd_scale != 1.0:
                 x = x * np.float32(c.embd_scale)
             state.append([x, kv, cache])
+        t0 = time.perf_counter()
         for il in range(c.n_layer):
+            if progress:
+                print(f"\rsynth {os.path.basename(path).removesuffix('.partial')}: calibrating layer {il + 1}/{c.n_layer}, "
+                      f"{time.perf_counter() - t0:.0f} s", end="", file=sys.stderr, flush=True)
             if c.is_moe(il):
                 xs: list[np.ndarray] = []
 
@@ -836,6 +841,8 @@ def calibrate_routing(path, overlap: float, skew: float, seed: int,
                 st[0] = m.block(il, st[0], st[1].pos, st[1], None)
     finally:
         m.file.close()
+        if progress:
+            print(file=sys.stderr)
     with open_gguf(path) as f:
         places = {il: (f.tensors[f"blk.{il}.ffn_gate_inp.weight"].offset,
                        f.tensors[f"blk.{il}.ffn_gate_inp.weight"].nbytes) for il in rows}
