@@ -141,6 +141,8 @@ def test_run_and_bench_report_expert_statistics(moe_model, tmp_path):
     for row in rows:
         assert 0.0 <= row["expert_hit_rate"] <= 1.0 and 0.0 <= row["prefetch_recall"] <= 1.0
         assert row["bytes_read_per_token"] > 0 and row["peak_rss_bytes"] <= budget
+        # the stall of this test alone, per token (io_stall_s is the running total)
+        assert 0.0 <= row["io_stall_per_token_s"] * int(row["test"][2:]) * 2 <= row["io_stall_s"]
     t = memfit("bench", moe_model, "-p", 8, "-n", 4, "-r", 1, "--mem-budget", budget,
                env={"XDG_CACHE_HOME": str(tmp_path)})
     assert t.rc == 0, t.err

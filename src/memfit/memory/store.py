@@ -848,9 +848,13 @@ class WeightStore:
     @staticmethod
     def interval(before: dict, after: dict, n_tokens: int) -> dict:
         """Statistics of the work between two stats() snapshots over n_tokens tokens (bench:
-        one test): bytes read (and per token), expert hit rate, prefetch recall, waste."""
+        one test): bytes read (and per token), I/O stall per token, expert hit rate, prefetch
+        recall, waste."""
         d = {"bytes_read": after["bytes_read"] - before["bytes_read"]}
         d["bytes_read_per_token"] = d["bytes_read"] / n_tokens if n_tokens else 0.0
+        # io_stall_s itself is the running total since load (as bytes_read in bench's rows)
+        stall = after.get("io_stall_s", 0.0) - before.get("io_stall_s", 0.0)
+        d["io_stall_per_token_s"] = stall / n_tokens if n_tokens else 0.0
         reads = after.get("reads", 0) - before.get("reads", 0)
         rbytes = after.get("read_bytes", 0) - before.get("read_bytes", 0)
         d["reads"] = reads
