@@ -723,7 +723,7 @@ def _router_rows(xs: list[np.ndarray], n_expert: int, k: int, overlap: float, sk
     part of the hidden state that consecutive tokens share, attention over the same prefix)
     and "fresh" ones (|.| <= 0.15: what the token itself brings). Each expert's logit is
     cos(th) times a random mix of the persistent directions plus sin(th) times a random mix
-    of the fresh ones; th is bisected until the top-k overlap of consecutive tokens on xs is
+    of the fresh ones; th is bisected until the top-k overlap of consecutive tokens is
     ``overlap`` (as far as the data allows: all-fresh gives ~k/n_expert) on val, inputs the
     directions were not fitted on: with as many dimensions as tokens (n_embd 2048, 1024
     tokens) the fitted fresh directions carry much more of the calibration rows' variance
