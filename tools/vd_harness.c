@@ -1,0 +1,73 @@
+/* A decode vec-dot timed alone: one thread, rows of one type in L2 (or larger with more rows),
+ * one X row, the best of 7 passes of 2000 calls per row. Not part of the build or of CI; see
+ * tools/vd-harness.sh. The blocks are random bytes with every block's fp16 scales set to 1.0
+ * (random fp16 scales could make subnormal products and time the FPU's slow path instead of
+ * the kernel). The K-quants only: the IQ types' grids are installed from Python.
+ *
+ *   tools/vd-harness.sh [TYPE [ROWS [PF_DIST]]]      e.g. tools/vd-harness.sh Q4_K 96 0 */
+#define _GNU_SOURCE
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <stdint.h>
+#include <time.h>
+#include "quant_common.h"
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+int main(int argc, char **argv) {
+    /* the K-quants (their activations are Q8_256 rows, their tables static): where each
+     * block's fp16 scales are and how many */
+    static const struct { const char *name; int type, at, n; } kq[] = {
+        {"Q2_K", T_Q2_K, 80, 2}, {"Q3_K", T_Q3_K, 108, 1}, {"Q4_K", T_Q4_K, 0, 2},
+        {"Q5_K", T_Q5_K, 0, 2}, {"Q6_K", T_Q6_K, 208, 1}};
+    const char *name = argc > 1 ? argv[1] : "Q4_K";
+    int k = -1;
+    for (int i = 0; i < (int)(sizeof kq / sizeof kq[0]); i++)
+        if (strcmp(kq[i].name, name) == 0) k = i;
+    if (k < 0) {
+        fprintf(stderr, "vd_harness: TYPE is one of Q2_K Q3_K Q4_K Q5_K Q6_K, not %s\n", name);
+        return 2;
+    }
+    const int type = kq[k].type;
+    const int rows = argc > 2 ? atoi(argv[2]) : 96;
+    mf_tune.pf_dist = argc > 3 ? atoi(argv[3]) : 0;
+    const int64_t nb = 14; /* 3584 values a row */
+    const size_t bb = (size_t)mf_qtypes[type].bytes, rb = nb * bb;
+    uint8_t *w = aligned_alloc(64, (rows * rb + 63) / 64 * 64);
+    srand(1);
+    for (size_t i = 0; i < rows * rb; i++) w[i] = (uint8_t)rand();
+    const uint16_t one = 0x3c00;
+    for (size_t b = 0; b < (size_t)rows * nb; b++)
+        for (int j = 0; j < kq[k].n; j++) memcpy(w + b * bb + kq[k].at + 2 * j, &one, 2);
+    mf_q8_256 *x = aligned_alloc(64, sizeof(mf_q8_256) * nb);
+    for (int b = 0; b < nb; b++) {
+        x[b].d = 0.01f;
+        for (int i = 0; i < 256; i++) x[b].qs[i] = (int8_t)(rand() % 255 - 127);
+        for (int i = 0; i < 16; i++) {
+            int s = 0;
+            for (int k = 0; k < 16; k++) s += x[b].qs[16 * i + k];
+            x[b].bsums[i] = (int16_t)s;
+        }
+    }
+    mf_vecdot_fn vd = mf_vecdot_avx2[type];
+    volatile float sink = 0;
+    double best = 1e9;
+    for (int rep = 0; rep < 7; rep++) {
+        double t0 = now();
+        for (int it = 0; it < 2000; it++)
+            for (int r = 0; r < rows; r++) sink += vd(w + r * rb, x, nb);
+        double dt = now() - t0;
+        if (dt < best) best = dt;
+    }
+    const double blocks = 2000.0 * rows * nb;
+    printf("%s rows %d pf_dist %d: %.2f ns/block, %.1f GB/s\n", name, rows, (int)mf_tune.pf_dist,
+           best / blocks * 1e9, blocks * bb / best / 1e9);
+    free(w);
+    free(x);
+    return 0;
+}
