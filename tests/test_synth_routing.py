@@ -56,6 +56,14 @@ def _decoded_overlap(path) -> tuple[float, int]:
     return float(np.mean(ov)), len(ov)
 
 
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    """Routing counts (and probes) in a directory of the test's own: pytest's numbered tmp
+    paths repeat across runs, and a record left in the user's cache for the same path was
+    found and refused with a warning as belonging to another file."""
+    monkeypatch.setenv("MEMFIT_CACHE", str(tmp_path / "memfit-cache"))
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("routing")
