@@ -756,7 +756,7 @@ def _router_rows(xs: list[np.ndarray], n_expert: int, k: int, overlap: float, sk
 
     xv, vends = (x, ends) if val is None else (np.concatenate(val).astype(np.float64),
                                                np.cumsum([len(a) for a in val]))
-    zv = xv - mu
+    zv = z if val is None else xv - mu
 
     def mix(basis):   # [d, n_expert]: unit-variance logits over val, random per expert
         m = white @ basis @ rng.standard_normal((basis.shape[1], n_expert))
