@@ -130,11 +130,12 @@ static int moe_half(const layer_t *L, float *x, int64_t n, const uint8_t *const 
 
 /* The layer (see the file comment) for n rows, each a decode token of its own sequence (or any
  * causal rows). Matmuls keep the one-row kernels (vec_only), so a row's result does not depend
- * on the others. rt != NULL (a MoE layer): the attention and the routing only, the routing left
- * in *rt. Returns 0, -3 out of memory, -4 unsupported kv type, -5 (moe_half), or a matmul error
- * code. */
+ * on the others. rt != NULL (a MoE layer): the attention and the routing, the routing left in
+ * *rt, and with xtab the experts too when every chosen one is in xtab (see moe_half). Returns 0,
+ * 1 (routed only: a chosen expert is not in xtab), -3 out of memory, -4 unsupported kv type, -5
+ * (moe_half), or a matmul error code. */
 static int run_layer(const layer_t *L, float *x, int64_t n, const kvref_t *kv, const uint8_t *const *w,
-                     route_out_t *rt) {
+                     const uint8_t *const *xtab, route_out_t *rt) {
     const int64_t E = L->n_embd, qd = L->n_head * L->dk, kd = L->n_head_kv * L->dk,
                   vd = L->n_head_kv * L->dv, ad = L->n_head * L->dv, F = L->moe ? 0 : L->n_ff;
     float *s = scratch((size_t)(n * (E + qd + kd + vd + ad + E + 2 * F)));
@@ -178,7 +179,7 @@ static int run_layer(const layer_t *L, float *x, int64_t n, const kvref_t *kv, c
     if (vec[V_BO]) add_rows(o, vec[V_BO], n, E);
     if (vec[V_POST_ATTN]) mf_rmsnorm_f32(o, vec[V_POST_ATTN], o, n, E, L->eps);
     add_rows(x, o, 1, n * E);
-    if (L->moe) return moe_half(L, x, n, w, NULL, rt, h, o);
+    if (L->moe) return moe_half(L, x, n, w, xtab, rt, h, o);
 
     /* feed-forward */
     mf_rmsnorm_f32(x, vec[V_FFN_NORM], h, n, E, L->eps);
@@ -201,7 +202,9 @@ static int run_layer(const layer_t *L, float *x, int64_t n, const kvref_t *kv, c
  * [n, E] are the caller's scratch. Same kernels in the same order as Model.moe_ffn with
  * Backend.route and group_rows (models/layers.py, ops/backend.py). Expert e's gate/up/down are
  * read in place from the stacked w[M_GE..M_DE] (xtab NULL) or at xtab[3 e + 0..2] (experts the
- * store streams; -5 when a chosen one is NULL). rt != NULL: route only, into *rt. */
+ * store streams; -5 when a chosen one is NULL). rt != NULL: the routing into *rt, and then
+ * nothing more without xtab (returns 0); with xtab, the experts when every chosen one is there
+ * (returns 0), else nothing more (returns 1). */
 static int moe_half(const layer_t *L, float *x, int64_t n, const uint8_t *const *w,
                     const uint8_t *const *xtab, route_out_t *rt, float *h, float *out) {
     const int64_t E = L->n_embd, X = L->n_expert, K = L->k_used, F = L->n_ff_exp, Fs = L->n_ff_sh;
@@ -268,7 +271,12 @@ static int moe_half(const layer_t *L, float *x, int64_t n, const uint8_t *const 
         memcpy(rt->sel, sel, sizeof(int64_t) * (size_t)(n * K));
         if (rt->h) memcpy(rt->h, h, sizeof(float) * (size_t)(n * E));
         if (rt->logits) memcpy(rt->logits, logits, sizeof(float) * (size_t)(n * X));
-        return 0;
+        if (!xtab) return 0;
+        /* both: go on to the experts when every chosen one is at hand, else stop routed (1) */
+        for (int64_t i = 0; i < n * K; i++) {
+            const int64_t e = sel[i];
+            if (!(xtab[3 * e] && xtab[3 * e + 1] && xtab[3 * e + 2])) return 1;
+        }
     }
     /* groups: the experts in index order, each with its rows in row order (group_rows) */
     int64_t G = 0;
@@ -625,7 +633,7 @@ static PyObject *py_decode_layer(PyObject *self, PyObject *const *a, Py_ssize_t 
         kvref_t kv = {.K = K.buf, .V = V.buf, .kv_type = kv_f16 ? MF_KV_F16 : MF_KV_F32, .pos = &p32,
                       .slots = &p32, .q_tab = &zero, .tables = &zero, .bs = INT32_MAX};
         Py_BEGIN_ALLOW_THREADS
-        rc = run_layer(L, x.buf, 1, &kv, wp, NULL);
+        rc = run_layer(L, x.buf, 1, &kv, wp, NULL, NULL);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&x);
@@ -658,16 +666,51 @@ static int i64_buffer(PyObject *o, Py_buffer *b, int writable, const char *what)
     return int_buffer(o, b, 8, writable, what);
 }
 
+/* The store's table of a layer's experts (memory/store.py): xoff int64 [n_expert, 3] holds the
+ * byte offsets in xbuf of each expert's gate, up and down, or -1 (all three) for an expert that
+ * is not there. *xtab (3 n_expert pointers, NULL where absent; the caller frees it). */
+static const char *expert_table(const layer_t *L, const Py_buffer *xbuf, const Py_buffer *xoff,
+                                const uint8_t ***xtab) {
+    const int64_t E = L->n_embd, X = L->n_expert, F = L->n_ff_exp;
+    const int64_t need[3] = {wbytes(L->types[M_GE], F, E), wbytes(L->types[M_UE], F, E),
+                             wbytes(L->types[M_DE], E, F)};
+    if (xoff->len != X * 3 * 8) return "xoff must be [n_expert, 3]";
+    const int64_t *o = xoff->buf;
+    const uint8_t **t = calloc((size_t)(3 * X), sizeof *t);
+    if (!t) {
+        PyErr_NoMemory();
+        return "";
+    }
+    for (int64_t e = 0; e < X; e++) {
+        if (o[3 * e] == -1 && o[3 * e + 1] == -1 && o[3 * e + 2] == -1) continue;
+        for (int k = 0; k < 3; k++) {
+            if (o[3 * e + k] < 0 || o[3 * e + k] > (int64_t)xbuf->len - need[k]) {
+                free(t);
+                return "an expert's offsets in xoff lie outside xbuf";
+            }
+            t[3 * e + k] = (const uint8_t *)xbuf->buf + o[3 * e + k];
+        }
+    }
+    *xtab = t;
+    return NULL;
+}
+
 /* decode_batch(layer, x[n, E], pos, slots, q_tab, tables, bs, kv_type, K, V, w*7):
  * n rows through one layer, K/V pools of physical rows, paged addressing as mf_paged_args.
  * route = 1 (decode_batch_route(layer, x, pos, slots, q_tab, tables, bs, kv_type, K, V, sel, h,
  * logits, wq, wk, wv, wo, router)): a MoE layer's attention and routing only (see run_layer). */
 static PyObject *decode_batch_impl(PyObject *const *a, Py_ssize_t na, int route) {
-    static const int route_slots[5] = {W_Q, W_K, W_V, W_O, M_ROUTER};
+    static const int route_slots[8] = {W_Q, W_K, W_V, W_O, M_ROUTER, M_GS, M_US, M_DS};
     layer_t *L = na >= 1 ? PyCapsule_GetPointer(a[0], CAPSULE) : NULL;
     if (!L && na >= 1) return NULL;
-    const int nw = L ? (route ? 5 : L->nw) : 0, wa = route ? 13 : 10; /* weights from a[wa] on */
+    const int tab = route == 2; /* decode_batch_moe: the experts from a table when all are there */
+    const int nw = L ? (tab ? 5 + (L->nw > M_GS ? L->nw - M_GS : 0) : route ? 5 : L->nw) : 0,
+              wa = tab ? 15 : route ? 13 : 10; /* weights from a[wa] on */
     if (!L || na != wa + nw || (route && !L->moe)) {
+        if (tab)
+            return PyErr_Format(PyExc_TypeError, "decode_batch_moe(layer, x, pos, slots, q_tab, tables, bs, "
+                                "kv_type, K, V, sel, h, logits, xbuf, xoff, wq, wk, wv, wo, router[, the 3 "
+                                "shared-expert matrices]) of a MoE layer");
         if (route)
             return PyErr_Format(PyExc_TypeError, "decode_batch_route(layer, x, pos, slots, q_tab, tables, bs, "
                                 "kv_type, K, V, sel, h, logits, wq, wk, wv, wo, router) of a MoE layer");
@@ -721,6 +764,18 @@ static PyObject *decode_batch_impl(PyObject *const *a, Py_ssize_t na, int route)
             if (pos[i] < 0 || slots[i] < 0 || slots[i] >= rows || qt[i] < 0 || qt[i] + pos[i] / bs >= nt)
                 bad = "a row's position, slot or table lies outside the pool";
     }
+    Py_buffer xbuf, xoff;
+    int have_xb = 0, have_xo = 0;
+    const uint8_t **xtab = NULL;
+    if (tab && !bad) {
+        if (PyObject_GetBuffer(a[13], &xbuf, PyBUF_C_CONTIGUOUS) < 0) bad = "";
+        else have_xb = 1;
+    }
+    if (tab && !bad) {
+        if (i64_buffer(a[14], &xoff, 0, "xoff") < 0) bad = "";
+        else have_xo = 1;
+    }
+    if (tab && !bad) bad = expert_table(L, &xbuf, &xoff, &xtab);
     if (!bad) bad = get_weights(L, a + wa, route ? route_slots : NULL, nw, w, &got);
     if (!bad) {
         const uint8_t *wp[NWM] = {0};
@@ -730,16 +785,25 @@ static PyObject *decode_batch_impl(PyObject *const *a, Py_ssize_t na, int route)
         route_out_t rt = {.sel = route ? ob[0].buf : NULL, .h = have_o[1] ? ob[1].buf : NULL,
                           .logits = have_o[2] ? ob[2].buf : NULL};
         Py_BEGIN_ALLOW_THREADS
-        rc = run_layer(L, x.buf, n, &kv, wp, route ? &rt : NULL);
+        rc = run_layer(L, x.buf, n, &kv, wp, xtab, route ? &rt : NULL);
         Py_END_ALLOW_THREADS
     }
+    free(xtab);
+    if (have_xb) PyBuffer_Release(&xbuf);
+    if (have_xo) PyBuffer_Release(&xoff);
     PyBuffer_Release(&x);
     for (int i = 0; i < nb; i++) PyBuffer_Release(&ib[i]);
     for (int i = 0; i < 3; i++)
         if (have_o[i]) PyBuffer_Release(&ob[i]);
     if (have_k) PyBuffer_Release(&K);
     if (have_v) PyBuffer_Release(&V);
-    return finish(bad, rc, w, got);
+    const int routed_only = tab && !bad && rc == 1;
+    PyObject *r = finish(bad, routed_only ? 0 : rc, w, got);
+    if (r && tab) {
+        Py_DECREF(r);
+        return PyBool_FromLong(!routed_only);
+    }
+    return r;
 }
 
 static PyObject *py_decode_batch(PyObject *self, PyObject *const *a, Py_ssize_t na) {
@@ -748,6 +812,52 @@ static PyObject *py_decode_batch(PyObject *self, PyObject *const *a, Py_ssize_t 
 
 static PyObject *py_decode_batch_route(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     return decode_batch_impl(a, na, 1);
+}
+
+static PyObject *py_decode_batch_moe(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    return decode_batch_impl(a, na, 2);
+}
+
+/* decode_batch_experts_at(layer, x[n, E], xbuf, xoff, router[, gate_shexp, up_shexp, down_shexp]):
+ * decode_batch_experts with the experts from the store's table (see expert_table); every expert
+ * the rows choose must be there. */
+static PyObject *py_decode_batch_experts_at(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    static const int slots[4] = {M_ROUTER, M_GS, M_US, M_DS};
+    layer_t *L = na >= 1 ? PyCapsule_GetPointer(a[0], CAPSULE) : NULL;
+    if (!L && na >= 1) return NULL;
+    const int nw = L ? 1 + (L->nw - M_GS) : 0;
+    if (!L || !L->moe || na != 4 + nw)
+        return PyErr_Format(PyExc_TypeError, "decode_batch_experts_at(layer, x, xbuf, xoff, router[, the 3 "
+                            "shared-expert matrices]) of a MoE layer");
+    Py_buffer x, xbuf, xoff, w[NWM];
+    int got = 0, rc = 0, have_xb = 0, have_xo = 0;
+    const uint8_t **xtab = NULL;
+    const char *bad = NULL;
+    if (typed_buffer(a[1], &x, 1, 0, "x") < 0) return NULL;
+    const int64_t n = x.len / 4 / L->n_embd;
+    if (n < 1 || x.len != n * L->n_embd * 4) bad = "x must be [n, n_embd]";
+    if (!bad) {
+        if (PyObject_GetBuffer(a[2], &xbuf, PyBUF_C_CONTIGUOUS) < 0) bad = "";
+        else have_xb = 1;
+    }
+    if (!bad) {
+        if (i64_buffer(a[3], &xoff, 0, "xoff") < 0) bad = "";
+        else have_xo = 1;
+    }
+    if (!bad) bad = expert_table(L, &xbuf, &xoff, &xtab);
+    if (!bad) bad = get_weights(L, a + 4, slots, nw, w, &got);
+    if (!bad) {
+        const uint8_t *wp[NWM] = {0};
+        for (int j = 0; j < nw; j++) wp[slots[j]] = w[j].buf;
+        Py_BEGIN_ALLOW_THREADS
+        rc = run_experts(L, x.buf, n, wp, xtab);
+        Py_END_ALLOW_THREADS
+    }
+    free(xtab);
+    if (have_xb) PyBuffer_Release(&xbuf);
+    if (have_xo) PyBuffer_Release(&xoff);
+    PyBuffer_Release(&x);
+    return finish(bad, rc, w, got);
 }
 
 /* decode_batch_experts(layer, x[n, E], experts int64 [m], mats, router[, gate_shexp, up_shexp,
@@ -884,6 +994,14 @@ PyMethodDef mf_decode_methods[] = {
      "decode_batch_experts(layer, x[n, n_embd], experts int64[m], mats[3 m], router[, gate_shexp, up_shexp, "
      "down_shexp]): a MoE layer's experts (+ the shared one) on x in place, expert experts[i]'s gate, up, down "
      "at mats[3 i:3 i + 3]"},
+    {"decode_batch_moe", (PyCFunction)(void (*)(void))py_decode_batch_moe, METH_FASTCALL,
+     "decode_batch_moe(layer, x[n, n_embd], pos, slots, q_tab, tables, bs, kv_type, K, V, sel[n, k] int64, "
+     "h | None, logits | None, xbuf, xoff int64[n_expert, 3], wq, wk, wv, wo, router[, gate_shexp, up_shexp, "
+     "down_shexp]) -> bool: decode_batch_route, then the experts from the store's table (offsets in xbuf, "
+     "-1: not there) when every chosen one is there (True); False: routed only"},
+    {"decode_batch_experts_at", (PyCFunction)(void (*)(void))py_decode_batch_experts_at, METH_FASTCALL,
+     "decode_batch_experts_at(layer, x[n, n_embd], xbuf, xoff int64[n_expert, 3], router[, gate_shexp, "
+     "up_shexp, down_shexp]): decode_batch_experts with the experts from the store's table"},
     {"decode_batch", (PyCFunction)(void (*)(void))py_decode_batch, METH_FASTCALL,
      "decode_batch(layer, x[n, n_embd], pos, slots, q_tab, tables (int32), bs, kv_type, K, V, wq, wk, wv, wo, wg, "
      "wu, wd): n rows through one layer over a paged KV pool; x updated in place, K/V rows slots written"},

@@ -103,15 +103,18 @@ def _same(a, b, what):
             assert np.array_equal(x[1], y[1]), f"{what}, {n} sequences, #{i}: logits differ"
 
 
+@pytest.mark.parametrize("lookahead", ["1", "0"])
 @pytest.mark.parametrize("isa", isa_paths())
 @pytest.mark.parametrize("arch", ARCHS)
-def test_streamed_fused_equals_op_by_op_and_resident(tmp_path, arch, isa, monkeypatch):
+def test_streamed_fused_equals_op_by_op_and_resident(tmp_path, arch, isa, lookahead, monkeypatch):
     path = _write(tmp_path, arch)
     f = open_gguf(path)
     p = _plan(f, K * max(N_SEQS))   # a 4-row batch's experts fit in the cache at once
     f.close()
-    # the look-ahead always on: prefetches happen, and both paths make the same ones
-    monkeypatch.setenv("MEMFIT_EXPERT_LOOKAHEAD", "1")
+    # the look-ahead always on (prefetches happen, and both paths make the same ones; the
+    # fused layer runs in two calls around the store) or off (one call where every expert
+    # is at hand in the store's table, decode_batch_moe)
+    monkeypatch.setenv("MEMFIT_EXPERT_LOOKAHEAD", lookahead)
     old = _native.isa()
     _native.set_isa(isa)
     try:
@@ -124,12 +127,21 @@ def test_streamed_fused_equals_op_by_op_and_resident(tmp_path, arch, isa, monkey
     _same(ops, ref, "op by op (MEMFIT_FUSED_MOE=0) vs resident")
     # the experts were streamed, and the streamed layers ran fused (never op by op)
     assert st_f["expert_misses"] > 0 and st_f["expert_reads"] > 0 and st_f["expert_hit_rate"] < 1
-    assert m_f.moe_stream_stats["fused"] > 0 and m_f.moe_stream_stats["op_by_op"] == 0
-    assert m_o.moe_stream_stats == {"fused": 0, "op_by_op": 0}
-    # the expert cache saw the same calls either way (the same look-ahead predictions)
-    assert st_f["prefetched_experts"] > 0
-    assert st_f["prefetch_routed"] > 0
+    ms = m_f.moe_stream_stats
+    assert ms["fused"] > 0 and ms["op_by_op"] == 0
+    assert m_o.moe_stream_stats == {"fused": 0, "op_by_op": 0, "one_call": 0}
+    if lookahead == "1":
+        assert ms["one_call"] == 0
+        # the same look-ahead predictions either way
+        assert st_f["prefetched_experts"] > 0 and st_f["prefetch_routed"] > 0
+    else:
+        # both forms ran: layers whose experts were all at hand, layers that read some
+        assert 0 < ms["one_call"] < ms["fused"]
+        assert st_f["prefetched_experts"] == 0
+    # the expert cache saw the same calls either way (one-call layers are counted as hits)
     assert {k: st_f[k] for k in EXPERT_CALLS} == {k: st_o[k] for k in EXPERT_CALLS}
+    assert st_f["expert_requests"] == st_f["expert_hits"] + st_f["expert_misses"] \
+        + st_f["expert_prefetch_hits"] + st_f.get("expert_hot_hits", 0)
 
 
 def test_batch_beyond_the_cache_runs_that_layer_op_by_op(tmp_path, monkeypatch):
@@ -217,6 +229,78 @@ def test_streamed_calls_reject_bad_arguments(tmp_path, monkeypatch):
         assert np.isfinite(x).all() and not np.array_equal(x, x0)
         # the op-by-op MoE half of the same residual: the same bits
         assert np.array_equal(x, model._moe_half(il, x0))
+    finally:
+        store.close()
+        f.close()
+
+
+def test_table_calls_equal_the_two_calls_and_reject_bad_tables(tmp_path, monkeypatch):
+    # decode_batch_moe / decode_batch_experts_at read the experts through the store's table
+    # (expert_table: one buffer, each expert's offsets or -1)
+    monkeypatch.delenv("MEMFIT_FUSED_MOE", raising=False)
+    path = _write(tmp_path, "qwen2moe", seed=4)
+    f = open_gguf(path)
+    store = WeightStore(f, _plan(f, 8), Ledger(None, debug=""))
+    try:
+        model = load_model(f, weights=store, ops=get_ops("native"))
+        layers = model._decode_layers()
+        il = next(i for i, layer in enumerate(layers) if isinstance(layer, StreamedMoeLayer))
+        fl, w, E = layers[il], store, model.config.n_embd
+        xbuf, xoff = store.expert_table
+        xo = xoff[il]
+        assert xo.shape == (X, 3) and (xo == -1).all()      # nothing read yet, no hot set
+        cache = model.new_cache(4)
+        kv = (np.zeros(1, np.int32), np.zeros(1, np.int32), np.zeros(1, np.int32),
+              np.zeros(1, np.int32), 4, 1, cache.pool.k[il][:4], cache.pool.v[il][:4])
+        x_in = (np.random.default_rng(1).standard_normal((1, E)) * 0.5).astype(np.float32)
+        route_w = [w.get(n).data for n in fl.route]
+        dense = [w.get(n).data for n in fl.experts]
+        both = [w.get(n).data for n in fl.both]
+        x1, sel = x_in.copy(), np.empty((1, K), np.int64)
+        _native.decode_batch_route(fl.layer, x1, *kv, sel, None, None, *route_w)
+        experts = np.unique(sel)
+        # a chosen expert is not at hand: routed only (the route call's x and selection)
+        x2, sel2 = x_in.copy(), np.empty_like(sel)
+        assert _native.decode_batch_moe(fl.layer, x2, *kv, sel2, None, None, xbuf, xo, *both) is False
+        assert np.array_equal(x2, x1) and np.array_equal(sel2, sel)
+        with pytest.raises(ValueError, match="not given"):
+            _native.decode_batch_experts_at(fl.layer, x2, xbuf, xo, *dense)
+        assert np.array_equal(x2, x1)
+        # the store puts them there; then both forms give the op-by-op MoE half's bits
+        assert store.get_experts(il, experts.tolist(), views=False) is None
+        assert (xo[experts] >= 0).all() and (np.delete(xo, experts, 0) == -1).all()
+        model._decode = True      # decode kernels, as in a decode forward
+        model._rows_seq, model._rows_pos = np.zeros(1, np.int32), np.zeros(1, np.int32)
+        want = model._moe_half(il, x1.copy())
+        _native.decode_batch_experts_at(fl.layer, x2, xbuf, xo, *dense)
+        assert np.array_equal(x2, want)
+        x3 = x_in.copy()
+        assert _native.decode_batch_moe(fl.layer, x3, *kv, sel2, None, None, xbuf, xo, *both) is True
+        assert np.array_equal(x3, want) and np.array_equal(sel2, sel)
+        # and the views the store gives are the bytes the table points at
+        for e, mats in zip(experts.tolist(), store.get_experts(il, experts.tolist())):
+            for j, q in enumerate(mats):
+                assert np.shares_memory(q.data, xbuf)
+                assert q.data.ctypes.data == xbuf.ctypes.data + int(xo[e, j])
+        bad = xo.copy()
+        bad[experts[0], 1] = len(xbuf)
+        far = xo.copy()
+        far[experts[0]] = [-1, 0, 0]
+        cases = [(xo.astype(np.int32), TypeError, "int64"),
+                 (xo[:, :2].copy(), ValueError, r"\[n_expert, 3\]"),
+                 (bad, ValueError, "outside xbuf"),
+                 (far, ValueError, "outside xbuf")]
+        for t, err, msg in cases:
+            x4 = x1.copy()
+            with pytest.raises(err, match=msg):
+                _native.decode_batch_experts_at(fl.layer, x4, xbuf, t, *dense)
+            with pytest.raises(err, match=msg):
+                _native.decode_batch_moe(fl.layer, x4, *kv, sel2, None, None, xbuf, t, *both)
+            assert np.array_equal(x4, x1), msg       # a refused call writes nothing
+        with pytest.raises(TypeError, match="decode_batch_moe"):
+            _native.decode_batch_moe(fl.layer, x_in.copy(), *kv, sel2, None, None, xbuf, xo, *route_w)
+        with pytest.raises(TypeError, match="decode_batch_experts_at"):
+            _native.decode_batch_experts_at(fl.layer, x2, xbuf, xo, *dense[:1])
     finally:
         store.close()
         f.close()

@@ -793,7 +793,8 @@ def cmd_bench(a) -> int:
                 ms = getattr(m.model, "moe_stream_stats", None)
                 if ms and any(ms.values()):
                     r.extra.update(moe_stream_fused_layers=ms["fused"],
-                                   moe_stream_op_by_op_layers=ms["op_by_op"])
+                                   moe_stream_op_by_op_layers=ms["op_by_op"],
+                                   moe_stream_one_call_layers=ms["one_call"])
             r.extra["peak_rss_bytes"] = peak_rss_bytes()
             from .memory.procmem import process_memory
             # private against file-backed pages (and the cgroup's page cache) after the test

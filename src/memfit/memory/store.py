@@ -473,6 +473,8 @@ class WeightStore:
                 self._x_tensors[il] = tuple(self.tensors[n] for n in names)
         self.wants_expert_prediction = False
         self._lookahead = None
+        self._x_pending: list = []                 # (layer, experts) used through the table
+        self.expert_table = None
         self.xstats = {"requests": 0, "hits": 0, "hot_hits": 0, "misses": 0,
                        "prefetch_hits": 0, "prefetched": 0, "prefetch_wasted_bytes": 0,
                        "predicted_routed": 0, "routed_predicted": 0, "demand_bytes": 0,
@@ -480,31 +482,40 @@ class WeightStore:
         if not self._x_tensors or not self.n_expert:
             self._x_nslots = 0
             return
-        # hot experts: pinned once, three aligned ranges each
+        # One mapping holds the hot experts, then the cache's slots (each booked in its own
+        # category), so that the fused MoE layer finds every expert at hand through one buffer
+        # and the table expert_table: xoff[il] [n_expert, 3] int64, the byte offsets in it of
+        # the expert's gate, up and down, -1 while the expert is not all there.
         self._hot: dict[tuple[int, int], tuple[np.ndarray, list]] = {}
         hot = [tuple(k) for k in getattr(plan, "hot_experts", ()) or ()]
         hot_bytes = sum(self._x_span(k) for k in hot)
-        if hot:
-            self._register("resident_weights", "hot_experts", hot_bytes)
-            self._hot_mm = mmap.mmap(-1, hot_bytes)
-            hbuf, pos, items = np.frombuffer(self._hot_mm, np.uint8), 0, []
-            for k in hot:
-                n = self._x_span(k)
-                items.append((k, hbuf[pos: pos + n]))
-                pos += n
-            started = self._x_read(items, DEMAND)
-            for (k, buf), (lay, _f) in zip(items, started):
-                self._hot[k] = (buf, lay)
-            self._wait(when_all([f for _l, f in started]), "the hot experts")
-        # the cache: n slots of one expert each
         self._x_nslots = int(getattr(plan, "cache_slots", 0) or 0)
         self._x_slot_bytes = int(getattr(plan, "cache_slot_bytes", 0) or 0)
+        self._x_base = hot_bytes                   # slot i at _x_base + i * _x_slot_bytes
+        total = hot_bytes + self._x_nslots * self._x_slot_bytes
+        if total:
+            self._x_mm = mmap.mmap(-1, total)
+            xb = self._x_all = np.frombuffer(self._x_mm, np.uint8)
+            self.xoff = {il: np.full((self.n_expert, 3), -1, np.int64) for il in self._x_tensors
+                         if self._x_tensors[il][0].name not in self._pinned}
+            self.expert_table = (xb, self.xoff)
+        if hot:
+            self._register("resident_weights", "hot_experts", hot_bytes)
+            pos, items = 0, []
+            for k in hot:
+                n = self._x_span(k)
+                items.append((k, xb[pos: pos + n], pos))
+                pos += n
+            started = self._x_read([it[:2] for it in items], DEMAND)
+            for (k, buf, at), (lay, _f) in zip(items, started):
+                self._hot[k] = (buf, lay)
+                self._x_table_set(k, at, lay)
+            self._wait(when_all([f for _l, f in started]), "the hot experts")
+        # the cache: n slots of one expert each
         if self._x_nslots:
             assert self._x_slot_bytes >= max(self._x_span((il, 0)) for il in self._x_tensors)
             self._register("weight_cache", "expert_cache", self._x_nslots * self._x_slot_bytes)
-            self._x_mm = mmap.mmap(-1, self._x_nslots * self._x_slot_bytes)
-            xb = np.frombuffer(self._x_mm, np.uint8)
-            self._x_buf = [xb[i * self._x_slot_bytes:(i + 1) * self._x_slot_bytes]
+            self._x_buf = [xb[hot_bytes + i * self._x_slot_bytes:hot_bytes + (i + 1) * self._x_slot_bytes]
                            for i in range(self._x_nslots)]
         self._x_key: list = [None] * self._x_nslots        # key whose bytes are all there
         self._x_lay: list = [None] * self._x_nslots
@@ -582,6 +593,13 @@ class WeightStore:
         return tuple(QTensor(f"{ti.name}[{e}]", ti.type, ti.shape[1:], buf[p: p + n])
                      for ti, (p, n) in zip(self._x_tensors[il], lay))
 
+    def _x_table_set(self, key, at: int, lay) -> None:
+        """Expert key's gate/up/down at offsets at + lay's positions of the expert mapping
+        (at None: not there)."""
+        xo = self.xoff.get(key[0]) if self.expert_table is not None else None
+        if xo is not None:
+            xo[key[1]] = -1 if at is None else [at + p for p, _n in lay]
+
     def _x_pinned_view(self, key):
         il, e = key
         out = []
@@ -620,6 +638,7 @@ class WeightStore:
     def _x_evict(self, key) -> int:
         slot = self._x_slot_of.pop(key)
         self._x_key[slot] = None
+        self._x_table_set(key, None, None)
         self._x_transient.discard(key)
         self.expert_policy.remove(key)
         if key in self._x_unused_prefetch:  # read ahead, evicted before any use
@@ -675,6 +694,7 @@ class WeightStore:
         if err is None:
             self._x_key[slot] = key
             self._x_slot_of[key] = slot
+            self._x_table_set(key, self._x_base + slot * self._x_slot_bytes, self._x_lay[slot])
             self.expert_policy.insert(key)
         else:
             self._x_free.append(slot)
@@ -690,12 +710,20 @@ class WeightStore:
             if fut.done() and fut.exception() is None:
                 self._x_finish(k)
 
-    def get_experts(self, il: int, experts: Sequence[int]) -> list[tuple[QTensor, QTensor, QTensor]]:
-        """(gate, up, down) 2-D QTensors of each expert of layer il, in the order asked; valid
-        until the next get_experts call. Misses are read at once (ahead of any prefetch); a
-        prefetch still in flight is waited for, not read again."""
-        keys = [(il, int(e)) for e in experts]
-        uniq = list(dict.fromkeys(keys))
+    def note_experts(self, il: int, experts: Sequence[int]) -> None:
+        """Layer il's experts (distinct, in index order) were used where expert_table held
+        them all, as a get_experts call that hit on each: its counts and the policy's
+        accesses are kept for the next call that needs them (_x_flush), in this order."""
+        self._x_pending.append((il, experts))
+
+    def _x_flush(self) -> None:
+        pend, self._x_pending = self._x_pending, []
+        for il, experts in pend:
+            self._x_use(il, [(il, int(e)) for e in experts], hit=True)
+
+    def _x_use(self, il: int, uniq: list, hit: bool = False) -> None:
+        """The counts and policy calls of a get_experts call on the distinct keys uniq (hit:
+        every one of them is at hand: its accesses too)."""
         xs = self.xstats
         xs["requests"] += len(uniq)
         if self.routing is not None:
@@ -706,16 +734,40 @@ class WeightStore:
             xs["routed_predicted"] += sum(1 for k in uniq if k in pred)
         if self._x_tensors[il][0].name in self._pinned:
             xs["hot_hits"] += len(uniq)
-            return [self._x_pinned_view(k) for k in keys]
+            return
+        policy = self.expert_policy
+        if hasattr(policy, "advance"):
+            policy.advance()
+        self._x_in_use = set(uniq)
+        if hit:
+            hot = self._hot
+            for k in uniq:
+                if k in hot:
+                    xs["hot_hits"] += 1
+                else:
+                    policy.access(k)
+                    xs["hits"] += 1
+            self._x_unused_prefetch.difference_update(uniq)
+
+    def get_experts(self, il: int, experts: Sequence[int], views: bool = True
+                    ) -> list[tuple[QTensor, QTensor, QTensor]] | None:
+        """(gate, up, down) 2-D QTensors of each expert of layer il, in the order asked; valid
+        until the next get_experts call. Misses are read at once (ahead of any prefetch); a
+        prefetch still in flight is waited for, not read again. views=False: the experts
+        are made present (expert_table) and None is returned."""
+        self._x_flush()
+        keys = [(il, int(e)) for e in experts]
+        uniq = list(dict.fromkeys(keys))
+        if self._x_tensors[il][0].name in self._pinned:
+            self._x_use(il, uniq)
+            return [self._x_pinned_view(k) for k in keys] if views else None
         n_cached = sum(1 for k in uniq if k not in self._hot)
         assert n_cached <= self._x_nslots, (
             f"get_experts asked for {n_cached} experts of layer {il} at once; the expert "
             f"cache has {self._x_nslots} slots (ask in groups of expert_batch_limit)")
         self._x_harvest()
-        policy = self.expert_policy
-        if hasattr(policy, "advance"):
-            policy.advance()
-        self._x_in_use = set(uniq)
+        self._x_use(il, uniq)
+        policy, xs = self.expert_policy, self.xstats
         t0 = time.perf_counter()
         waits, errors, start = [], [], []
         for k in uniq:
@@ -746,6 +798,8 @@ class WeightStore:
         if errors:
             self._x_in_use = set()
             raise self._wrap(errors[0], f"experts of layer {il}")
+        if not views:
+            return None
         out = []
         for k in keys:
             if k in self._hot:
@@ -788,6 +842,7 @@ class WeightStore:
         of the current call)."""
         if il not in self._x_tensors or self._x_tensors[il][0].name in self._pinned:
             return
+        self._x_flush()
         keys = list(dict.fromkeys((il, int(e)) for e in experts))
         self._x_predicted[il] = set(keys)
         if not self._x_nslots:
@@ -807,6 +862,7 @@ class WeightStore:
 
     # ---- statistics / lifetime ----
     def stats(self) -> dict:
+        self._x_flush()
         d = {"bytes_read": self.bytes_read, "gets": self.gets,
              "hit_rate": self.hits / self.gets if self.gets else 1.0,
              "io_stall_s": self.io_stall_s, "o_direct": self.direct,
@@ -901,6 +957,8 @@ class WeightStore:
         for _slot, f, _ in getattr(self, "_x_loading", {}).values():
             f.exception()
         self._io.shutdown()
+        if getattr(self, "_x_pending", None):
+            self._x_flush()
         if getattr(self, "routing", None) is not None:
             self.routing.save()  # learned counts for the next load's hot set
         if self.direct and self.file.paths:

@@ -29,12 +29,13 @@ from .spec import SKIP, ArchSpec, check_tensors
 
 class StreamedMoeLayer:
     """A MoE layer of the fused decode whose experts the store streams (Model._streamed_moe):
-    the native layer, the matrices of decode_batch_route (attention, router) and the dense ones
-    of decode_batch_experts (router, shared expert)."""
-    __slots__ = ("layer", "route", "experts")
+    the native layer, the matrices of decode_batch_route (attention, router), the dense ones
+    of decode_batch_experts (router, shared expert) and of decode_batch_moe (both)."""
+    __slots__ = ("layer", "route", "experts", "both")
 
     def __init__(self, layer, route: list[str], experts: list[str]):
         self.layer, self.route, self.experts = layer, route, experts
+        self.both = route + experts[1:]
 
 
 class Model:
@@ -76,8 +77,9 @@ class Model:
         self._yarn_corr: dict[float, tuple[float, float]] = {}  # YaRN's ramp dims per rope base
         self._lookahead = RouterLookahead()  # expert prefetch hints (budgeted MoE)
         # streamed MoE layers of decode forwards: run fused (_streamed_moe), or op by op
-        # because the batch's experts outnumbered expert_batch_limit
-        self.moe_stream_stats = {"fused": 0, "op_by_op": 0}
+        # because the batch's experts outnumbered expert_batch_limit; one_call: the fused ones
+        # whose every expert was at hand in the store's table (one native call, no store call)
+        self.moe_stream_stats = {"fused": 0, "op_by_op": 0, "one_call": 0}
         self._rows_seq = self._rows_pos = np.zeros(0, np.int32)
         # the kernel family of the forward in flight: decode rows (Batch.decode) take the decode
         # kernels, prompt rows the prefill ones, whatever the row count (ops/native.py), so a
@@ -565,23 +567,46 @@ class Model:
             self.weights.prefetch_experts(il + 1, np.unique(nxt).tolist())
 
     def _streamed_moe(self, il: int, f: StreamedMoeLayer, x: np.ndarray, kv) -> np.ndarray:
-        """Decode rows x [n, n_embd] through MoE layer il whose experts the store streams, in
-        two native calls around the store (csrc/decode.c): attention and routing, then the
-        union of the rows' experts asked of the store at once (as moe_ffn asks it, look-ahead
-        first) and the experts on their bytes. A union above expert_batch_limit runs the MoE
-        half op by op (moe_ffn asks in groups). Returns x (updated in place when fused)."""
+        """Decode rows x [n, n_embd] through MoE layer il whose experts the store streams
+        (csrc/decode.c). With the store's expert table (expert_table: every expert at hand,
+        where) and no look-ahead, one call: attention, routing and, when every chosen expert is
+        at hand, the experts (the store is told which were used: note_experts); else it stops
+        routed. With look-ahead, attention and routing first, then the prediction's reads
+        start. Then the union of the rows' experts is asked of the store at once (as moe_ffn
+        asks it) and the experts run on their bytes. A union above expert_batch_limit runs the
+        MoE half op by op (moe_ffn asks in groups). Returns x (updated in place when fused)."""
         w, get, ops = self.weights, self.weights.get, self.ops
         sel, h, lg = self._route_out(x.shape[0])
-        ops.decode_batch_route(f.layer, x, *kv.fused(il), sel, h, lg, *[get(nm).data for nm in f.route])
+        table = getattr(w, "expert_table", None) if ops.has("moe_stream_table") else None
+        predict = w.wants_expert_prediction
+        if table is not None and not predict:
+            xo = table[1][il]
+            if ops.decode_batch_moe(f.layer, x, *kv.fused(il), sel, None, None, table[0], xo,
+                                    *[get(nm).data for nm in f.both]):
+                w.note_experts(il, np.unique(sel).tolist())
+                self.moe_stream_stats["fused"] += 1
+                self.moe_stream_stats["one_call"] += 1
+                return x
+        else:
+            ops.decode_batch_route(f.layer, x, *kv.fused(il), sel, h, lg,
+                                   *[get(nm).data for nm in f.route])
         experts = np.unique(sel)                 # group_rows' order: expert index
         if len(experts) > int(w.expert_batch_limit or len(experts)):
             self.moe_stream_stats["op_by_op"] += 1
             return np.ascontiguousarray(self._moe_half(il, x))
-        if w.wants_expert_prediction:
+        if predict:
             self._predict_experts(il, h, lg, None)
-        mats = w.get_experts(il, experts.tolist())
-        ops.decode_batch_experts(f.layer, x, experts, [q.data for m in mats for q in m],
-                                 *[get(nm).data for nm in f.experts])
+        if table is not None:
+            xo = table[1][il]
+            if (xo[experts, 0] >= 0).all():
+                w.note_experts(il, experts.tolist())
+            else:
+                w.get_experts(il, experts.tolist(), views=False)
+            ops.decode_batch_experts_at(f.layer, x, table[0], xo, *[get(nm).data for nm in f.experts])
+        else:
+            mats = w.get_experts(il, experts.tolist())
+            ops.decode_batch_experts(f.layer, x, experts, [q.data for m in mats for q in m],
+                                     *[get(nm).data for nm in f.experts])
         self.moe_stream_stats["fused"] += 1
         return x
 

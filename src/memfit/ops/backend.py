@@ -14,6 +14,8 @@ so an accelerator backend is one more class here.
       moe_decode       the fused decoder layer with routed experts (csrc/decode.c)
       moe_stream_decode  that layer in two calls for experts the store streams
                        (decode_batch_route, then decode_batch_experts with each expert's bytes)
+      moe_stream_table  that layer from the store's expert table: one call when every chosen
+                       expert is at hand (decode_batch_moe, decode_batch_experts_at)
       paged_attention  attention and KV stores straight on the paged pool (kv/view.py)
       batch_invariant  a row's result never depends on the other rows of its call
       threads          a kernel thread pool (set_threads / get_threads do something)
@@ -34,7 +36,7 @@ from types import ModuleType
 import numpy as np
 
 CAPS = ("matmul_multi", "moe_ffn", "dense_decode", "moe_decode", "moe_stream_decode",
-        "paged_attention", "batch_invariant", "threads")
+        "moe_stream_table", "paged_attention", "batch_invariant", "threads")
 
 
 @dataclass(frozen=True)
@@ -199,6 +201,7 @@ def _caps_of(obj) -> frozenset:
     has = {"matmul_multi": "matmul_multi", "moe_ffn": "moe_ffn",
            "dense_decode": "decode_layer_new", "moe_decode": "moe_layer_new",
            "moe_stream_decode": "decode_batch_experts",
+           "moe_stream_table": "decode_batch_moe",
            "paged_attention": "attention_paged",
            "threads": "set_threads"}
     caps = {c for c, attr in has.items() if hasattr(obj, attr)}

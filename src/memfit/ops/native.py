@@ -264,5 +264,9 @@ decode_batch = _native.decode_batch
 # Model._streamed_moe).
 decode_batch_route = _native.decode_batch_route
 decode_batch_experts = _native.decode_batch_experts
+# ... or, from the store's expert table (one buffer, offsets per expert), in one call when every
+# chosen expert is at hand (decode_batch_moe -> False: routed only; then decode_batch_experts_at)
+decode_batch_moe = _native.decode_batch_moe
+decode_batch_experts_at = _native.decode_batch_experts_at
 attention_paged = _native.attention_paged
 kv_store = _native.kv_store
