@@ -126,7 +126,8 @@ typedef struct {
 } route_out_t;
 
 static int moe_half(const layer_t *L, float *x, int64_t n, const uint8_t *const *w,
-                    const uint8_t *const *xtab, route_out_t *rt, float *h, float *out);
+                    const uint8_t *const *xtab, route_out_t *rt, float *h, float *out, float *yk,
+                    uint8_t *done, int phase);
 
 /* The layer (see the file comment) for n rows, each a decode token of its own sequence (or any
  * causal rows). Matmuls keep the one-row kernels (vec_only), so a row's result does not depend
@@ -179,7 +180,7 @@ static int run_layer(const layer_t *L, float *x, int64_t n, const kvref_t *kv, c
     if (vec[V_BO]) add_rows(o, vec[V_BO], n, E);
     if (vec[V_POST_ATTN]) mf_rmsnorm_f32(o, vec[V_POST_ATTN], o, n, E, L->eps);
     add_rows(x, o, 1, n * E);
-    if (L->moe) return moe_half(L, x, n, w, xtab, rt, h, o);
+    if (L->moe) return moe_half(L, x, n, w, xtab, rt, h, o, NULL, NULL, 0);
 
     /* feed-forward */
     mf_rmsnorm_f32(x, vec[V_FFN_NORM], h, n, E, L->eps);
@@ -205,23 +206,58 @@ static int run_layer(const layer_t *L, float *x, int64_t n, const kvref_t *kv, c
  * store streams; -5 when a chosen one is NULL). rt != NULL: the routing into *rt, and then
  * nothing more without xtab (returns 0); with xtab, the experts when every chosen one is there
  * (returns 0), else nothing more (returns 1). */
+/* Gate/up, their biases and activation, down and its bias of G groups of rows: group g's
+ * rows are xe [off[g], off[g + 1]), its expert gid[g], its gate and up at wp[2 g], wp[2 g + 1],
+ * its down at wp[2 X + g]; results in ye (ge, ue scratch). */
+static int expert_groups(const layer_t *L, const uint8_t **wp, const int64_t *off, const int64_t *gid,
+                         int64_t G, const float *xe, float *ge, float *ue, float *ye, int64_t n) {
+    const int64_t E = L->n_embd, X = L->n_expert, F = L->n_ff_exp, N = off[G];
+    const float *const *vec = L->vec;
+    int rc;
+    if (!G) return 0;
+    {
+        const int64_t gr[2] = {F, F};
+        float *ys[2] = {ge, ue};
+        if ((rc = mf_matmul_grouped(2, &L->types[M_GE], wp, gr, E, xe, off, G, ys, n))) return rc;
+    }
+    /* the experts' biases (gpt-oss), as mf_moe_ffn adds them: gate and up before the
+     * activation, down before the routing weight */
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t m = off[g + 1] - off[g];
+        if (vec[V_GATE_EB]) add_rows(ge + off[g] * F, vec[V_GATE_EB] + gid[g] * F, m, F);
+        if (vec[V_UP_EB]) add_rows(ue + off[g] * F, vec[V_UP_EB] + gid[g] * F, m, F);
+    }
+    if (L->oai) mf_swiglu_oai_f32(ge, ue, ge, N * F, MF_OAI_ALPHA, MF_OAI_LIMIT);
+    else if (L->gelu) mf_gelu_mul_f32(ge, ue, ge, N * F);
+    else mf_silu_mul_f32(ge, ue, ge, N * F);
+    {
+        float *ys[1] = {ye};
+        if ((rc = mf_matmul_grouped(1, &L->types[M_DE], wp + 2 * X, &E, F, ge, off, G, ys, n))) return rc;
+    }
+    if (vec[V_DOWN_EB])
+        for (int64_t g = 0; g < G; g++) add_rows(ye + off[g] * E, vec[V_DOWN_EB] + gid[g] * E, off[g + 1] - off[g], E);
+    return 0;
+}
+
 static int moe_half(const layer_t *L, float *x, int64_t n, const uint8_t *const *w,
-                    const uint8_t *const *xtab, route_out_t *rt, float *h, float *out) {
+                    const uint8_t *const *xtab, route_out_t *rt, float *h, float *out, float *yk,
+                    uint8_t *done, int phase) {
     const int64_t E = L->n_embd, X = L->n_expert, K = L->k_used, F = L->n_ff_exp, Fs = L->n_ff_sh;
     const float *const *vec = L->vec;
     /* logits, probs, sel_p [n, X]; picked wts, group wts [n K]; shared: gate [n], g, u [n, Fs],
      * s [n, E]; experts' rows: x [n K, E], gate, up [n K, F], y [n K, E]; then int64: sel,
      * group rows [n K], count [X], off [X + 1], the groups' experts [X]; pointers [3 X] */
     const size_t nf = (size_t)(3 * n * X + 2 * n * K + n + 2 * n * Fs + n * E + 2 * n * K * (E + F)),
-                 ni = (size_t)(2 * n * K + 3 * X + 1);
-    uint8_t *mem = moe_scratch(nf * 4 + ni * 8 + (size_t)(3 * X) * sizeof(void *) + 16);
+                 ni = (size_t)(2 * n * K + 6 * X + 2);
+    uint8_t *mem = moe_scratch(nf * 4 + ni * 8 + (size_t)(6 * X) * sizeof(void *) + 16);
     if (!mem) return -3;
     float *logits = (float *)mem, *probs = logits + n * X, *selp = probs + n * X, *pw = selp + n * X,
           *gw = pw + n * K, *sg = gw + n * K, *g = sg + n, *u = g + n * Fs, *sy = u + n * Fs,
           *xe = sy + n * E, *ge = xe + n * K * E, *ue = ge + n * K * F, *ye = ue + n * K * F;
     int64_t *sel = (int64_t *)(((uintptr_t)(ye + n * K * E) + 7) & ~(uintptr_t)7), *grow = sel + n * K,
             *cnt = grow + n * K, *off = cnt + X, *gid = off + X + 1;
-    const uint8_t **wp = (const uint8_t **)(((uintptr_t)(gid + X) + 7) & ~(uintptr_t)7);
+    int64_t *soff = gid + X, *sgid = soff + X + 1, *sgrp = sgid + X; /* phases 1, 2: the groups now */
+    const uint8_t **wp = (const uint8_t **)(((uintptr_t)(sgrp + X) + 7) & ~(uintptr_t)7), **swp = wp + 3 * X;
     int rc;
 
     mf_rmsnorm_f32(x, vec[V_FFN_NORM], h, n, E, L->eps);
@@ -286,7 +322,9 @@ static int moe_half(const layer_t *L, float *x, int64_t n, const uint8_t *const 
     off[0] = 0;
     for (int64_t e = 0; e < X; e++) {
         if (!cnt[e]) continue;
-        if (xtab && !(xtab[3 * e] && xtab[3 * e + 1] && xtab[3 * e + 2])) return -5;
+        /* phase 1 takes what is there; phase 2 needs what phase 1 did not take */
+        if (xtab && phase != 1 && !(done && done[e]) && !(xtab[3 * e] && xtab[3 * e + 1] && xtab[3 * e + 2]))
+            return -5;
         /* gate, up of group g at 2 g, 2 g + 1; downs after them */
         wp[2 * G] = xtab ? xtab[3 * e] : w[M_GE] + e * gb;
         wp[2 * G + 1] = xtab ? xtab[3 * e + 1] : w[M_UE] + e * ub;
@@ -303,30 +341,37 @@ static int moe_half(const layer_t *L, float *x, int64_t n, const uint8_t *const 
         }
     /* the experts, as csrc/moe.c's mf_moe_ffn computes them group by group (the same kernels
      * and plans per group), with one pool job for every group's gate and up and one for the
-     * downs; then each row's results added in expert order */
+     * downs; then each row's results added in expert order. A group's results do not depend
+     * on the other groups of the call (one reduction order per row), so phase 1 computes the
+     * groups whose experts are there (not done before) into yk at their places among all the
+     * groups and marks them done; phase 2 the groups not done, then adds them all from yk. */
     const int64_t N = off[G];
-    for (int64_t i = 0; i < N; i++) memcpy(xe + i * E, h + grow[i] * E, sizeof(float) * (size_t)E);
-    {
-        const int64_t gr[2] = {F, F};
-        float *ys[2] = {ge, ue};
-        if ((rc = mf_matmul_grouped(2, &L->types[M_GE], wp, gr, E, xe, off, G, ys, n))) return rc;
+    if (!phase) {
+        for (int64_t i = 0; i < N; i++) memcpy(xe + i * E, h + grow[i] * E, sizeof(float) * (size_t)E);
+        if ((rc = expert_groups(L, wp, off, gid, G, xe, ge, ue, ye, n))) return rc;
+    } else {
+        int64_t S = 0;
+        soff[0] = 0;
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t e = gid[g];
+            if (done[e] || !(wp[2 * g] && wp[2 * g + 1] && wp[2 * X + g])) continue;
+            swp[2 * S] = wp[2 * g];
+            swp[2 * S + 1] = wp[2 * g + 1];
+            swp[2 * X + S] = wp[2 * X + g];
+            for (int64_t i = off[g]; i < off[g + 1]; i++)
+                memcpy(xe + (soff[S] + i - off[g]) * E, h + grow[i] * E, sizeof(float) * (size_t)E);
+            soff[S + 1] = soff[S] + off[g + 1] - off[g];
+            sgid[S] = e;
+            sgrp[S++] = g;
+        }
+        if ((rc = expert_groups(L, swp, soff, sgid, S, xe, ge, ue, ye, n))) return rc;
+        for (int64_t j = 0; j < S; j++) {
+            memcpy(yk + off[sgrp[j]] * E, ye + soff[j] * E, sizeof(float) * (size_t)((soff[j + 1] - soff[j]) * E));
+            done[sgid[j]] = 1;
+        }
+        if (phase == 1) return 0;
+        ye = yk;
     }
-    /* the experts' biases (gpt-oss), as mf_moe_ffn adds them: gate and up before the
-     * activation, down before the routing weight */
-    for (int64_t g = 0; g < G; g++) {
-        const int64_t m = off[g + 1] - off[g];
-        if (vec[V_GATE_EB]) add_rows(ge + off[g] * F, vec[V_GATE_EB] + gid[g] * F, m, F);
-        if (vec[V_UP_EB]) add_rows(ue + off[g] * F, vec[V_UP_EB] + gid[g] * F, m, F);
-    }
-    if (L->oai) mf_swiglu_oai_f32(ge, ue, ge, N * F, MF_OAI_ALPHA, MF_OAI_LIMIT);
-    else if (L->gelu) mf_gelu_mul_f32(ge, ue, ge, N * F);
-    else mf_silu_mul_f32(ge, ue, ge, N * F);
-    {
-        float *ys[1] = {ye};
-        if ((rc = mf_matmul_grouped(1, &L->types[M_DE], wp + 2 * X, &E, F, ge, off, G, ys, n))) return rc;
-    }
-    if (vec[V_DOWN_EB])
-        for (int64_t g = 0; g < G; g++) add_rows(ye + off[g] * E, vec[V_DOWN_EB] + gid[g] * E, off[g + 1] - off[g], E);
     memset(out, 0, sizeof(float) * (size_t)(n * E));
     for (int64_t i = 0; i < N; i++) {
         const float s = gw[i], *yi = ye + i * E;
@@ -361,10 +406,10 @@ static int moe_half(const layer_t *L, float *x, int64_t n, const uint8_t *const 
 /* The MoE half alone (decode_batch_experts): x [n, E] after the attention's residual, the
  * experts at xtab (see moe_half). */
 static int run_experts(const layer_t *L, float *x, int64_t n, const uint8_t *const *w,
-                       const uint8_t *const *xtab) {
+                       const uint8_t *const *xtab, float *yk, uint8_t *done, int phase) {
     float *s = scratch((size_t)(2 * n * L->n_embd));
     if (!s) return -3;
-    return moe_half(L, x, n, w, xtab, NULL, s, s + n * L->n_embd);
+    return moe_half(L, x, n, w, xtab, NULL, s, s + n * L->n_embd, yk, done, phase);
 }
 
 /* ---- Python bindings ------------------------------------------------------------------------ */
@@ -820,19 +865,32 @@ static PyObject *py_decode_batch_moe(PyObject *self, PyObject *const *a, Py_ssiz
 
 /* decode_batch_experts_at(layer, x[n, E], xbuf, xoff, router[, gate_shexp, up_shexp, down_shexp]):
  * decode_batch_experts with the experts from the store's table (see expert_table); every expert
- * the rows choose must be there. */
-static PyObject *py_decode_batch_experts_at(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+ * the rows choose must be there.
+ * part (decode_batch_experts_part(layer, x, xbuf, xoff, yk, done, final, router[, ...])): in
+ * pieces while the store reads the rest: final 0 computes the chosen experts that are there and
+ * not done (done uint8 [n_expert], yk float32 [n, n_expert_used, n_embd] keep them; x untouched);
+ * final 1 the chosen ones not done (they must be there now), then x gets them all. */
+static PyObject *experts_at_impl(PyObject *const *a, Py_ssize_t na, int part) {
     static const int slots[4] = {M_ROUTER, M_GS, M_US, M_DS};
+    const int wa = part ? 7 : 4;
     layer_t *L = na >= 1 ? PyCapsule_GetPointer(a[0], CAPSULE) : NULL;
     if (!L && na >= 1) return NULL;
     const int nw = L ? 1 + (L->nw - M_GS) : 0;
-    if (!L || !L->moe || na != 4 + nw)
+    if (!L || !L->moe || na != wa + nw) {
+        if (part)
+            return PyErr_Format(PyExc_TypeError, "decode_batch_experts_part(layer, x, xbuf, xoff, yk, done, "
+                                "final, router[, the 3 shared-expert matrices]) of a MoE layer");
         return PyErr_Format(PyExc_TypeError, "decode_batch_experts_at(layer, x, xbuf, xoff, router[, the 3 "
                             "shared-expert matrices]) of a MoE layer");
-    Py_buffer x, xbuf, xoff, w[NWM];
-    int got = 0, rc = 0, have_xb = 0, have_xo = 0;
+    }
+    Py_buffer x, xbuf, xoff, yk, dn, w[NWM];
+    int got = 0, rc = 0, have_xb = 0, have_xo = 0, have_yk = 0, have_dn = 0, final = 1;
     const uint8_t **xtab = NULL;
     const char *bad = NULL;
+    if (part) {
+        final = PyObject_IsTrue(a[6]);
+        if (final < 0) return NULL;
+    }
     if (typed_buffer(a[1], &x, 1, 0, "x") < 0) return NULL;
     const int64_t n = x.len / 4 / L->n_embd;
     if (n < 1 || x.len != n * L->n_embd * 4) bad = "x must be [n, n_embd]";
@@ -844,20 +902,41 @@ static PyObject *py_decode_batch_experts_at(PyObject *self, PyObject *const *a, 
         if (i64_buffer(a[3], &xoff, 0, "xoff") < 0) bad = "";
         else have_xo = 1;
     }
+    if (part && !bad) {
+        if (typed_buffer(a[4], &yk, 1, 0, "yk") < 0) bad = "";
+        else if ((have_yk = 1) && yk.len != n * L->k_used * L->n_embd * 4)
+            bad = "yk must be [n, n_expert_used, n_embd]";
+    }
+    if (part && !bad) {
+        if (PyObject_GetBuffer(a[5], &dn, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) bad = "";
+        else if ((have_dn = 1) && dn.len != L->n_expert)
+            bad = "done must be n_expert bytes";
+    }
     if (!bad) bad = expert_table(L, &xbuf, &xoff, &xtab);
-    if (!bad) bad = get_weights(L, a + 4, slots, nw, w, &got);
+    if (!bad) bad = get_weights(L, a + wa, slots, nw, w, &got);
     if (!bad) {
         const uint8_t *wp[NWM] = {0};
         for (int j = 0; j < nw; j++) wp[slots[j]] = w[j].buf;
         Py_BEGIN_ALLOW_THREADS
-        rc = run_experts(L, x.buf, n, wp, xtab);
+        rc = run_experts(L, x.buf, n, wp, xtab, part ? yk.buf : NULL, part ? dn.buf : NULL,
+                         part ? (final ? 2 : 1) : 0);
         Py_END_ALLOW_THREADS
     }
     free(xtab);
     if (have_xb) PyBuffer_Release(&xbuf);
     if (have_xo) PyBuffer_Release(&xoff);
+    if (have_yk) PyBuffer_Release(&yk);
+    if (have_dn) PyBuffer_Release(&dn);
     PyBuffer_Release(&x);
     return finish(bad, rc, w, got);
+}
+
+static PyObject *py_decode_batch_experts_at(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    return experts_at_impl(a, na, 0);
+}
+
+static PyObject *py_decode_batch_experts_part(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    return experts_at_impl(a, na, 1);
 }
 
 /* decode_batch_experts(layer, x[n, E], experts int64 [m], mats, router[, gate_shexp, up_shexp,
@@ -923,7 +1002,7 @@ static PyObject *py_decode_batch_experts(PyObject *self, PyObject *const *a, Py_
         const uint8_t *wp[NWM] = {0};
         for (int j = 0; j < nw; j++) wp[slots[j]] = w[j].buf;
         Py_BEGIN_ALLOW_THREADS
-        rc = run_experts(L, x.buf, n, wp, xtab);
+        rc = run_experts(L, x.buf, n, wp, xtab, NULL, NULL, 0);
         Py_END_ALLOW_THREADS
     }
     for (Py_ssize_t i = 0; i < nxb; i++) PyBuffer_Release(&xb[i]);
@@ -1002,6 +1081,11 @@ PyMethodDef mf_decode_methods[] = {
     {"decode_batch_experts_at", (PyCFunction)(void (*)(void))py_decode_batch_experts_at, METH_FASTCALL,
      "decode_batch_experts_at(layer, x[n, n_embd], xbuf, xoff int64[n_expert, 3], router[, gate_shexp, "
      "up_shexp, down_shexp]): decode_batch_experts with the experts from the store's table"},
+    {"decode_batch_experts_part", (PyCFunction)(void (*)(void))py_decode_batch_experts_part, METH_FASTCALL,
+     "decode_batch_experts_part(layer, x[n, n_embd], xbuf, xoff, yk[n, k, n_embd], done uint8[n_expert], final, "
+     "router[, gate_shexp, up_shexp, down_shexp]): decode_batch_experts_at in pieces while the store reads: final "
+     "false computes the chosen experts at hand and not done into yk (done marked), final true the rest and adds "
+     "them all to x"},
     {"decode_batch", (PyCFunction)(void (*)(void))py_decode_batch, METH_FASTCALL,
      "decode_batch(layer, x[n, n_embd], pos, slots, q_tab, tables (int32), bs, kv_type, K, V, wq, wk, wv, wo, wg, "
      "wu, wd): n rows through one layer over a paged KV pool; x updated in place, K/V rows slots written"},

@@ -37,11 +37,11 @@ def main(path: str, n_decode: int) -> dict:
         st = m.store
         assert st.wants_expert_prediction, "experts are not cached: no look-ahead"
         routed, hinted = [], []
-        get, hint, note = st.get_experts, st.prefetch_experts, st.note_experts
+        get, hint, note = st.begin_experts, st.prefetch_experts, st.note_experts
 
-        def spy_get(il, experts, *a, **k):  # records, then the store does its real work
-            routed.append((il, {int(e) for e in experts}))
-            return get(il, experts, *a, **k)
+        def spy_get(il, experts):  # records, then the store does its real work (get_experts
+            routed.append((il, {int(e) for e in experts}))   # calls it too)
+            return get(il, experts)
 
         def spy_note(il, experts):  # experts used where the store's table held them all
             routed.append((il, {int(e) for e in experts}))
@@ -51,7 +51,7 @@ def main(path: str, n_decode: int) -> dict:
             hinted.append((il, {int(e) for e in experts}))
             return hint(il, experts)
 
-        st.get_experts, st.prefetch_experts, st.note_experts = spy_get, spy_hint, spy_note
+        st.begin_experts, st.prefetch_experts, st.note_experts = spy_get, spy_hint, spy_note
         ids = [int(i) for i in np.random.default_rng(0).integers(3, 2000, 8)]
         r = m.generate(ids, max_tokens=n_decode, temperature=1.0, seed=1)
         assert len(r.ids) == n_decode

@@ -129,7 +129,9 @@ def test_streamed_fused_equals_op_by_op_and_resident(tmp_path, arch, isa, lookah
     assert st_f["expert_misses"] > 0 and st_f["expert_reads"] > 0 and st_f["expert_hit_rate"] < 1
     ms = m_f.moe_stream_stats
     assert ms["fused"] > 0 and ms["op_by_op"] == 0
-    assert m_o.moe_stream_stats == {"fused": 0, "op_by_op": 0, "one_call": 0}
+    assert not any(m_o.moe_stream_stats.values())
+    # layers with misses ran the experts at hand while the misses loaded (in two pieces)
+    assert ms["overlapped"] > 0
     if lookahead == "1":
         assert ms["one_call"] == 0
         # the same look-ahead predictions either way

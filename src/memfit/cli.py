@@ -794,7 +794,8 @@ def cmd_bench(a) -> int:
                 if ms and any(ms.values()):
                     r.extra.update(moe_stream_fused_layers=ms["fused"],
                                    moe_stream_op_by_op_layers=ms["op_by_op"],
-                                   moe_stream_one_call_layers=ms["one_call"])
+                                   moe_stream_one_call_layers=ms["one_call"],
+                                   moe_stream_overlapped_layers=ms["overlapped"])
             r.extra["peak_rss_bytes"] = peak_rss_bytes()
             from .memory.procmem import process_memory
             # private against file-backed pages (and the cgroup's page cache) after the test

@@ -12,7 +12,6 @@ import itertools
 import os
 import signal
 import threading
-from concurrent.futures import Future
 from typing import Callable
 
 PAGE = 4096
@@ -40,8 +39,66 @@ def block_async_signals() -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, ASYNC_SIGNALS)
 
 
+_cb_lock = threading.Lock()   # a Done's state and callbacks; when_all's counters
+
+
+class Done:
+    """A request's completion, as much of concurrent.futures.Future as the store uses (done,
+    exception and result wait; add_done_callback; set_result, set_exception). Why not Future:
+    each Future builds a Condition (an RLock and a lock), and a streamed MoE decode makes ~10
+    of these a read and ~60 reads a token (issue 22: the Futures were among the top entries of
+    the streamed path's Python). A Done is a lock held until it completes."""
+
+    __slots__ = ("_lock", "_err", "_cbs", "_done")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._err: BaseException | None = None
+        self._cbs: list | None = []
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Waits until done; the error it ended with, else None."""
+        if not self._done:
+            if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+                raise TimeoutError("the read did not finish in time")
+            self._lock.release()
+        return self._err
+
+    def result(self, timeout: float | None = None):
+        err = self.exception(timeout)
+        if err is not None:
+            raise err
+
+    def set_result(self, _value=None) -> None:
+        self._finish(None)
+
+    def set_exception(self, err: BaseException) -> None:
+        self._finish(err)
+
+    def _finish(self, err: BaseException | None) -> None:
+        self._err = err
+        with _cb_lock:
+            self._done = True
+            cbs, self._cbs = self._cbs, None
+        self._lock.release()
+        for fn in cbs:
+            fn(self)
+
+    def add_done_callback(self, fn) -> None:
+        with _cb_lock:
+            if not self._done:
+                self._cbs.append(fn)
+                return
+        fn(self)
+
+
 class IOPool:
-    """IO_WORKERS threads taking requests by (priority, arrival); submit returns a Future."""
+    """IO_WORKERS threads taking requests by (priority, arrival); submit returns a Done."""
 
     def __init__(self, workers: int = IO_WORKERS, name: str = "memfit-io"):
         self._heap: list = []
@@ -53,8 +110,8 @@ class IOPool:
         for t in self._threads:
             t.start()
 
-    def submit(self, prio: int, fn, *args) -> Future:
-        fut: Future = Future()
+    def submit(self, prio: int, fn, *args) -> Done:
+        fut = Done()
         with self._cv:
             assert not self._stop, "I/O pool is shut down"
             heapq.heappush(self._heap, (prio, next(self._seq), fut, fn, args))
@@ -70,12 +127,12 @@ class IOPool:
                 if not self._heap:
                     return
                 _, _, fut, fn, args = heapq.heappop(self._heap)
-            if not fut.set_running_or_notify_cancel():
-                continue
             try:
-                fut.set_result(fn(*args))
+                fn(*args)
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits on it
                 fut.set_exception(e)
+            else:
+                fut.set_result()
 
     def shutdown(self) -> None:
         """Finish what was queued, then stop the threads."""
@@ -86,19 +143,19 @@ class IOPool:
             t.join()
 
 
-def when_all(futs: list[Future]) -> Future:
-    """A Future done when every one of futs is done (none left writing), carrying the first
-    exception among them, else None."""
-    out: Future = Future()
-    out.set_running_or_notify_cancel()
+def when_all(futs: list[Done]) -> Done:
+    """A Done done when every one of futs is done (none left writing), carrying the first
+    exception among them, else None (one of them: itself)."""
+    if len(futs) == 1:
+        return futs[0]
+    out = Done()
     if not futs:
         out.set_result(None)
         return out
     left = [len(futs)]
-    lock = threading.Lock()
 
     def one(_f):
-        with lock:
+        with _cb_lock:
             left[0] -= 1
             last = left[0] == 0
         if last:

@@ -34,14 +34,14 @@ import mmap
 import os
 import threading
 import time
-from concurrent.futures import Future
 from typing import Sequence
 
 import numpy as np
 
 from ..errors import WeightReadError
 from ..ops import QTensor
-from .io import DEMAND, IO_CHUNK, IO_WORKERS, PAGE, PREFETCH, IOPool, Reader, os_pread, when_all
+from .io import (DEMAND, IO_CHUNK, IO_WORKERS, PAGE, PREFETCH, Done, IOPool, Reader, os_pread,
+                 when_all)
 from .ledger import Ledger, LedgerDriftError
 from .planner import Plan, expert_switch, expert_tensor_names
 from .policy import LookaheadDecision, NextUnitPrefetch, make_policy
@@ -142,7 +142,7 @@ class WeightStore:
         self._slots = [np.frombuffer(m, np.uint8) for m in self._slot_mm]
         self._slot_unit = [-1] * n_slots       # unit whose every byte is in the slot
         self._slot_loading = [-1] * n_slots    # unit being read into it
-        self._slot_future: list[Future | None] = [None] * n_slots
+        self._slot_future: list[Done | None] = [None] * n_slots
         self._current = -1
 
         self._setup_experts(plan, expert_policy, routing)
@@ -281,14 +281,14 @@ class WeightStore:
                                    "retry, or check the disk and the file")
         return err
 
-    def _wait(self, fut: Future, what: str) -> None:
+    def _wait(self, fut: Done, what: str) -> None:
         err = fut.exception()
         if err is not None:
             self.read_errors += 1
             raise self._wrap(err, what)
 
-    def _read_ranges(self, ranges, prio: int) -> Future:
-        """Read (file_index, offset, dst, need) ranges in IO_CHUNK requests; the Future is done
+    def _read_ranges(self, ranges, prio: int) -> Done:
+        """Read (file_index, offset, dst, need) ranges in IO_CHUNK requests; the Done is done
         when every request is (first error carried). need: bytes of dst that must come from
         the file; past them (the aligned tail at the end of the file) zeros may stand in."""
         futs, nbytes = [], 0
@@ -302,13 +302,13 @@ class WeightStore:
             self.read_bytes += nbytes
         return when_all(futs)
 
-    def _read_coalesced(self, pieces, prio: int) -> tuple[list[Future], int, int]:
+    def _read_coalesced(self, pieces, prio: int) -> tuple[list[Done], int, int]:
         """Read pieces (file_index, offset, dst, need, tag), page-aligned, sorted and merged:
         pieces whose file ranges touch or share a page (neighbouring experts of one stacked
         tensor) become one run read by preadv into the pieces' buffers (a page shared by two
         pieces is read once, into the first, and copied into the second); runs are cut into
         requests of at most IO_CHUNK bytes that the I/O pool issues IO_WORKERS at a time.
-        Returns (one Future per piece, in the order given: done when every byte of the piece
+        Returns (one Done per piece, in the order given: done when every byte of the piece
         is there), number of requests, bytes they read."""
         order = sorted(range(len(pieces)), key=lambda i: (pieces[i][0], pieces[i][1]))
         runs: list[list] = []    # [file_index, start, end, need_end, [(i, skip)]]
@@ -359,8 +359,7 @@ class WeightStore:
                         flush()
                         src_fut = when_all(done[pj])
                         cp = copies_for
-                        fut = Future()
-                        fut.set_running_or_notify_cancel()
+                        fut = Done()
 
                         def after(f, cp=cp, fut=fut):
                             if f.exception() is None:
@@ -646,8 +645,8 @@ class WeightStore:
             self.xstats["prefetch_wasted_bytes"] += self._x_span(key)
         return slot
 
-    def _x_read(self, items, prio: int) -> list[tuple[list, Future]]:
-        """Read experts [(key, buf)] into their buffers: (layout, Future) per item. Coalesced
+    def _x_read(self, items, prio: int) -> list[tuple[list, Done]]:
+        """Read experts [(key, buf)] into their buffers: (layout, Done) per item. Coalesced
         (the default): every range of every item in one sorted, merged batch
         (_read_coalesced); MEMFIT_COALESCE=0: each expert's three ranges read apart."""
         xs = self.xstats
@@ -755,12 +754,19 @@ class WeightStore:
         until the next get_experts call. Misses are read at once (ahead of any prefetch); a
         prefetch still in flight is waited for, not read again. views=False: the experts
         are made present (expert_table) and None is returned."""
+        return self.end_experts(self.begin_experts(il, experts), views)
+
+    def begin_experts(self, il: int, experts: Sequence[int]):
+        """get_experts' first half: the counts, the policy's calls and the misses' reads
+        started (ahead of any prefetch). Until end_experts(token), expert_table holds the
+        experts that were at hand and the caller may compute with those while the rest load;
+        no other store call may come in between."""
         self._x_flush()
         keys = [(il, int(e)) for e in experts]
         uniq = list(dict.fromkeys(keys))
         if self._x_tensors[il][0].name in self._pinned:
             self._x_use(il, uniq)
-            return [self._x_pinned_view(k) for k in keys] if views else None
+            return il, keys, uniq, None, 0.0
         n_cached = sum(1 for k in uniq if k not in self._hot)
         assert n_cached <= self._x_nslots, (
             f"get_experts asked for {n_cached} experts of layer {il} at once; the expert "
@@ -769,7 +775,7 @@ class WeightStore:
         self._x_use(il, uniq)
         policy, xs = self.expert_policy, self.xstats
         t0 = time.perf_counter()
-        waits, errors, start = [], [], []
+        waits, start = [], []
         for k in uniq:
             if k in self._hot:
                 xs["hot_hits"] += 1
@@ -789,12 +795,27 @@ class WeightStore:
                 start.append((k, slot))
                 waits.append(k)
         self._x_start(start, DEMAND)   # the misses' ranges, sorted and merged
+        return il, keys, uniq, waits, time.perf_counter() - t0
+
+    @staticmethod
+    def experts_pending(token) -> bool:
+        """Whether begin_experts left reads to wait for."""
+        return bool(token[3])
+
+    def end_experts(self, token, views: bool = False
+                    ) -> list[tuple[QTensor, QTensor, QTensor]] | None:
+        """get_experts' second half: waits for begin_experts' reads (the time counted as
+        stall with begin's own); the views when asked (see get_experts)."""
+        il, keys, uniq, waits, spent = token
+        if waits is None:   # pinned
+            return [self._x_pinned_view(k) for k in keys] if views else None
+        t0, errors = time.perf_counter(), []
         for k in waits:
             err = self._x_finish(k)
             if err is not None and not errors:
                 errors.append(err)
         self._x_unused_prefetch.difference_update(uniq)
-        self.io_stall_s += time.perf_counter() - t0 if waits else 0.0
+        self.io_stall_s += spent + time.perf_counter() - t0 if waits else 0.0
         if errors:
             self._x_in_use = set()
             raise self._wrap(errors[0], f"experts of layer {il}")

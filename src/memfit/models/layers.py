@@ -71,6 +71,7 @@ class Model:
                 self.vec[name] = dequantize(q.type.id, q.data.reshape(-1), shape[0]).copy()
         self.output = "output.weight" if weights.has("output.weight") else "token_embd.weight"
         self._fused: list | None = None  # prepared native decode layers, built on first use
+        self._x_table = self._x_overlap = False   # set with them (_decode_layers)
         self._bufs: dict[str, np.ndarray] = {}  # prefill scratch reused across layers (_scratch)
         self._route_bufs: tuple | None = None   # decode_batch_route's outputs (_route_out)
         self._gate_rows: dict[str, QTensor] = {}  # shared-expert gates as 1-row matrices
@@ -78,8 +79,9 @@ class Model:
         self._lookahead = RouterLookahead()  # expert prefetch hints (budgeted MoE)
         # streamed MoE layers of decode forwards: run fused (_streamed_moe), or op by op
         # because the batch's experts outnumbered expert_batch_limit; one_call: the fused ones
-        # whose every expert was at hand in the store's table (one native call, no store call)
-        self.moe_stream_stats = {"fused": 0, "op_by_op": 0, "one_call": 0}
+        # whose every expert was at hand in the store's table (one native call, no store call);
+        # overlapped: the fused ones that ran the experts at hand while the misses loaded
+        self.moe_stream_stats = {"fused": 0, "op_by_op": 0, "one_call": 0, "overlapped": 0}
         self._rows_seq = self._rows_pos = np.zeros(0, np.int32)
         # the kernel family of the forward in flight: decode rows (Batch.decode) take the decode
         # kernels, prompt rows the prefill ones, whatever the row count (ops/native.py), so a
@@ -327,6 +329,10 @@ class Model:
         if self._fused is None:
             self._fused = []
             c, ops = self.config, self.ops
+            # the streamed layers' expert table and overlap (MEMFIT_EXPERT_TABLE=0 /
+            # MEMFIT_EXPERT_OVERLAP=0 turn them off, for ablations)
+            self._x_table = ops.has("moe_stream_table") and expert_switch("MEMFIT_EXPERT_TABLE")
+            self._x_overlap = expert_switch("MEMFIT_EXPERT_OVERLAP")
             try:
                 if not c.n_expert and ops.has("dense_decode") and self.fused_decode:
                     for il in range(c.n_layer):
@@ -577,7 +583,7 @@ class Model:
         MoE half op by op (moe_ffn asks in groups). Returns x (updated in place when fused)."""
         w, get, ops = self.weights, self.weights.get, self.ops
         sel, h, lg = self._route_out(x.shape[0])
-        table = getattr(w, "expert_table", None) if ops.has("moe_stream_table") else None
+        table = getattr(w, "expert_table", None) if self._x_table else None
         predict = w.wants_expert_prediction
         if table is not None and not predict:
             xo = table[1][il]
@@ -597,12 +603,24 @@ class Model:
         if predict:
             self._predict_experts(il, h, lg, None)
         if table is not None:
-            xo = table[1][il]
+            xbuf, xo = table[0], table[1][il]
+            dense = [get(nm).data for nm in f.experts]
             if (xo[experts, 0] >= 0).all():
                 w.note_experts(il, experts.tolist())
+                ops.decode_batch_experts_at(f.layer, x, xbuf, xo, *dense)
             else:
-                w.get_experts(il, experts.tolist(), views=False)
-            ops.decode_batch_experts_at(f.layer, x, table[0], xo, *[get(nm).data for nm in f.experts])
+                # the misses' reads start; the experts at hand run while they load
+                token = w.begin_experts(il, experts.tolist())
+                if self._x_overlap and w.experts_pending(token):
+                    yk, done = self._part_bufs(x.shape[0])
+                    done[:] = 0
+                    ops.decode_batch_experts_part(f.layer, x, xbuf, xo, yk, done, False, *dense)
+                    w.end_experts(token)
+                    ops.decode_batch_experts_part(f.layer, x, xbuf, xo, yk, done, True, *dense)
+                    self.moe_stream_stats["overlapped"] += 1
+                else:
+                    w.end_experts(token)
+                    ops.decode_batch_experts_at(f.layer, x, xbuf, xo, *dense)
         else:
             mats = w.get_experts(il, experts.tolist())
             ops.decode_batch_experts(f.layer, x, experts, [q.data for m in mats for q in m],
@@ -626,6 +644,16 @@ class Model:
                                     np.empty((m, c.n_embd), np.float32),
                                     np.empty((m, c.n_expert), np.float32))
         return tuple(a[:n] for a in b)
+
+    def _part_bufs(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(yk [n, k, n_embd] float32, done [n_expert] uint8) for decode_batch_experts_part,
+        kept across layers and forwards."""
+        c = self.config
+        yk = self._scratch("moe_part_yk", n * c.n_expert_used * c.n_embd)
+        done = self._bufs.get("moe_part_done")
+        if done is None:
+            done = self._bufs["moe_part_done"] = np.zeros(c.n_expert, np.uint8)
+        return yk.reshape(n, c.n_expert_used, c.n_embd), done
 
     def _shexp_gate(self, il: int) -> QTensor:
         # ffn_gate_inp_shexp [n_embd] as a one-row F32 matrix over the float32 values kept

@@ -15,7 +15,8 @@ so an accelerator backend is one more class here.
       moe_stream_decode  that layer in two calls for experts the store streams
                        (decode_batch_route, then decode_batch_experts with each expert's bytes)
       moe_stream_table  that layer from the store's expert table: one call when every chosen
-                       expert is at hand (decode_batch_moe, decode_batch_experts_at)
+                       expert is at hand (decode_batch_moe, decode_batch_experts_at), else the
+                       experts at hand while the rest load (decode_batch_experts_part)
       paged_attention  attention and KV stores straight on the paged pool (kv/view.py)
       batch_invariant  a row's result never depends on the other rows of its call
       threads          a kernel thread pool (set_threads / get_threads do something)

@@ -268,5 +268,7 @@ decode_batch_experts = _native.decode_batch_experts
 # chosen expert is at hand (decode_batch_moe -> False: routed only; then decode_batch_experts_at)
 decode_batch_moe = _native.decode_batch_moe
 decode_batch_experts_at = _native.decode_batch_experts_at
+# ... in two pieces around the store's wait: the experts at hand while the misses load
+decode_batch_experts_part = _native.decode_batch_experts_part
 attention_paged = _native.attention_paged
 kv_store = _native.kv_store
