@@ -412,6 +412,74 @@ static int run_experts(const layer_t *L, float *x, int64_t n, const uint8_t *con
     return moe_half(L, x, n, w, xtab, NULL, s, s + n * L->n_embd, yk, done, phase);
 }
 
+/* Router look-ahead (models/lookahead.py RouterLookahead, the same state and float operations):
+ * after layer il routed n decode rows (h [n, E] its FFN input, logits [n, X] its router's), the
+ * rows' real logits are kept for layer il (last row of a sequence slot wins), and layer il + 1's
+ * router (nr, type nt, bias nb or NULL) applied to h predicts layer il + 1's experts: the score
+ * is the look-ahead's logits, or, where the slot has both states at pos - 1 and the rows are
+ * one per slot, real_{t-1} + (look_t - look_{t-1}); its top k (ties to the lower expert) into
+ * pred [n, K], and the look-ahead's logits are kept for layer il + 1. State: real, look [NL, S,
+ * X], rpos, lpos [NL, S] (-1: none). */
+typedef struct {
+    const int32_t *seq;
+    float *real, *look;
+    int32_t *rpos, *lpos;
+    int64_t S, il;
+    const uint8_t *nr;
+    int nt;
+    const float *nb;
+    int64_t *pred;
+} ahead_t;
+
+static int lookahead(const layer_t *L, int64_t n, const int32_t *pos, const float *h, const float *logits,
+                     const ahead_t *A) {
+    const int64_t E = L->n_embd, X = L->n_expert, K = L->k_used, S = A->S;
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t at = A->il * S + A->seq[r];
+        memcpy(A->real + at * X, logits + r * X, sizeof(float) * (size_t)X);
+        A->rpos[at] = pos[r];
+    }
+    if (!A->nr) return 0;
+    float *lk = moe_scratch(sizeof(float) * (size_t)(2 * n * X));
+    if (!lk) return -3;
+    float *sc = lk + n * X;
+    int rc;
+    {
+        float *ys[1] = {lk};
+        if ((rc = mf_matmul_multi_ex(1, &A->nt, &A->nr, &X, E, h, n, ys, 1))) return rc;
+    }
+    if (A->nb) add_rows(lk, A->nb, n, X);
+    int distinct = 1;
+    for (int64_t r = 0; r < n && distinct; r++)
+        for (int64_t q = 0; q < r; q++) distinct &= A->seq[q] != A->seq[r];
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t at = (A->il + 1) * S + A->seq[r];
+        const float *l = lk + r * X, *rl = A->real + at * X, *pl = A->look + at * X;
+        float *o = sc + r * X;
+        if (distinct && A->rpos[at] == pos[r] - 1 && A->lpos[at] == pos[r] - 1)
+            for (int64_t e = 0; e < X; e++) o[e] = rl[e] + (l[e] - pl[e]);
+        else memcpy(o, l, sizeof(float) * (size_t)X);
+    }
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t at = (A->il + 1) * S + A->seq[r];
+        memcpy(A->look + at * X, lk + r * X, sizeof(float) * (size_t)X);
+        A->lpos[at] = pos[r];
+        /* top k: the largest first, ties to the lower index (a stable argsort of -score) */
+        const float *o = sc + r * X;
+        int64_t *pr = A->pred + r * K;
+        for (int64_t j = 0; j < K; j++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < X; e++) {
+                int taken = 0;
+                for (int64_t i = 0; i < j; i++) taken |= pr[i] == e;
+                if (!taken && (best < 0 || o[e] > o[best])) best = e;
+            }
+            pr[j] = best;
+        }
+    }
+    return 0;
+}
+
 /* ---- Python bindings ------------------------------------------------------------------------ */
 
 #define CAPSULE "memfit.decode_layer"
@@ -748,10 +816,16 @@ static PyObject *decode_batch_impl(PyObject *const *a, Py_ssize_t na, int route)
     static const int route_slots[8] = {W_Q, W_K, W_V, W_O, M_ROUTER, M_GS, M_US, M_DS};
     layer_t *L = na >= 1 ? PyCapsule_GetPointer(a[0], CAPSULE) : NULL;
     if (!L && na >= 1) return NULL;
-    const int tab = route == 2; /* decode_batch_moe: the experts from a table when all are there */
+    const int tab = route == 2;   /* decode_batch_moe: the experts from a table when all are there */
+    const int ahead = route == 3; /* decode_batch_route_ahead: and the router look-ahead */
     const int nw = L ? (tab ? 5 + (L->nw > M_GS ? L->nw - M_GS : 0) : route ? 5 : L->nw) : 0,
-              wa = tab ? 15 : route ? 13 : 10; /* weights from a[wa] on */
+              wa = ahead ? 23 : tab ? 15 : route ? 13 : 10; /* weights from a[wa] on */
     if (!L || na != wa + nw || (route && !L->moe)) {
+        if (ahead)
+            return PyErr_Format(PyExc_TypeError, "decode_batch_route_ahead(layer, x, pos, slots, q_tab, tables, "
+                                "bs, kv_type, K, V, sel, h, logits, seq, real, real_pos, look, look_pos, il, "
+                                "next_router | None, next_type, next_bias | None, pred, wq, wk, wv, wo, router) of "
+                                "a MoE layer");
         if (tab)
             return PyErr_Format(PyExc_TypeError, "decode_batch_moe(layer, x, pos, slots, q_tab, tables, bs, "
                                 "kv_type, K, V, sel, h, logits, xbuf, xoff, wq, wk, wv, wo, router[, the 3 "
@@ -821,6 +895,57 @@ static PyObject *decode_batch_impl(PyObject *const *a, Py_ssize_t na, int route)
         else have_xo = 1;
     }
     if (tab && !bad) bad = expert_table(L, &xbuf, &xoff, &xtab);
+    /* look-ahead: seq int32 [n]; real, look float32 [NL, S, X]; real_pos, look_pos int32 [NL, S];
+     * il; next router (type next_type) and bias or None; pred int64 [n, K] */
+    Py_buffer ab[8];
+    int have_ab[8] = {0};
+    ahead_t A = {0};
+    if (ahead && !bad) {
+        if (!have_o[1] || !have_o[2]) bad = "the look-ahead needs h and logits";
+        const long long il = bad ? 0 : PyLong_AsLongLong(a[18]), nt = bad ? 0 : PyLong_AsLongLong(a[20]);
+        if (!bad && PyErr_Occurred()) bad = "";
+        static const char *anames[5] = {"seq", "real", "real_pos", "look", "look_pos"};
+        for (int i = 0; !bad && i < 5; i++) {
+            const int f32 = i == 1 || i == 3;
+            if ((f32 ? typed_buffer(a[13 + i], &ab[i], 1, 0, anames[i])
+                     : int_buffer(a[13 + i], &ab[i], 4, i > 0, anames[i])) < 0)
+                bad = "";
+            else have_ab[i] = 1;
+        }
+        const int64_t X = L->n_expert, E = L->n_embd;
+        int64_t NL = 0, S = 0;
+        if (!bad) {
+            NL = ab[2].ndim == 2 ? ab[2].shape[0] : 0;
+            S = ab[2].ndim == 2 ? ab[2].shape[1] : 0;
+            if (NL < 1 || S < 1 || ab[4].len != ab[2].len || ab[1].len != NL * S * X * 4 || ab[3].len != ab[1].len)
+                bad = "real, look must be [n_layer, slots, n_expert] and real_pos, look_pos [n_layer, slots]";
+            else if (ab[0].len != n * 4) bad = "seq needs n values";
+            else if (il < 0 || il >= NL) bad = "il is outside the state's layers";
+        }
+        for (int64_t r = 0; !bad && r < n; r++)
+            if (((const int32_t *)ab[0].buf)[r] < 0 || ((const int32_t *)ab[0].buf)[r] >= S)
+                bad = "a row's sequence slot is outside the state's slots";
+        if (!bad && a[19] != Py_None) {
+            if (il + 1 >= NL) bad = "no layer after il";
+            else if (nt < 0 || nt >= T_MAX || !mf_qtypes[nt].block || E % mf_qtypes[nt].block)
+                bad = "next_type is not a type the router can have";
+            else if (PyObject_GetBuffer(a[19], &ab[5], PyBUF_C_CONTIGUOUS) < 0) bad = "";
+            else if ((have_ab[5] = 1) && ab[5].len < wbytes((int)nt, X, E))
+                bad = "next_router is smaller than its shape and type need";
+            if (!bad && a[21] != Py_None) {
+                if (typed_buffer(a[21], &ab[6], 0, 0, "next_bias") < 0) bad = "";
+                else if ((have_ab[6] = 1) && ab[6].len != X * 4) bad = "next_bias must have n_expert values";
+            }
+            if (!bad) {
+                if (i64_buffer(a[22], &ab[7], 1, "pred") < 0) bad = "";
+                else if ((have_ab[7] = 1) && ab[7].len != n * L->k_used * 8) bad = "pred must be [n, n_expert_used]";
+            }
+        }
+        if (!bad)
+            A = (ahead_t){.seq = ab[0].buf, .real = ab[1].buf, .rpos = ab[2].buf, .look = ab[3].buf,
+                          .lpos = ab[4].buf, .S = S, .il = il, .nr = have_ab[5] ? ab[5].buf : NULL, .nt = (int)nt,
+                          .nb = have_ab[6] ? ab[6].buf : NULL, .pred = have_ab[7] ? ab[7].buf : NULL};
+    }
     if (!bad) bad = get_weights(L, a + wa, route ? route_slots : NULL, nw, w, &got);
     if (!bad) {
         const uint8_t *wp[NWM] = {0};
@@ -831,8 +956,11 @@ static PyObject *decode_batch_impl(PyObject *const *a, Py_ssize_t na, int route)
                           .logits = have_o[2] ? ob[2].buf : NULL};
         Py_BEGIN_ALLOW_THREADS
         rc = run_layer(L, x.buf, n, &kv, wp, xtab, route ? &rt : NULL);
+        if (!rc && ahead) rc = lookahead(L, n, ib[0].buf, rt.h, rt.logits, &A);
         Py_END_ALLOW_THREADS
     }
+    for (int i = 0; i < 8; i++)
+        if (have_ab[i]) PyBuffer_Release(&ab[i]);
     free(xtab);
     if (have_xb) PyBuffer_Release(&xbuf);
     if (have_xo) PyBuffer_Release(&xoff);
@@ -861,6 +989,10 @@ static PyObject *py_decode_batch_route(PyObject *self, PyObject *const *a, Py_ss
 
 static PyObject *py_decode_batch_moe(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     return decode_batch_impl(a, na, 2);
+}
+
+static PyObject *py_decode_batch_route_ahead(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    return decode_batch_impl(a, na, 3);
 }
 
 /* decode_batch_experts_at(layer, x[n, E], xbuf, xoff, router[, gate_shexp, up_shexp, down_shexp]):
@@ -1081,6 +1213,11 @@ PyMethodDef mf_decode_methods[] = {
     {"decode_batch_experts_at", (PyCFunction)(void (*)(void))py_decode_batch_experts_at, METH_FASTCALL,
      "decode_batch_experts_at(layer, x[n, n_embd], xbuf, xoff int64[n_expert, 3], router[, gate_shexp, "
      "up_shexp, down_shexp]): decode_batch_experts with the experts from the store's table"},
+    {"decode_batch_route_ahead", (PyCFunction)(void (*)(void))py_decode_batch_route_ahead, METH_FASTCALL,
+     "decode_batch_route_ahead(layer, x, pos, slots, q_tab, tables, bs, kv_type, K, V, sel, h, logits, seq int32[n], "
+     "real, real_pos, look, look_pos, il, next_router | None, next_type, next_bias | None, pred int64[n, k], wq, wk, "
+     "wv, wo, router): decode_batch_route, then models/lookahead.py's observe (layer il) and, with next_router, "
+     "predict (layer il + 1, its top k into pred) on the state arrays"},
     {"decode_batch_experts_part", (PyCFunction)(void (*)(void))py_decode_batch_experts_part, METH_FASTCALL,
      "decode_batch_experts_part(layer, x[n, n_embd], xbuf, xoff, yk[n, k, n_embd], done uint8[n_expert], final, "
      "router[, gate_shexp, up_shexp, down_shexp]): decode_batch_experts_at in pieces while the store reads: final "

@@ -306,3 +306,81 @@ def test_table_calls_equal_the_two_calls_and_reject_bad_tables(tmp_path, monkeyp
     finally:
         store.close()
         f.close()
+
+
+def test_route_ahead_keeps_and_predicts_as_router_lookahead(tmp_path, monkeypatch):
+    # decode_batch_route_ahead's observe/predict on RouterLookahead's arrays: the same state
+    # and the same experts as models/lookahead.py computes, row by row, over a few positions
+    from memfit.models.lookahead import RouterLookahead
+    monkeypatch.delenv("MEMFIT_FUSED_MOE", raising=False)
+    path = _write(tmp_path, "qwen3moe", seed=6)
+    f = open_gguf(path)
+    store = WeightStore(f, _plan(f, 8), Ledger(None, debug=""))
+    try:
+        model = load_model(f, weights=store, ops=get_ops("native"))
+        layers = model._decode_layers()
+        il = next(i for i, layer in enumerate(layers) if isinstance(layer, StreamedMoeLayer))
+        assert il + 1 < model.config.n_layer and model.config.is_moe(il + 1)
+        fl, w, E = layers[il], store, model.config.n_embd
+        route_w = [w.get(n).data for n in fl.route]
+        nq = w.get(f"blk.{il + 1}.ffn_gate_inp.weight")
+        c = model.config
+        la_c, la_py = RouterLookahead(c.n_layer, X), RouterLookahead(c.n_layer, X)
+        model._decode = True
+        rng = np.random.default_rng(2)
+        n, pool = 2, model.new_cache(8)
+        delta_rows = 0
+        for p in range(4):
+            seq, pos = np.array([0, 1], np.int32), np.full(n, p, np.int32)
+            la_c.ensure(seq)
+            kv = (pos, (seq * 4 + p).astype(np.int32), seq.copy(), np.arange(2, dtype=np.int32),
+                  4, 1, pool.pool.k[il][:8], pool.pool.v[il][:8])
+            x = (rng.standard_normal((n, E)) * 0.5).astype(np.float32)
+            sel, h, lg = np.empty((n, K), np.int64), np.empty((n, E), np.float32), np.empty((n, X), np.float32)
+            pred = np.empty((n, K), np.int64)
+            _native.decode_batch_route_ahead(fl.layer, x, *kv, sel, h, lg, seq, la_c.real, la_c.real_pos,
+                                             la_c.look, la_c.look_pos, il, nq.data, nq.type.id, None, pred,
+                                             *route_w)
+            # the same by models/lookahead.py (Model._predict_experts' steps)
+            la_py.observe(il, lg, seq, pos)
+            delta_rows += int(((la_py.real_pos[il + 1, seq] == p - 1)
+                               & (la_py.look_pos[il + 1, seq] == p - 1)).sum())
+            score = la_py.predict(il + 1, model.router_logits(il + 1, h), seq, pos)
+            want = np.argsort(-score, axis=1, kind="stable")[:, :K]
+            assert np.array_equal(pred, want), p
+            for a in ("real", "look", "real_pos", "look_pos"):
+                assert np.array_equal(getattr(la_c, a), getattr(la_py, a)), (a, p)
+            # the next step's layer il + 1 real logits (as that layer's own route would keep)
+            nxt = (rng.standard_normal((n, X))).astype(np.float32)
+            la_c.observe(il + 1, nxt, seq, pos)
+            la_py.observe(il + 1, nxt, seq, pos)
+        assert delta_rows > 0   # the delta form was taken, not only the plain look-ahead
+        # wrong state shapes, slots, layers and types are one clear error
+        seq = np.array([0, 1], np.int32)
+        kv = (np.zeros(n, np.int32), np.array([0, 4], np.int32), seq.copy(), np.arange(2, dtype=np.int32),
+              4, 1, pool.pool.k[il][:8], pool.pool.v[il][:8])
+        x = np.zeros((n, E), np.float32)
+        sel, h, lg, pred = (np.empty((n, K), np.int64), np.empty((n, E), np.float32),
+                            np.empty((n, X), np.float32), np.empty((n, K), np.int64))
+        la = la_c
+        base = [seq, la.real, la.real_pos, la.look, la.look_pos, il, nq.data, nq.type.id, None, pred]
+        cases = [({0: np.array([0, 9], np.int32)}, "sequence slot"),
+                 ({1: la.real[:, :, :2].copy()}, "real, look must be"),
+                 ({5: c.n_layer}, "il is outside"),
+                 ({5: c.n_layer - 1}, "no layer after il"),
+                 ({7: 99}, "next_type"),
+                 ({6: nq.data[:-1]}, "smaller than"),
+                 ({9: pred[:, :1].copy()}, "pred must be")]
+        for change, msg in cases:
+            args = list(base)
+            for i, v in change.items():
+                args[i] = v
+            with pytest.raises(ValueError, match=msg):
+                _native.decode_batch_route_ahead(fl.layer, x.copy(), *kv, sel, h, lg, *args, *route_w)
+        with pytest.raises(ValueError, match="needs h and logits"):
+            _native.decode_batch_route_ahead(fl.layer, x.copy(), *kv, sel, None, lg, *base, *route_w)
+        with pytest.raises(TypeError, match="decode_batch_route_ahead"):
+            _native.decode_batch_route_ahead(fl.layer, x.copy(), *kv, sel, h, lg, *base[:-1], *route_w)
+    finally:
+        store.close()
+        f.close()

@@ -72,11 +72,12 @@ class Model:
         self.output = "output.weight" if weights.has("output.weight") else "token_embd.weight"
         self._fused: list | None = None  # prepared native decode layers, built on first use
         self._x_table = self._x_overlap = False   # set with them (_decode_layers)
+        self._ahead_done = -1   # the streamed layer whose look-ahead ran in its route call
         self._bufs: dict[str, np.ndarray] = {}  # prefill scratch reused across layers (_scratch)
         self._route_bufs: tuple | None = None   # decode_batch_route's outputs (_route_out)
         self._gate_rows: dict[str, QTensor] = {}  # shared-expert gates as 1-row matrices
         self._yarn_corr: dict[float, tuple[float, float]] = {}  # YaRN's ramp dims per rope base
-        self._lookahead = RouterLookahead()  # expert prefetch hints (budgeted MoE)
+        self._lookahead = RouterLookahead(config.n_layer, config.n_expert or 0)  # prefetch hints (budgeted MoE)
         # streamed MoE layers of decode forwards: run fused (_streamed_moe), or op by op
         # because the batch's experts outnumbered expert_batch_limit; one_call: the fused ones
         # whose every expert was at hand in the store's table (one native call, no store call);
@@ -526,7 +527,7 @@ class Model:
         sel, wts = self.route(il, x)
         # sorted by expert: each row's sum runs in expert order
         experts, starts, rows_all, wts_all = self.ops.group_rows(sel, wts)
-        if w.wants_expert_prediction:
+        if w.wants_expert_prediction and self._ahead_done != il:
             # layer il+1's reads start now (the router's logits again: n_embd x n_expert per
             # row, against the experts' 3 n_embd x n_ff_exp x k)
             self._predict_experts(il, x, self.router_logits(il, x), rows)
@@ -585,6 +586,7 @@ class Model:
         sel, h, lg = self._route_out(x.shape[0])
         table = getattr(w, "expert_table", None) if self._x_table else None
         predict = w.wants_expert_prediction
+        ahead = None
         if table is not None and not predict:
             xo = table[1][il]
             if ops.decode_batch_moe(f.layer, x, *kv.fused(il), sel, None, None, table[0], xo,
@@ -593,14 +595,25 @@ class Model:
                 self.moe_stream_stats["fused"] += 1
                 self.moe_stream_stats["one_call"] += 1
                 return x
+        elif table is not None:
+            # the look-ahead's observe and predict in the same call (RouterLookahead's state)
+            ahead = self._ahead_args(il, x.shape[0])
+            ops.decode_batch_route_ahead(f.layer, x, *kv.fused(il), sel, h, lg, *ahead,
+                                         *[get(nm).data for nm in f.route])
         else:
             ops.decode_batch_route(f.layer, x, *kv.fused(il), sel, h, lg,
                                    *[get(nm).data for nm in f.route])
+        if ahead is not None and ahead[6] is not None:
+            w.prefetch_experts(il + 1, np.unique(ahead[-1]).tolist())
         experts = np.unique(sel)                 # group_rows' order: expert index
         if len(experts) > int(w.expert_batch_limit or len(experts)):
             self.moe_stream_stats["op_by_op"] += 1
-            return np.ascontiguousarray(self._moe_half(il, x))
-        if predict:
+            self._ahead_done = il if ahead is not None else -1   # moe_ffn: not again
+            try:
+                return np.ascontiguousarray(self._moe_half(il, x))
+            finally:
+                self._ahead_done = -1
+        if predict and ahead is None:
             self._predict_experts(il, h, lg, None)
         if table is not None:
             xbuf, xo = table[0], table[1][il]
@@ -644,6 +657,23 @@ class Model:
                                     np.empty((m, c.n_embd), np.float32),
                                     np.empty((m, c.n_expert), np.float32))
         return tuple(a[:n] for a in b)
+
+    def _ahead_args(self, il: int, n: int) -> tuple:
+        """decode_batch_route_ahead's look-ahead arguments for n decode rows at layer il (the
+        rows' seq; RouterLookahead's four arrays; il; layer il + 1's router, its type and bias,
+        or None, 0, None where no MoE layer follows; pred [n, k] int64, the last)."""
+        c, la = self.config, self._lookahead
+        seq = self._rows_seq
+        la.ensure(seq)
+        nr, nt, nb = None, 0, None
+        if il + 1 < c.n_layer and c.is_moe(il + 1):
+            q = self.weights.get(f"blk.{il + 1}.ffn_gate_inp.weight")
+            nr, nt = q.data, q.type.id
+            nb = self.vec.get(f"blk.{il + 1}.ffn_gate_inp.bias")
+        pred = self._bufs.get("ahead_pred")
+        if pred is None or pred.shape[0] < n:
+            pred = self._bufs["ahead_pred"] = np.empty((max(n, 8), c.n_expert_used), np.int64)
+        return (seq, la.real, la.real_pos, la.look, la.look_pos, il, nr, nt, nb, pred[:n])
 
     def _part_bufs(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """(yk [n, k, n_embd] float32, done [n_expert] uint8) for decode_batch_experts_part,

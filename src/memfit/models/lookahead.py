@@ -18,7 +18,11 @@ previous token 0.56), skew 1 0.93 (0.61, 0.90), skew 2 0.997 (0.82, 0.996).
 
 State per (layer, sequence slot): the position and the logits of its last row, two vectors of
 n_expert floats each; top-k by logits is top-k by probability for softmax and sigmoid gating
-alike."""
+alike. The state is four arrays (``real``/``look`` [n_layer, slots, n_expert] float32,
+``real_pos``/``look_pos`` [n_layer, slots] int32, -1: none) so that the fused decode layer
+(csrc/decode.c decode_batch_route_ahead) keeps and reads the same state as this file does for
+the rows it computes, with the same float operations: predicting there or here gives the same
+experts."""
 
 from __future__ import annotations
 
@@ -26,9 +30,25 @@ import numpy as np
 
 
 class RouterLookahead:
-    def __init__(self):
-        self._real: dict[tuple[int, int], tuple[int, np.ndarray]] = {}
-        self._look: dict[tuple[int, int], tuple[int, np.ndarray]] = {}
+    def __init__(self, n_layer: int, n_expert: int):
+        self.n_layer, self.n_expert = n_layer, n_expert
+        self._alloc(1)
+
+    def _alloc(self, slots: int) -> None:
+        L, X = self.n_layer, self.n_expert
+        real, look = np.zeros((L, slots, X), np.float32), np.zeros((L, slots, X), np.float32)
+        rp, lp = np.full((L, slots), -1, np.int32), np.full((L, slots), -1, np.int32)
+        old = getattr(self, "real", None)
+        if old is not None:
+            s = old.shape[1]
+            real[:, :s], look[:, :s] = self.real, self.look
+            rp[:, :s], lp[:, :s] = self.real_pos, self.look_pos
+        self.real, self.look, self.real_pos, self.look_pos = real, look, rp, lp
+
+    def ensure(self, seq: np.ndarray) -> None:
+        """Room for the sequence slots seq."""
+        if len(seq) and int(seq.max()) >= self.real.shape[1]:
+            self._alloc(max(int(seq.max()) + 1, 2 * self.real.shape[1]))
 
     @staticmethod
     def _last_rows(seq: np.ndarray) -> np.ndarray:
@@ -39,18 +59,23 @@ class RouterLookahead:
     def predict(self, layer: int, look: np.ndarray, seq: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """Scores [n, n_expert] for layer ``layer`` from its look-ahead logits ``look`` [n,
         n_expert] of rows in sequence slots ``seq`` at positions ``pos``; records ``look``."""
+        self.ensure(seq)
         out = look
         if len(np.unique(seq)) == len(seq):  # one row per sequence (decode): the delta form
-            out = look.copy()
-            for i, (s, p) in enumerate(zip(seq.tolist(), pos.tolist())):
-                real, prev = self._real.get((layer, s)), self._look.get((layer, s))
-                if real is not None and prev is not None and real[0] == prev[0] == p - 1:
-                    out[i] = real[1] + (look[i] - prev[1])
-        for i in self._last_rows(seq).tolist():
-            self._look[(layer, int(seq[i]))] = (int(pos[i]), look[i].copy())
+            prev = pos - 1
+            ok = (self.real_pos[layer, seq] == prev) & (self.look_pos[layer, seq] == prev)
+            if ok.any():
+                out = look.copy()
+                s = seq[ok]
+                out[ok] = self.real[layer, s] + (look[ok] - self.look[layer, s])
+        last = self._last_rows(seq)
+        self.look[layer, seq[last]] = look[last]
+        self.look_pos[layer, seq[last]] = pos[last]
         return out
 
     def observe(self, layer: int, logits: np.ndarray, seq: np.ndarray, pos: np.ndarray) -> None:
         """Layer ``layer``'s real router logits [n, n_expert] of the rows."""
-        for i in self._last_rows(seq).tolist():
-            self._real[(layer, int(seq[i]))] = (int(pos[i]), logits[i].copy())
+        self.ensure(seq)
+        last = self._last_rows(seq)
+        self.real[layer, seq[last]] = logits[last]
+        self.real_pos[layer, seq[last]] = pos[last]

@@ -270,5 +270,7 @@ decode_batch_moe = _native.decode_batch_moe
 decode_batch_experts_at = _native.decode_batch_experts_at
 # ... in two pieces around the store's wait: the experts at hand while the misses load
 decode_batch_experts_part = _native.decode_batch_experts_part
+# the route call with models/lookahead.py's observe and predict on its state arrays
+decode_batch_route_ahead = _native.decode_batch_route_ahead
 attention_paged = _native.attention_paged
 kv_store = _native.kv_store
