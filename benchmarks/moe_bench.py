@@ -46,6 +46,14 @@ VARIANTS = {
     "a5-decided": {"MEMFIT_EXPERT_HOTSET": "1", "MEMFIT_EXPERT_POLICY": "lru", "MEMFIT_COALESCE": "1"},
     # every MoE layer op by op (no fused MoE decode layer, in place or streamed)
     "nofused": {"MEMFIT_FUSED_MOE": "0"},
+    # the streamed layer without the store's expert table (every layer asks get_experts and
+    # passes each expert's buffers; the look-ahead in Python): the path before session 25
+    "notable": {"MEMFIT_EXPERT_TABLE": "0"},
+    # the table, but a layer with misses waits for them before running any expert
+    "nooverlap": {"MEMFIT_EXPERT_OVERLAP": "0"},
+    # the look-ahead forced on / off (the default decides by measurement)
+    "lookahead": {"MEMFIT_EXPERT_LOOKAHEAD": "1"},
+    "nolookahead": {"MEMFIT_EXPERT_LOOKAHEAD": "0"},
 }
 
 

@@ -14,6 +14,6 @@ LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.s
 ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 PYTHONPATH="$tmp/pkg" python -m pytest -q -s -p no:cacheprovider \
     tests/test_native_quant.py tests/test_native_pool.py tests/test_native_ops.py \
-    tests/test_native_multi.py tests/test_decode_fused.py tests/test_moe_native.py \
+    tests/test_native_multi.py tests/test_decode_fused.py tests/test_moe_native.py tests/test_moe_stream_fused.py \
     tests/test_kv_quant.py tests/test_quant_fp4tq.py tests/test_quant_iq2.py tests/test_quant_iq3.py \
     -m "not realmodel"
