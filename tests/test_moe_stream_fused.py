@@ -384,3 +384,15 @@ def test_route_ahead_keeps_and_predicts_as_router_lookahead(tmp_path, monkeypatc
     finally:
         store.close()
         f.close()
+
+
+@pytest.mark.parametrize("name", ["MEMFIT_EXPERT_TABLE", "MEMFIT_EXPERT_OVERLAP"])
+def test_switch_with_a_bad_value_fails_the_load(tmp_path, monkeypatch, name):
+    from memfit.errors import RequestError
+    monkeypatch.setenv(name, "yes")
+    f = open_gguf(_write(tmp_path, "qwen3moe", seed=7))
+    try:
+        with pytest.raises(RequestError, match=f"{name}='yes' is not 0 or 1"):
+            load_model(f, ops=get_ops("native"))
+    finally:
+        f.close()

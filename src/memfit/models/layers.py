@@ -71,7 +71,10 @@ class Model:
                 self.vec[name] = dequantize(q.type.id, q.data.reshape(-1), shape[0]).copy()
         self.output = "output.weight" if weights.has("output.weight") else "token_embd.weight"
         self._fused: list | None = None  # prepared native decode layers, built on first use
-        self._x_table = self._x_overlap = False   # set with them (_decode_layers)
+        # the streamed MoE layers' expert table and overlap (MEMFIT_EXPERT_TABLE=0 /
+        # MEMFIT_EXPERT_OVERLAP=0 turn them off, for ablations; a bad value fails the load)
+        self._x_table = self.ops.has("moe_stream_table") and expert_switch("MEMFIT_EXPERT_TABLE")
+        self._x_overlap = expert_switch("MEMFIT_EXPERT_OVERLAP")
         self._ahead_done = -1   # the streamed layer whose look-ahead ran in its route call
         self._bufs: dict[str, np.ndarray] = {}  # prefill scratch reused across layers (_scratch)
         self._route_bufs: tuple | None = None   # decode_batch_route's outputs (_route_out)
@@ -330,10 +333,6 @@ class Model:
         if self._fused is None:
             self._fused = []
             c, ops = self.config, self.ops
-            # the streamed layers' expert table and overlap (MEMFIT_EXPERT_TABLE=0 /
-            # MEMFIT_EXPERT_OVERLAP=0 turn them off, for ablations)
-            self._x_table = ops.has("moe_stream_table") and expert_switch("MEMFIT_EXPERT_TABLE")
-            self._x_overlap = expert_switch("MEMFIT_EXPERT_OVERLAP")
             try:
                 if not c.n_expert and ops.has("dense_decode") and self.fused_decode:
                     for il in range(c.n_layer):
