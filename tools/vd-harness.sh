@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build tools/vd_harness.c against csrc/ (the kernels without the Python bindings; memfit.h
 # includes Python.h, so it links the embeddable libpython) into $TMPDIR and run it.
-# Usage: tools/vd-harness.sh [TYPE [ROWS [PF_DIST]]]   (SRC=other/csrc to time another tree)
+# Usage: tools/vd-harness.sh [TYPE [ROWS [PF_DIST [BLOCKS_PER_ROW]]]]   (SRC=other/csrc: another tree)
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 src=${SRC:-$here/../csrc}

@@ -36,7 +36,7 @@ int main(int argc, char **argv) {
     const int type = kq[k].type;
     const int rows = argc > 2 ? atoi(argv[2]) : 96;
     mf_tune.pf_dist = argc > 3 ? atoi(argv[3]) : 0;
-    const int64_t nb = 14; /* 3584 values a row */
+    const int64_t nb = argc > 4 ? atoi(argv[4]) : 14; /* blocks a row (14: 3584 values) */
     const size_t bb = (size_t)mf_qtypes[type].bytes, rb = nb * bb;
     uint8_t *w = aligned_alloc(64, (rows * rb + 63) / 64 * 64);
     srand(1);

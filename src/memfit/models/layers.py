@@ -584,6 +584,8 @@ class Model:
         w, get, ops = self.weights, self.weights.get, self.ops
         sel, h, lg = self._route_out(x.shape[0])
         table = getattr(w, "expert_table", None) if self._x_table else None
+        if table is not None and il not in table[1]:   # this layer's experts are pinned
+            table = None
         predict = w.wants_expert_prediction
         ahead = None
         if table is not None and not predict:
