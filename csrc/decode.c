@@ -206,6 +206,20 @@ static int run_layer(const layer_t *L, float *x, int64_t n, const kvref_t *kv, c
  * store streams; -5 when a chosen one is NULL). rt != NULL: the routing into *rt, and then
  * nothing more without xtab (returns 0); with xtab, the experts when every chosen one is there
  * (returns 0), else nothing more (returns 1). */
+/* The k largest of p[0..X) into out, the largest first, ties to the lower index (numpy's
+ * stable argsort of -p) */
+static void topk_row(const float *p, int64_t X, int64_t K, int64_t *out) {
+    for (int64_t j = 0; j < K; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < X; e++) {
+            int taken = 0;
+            for (int64_t i = 0; i < j; i++) taken |= out[i] == e;
+            if (!taken && (best < 0 || p[e] > p[best])) best = e;
+        }
+        out[j] = best;
+    }
+}
+
 /* Gate/up, their biases and activation, down and its bias of G groups of rows: group g's
  * rows are xe [off[g], off[g + 1]), its expert gid[g], its gate and up at wp[2 g], wp[2 g + 1],
  * its down at wp[2 X + g]; results in ye (ge, ue scratch). */
@@ -277,21 +291,14 @@ static int moe_half(const layer_t *L, float *x, int64_t n, const uint8_t *const 
             for (int64_t e = 0; e < X; e++) selp[r * X + e] = probs[r * X + e] + vec[V_PROBS_B][e];
         sp = selp;
     }
-    /* top-k per row: the largest first, ties to the lower index (numpy's stable argsort of -p) */
+    /* top-k per row (topk_row) */
     for (int64_t e = 0; e < X; e++) cnt[e] = 0;
     for (int64_t r = 0; r < n; r++) {
-        const float *pr = sp + r * X;
         int64_t *sr = sel + r * K;
+        topk_row(sp + r * X, X, K, sr);
         for (int64_t j = 0; j < K; j++) {
-            int64_t best = -1;
-            for (int64_t e = 0; e < X; e++) {
-                int taken = 0;
-                for (int64_t i = 0; i < j; i++) taken |= sr[i] == e;
-                if (!taken && (best < 0 || pr[e] > pr[best])) best = e;
-            }
-            sr[j] = best;
-            pw[r * K + j] = probs[r * X + best];
-            cnt[best]++;
+            pw[r * K + j] = probs[r * X + sr[j]];
+            cnt[sr[j]]++;
         }
         if (L->softmax_w) mf_softmax_f32(pw + r * K, pw + r * K, 1, K);
         if (L->wnorm) {
@@ -464,18 +471,7 @@ static int lookahead(const layer_t *L, int64_t n, const int32_t *pos, const floa
         const int64_t at = (A->il + 1) * S + A->seq[r];
         memcpy(A->look + at * X, lk + r * X, sizeof(float) * (size_t)X);
         A->lpos[at] = pos[r];
-        /* top k: the largest first, ties to the lower index (a stable argsort of -score) */
-        const float *o = sc + r * X;
-        int64_t *pr = A->pred + r * K;
-        for (int64_t j = 0; j < K; j++) {
-            int64_t best = -1;
-            for (int64_t e = 0; e < X; e++) {
-                int taken = 0;
-                for (int64_t i = 0; i < j; i++) taken |= pr[i] == e;
-                if (!taken && (best < 0 || o[e] > o[best])) best = e;
-            }
-            pr[j] = best;
-        }
+        topk_row(sc + r * X, X, K, A->pred + r * K);
     }
     return 0;
 }

@@ -9,6 +9,8 @@ call is one clear Python error."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -91,6 +93,23 @@ def _budgeted(path, p, fused: bool, monkeypatch):
             assert layers is None
         got = {n: _generate(model, _tok(f), n) for n in N_SEQS}
         return got, store.stats(), model
+    finally:
+        store.close()
+        f.close()
+
+
+@contextlib.contextmanager
+def _streamed_layer(tmp_path, arch, seed, monkeypatch):
+    """(store, model, il, the StreamedMoeLayer of il): a tiny model under a plan that streams
+    its experts (an 8-slot cache), il its first streamed MoE layer."""
+    monkeypatch.delenv("MEMFIT_FUSED_MOE", raising=False)
+    f = open_gguf(_write(tmp_path, arch, seed=seed))
+    store = WeightStore(f, _plan(f, 8), Ledger(None, debug=""))
+    try:
+        model = load_model(f, weights=store, ops=get_ops("native"))
+        layers = model._decode_layers()
+        il = next(i for i, layer in enumerate(layers) if isinstance(layer, StreamedMoeLayer))
+        yield store, model, il, layers[il]
     finally:
         store.close()
         f.close()
@@ -239,15 +258,8 @@ def test_streamed_calls_reject_bad_arguments(tmp_path, monkeypatch):
 def test_table_calls_equal_the_two_calls_and_reject_bad_tables(tmp_path, monkeypatch):
     # decode_batch_moe / decode_batch_experts_at read the experts through the store's table
     # (expert_table: one buffer, each expert's offsets or -1)
-    monkeypatch.delenv("MEMFIT_FUSED_MOE", raising=False)
-    path = _write(tmp_path, "qwen2moe", seed=4)
-    f = open_gguf(path)
-    store = WeightStore(f, _plan(f, 8), Ledger(None, debug=""))
-    try:
-        model = load_model(f, weights=store, ops=get_ops("native"))
-        layers = model._decode_layers()
-        il = next(i for i, layer in enumerate(layers) if isinstance(layer, StreamedMoeLayer))
-        fl, w, E = layers[il], store, model.config.n_embd
+    with _streamed_layer(tmp_path, "qwen2moe", 4, monkeypatch) as (store, model, il, fl):
+        w, E = store, model.config.n_embd
         xbuf, xoff = store.expert_table
         xo = xoff[il]
         assert xo.shape == (X, 3) and (xo == -1).all()      # nothing read yet, no hot set
@@ -303,25 +315,15 @@ def test_table_calls_equal_the_two_calls_and_reject_bad_tables(tmp_path, monkeyp
             _native.decode_batch_moe(fl.layer, x_in.copy(), *kv, sel2, None, None, xbuf, xo, *route_w)
         with pytest.raises(TypeError, match="decode_batch_experts_at"):
             _native.decode_batch_experts_at(fl.layer, x2, xbuf, xo, *dense[:1])
-    finally:
-        store.close()
-        f.close()
 
 
 def test_route_ahead_keeps_and_predicts_as_router_lookahead(tmp_path, monkeypatch):
     # decode_batch_route_ahead's observe/predict on RouterLookahead's arrays: the same state
     # and the same experts as models/lookahead.py computes, row by row, over a few positions
     from memfit.models.lookahead import RouterLookahead
-    monkeypatch.delenv("MEMFIT_FUSED_MOE", raising=False)
-    path = _write(tmp_path, "qwen3moe", seed=6)
-    f = open_gguf(path)
-    store = WeightStore(f, _plan(f, 8), Ledger(None, debug=""))
-    try:
-        model = load_model(f, weights=store, ops=get_ops("native"))
-        layers = model._decode_layers()
-        il = next(i for i, layer in enumerate(layers) if isinstance(layer, StreamedMoeLayer))
+    with _streamed_layer(tmp_path, "qwen3moe", 6, monkeypatch) as (store, model, il, fl):
         assert il + 1 < model.config.n_layer and model.config.is_moe(il + 1)
-        fl, w, E = layers[il], store, model.config.n_embd
+        w, E = store, model.config.n_embd
         route_w = [w.get(n).data for n in fl.route]
         nq = w.get(f"blk.{il + 1}.ffn_gate_inp.weight")
         c = model.config
@@ -381,9 +383,6 @@ def test_route_ahead_keeps_and_predicts_as_router_lookahead(tmp_path, monkeypatc
             _native.decode_batch_route_ahead(fl.layer, x.copy(), *kv, sel, None, lg, *base, *route_w)
         with pytest.raises(TypeError, match="decode_batch_route_ahead"):
             _native.decode_batch_route_ahead(fl.layer, x.copy(), *kv, sel, h, lg, *base[:-1], *route_w)
-    finally:
-        store.close()
-        f.close()
 
 
 @pytest.mark.parametrize("name", ["MEMFIT_EXPERT_TABLE", "MEMFIT_EXPERT_OVERLAP"])
