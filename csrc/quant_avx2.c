@@ -309,8 +309,7 @@ AVX2 static float vd_q6_k(const uint8_t *w, const void *xv, int64_t nb) {
     for (int64_t b = 0; b < nb; b++, w += 210) {
         MF_PF_STEP(w, pfd, 210);
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 192)));
-        __m256i cv = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)x[b].bsums));
-        int corr = hsum_i32(cv);
+        const __m256i cv = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)x[b].bsums));
         __m256i sumi = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
             const uint8_t *ql = w + 64 * h, *qhp = w + 128 + 32 * h;
@@ -328,7 +327,8 @@ AVX2 static float vd_q6_k(const uint8_t *w, const void *xv, int64_t nb) {
             __m256i p3 = _mm256_madd_epi16(_mm256_maddubs_epi16(v3, _mm256_loadu_si256((const __m256i *)(y + 96))), _mm256_shuffle_epi8(sd, k3));
             sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)));
         }
-        __m256i tot = _mm256_sub_epi32(sumi, _mm256_setr_epi32(32 * corr, 0, 0, 0, 0, 0, 0, 0));
+        /* the -32 offset's correction (32 x scales . bsums) stays in the 8 lanes it was made in */
+        const __m256i tot = _mm256_sub_epi32(sumi, _mm256_slli_epi32(cv, 5));
         acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w + 208) * x[b].d), _mm256_cvtepi32_ps(tot), acc);
     }
     return hsum_ps(acc);
