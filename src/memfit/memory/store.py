@@ -494,7 +494,7 @@ class WeightStore:
         total = hot_bytes + self._x_nslots * self._x_slot_bytes
         if total:
             self._x_mm = mmap.mmap(-1, total)
-            xb = self._x_all = np.frombuffer(self._x_mm, np.uint8)
+            xb = np.frombuffer(self._x_mm, np.uint8)
             self.xoff = {il: np.full((self.n_expert, 3), -1, np.int64) for il in self._x_tensors
                          if self._x_tensors[il][0].name not in self._pinned}
             self.expert_table = (xb, self.xoff)

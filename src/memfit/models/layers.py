@@ -80,7 +80,8 @@ class Model:
         self._route_bufs: tuple | None = None   # decode_batch_route's outputs (_route_out)
         self._gate_rows: dict[str, QTensor] = {}  # shared-expert gates as 1-row matrices
         self._yarn_corr: dict[float, tuple[float, float]] = {}  # YaRN's ramp dims per rope base
-        self._lookahead = RouterLookahead(config.n_layer, config.n_expert or 0)  # prefetch hints (budgeted MoE)
+        # expert prefetch hints (budgeted MoE)
+        self._lookahead = RouterLookahead(config.n_layer, config.n_expert or 0)
         # streamed MoE layers of decode forwards: run fused (_streamed_moe), or op by op
         # because the batch's experts outnumbered expert_batch_limit; one_call: the fused ones
         # whose every expert was at hand in the store's table (one native call, no store call);
