@@ -32,16 +32,20 @@ def _decoded_overlap(path) -> tuple[float, int]:
     # under a budget the experts come from the store (unconstrained: from the mapped file)
     with memfit.load(path, n_ctx=128, mem_budget=floor + os.path.getsize(path) // 2) as m:
         calls = []
-        get = m.store.get_experts
 
-        def spy(il, experts, *a, **kw):   # records, then the store does its real work
-            if calls and calls[-1][0] == il:   # one layer's experts asked in groups
-                calls[-1][1].extend(int(e) for e in experts)
-            else:
-                calls.append((il, [int(e) for e in experts]))
-            return get(il, experts, *a, **kw)
+        def spy(real):
+            def call(il, experts, *a, **kw):   # records, then the store does its real work
+                if calls and calls[-1][0] == il:   # one layer's experts asked in groups
+                    calls[-1][1].extend(int(e) for e in experts)
+                else:
+                    calls.append((il, [int(e) for e in experts]))
+                return real(il, experts, *a, **kw)
+            return call
 
-        m.store.get_experts = spy
+        # every layer's experts go through one of these (get_experts calls begin_experts;
+        # note_experts: a fused layer whose experts were all at hand)
+        m.store.begin_experts = spy(m.store.begin_experts)
+        m.store.note_experts = spy(m.store.note_experts)
         ids = [int(i) for i in np.random.default_rng(7).integers(3, 2000, 4)]
         # one token a step (no speculation: a verified draft asks for several tokens' experts
         # in one call; `auto` speculates where this CPU's verify cost says it pays)
