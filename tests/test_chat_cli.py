@@ -137,6 +137,22 @@ def test_ctrl_c_on_an_empty_prompt_exits(smollm2_path):
     assert child.exitstatus == 0 and "Traceback" not in child.before
 
 
+def test_ctrl_c_works_when_started_with_sigint_blocked(smollm2_path):
+    # a process inherits the signal mask of the thread that starts it (here: SIGINT blocked,
+    # as a Python program's helper thread has it); memfit's main thread takes Ctrl-C again
+    import signal
+    child = pexpect.spawn(sys.executable, ["-m", "memfit", "chat", str(smollm2_path), "-c", "1024"],
+                          encoding="utf-8", timeout=120, dimensions=(40, 200),
+                          preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}))
+    try:
+        child.expect_exact("> ")
+        child.sendintr()
+        child.expect(pexpect.EOF, timeout=30)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0 and "Traceback" not in child.before
+
+
 @pytest.mark.timeout(120)
 def test_chat_on_a_base_model_says_so(gemma_path, smollm2_path):
     child = _spawn(gemma_path)

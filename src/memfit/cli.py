@@ -1169,7 +1169,21 @@ def _validate(a) -> None:
     _warn_threads(a)
 
 
+def _unblock_async_signals() -> None:
+    """A process starts with the signal mask of the thread that started it: launched from a
+    thread that blocks SIGINT (a Python program's helper thread, a test runner's), Ctrl-C
+    would reach only some other thread of memfit's (one that does not block it) and never
+    interrupt the main thread's input() or decode. The main thread takes them again here; the
+    helper threads block them themselves (memory/io.py block_async_signals)."""
+    import signal
+    import threading
+    from .memory.io import ASYNC_SIGNALS
+    if threading.current_thread() is threading.main_thread():   # main() called in-process
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, ASYNC_SIGNALS)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _unblock_async_signals()
     parser = build_parser()
     a = _parse(parser, argv)
     if not getattr(a, "func", None):
