@@ -21,15 +21,16 @@ and fresh directions, bisected to overlap F; routing_skew S is then the spread o
 popularity offsets) and written in place. F <= k/n_expert gives routing as close to
 uniform and independent from token to token as the data allows. The statistics asked for and
 those measured on decoded held-out random tokens are stored as memfit.synth.routing_* and
-shown by `memfit info`. Measured on qwen3moe tiny (4 layers, 16 experts, top 4, 48 tokens):
-F 0.25 -> 0.30, F 0.4 -> 0.45; the uncalibrated file measures ~0.41 (its random hidden states
-share a drifting component), so it is not the uniform case. Deeper shapes miss the target in
-their later layers (qwen3moe 2gb, 24 layers, F 0.4: 0.3-0.4 in layers 0-6 rising to 0.5-0.7,
-mean 0.51; 30b-a3b: 0.66), even with th bisected on sequences the rows were not fitted on:
-there the hidden state of a random-token sequence carries a component of its own that
-persists from token to token and points somewhere new in every sequence, so any linear
-router sees it as per-expert offsets that persist, and all-fresh rows already measure
-0.5-0.65 on held-out sequences. The measured value in the file is the one to quote.
+shown by `memfit info`; the check decodes ROUTING_CHECK_SEQS held-out sequences of
+ROUTING_CHECK_TOKENS tokens (one sequence's overlap varies by +-0.1, and overlap falls along a
+sequence). Random Q/K weights attend almost uniformly, so the attention's output is the
+prefix's average: a component of the hidden state that persists from token to token and points
+somewhere new in every sequence, which any linear router turns into per-expert offsets that
+last the sequence (deep shapes measured 0.5-0.7 asked 0.4 in their later layers). Calibrated
+files therefore also sharpen the attention (ATTN_GAIN_CALIBRATED times the query path,
+memfit.synth.attention_gain). Asked 0.4 (docs/NOTES.md session 26): qwen3moe 2gb 0.42 (0.51
+without the gain), 30b-a3b 0.455 and 0.403 on two sets of 8 held-out sequences (0.66 before).
+The measured value in the file is the one to quote.
 
 Weights are random valid blocks (memfit.quant.random: finite fp16 scales, uniform random
 quant bits, never runs of zeros), deterministic from (seed, tensor index, chunk). The file is
@@ -450,14 +451,18 @@ def _rows(shape: tuple[int, ...]) -> int:
 
 
 def _chunks(qt: GGMLType, shape: tuple[int, ...], rng: np.random.Generator, scale: float,
-            direction: np.ndarray | None = None, skew: float = 0.0, name: str = ""):
+            direction: np.ndarray | None = None, skew: float = 0.0, name: str = "",
+            gain: float = 1.0):
     """Yield the tensor's bytes in row chunks of about CHUNK_BYTES (stacked experts: rows of
-    all experts in order, so each expert is one contiguous range)."""
+    all experts in order, so each expert is one contiguous range). gain multiplies the
+    values (norm weights: base and noise alike)."""
     from .quant.random import random_weight
     if len(shape) == 1:
         base = 1.0 if "norm" in name else 0.0   # norms around 1, the shared-expert gate around 0
-        yield (base + 0.1 * rng.standard_normal(shape)).astype(np.float32).view(np.uint8)
+        v = gain * (base + 0.1 * rng.standard_normal(shape))
+        yield v.astype(np.float32).view(np.uint8)
         return
+    scale *= gain
     rows, cols = _rows(shape), shape[-1]
     rb = qt.row_bytes(cols)
     step = max(1, CHUNK_BYTES // rb)
@@ -476,6 +481,33 @@ def _chunks(qt: GGMLType, shape: tuple[int, ...], rng: np.random.Generator, scal
             lean = lean * a[r0:r0 + n, None]
         x = z + lean * direction
         yield (x.view(np.uint8) if qt.name == "F32" else _q8_0(x)).reshape(-1)
+
+
+# Calibrated routing's files multiply the attention's query path by this (the scores by it):
+# random Q/K weights give scores of spread ~1, nearly uniform attention whose output is the
+# prefix's average, a component of the hidden state that persists from token to token and
+# points somewhere new in each sequence, so no linear router can route such a sequence with
+# little overlap (the later layers of deep shapes measured 0.5-0.7 asked 0.4). Measured on
+# qwen3moe 2gb, asked 0.4 (docs/NOTES.md session 26; one 48-token check sequence, seeds 0-1):
+# gain 1 0.51, 4 0.41-0.43, 9 0.43, 25 0.48.
+ATTN_GAIN_CALIBRATED = 4.0
+
+
+def _query_path(names: list[str]) -> set[str]:
+    """Per layer the last tensor on the attention's query path whose scale reaches the scores
+    unnormalized: the per-head q norm where there is one (it rescales after Wq), else the
+    low-rank query's second matrix (MLA), else Wq."""
+    have = set(names)
+    out = set()
+    for n in names:
+        if not n.startswith("blk.") or not n.endswith(".weight"):
+            continue
+        pre = n[: n.index(".", 4) + 1]
+        for cand in ("attn_q_norm.weight", "attn_q_b.weight", "attn_q.weight"):
+            if pre + cand in have:
+                out.add(pre + cand)
+                break
+    return out
 
 
 def _q8_0(x: np.ndarray) -> np.ndarray:
@@ -571,6 +603,9 @@ def _write(path: Path, arch: str, size: str, quant: str, seed: int, progress: bo
         u = np.random.default_rng([seed, 1 << 20]).standard_normal(mc.n_embd)
         direction = (u / np.linalg.norm(u)).astype(np.float32)
 
+    attn_gain = ATTN_GAIN_CALIBRATED if calibrated else 1.0
+    gained = _query_path([n for n, _, _ in plan]) if attn_gain != 1.0 else set()
+
     tmp = path.with_name(path.name + ".partial")
     from .models.spec import write_hparams
     w = gguf.GGUFWriter(str(tmp), mc.arch)
@@ -588,6 +623,8 @@ def _write(path: Path, arch: str, size: str, quant: str, seed: int, progress: bo
         w.add_uint32("memfit.synth.routing_calibration_tokens",
                      ROUTING_CALIB_SEQS * ROUTING_CALIB_TOKENS)
         w.add_uint32("memfit.synth.routing_check_tokens", ROUTING_CHECK_TOKENS)
+        w.add_uint32("memfit.synth.routing_check_sequences", ROUTING_CHECK_SEQS)
+        w.add_float32("memfit.synth.attention_gain", attn_gain)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
@@ -644,7 +681,7 @@ def _write(path: Path, arch: str, size: str, quant: str, seed: int, progress: bo
                 skewed = direction is not None and (name == "token_embd.weight"
                                                     or name.endswith("ffn_gate_inp.weight"))
                 chunks = _chunks(qt, shape, rng, scale, direction if skewed else None,
-                                 routing_skew, name)
+                                 routing_skew, name, attn_gain if name in gained else 1.0)
             n = 0
             for c in chunks:
                 if err:
@@ -676,7 +713,7 @@ def _write(path: Path, arch: str, size: str, quant: str, seed: int, progress: bo
         _set_measured(tmp, r["overlap"], r["top_share"])
         if progress:
             print(f"synth {path.name}: measured overlap {r['overlap']:.3f}, top-{mc.n_expert_used} "
-                  f"share {r['top_share']:.3f} ({ROUTING_CHECK_TOKENS} decoded random tokens)",
+                  f"share {r['top_share']:.3f} ({ROUTING_CHECK_SEQS} x {ROUTING_CHECK_TOKENS} decoded random tokens)",
                   file=sys.stderr)
     dt = time.perf_counter() - t0
     os.replace(tmp, path)
@@ -686,8 +723,10 @@ def _write(path: Path, arch: str, size: str, quant: str, seed: int, progress: bo
 # ---- calibrated routing (--routing-overlap) ----
 ROUTING_CALIB_TOKENS = 64     # tokens of each calibration sequence (from position 0)
 ROUTING_CALIB_SEQS = 16       # calibration sequences the router rows are fitted on
-ROUTING_VAL_SEQS = 8          # and sequences they are not fitted on, where the overlap is bisected
-ROUTING_CHECK_TOKENS = 48     # held-out tokens decoded one at a time to measure the result
+ROUTING_VAL_SEQS = 16         # and sequences they are not fitted on, where the overlap is bisected
+ROUTING_CHECK_TOKENS = 64     # held-out tokens a sequence, decoded one at a time (as calibrated:
+ROUTING_CHECK_SEQS = 8        # overlap falls along a sequence, 0.51 -> 0.38 over 64 tokens on
+                              # 30b-a3b), in sequences (one sequence's overlap varied 0.35-0.56)
 _PERSISTENT, _FRESH = 0.8, 0.15   # lag-1 autocorrelation bounds of the two direction sets
 
 
@@ -800,7 +839,7 @@ def calibrate_routing(path, overlap: float, skew: float, seed: int,
     layers side by side (layer l's rows are fitted on the first n_seqs' inputs, their overlap
     bisected on the other n_val's, and all are routed with them before layer l+1 sees its
     inputs). Then
-    n_check other random tokens are decoded one at a time from a fresh load of the patched
+    ROUTING_CHECK_SEQS sequences of n_check other random tokens are decoded one at a time from a fresh load of the patched
     file and their choices measured: returns {"overlap", "top_share"} (means over the MoE
     layers) and the per-layer lists. progress: a line on stderr per layer (a 48-layer 30B
     takes minutes on 2 cores)."""
@@ -887,34 +926,39 @@ def _set_measured(path, overlap: float, top_share: float) -> None:
     del rd
 
 
-def measure_routing(path, n_tokens: int = ROUTING_CHECK_TOKENS, seed: int = 1, ops=None) -> dict:
-    """Decode n_tokens random tokens one at a time (each a forward with the cache, as
-    decode runs) and measure each MoE layer's router choices: {"overlap", "top_share"}
-    (means over the MoE layers) and per layer ("overlap_by_layer", "top_share_by_layer")."""
+def measure_routing(path, n_tokens: int = ROUTING_CHECK_TOKENS, seed: int = 1, ops=None,
+                    n_seqs: int = ROUTING_CHECK_SEQS) -> dict:
+    """Decode n_seqs sequences of n_tokens random tokens one at a time (each a forward with
+    the cache, as decode runs) and measure each MoE layer's router choices: {"overlap",
+    "top_share"} (means over the MoE layers of the per-sequence statistics' means) and per
+    layer ("overlap_by_layer", "top_share_by_layer")."""
     from .models import load_model
     m = load_model(path, ops=ops)
-    picks: dict[int, list] = {}
+    stats: dict[int, list] = {}
     try:
         orig = m.route
-
-        def route(il, x):
-            sel, wts = orig(il, x)
-            picks.setdefault(il, []).append(np.asarray(sel)[-1])
-            return sel, wts
-
-        m.route = route
         m._fused = []   # the router observed in Python: every layer op by op (same choices)
-        cache = m.new_cache(n_tokens)
-        ids = np.random.default_rng([seed, 1 << 22]).integers(3, m.config.n_vocab, n_tokens)
-        for t in ids.tolist():
-            m.forward([t], cache)
-        n_expert = m.config.n_expert
+        rng = np.random.default_rng([seed, 1 << 22])
+        for _ in range(n_seqs):
+            picks: dict[int, list] = {}
+
+            def route(il, x, picks=picks):
+                sel, wts = orig(il, x)
+                picks.setdefault(il, []).append(np.asarray(sel)[-1])
+                return sel, wts
+
+            m.route = route
+            cache = m.new_cache(n_tokens)
+            for t in rng.integers(3, m.config.n_vocab, n_tokens).tolist():
+                m.forward([t], cache)
+            for il, p in picks.items():
+                stats.setdefault(il, []).append(routing_stats(np.stack(p), m.config.n_expert))
     finally:
         m.file.close()
-    ov, top = zip(*(routing_stats(np.stack(p), n_expert) for _, p in sorted(picks.items())))
+    ov, top = zip(*(np.mean(v, axis=0) for _, v in sorted(stats.items())))
     return {"overlap": float(np.mean(ov)), "top_share": float(np.mean(top)),
-            "overlap_by_layer": [round(v, 3) for v in ov],
-            "top_share_by_layer": [round(v, 3) for v in top]}
+            "overlap_by_layer": [round(float(v), 3) for v in ov],
+            "top_share_by_layer": [round(float(v), 3) for v in top]}
 
 
 __all__ = ["CONFIGS", "FILE_TYPES", "LLAMA_FTYPES", "LOWBIT_MIXES", "SINGLE_TYPES", "SynthResult",
