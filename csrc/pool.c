@@ -115,12 +115,17 @@ static int detect_slow_gather(void) {
  * each): Q4_K at the 7B shapes 13.5-20.0 -> 20.4-27.6 GB/s, Q6_K 11-16 -> 19-22, Q8_0 18-20 ->
  * 27-29 (91-107% of the read probe), Q4_0 13-19 -> 19-23, IQ4_XS 13-14 -> 16-20; 1, 2 and 3 KiB
  * ahead within the noise of each other. Without the bursts the compute-bound kernels gain too
- * (IQ3_S, MXFP4, Q3_K, IQ2_XS +5-30%). The 7B Q4_K_M decode 3.7-4.4 -> 5.5-5.9 tok/s. */
-#define MF_TUNE_AMD_ZEN3 (mf_tune.pf_dist = 2048, mf_tune.pf_dist_multi = 1024, mf_tune.streams = 1, mf_tune.pf_rows = 0)
+ * (IQ3_S, MXFP4, Q3_K, IQ2_XS +5-30%). The 7B Q4_K_M decode 3.7-4.4 -> 5.5-5.9 tok/s.
+ * Session 26 (bench --kernels --tune, 2 threads, from DRAM, 5-7 trials alternated): Q4_K/Q6_K
+ * rows of at most 2400 bytes 4 at a time in one call (k_vd4_short_rb; the 4 rows one after
+ * another, the 1-row kernel's memory order): Q4_K 16384x768 (the 30B-A3B experts' down) +12-15%,
+ * 6144x2048 +18%, 152064x2048 +8%, Q6_K level to +3%; longer rows level (kept 1-row). */
+#define MF_TUNE_AMD_ZEN3 (mf_tune.pf_dist = 2048, mf_tune.pf_dist_multi = 1024, mf_tune.streams = 1, mf_tune.pf_rows = 0, \
+                          mf_tune.k_vd4_short_rb = 2400)
 mf_tune_t mf_tune = {.pf_rows = 8, .pf_rows_multi = 8, .pf_strided = 2, .q8_vd4_min_rb = 2048, .k_vd4_min_rb = 6144, .k_vd8_min_rb = 1 << 20,
                      .stride_max_rb = 3072, .streams = 2, .task_kib = 64, .task_kib_multi = 64, .task_kib_strided = 64,
                      .kg_tile_kib = 1024,
-                     .fa_heads = 128, .pf_dist = 0, .pf_dist_multi = 0};
+                     .fa_heads = 128, .pf_dist = 0, .pf_dist_multi = 0, .k_vd4_short_rb = 0};
 const char *mf_tune_source = "default";
 static char tune_source_buf[192];
 
@@ -157,7 +162,7 @@ static const char *tune_table_source;
 static int tune_apply(const char *spec) {
     static const struct { const char *name; int *field; } names[] = {
         {"pf_rows", &mf_tune.pf_rows}, {"pf_rows_multi", &mf_tune.pf_rows_multi}, {"pf_strided", &mf_tune.pf_strided},
-        {"q8_vd4_min_rb", &mf_tune.q8_vd4_min_rb}, {"k_vd4_min_rb", &mf_tune.k_vd4_min_rb}, {"k_vd8_min_rb", &mf_tune.k_vd8_min_rb},
+        {"q8_vd4_min_rb", &mf_tune.q8_vd4_min_rb}, {"k_vd4_min_rb", &mf_tune.k_vd4_min_rb}, {"k_vd8_min_rb", &mf_tune.k_vd8_min_rb}, {"k_vd4_short_rb", &mf_tune.k_vd4_short_rb},
         {"stride_max_rb", &mf_tune.stride_max_rb}, {"task_kib", &mf_tune.task_kib}, {"streams", &mf_tune.streams},
         {"task_kib_multi", &mf_tune.task_kib_multi}, {"task_kib_strided", &mf_tune.task_kib_strided},
         {"kg_tile_kib", &mf_tune.kg_tile_kib},
@@ -533,14 +538,14 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
 static PyObject *py_isa_hw(PyObject *self, PyObject *unused) { return PyUnicode_FromString(isa_names[mf_isa_hw]); }
 
 static PyObject *py_tune(PyObject *self, PyObject *unused) {
-    return Py_BuildValue("{s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "source", mf_tune_source, "pf_rows", mf_tune.pf_rows,
+    return Py_BuildValue("{s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "source", mf_tune_source, "pf_rows", mf_tune.pf_rows,
                          "pf_rows_multi", mf_tune.pf_rows_multi,
                          "pf_strided", mf_tune.pf_strided, "q8_vd4_min_rb", mf_tune.q8_vd4_min_rb,
                          "k_vd4_min_rb", mf_tune.k_vd4_min_rb, "k_vd8_min_rb", mf_tune.k_vd8_min_rb, "stride_max_rb", mf_tune.stride_max_rb,
                          "streams", mf_tune.streams, "task_kib", mf_tune.task_kib, "task_kib_multi", mf_tune.task_kib_multi,
                          "task_kib_strided", mf_tune.task_kib_strided,
                          "kg_tile_kib", mf_tune.kg_tile_kib, "fa_heads", mf_tune.fa_heads, "pf_dist", mf_tune.pf_dist, "pf_dist_multi", mf_tune.pf_dist_multi,
-                         "pdep", mf_tune.pdep);
+                         "pdep", mf_tune.pdep, "k_vd4_short_rb", mf_tune.k_vd4_short_rb);
 }
 
 static PyObject *py_set_tune(PyObject *self, PyObject *args) {
@@ -549,7 +554,7 @@ static PyObject *py_set_tune(PyObject *self, PyObject *args) {
     if (tune_set(spec)) {
         tune_set(NULL);
         return PyErr_Format(PyExc_ValueError, "tuning '%s': expected name=value,... with names pf_rows, pf_rows_multi, pf_strided, "
-                            "q8_vd4_min_rb, k_vd4_min_rb, k_vd8_min_rb, stride_max_rb, streams, task_kib, task_kib_multi, task_kib_strided, kg_tile_kib, fa_heads, pf_dist, pf_dist_multi, pdep and values 0..1048576", spec);
+                            "q8_vd4_min_rb, k_vd4_min_rb, k_vd8_min_rb, stride_max_rb, streams, task_kib, task_kib_multi, task_kib_strided, kg_tile_kib, fa_heads, pf_dist, pf_dist_multi, pdep, k_vd4_short_rb and values 0..1048576", spec);
     }
     return py_tune(self, NULL);
 }

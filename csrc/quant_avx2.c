@@ -220,34 +220,37 @@ AVX2 static inline __m256i k4_sc16(uint32_t u0, uint32_t u1) {
 /* Q4_K (and Q5_K below): sumi lanes times d*dx and the mins' 8 lanes (k4_mins) times dmin*dx, each
  * into its own float accumulator, reduced once at the end (no horizontal sum per block); the
  * scales broadcast by vpshufb and d, dmin convert in one vcvtph2ps. */
+AVX2 static inline void q4_k_step(const uint8_t *w, const mf_q8_256 *x, __m256 *acc, __m256 *accm) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    uint32_t u[4];
+    k4_scales(w + 4, u);
+    const __m256i mm = k4_mins(u, x->bsums);
+    const __m256i sc = k4_sc16(u[0], u[1]);
+    const uint8_t *qs = w + 16;
+    const int8_t *y = x->qs;
+    __m256i sumi = _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++) {
+        __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+        __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(y + 64 * j)));
+        __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(y + 64 * j + 32)));
+        p0 = _mm256_madd_epi16(p0, _mm256_shuffle_epi8(sc, K4_SHUF(2 * j)));
+        p1 = _mm256_madd_epi16(p1, _mm256_shuffle_epi8(sc, K4_SHUF(2 * j + 1)));
+        sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p1));
+    }
+    int32_t h;
+    memcpy(&h, w, 4);
+    const __m128 dm = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(h)), _mm_set1_ps(x->d)); /* d*dx, dmin*dx */
+    *acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(dm), _mm256_cvtepi32_ps(sumi), *acc);
+    *accm = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)), _mm256_cvtepi32_ps(mm), *accm);
+}
 AVX2 static float vd_q4_k(const uint8_t *w, const void *xv, int64_t nb) {
     const mf_q8_256 *x = xv;
     __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
-    const __m256i m4 = _mm256_set1_epi8(0xF);
     const int64_t pfd = mf_tune.pf_dist;
     for (int64_t b = 0; b < nb; b++, w += 144) {
         MF_PF_STEP(w, pfd, 144);
-        uint32_t u[4];
-        k4_scales(w + 4, u);
-        const __m256i mm = k4_mins(u, x[b].bsums);
-        const __m256i sc = k4_sc16(u[0], u[1]);
-        const uint8_t *qs = w + 16;
-        const int8_t *y = x[b].qs;
-        __m256i sumi = _mm256_setzero_si256();
-        for (int j = 0; j < 4; j++) {
-            __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
-            __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-            __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(y + 64 * j)));
-            __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(y + 64 * j + 32)));
-            p0 = _mm256_madd_epi16(p0, _mm256_shuffle_epi8(sc, K4_SHUF(2 * j)));
-            p1 = _mm256_madd_epi16(p1, _mm256_shuffle_epi8(sc, K4_SHUF(2 * j + 1)));
-            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p1));
-        }
-        int32_t h;
-        memcpy(&h, w, 4);
-        const __m128 dm = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(h)), _mm_set1_ps(x[b].d)); /* d*dx, dmin*dx */
-        acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(dm), _mm256_cvtepi32_ps(sumi), acc);
-        accm = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)), _mm256_cvtepi32_ps(mm), accm);
+        q4_k_step(w, x + b, &acc, &accm);
     }
     return hsum_ps(acc) - hsum_ps(accm);
 }
@@ -300,39 +303,79 @@ AVX2 static inline __m256i q6_pick(int k) {
     return _mm256_set_m128i(_mm_set1_epi16((short)(((4 * k + 3) << 8) | (4 * k + 2))),
                             _mm_set1_epi16((short)(((4 * k + 1) << 8) | (4 * k))));
 }
+AVX2 static inline void q6_k_step(const uint8_t *w, const mf_q8_256 *x, __m256 *acc) {
+    const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
+    const __m256i k0 = q6_pick(0), k1 = q6_pick(1), k2 = q6_pick(2), k3 = q6_pick(3);
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 192)));
+    const __m256i cv = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)x->bsums));
+    __m256i sumi = _mm256_setzero_si256();
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *ql = w + 64 * h, *qhp = w + 128 + 32 * h;
+        const int8_t *y = x->qs + 128 * h;
+        const __m256i sd = h ? _mm256_permute2x128_si256(sc16, sc16, 0x11) : _mm256_permute2x128_si256(sc16, sc16, 0x00);
+        __m256i a = _mm256_loadu_si256((const __m256i *)ql), c = _mm256_loadu_si256((const __m256i *)(ql + 32));
+        __m256i qh = _mm256_loadu_si256((const __m256i *)qhp);
+        __m256i v0 = _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+        __m256i v1 = _mm256_or_si256(_mm256_and_si256(c, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+        __m256i v2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), _mm256_and_si256(qh, m30));
+        __m256i v3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), m4), _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+        __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(v0, _mm256_loadu_si256((const __m256i *)y)), _mm256_shuffle_epi8(sd, k0));
+        __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(v1, _mm256_loadu_si256((const __m256i *)(y + 32))), _mm256_shuffle_epi8(sd, k1));
+        __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(v2, _mm256_loadu_si256((const __m256i *)(y + 64))), _mm256_shuffle_epi8(sd, k2));
+        __m256i p3 = _mm256_madd_epi16(_mm256_maddubs_epi16(v3, _mm256_loadu_si256((const __m256i *)(y + 96))), _mm256_shuffle_epi8(sd, k3));
+        sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)));
+    }
+    /* the -32 offset's correction (32 x scales . bsums) stays in the 8 lanes it was made in */
+    const __m256i tot = _mm256_sub_epi32(sumi, _mm256_slli_epi32(cv, 5));
+    *acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w + 208) * x->d), _mm256_cvtepi32_ps(tot), *acc);
+}
 AVX2 static float vd_q6_k(const uint8_t *w, const void *xv, int64_t nb) {
     const mf_q8_256 *x = xv;
     __m256 acc = _mm256_setzero_ps();
-    const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
-    const __m256i k0 = q6_pick(0), k1 = q6_pick(1), k2 = q6_pick(2), k3 = q6_pick(3);
     const int64_t pfd = mf_tune.pf_dist;
     for (int64_t b = 0; b < nb; b++, w += 210) {
         MF_PF_STEP(w, pfd, 210);
-        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 192)));
-        const __m256i cv = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)x[b].bsums));
-        __m256i sumi = _mm256_setzero_si256();
-        for (int h = 0; h < 2; h++) {
-            const uint8_t *ql = w + 64 * h, *qhp = w + 128 + 32 * h;
-            const int8_t *y = x[b].qs + 128 * h;
-            const __m256i sd = h ? _mm256_permute2x128_si256(sc16, sc16, 0x11) : _mm256_permute2x128_si256(sc16, sc16, 0x00);
-            __m256i a = _mm256_loadu_si256((const __m256i *)ql), c = _mm256_loadu_si256((const __m256i *)(ql + 32));
-            __m256i qh = _mm256_loadu_si256((const __m256i *)qhp);
-            __m256i v0 = _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
-            __m256i v1 = _mm256_or_si256(_mm256_and_si256(c, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
-            __m256i v2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), _mm256_and_si256(qh, m30));
-            __m256i v3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), m4), _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
-            __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(v0, _mm256_loadu_si256((const __m256i *)y)), _mm256_shuffle_epi8(sd, k0));
-            __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(v1, _mm256_loadu_si256((const __m256i *)(y + 32))), _mm256_shuffle_epi8(sd, k1));
-            __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(v2, _mm256_loadu_si256((const __m256i *)(y + 64))), _mm256_shuffle_epi8(sd, k2));
-            __m256i p3 = _mm256_madd_epi16(_mm256_maddubs_epi16(v3, _mm256_loadu_si256((const __m256i *)(y + 96))), _mm256_shuffle_epi8(sd, k3));
-            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)));
-        }
-        /* the -32 offset's correction (32 x scales . bsums) stays in the 8 lanes it was made in */
-        const __m256i tot = _mm256_sub_epi32(sumi, _mm256_slli_epi32(cv, 5));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w + 208) * x[b].d), _mm256_cvtepi32_ps(tot), acc);
+        q6_k_step(w, x + b, &acc);
     }
     return hsum_ps(acc);
 }
+/* hsum_ps of 4 vectors at once, each lane in hsum_ps's order ((s0 + s2) + (s1 + s3), s = low +
+ * high half): the 4-row kernels' rows get the 1-row kernels' bits */
+AVX2 static inline __m128 hsum4_exact(__m256 a, __m256 b, __m256 c, __m256 d) {
+    __m128 s0 = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    __m128 s1 = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
+    __m128 s2 = _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps(c, 1));
+    __m128 s3 = _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
+    _MM_TRANSPOSE4_PS(s0, s1, s2, s3); /* s_j: lane j of each row */
+    return _mm_add_ps(_mm_add_ps(s0, s2), _mm_add_ps(s1, s3));
+}
+/* 4 rows (rb bytes apart) in one call, one after another, each exactly as vd_q4_k / vd_q6_k
+ * reads and sums it (the same bits, the same prefetch, the same memory order as four 1-row
+ * calls), with one call and one 4-row reduction for the 4: the experts' 768-column rows are 3
+ * blocks, where per-row overhead was a third of the 1-row kernel's time in L2 (tools/vd-harness.sh).
+ * Interleaving the 4 rows block by block was faster in L2 but 30-40% slower from DRAM (Zen 3:
+ * the 4 short streams a few hundred bytes apart defeat the prefetchers). */
+#define VD4_SEQ(NAME, STEP, BYTES, MINS)                                                          \
+    AVX2 static void NAME(const uint8_t *w, size_t rb, const void *xv, int64_t nb, float *out) {  \
+        const mf_q8_256 *x = xv;                                                                  \
+        __m256 a[4], m[4];                                                                        \
+        const int64_t pfd = mf_tune.pf_dist;                                                      \
+        for (int r = 0; r < 4; r++) {                                                             \
+            __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();                         \
+            const uint8_t *wr = w + r * rb;                                                       \
+            for (int64_t b = 0; b < nb; b++, wr += BYTES) {                                       \
+                MF_PF_STEP(wr, pfd, BYTES);                                                       \
+                STEP;                                                                             \
+            }                                                                                     \
+            a[r] = acc, m[r] = accm;                                                              \
+        }                                                                                         \
+        __m128 s = hsum4_exact(a[0], a[1], a[2], a[3]);                                           \
+        if (MINS) s = _mm_sub_ps(s, hsum4_exact(m[0], m[1], m[2], m[3]));                         \
+        _mm_storeu_ps(out, s);                                                                    \
+    }
+VD4_SEQ(vd4_q4_k, q4_k_step(wr, x + b, &acc, &accm), 144, 1)
+VD4_SEQ(vd4_q6_k, (void)accm; q6_k_step(wr, x + b, &acc), 210, 0)
+
 /* Q3_K / Q2_K: 2-bit fields at shift 2s of qs[32c + l] for element 128c + 32s + l. The 16
  * scales decoded with vector ops, widened once and picked per 32 values by vpshufb (q6_pick),
  * the corrections (scales . bsums) by one vpmaddwd: the scalar decode and two scalar broadcasts
@@ -973,7 +1016,7 @@ const uint8_t mf_kpf_avx2[T_MAX] = {[T_Q4_K] = 1, [T_Q5_K] = 1, [T_Q6_K] = 1, [T
 
 mf_vecdot4_fn mf_vecdot4_avx2[T_MAX] = {
     [T_Q4_0] = vd4_q4_0, [T_Q4_1] = vd4_q4_1, [T_Q5_0] = vd4_q5_0, [T_Q5_1] = vd4_q5_1, [T_MXFP4] = mf_vd4_mxfp4_avx2,
-    [T_NVFP4] = mf_vd4_nvfp4_avx2,
+    [T_NVFP4] = mf_vd4_nvfp4_avx2, [T_Q4_K] = vd4_q4_k, [T_Q6_K] = vd4_q6_k,
     /* Q8_0/IQ4_NL: the 4-row form measured 2x slower from DRAM (49152x576), so not used */
 };
 

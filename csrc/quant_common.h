@@ -96,6 +96,7 @@ typedef struct {
     int pf_dist_multi; /* the same for the 4/8-row kernels (while pf_dist is on): each of their
                         * 4-8 streams a core walks at once gets this distance */
     int pdep;          /* IQ1_S/IQ1_M/IQ3_S AVX2 decode: grid-row indexes built by pdep (1; only with BMI2) */
+    int k_vd4_short_rb; /* avx2: Q4_K/Q6_K rows of at most this many bytes take the 4-row kernel (0: never) */
 } mf_tune_t;
 #define MF_FA_HEADS_MAX 128 /* mf_tune.fa_heads at most (ops.c's per-task state arrays) */
 extern mf_tune_t mf_tune;

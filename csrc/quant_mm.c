@@ -29,6 +29,7 @@ typedef struct {
     int streams;       /* decode, 1-row kernels: rows of a task read as this many streams */
     int strided;       /* decode, 4/8-row kernels on short rows: a group's rows are a task part apart */
     int kpf;           /* decode: the kernels prefetch in their block loop (no row-ahead prefetch) */
+    int vd4_seq;       /* decode: vd4 reads its 4 rows one after another as the 1-row kernel (its tasks) */
     int64_t rt; /* W rows per task */
     int kg, g32;             /* K-quant GEMM path (avx512vnni); sub-blocks of 32 (Q4_K/Q5_K) */
     int err;                 /* set by a task that could not get its scratch: the call returns -3 */
@@ -411,6 +412,12 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
     } else {
         c.vd = vd;
         c.vd4 = mf_vecdot4_avx2[type];
+        /* the K-quants' 4-row kernel on short rows only (mf_tune.k_vd4_short_rb: per-row
+         * overhead is a large share of a row of few blocks) */
+        if (type == T_Q4_K || type == T_Q6_K) {
+            if (c.rb > mf_tune.k_vd4_short_rb) c.vd4 = NULL;
+            c.vd4_seq = c.vd4 != NULL;
+        }
         c.vx4 = mf_vecdotx4_avx2[type];
         c.kpf = mf_tune.pf_dist && mf_kpf_avx2[type];
         c.xfmt = q->xfmt;
@@ -470,6 +477,7 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
         if (mf_vecdot_avx512[type]) c.vd = mf_vecdot_avx512[type], c.vx4 = NULL; /* vx4 pairs with the AVX2 vd */
         c.vd4 = mf_vecdot4_avx512[type];
         c.vd8 = mf_vecdot8_avx512[type];
+        c.vd4_seq = 0;
         if (c.rb < vd4_min_rb(type)) c.vd4 = NULL;
         if (c.rb < vd8_min_rb(type)) c.vd8 = NULL;
         c.strided = (c.vd4 || c.vd8) && c.rb <= mf_tune.stride_max_rb;
@@ -488,7 +496,7 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
         int64_t share = (rows + nt - 1) / nt;
         c.streams = c.vd4 || c.vd8 ? 1 : mf_tune.streams;
         const int64_t tb = c.strided ? (int64_t)mf_tune.task_kib_strided * 1024
-                         : c.vd4 || c.vd8 ? (int64_t)mf_tune.task_kib_multi * 1024 : (int64_t)mf_tune.task_kib * 4096;
+                         : (c.vd4 || c.vd8) && !c.vd4_seq ? (int64_t)mf_tune.task_kib_multi * 1024 : (int64_t)mf_tune.task_kib * 4096;
         if (share * c.rb > tb) share = tb / c.rb;
         c.rt = share < 4 ? 4 : (share + 3) & ~(int64_t)3; /* rows longer than a task: 4 rows a task */
     }

@@ -35,6 +35,9 @@ TUNINGS = [
     "pf_dist=0,pf_rows=2",
     "pdep=0",
     "pdep=1",
+    f"k_vd4_short_rb={BIG}",
+    f"k_vd4_short_rb={BIG},pf_dist=0,task_kib_multi=4",
+    "k_vd4_short_rb=0,pf_dist=2048,pf_dist_multi=1024",
 ]
 
 

@@ -55,17 +55,41 @@ int main(int argc, char **argv) {
         }
     }
     mf_vecdot_fn vd = mf_vecdot_avx2[type];
+    mf_vecdot4_fn vd4 = getenv("VD4") ? mf_vecdot4_avx2[type] : NULL;
+    if (getenv("VD4") && !vd4) {
+        fprintf(stderr, "vd_harness: %s has no AVX2 4-row kernel\n", name);
+        return 2;
+    }
+    if (vd4) /* the 4-row kernel's rows must be the 1-row kernel's bits */
+        for (int r = 0; r + 4 <= rows; r += 4) {
+            float o[4];
+            vd4(w + r * rb, rb, x, nb, o);
+            for (int k = 0; k < 4; k++) {
+                float e = vd(w + (r + k) * rb, x, nb);
+                if (memcmp(&e, &o[k], 4)) {
+                    fprintf(stderr, "vd_harness: row %d: 4-row %.9g != 1-row %.9g\n", r + k, o[k], e);
+                    return 1;
+                }
+            }
+        }
     volatile float sink = 0;
     double best = 1e9;
     for (int rep = 0; rep < 7; rep++) {
         double t0 = now();
         for (int it = 0; it < 2000; it++)
-            for (int r = 0; r < rows; r++) sink += vd(w + r * rb, x, nb);
+            if (vd4)
+                for (int r = 0; r + 4 <= rows; r += 4) {
+                    float o[4];
+                    vd4(w + r * rb, rb, x, nb, o);
+                    sink += o[0] + o[3];
+                }
+            else
+                for (int r = 0; r < rows; r++) sink += vd(w + r * rb, x, nb);
         double dt = now() - t0;
         if (dt < best) best = dt;
     }
     const double blocks = 2000.0 * rows * nb;
-    printf("%s rows %d pf_dist %d: %.2f ns/block, %.1f GB/s\n", name, rows, (int)mf_tune.pf_dist,
+    printf("%s%s rows %d pf_dist %d: %.2f ns/block, %.1f GB/s\n", name, vd4 ? " 4-row" : "", rows, (int)mf_tune.pf_dist,
            best / blocks * 1e9, blocks * bb / best / 1e9);
     free(w);
     free(x);
