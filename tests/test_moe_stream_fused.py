@@ -395,3 +395,25 @@ def test_switch_with_a_bad_value_fails_the_load(tmp_path, monkeypatch, name):
             load_model(f, ops=get_ops("native"))
     finally:
         f.close()
+
+
+def test_profile_times_the_streamed_layer_and_keeps_its_results(tmp_path, monkeypatch):
+    """`bench --profile` wraps the fused calls to time them: the streamed MoE layer's calls
+    (decode_batch_moe's answer decides whether the experts still run) must give the same
+    logits as an unprofiled decode, count as fused layers, and the store's read waits are
+    their own part of the token."""
+    from memfit.bench.profile import profile_decode
+    monkeypatch.setenv("MEMFIT_EXPERT_LOOKAHEAD", "0")
+    with _streamed_layer(tmp_path, "qwen3moe", 5, monkeypatch) as (store, model, il, layer):
+        ids = [5, 9, 3, 17, 4, 8, 11, 2, 6, 13]
+        cache = model.new_cache(16)
+        want = [np.array(model.forward([t], cache), copy=True) for t in ids]
+        p = profile_decode(model, n_gen=4, n_prompt=3, probe_gb_per_s=10.0)
+        assert p["fused_layers"] and p["layer_rest_ms"] > 0 and p["io_stall_ms"] >= 0
+        parts = p["layer_matvec_ms"] + p["layer_rest_ms"] + p["output_ms"] + p["io_stall_ms"] + p["other_ms"]
+        assert parts == pytest.approx(p["ms_per_token"], rel=1e-9)
+        assert model.moe_stream_stats["one_call"] > 0   # decode_batch_moe ran (and was timed)
+        cache = model.new_cache(16)
+        got = [np.array(model.forward([t], cache), copy=True) for t in ids]
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert np.array_equal(a, b), f"token {i}: the profiled model's logits changed"

@@ -7,7 +7,8 @@ fused decoder-layer call from Python. Per token:
 - each matmul call by weight set (type, shape; Q/K/V and gate/up are one call each, as decode
   issues them), its time, and its GB/s of weight bytes against the read probe;
 - the rest of the layer (attention, norms, RoPE, activation, KV write: layer time minus its
-  matvecs), the output matrix, and what is left: Python, embedding lookup, final norm;
+  matvecs), the output matrix, the waits for a streaming store's reads (I/O stall), and what
+  is left: Python, embedding lookup, final norm;
 - the thread pool: jobs per token and the threads' idle time inside jobs (dispatch, waiting
   for the last task, imbalance), which is already part of the matvec times above.
 
@@ -50,20 +51,25 @@ def profile_decode(model, n_gen: int = 32, n_prompt: int = 0, seed: int = 0,
     layer_ns = [0]
     ops = model.ops
     # the fused layers the model calls for decode rows (a layer whose experts the store streams:
-    # the two calls around get_experts)
-    names = [nm for nm in ("decode_batch", "decode_batch_route", "decode_batch_experts")
+    # one call when its experts are at hand, else the calls around the store's reads)
+    names = [nm for nm in ("decode_batch", "decode_batch_moe", "decode_batch_route",
+                           "decode_batch_route_ahead", "decode_batch_experts",
+                           "decode_batch_experts_at", "decode_batch_experts_part")
              if hasattr(ops, nm)]
     real = {nm: getattr(ops, nm) for nm in names}
 
     def timer(f):
         def timed(*a):
             t0 = time.perf_counter_ns()
-            f(*a)
+            r = f(*a)
             layer_ns[0] += time.perf_counter_ns() - t0
+            return r
         return timed
 
     for nm in names:
         setattr(ops, nm, timer(real[nm]))
+    store = model.weights
+    stall0 = getattr(store, "io_stall_s", None)
     _native.profile(True)
     try:
         t0 = time.perf_counter_ns()
@@ -97,6 +103,8 @@ def profile_decode(model, n_gen: int = 32, n_prompt: int = 0, seed: int = 0,
             layer_bytes += m["bytes"] * calls
     mats.sort(key=lambda r: -r["ms"])
     total_ms, layers_ms = total_ns * per, layer_ns[0] * per
+    # the caller's waits for the store's reads (a streamed model; outside the fused calls)
+    stall_ms = (store.io_stall_s - stall0) * 1e9 * per if stall0 is not None else 0.0
     thr = st["threads"]
     idle_ms = (st["wall_ns"] * thr - st["busy_ns"]) / thr * per
     res = {
@@ -106,7 +114,8 @@ def profile_decode(model, n_gen: int = 32, n_prompt: int = 0, seed: int = 0,
         "layers_ms": layers_ms, "layer_matvec_ms": layer_mat_ms,
         "layer_rest_ms": layers_ms - layer_mat_ms if layer_ns[0] else None,
         "output_ms": out_ms,
-        "other_ms": total_ms - (layers_ms if layer_ns[0] else layer_mat_ms) - out_ms,
+        "io_stall_ms": stall_ms,
+        "other_ms": total_ms - (layers_ms if layer_ns[0] else layer_mat_ms) - out_ms - stall_ms,
         "pool_jobs_per_token": st["jobs"] / n_gen, "pool_idle_ms": idle_ms,
         "pool_tail_wait_ms": st["tail_wait_ns"] * per,
         "weight_bytes_per_token": layer_bytes + out_bytes, "matmuls": mats,
@@ -143,6 +152,8 @@ def format_profile(p: dict) -> str:
     if p["layer_rest_ms"] is not None:
         lines.append(row("attention, norms, RoPE, routing, activation, KV write (in the fused layers)",
                          p["layer_rest_ms"]))
+    if p.get("io_stall_ms"):
+        lines.append(row("waiting for the store's weight reads (I/O stall)", p["io_stall_ms"]))
     lines.append(row("Python, embedding, final norm, other", p["other_ms"]))
     lines.append(row("thread pool idle inside jobs (part of the matvecs above)", p["pool_idle_ms"],
                      f"{p['pool_jobs_per_token']:.0f} jobs/token; caller's wait for the last task "
