@@ -127,7 +127,7 @@ typedef struct {
 
 static int moe_half(const layer_t *L, float *x, int64_t n, const uint8_t *const *w,
                     const uint8_t *const *xtab, route_out_t *rt, float *h, float *out, float *yk,
-                    uint8_t *done, int phase);
+                    uint8_t *done, int phase, const float *pre_h, const float *pre_lg);
 
 /* The layer (see the file comment) for n rows, each a decode token of its own sequence (or any
  * causal rows). Matmuls keep the one-row kernels (vec_only), so a row's result does not depend
@@ -180,7 +180,7 @@ static int run_layer(const layer_t *L, float *x, int64_t n, const kvref_t *kv, c
     if (vec[V_BO]) add_rows(o, vec[V_BO], n, E);
     if (vec[V_POST_ATTN]) mf_rmsnorm_f32(o, vec[V_POST_ATTN], o, n, E, L->eps);
     add_rows(x, o, 1, n * E);
-    if (L->moe) return moe_half(L, x, n, w, xtab, rt, h, o, NULL, NULL, 0);
+    if (L->moe) return moe_half(L, x, n, w, xtab, rt, h, o, NULL, NULL, 0, NULL, NULL);
 
     /* feed-forward */
     mf_rmsnorm_f32(x, vec[V_FFN_NORM], h, n, E, L->eps);
@@ -255,7 +255,7 @@ static int expert_groups(const layer_t *L, const uint8_t **wp, const int64_t *of
 
 static int moe_half(const layer_t *L, float *x, int64_t n, const uint8_t *const *w,
                     const uint8_t *const *xtab, route_out_t *rt, float *h, float *out, float *yk,
-                    uint8_t *done, int phase) {
+                    uint8_t *done, int phase, const float *pre_h, const float *pre_lg) {
     const int64_t E = L->n_embd, X = L->n_expert, K = L->k_used, F = L->n_ff_exp, Fs = L->n_ff_sh;
     const float *const *vec = L->vec;
     /* logits, probs, sel_p [n, X]; picked wts, group wts [n K]; shared: gate [n], g, u [n, Fs],
@@ -274,14 +274,18 @@ static int moe_half(const layer_t *L, float *x, int64_t n, const uint8_t *const 
     const uint8_t **wp = (const uint8_t **)(((uintptr_t)(sgrp + X) + 7) & ~(uintptr_t)7), **swp = wp + 3 * X;
     int rc;
 
-    mf_rmsnorm_f32(x, vec[V_FFN_NORM], h, n, E, L->eps);
-    /* router */
-    {
+    /* pre_h, pre_lg: what the route call left (route_out_t h and logits, the bias added) for
+     * these rows of this x: the same computation, so taken as they are */
+    if (pre_h) memcpy(h, pre_h, sizeof(float) * (size_t)(n * E));
+    else mf_rmsnorm_f32(x, vec[V_FFN_NORM], h, n, E, L->eps);
+    if (pre_lg) {
+        memcpy(logits, pre_lg, sizeof(float) * (size_t)(n * X));
+    } else {
         float *ys[1] = {logits};
         if ((rc = mf_matmul_multi_ex(1, &L->types[M_ROUTER], &w[M_ROUTER], &L->rows[M_ROUTER], E, h, n, ys, 1)))
             return rc;
+        if (vec[V_ROUTER_B]) add_rows(logits, vec[V_ROUTER_B], n, X);
     }
-    if (vec[V_ROUTER_B]) add_rows(logits, vec[V_ROUTER_B], n, X);
     if (L->sigmoid) mf_sigmoid_f32(logits, probs, n * X);
     else if (L->softmax_w) memcpy(probs, logits, sizeof(float) * (size_t)(n * X));
     else mf_softmax_f32(logits, probs, n, X);
@@ -413,10 +417,11 @@ static int moe_half(const layer_t *L, float *x, int64_t n, const uint8_t *const 
 /* The MoE half alone (decode_batch_experts): x [n, E] after the attention's residual, the
  * experts at xtab (see moe_half). */
 static int run_experts(const layer_t *L, float *x, int64_t n, const uint8_t *const *w,
-                       const uint8_t *const *xtab, float *yk, uint8_t *done, int phase) {
+                       const uint8_t *const *xtab, float *yk, uint8_t *done, int phase,
+                       const float *pre_h, const float *pre_lg) {
     float *s = scratch((size_t)(2 * n * L->n_embd));
     if (!s) return -3;
-    return moe_half(L, x, n, w, xtab, NULL, s, s + n * L->n_embd, yk, done, phase);
+    return moe_half(L, x, n, w, xtab, NULL, s, s + n * L->n_embd, yk, done, phase, pre_h, pre_lg);
 }
 
 /* Router look-ahead (models/lookahead.py RouterLookahead, the same state and float operations):
@@ -991,9 +996,11 @@ static PyObject *py_decode_batch_route_ahead(PyObject *self, PyObject *const *a,
     return decode_batch_impl(a, na, 3);
 }
 
-/* decode_batch_experts_at(layer, x[n, E], xbuf, xoff, router[, gate_shexp, up_shexp, down_shexp]):
- * decode_batch_experts with the experts from the store's table (see expert_table); every expert
- * the rows choose must be there.
+/* decode_batch_experts_at(layer, x[n, E], xbuf, xoff, router[, gate_shexp, up_shexp, down_shexp]
+ * [, h, logits]): decode_batch_experts with the experts from the store's table (see
+ * expert_table); every expert the rows choose must be there. h [n, E] and logits [n, X]: the
+ * route call's (route_out_t) for this x, taken instead of running the FFN norm and the router
+ * again (the same bits: the same computation on the same x).
  * part (decode_batch_experts_part(layer, x, xbuf, xoff, yk, done, final, router[, ...])): in
  * pieces while the store reads the rest: final 0 computes the chosen experts that are there and
  * not done (done uint8 [n_expert], yk float32 [n, n_expert_used, n_embd] keep them; x untouched);
@@ -1004,15 +1011,16 @@ static PyObject *experts_at_impl(PyObject *const *a, Py_ssize_t na, int part) {
     layer_t *L = na >= 1 ? PyCapsule_GetPointer(a[0], CAPSULE) : NULL;
     if (!L && na >= 1) return NULL;
     const int nw = L ? 1 + (L->nw - M_GS) : 0;
-    if (!L || !L->moe || na != wa + nw) {
+    if (!L || !L->moe || (na != wa + nw && na != wa + nw + 2)) {
         if (part)
             return PyErr_Format(PyExc_TypeError, "decode_batch_experts_part(layer, x, xbuf, xoff, yk, done, "
-                                "final, router[, the 3 shared-expert matrices]) of a MoE layer");
+                                "final, router[, the 3 shared-expert matrices][, h, logits]) of a MoE layer");
         return PyErr_Format(PyExc_TypeError, "decode_batch_experts_at(layer, x, xbuf, xoff, router[, the 3 "
-                            "shared-expert matrices]) of a MoE layer");
+                            "shared-expert matrices][, h, logits]) of a MoE layer");
     }
-    Py_buffer x, xbuf, xoff, yk, dn, w[NWM];
-    int got = 0, rc = 0, have_xb = 0, have_xo = 0, have_yk = 0, have_dn = 0, final = 1;
+    const int routed = na == wa + nw + 2; /* h [n, E], logits [n, X] from the route call */
+    Py_buffer x, xbuf, xoff, yk, dn, w[NWM], hb, lb;
+    int got = 0, rc = 0, have_xb = 0, have_xo = 0, have_yk = 0, have_dn = 0, have_h = 0, have_l = 0, final = 1;
     const uint8_t **xtab = NULL;
     const char *bad = NULL;
     if (part) {
@@ -1040,6 +1048,14 @@ static PyObject *experts_at_impl(PyObject *const *a, Py_ssize_t na, int part) {
         else if ((have_dn = 1) && dn.len != L->n_expert)
             bad = "done must be n_expert bytes";
     }
+    if (routed && !bad) {
+        if (typed_buffer(a[na - 2], &hb, 0, 0, "h") < 0) bad = "";
+        else if ((have_h = 1) && hb.len != n * L->n_embd * 4) bad = "h must be [n, n_embd]";
+    }
+    if (routed && !bad) {
+        if (typed_buffer(a[na - 1], &lb, 0, 0, "logits") < 0) bad = "";
+        else if ((have_l = 1) && lb.len != n * L->n_expert * 4) bad = "logits must be [n, n_expert]";
+    }
     if (!bad) bad = expert_table(L, &xbuf, &xoff, &xtab);
     if (!bad) bad = get_weights(L, a + wa, slots, nw, w, &got);
     if (!bad) {
@@ -1047,9 +1063,11 @@ static PyObject *experts_at_impl(PyObject *const *a, Py_ssize_t na, int part) {
         for (int j = 0; j < nw; j++) wp[slots[j]] = w[j].buf;
         Py_BEGIN_ALLOW_THREADS
         rc = run_experts(L, x.buf, n, wp, xtab, part ? yk.buf : NULL, part ? dn.buf : NULL,
-                         part ? (final ? 2 : 1) : 0);
+                         part ? (final ? 2 : 1) : 0, have_h ? hb.buf : NULL, have_l ? lb.buf : NULL);
         Py_END_ALLOW_THREADS
     }
+    if (have_h) PyBuffer_Release(&hb);
+    if (have_l) PyBuffer_Release(&lb);
     free(xtab);
     if (have_xb) PyBuffer_Release(&xbuf);
     if (have_xo) PyBuffer_Release(&xoff);
@@ -1130,7 +1148,7 @@ static PyObject *py_decode_batch_experts(PyObject *self, PyObject *const *a, Py_
         const uint8_t *wp[NWM] = {0};
         for (int j = 0; j < nw; j++) wp[slots[j]] = w[j].buf;
         Py_BEGIN_ALLOW_THREADS
-        rc = run_experts(L, x.buf, n, wp, xtab, NULL, NULL, 0);
+        rc = run_experts(L, x.buf, n, wp, xtab, NULL, NULL, 0, NULL, NULL);
         Py_END_ALLOW_THREADS
     }
     for (Py_ssize_t i = 0; i < nxb; i++) PyBuffer_Release(&xb[i]);
@@ -1208,7 +1226,8 @@ PyMethodDef mf_decode_methods[] = {
      "-1: not there) when every chosen one is there (True); False: routed only"},
     {"decode_batch_experts_at", (PyCFunction)(void (*)(void))py_decode_batch_experts_at, METH_FASTCALL,
      "decode_batch_experts_at(layer, x[n, n_embd], xbuf, xoff int64[n_expert, 3], router[, gate_shexp, "
-     "up_shexp, down_shexp]): decode_batch_experts with the experts from the store's table"},
+     "up_shexp, down_shexp][, h, logits]): decode_batch_experts with the experts from the store's table; h and "
+     "logits: what the route call left for this x (its FFN norm and router are not run again)"},
     {"decode_batch_route_ahead", (PyCFunction)(void (*)(void))py_decode_batch_route_ahead, METH_FASTCALL,
      "decode_batch_route_ahead(layer, x, pos, slots, q_tab, tables, bs, kv_type, K, V, sel, h, logits, seq int32[n], "
      "real, real_pos, look, look_pos, il, next_router | None, next_type, next_bias | None, pred int64[n, k], wq, wk, "
@@ -1216,7 +1235,7 @@ PyMethodDef mf_decode_methods[] = {
      "predict (layer il + 1, its top k into pred) on the state arrays"},
     {"decode_batch_experts_part", (PyCFunction)(void (*)(void))py_decode_batch_experts_part, METH_FASTCALL,
      "decode_batch_experts_part(layer, x[n, n_embd], xbuf, xoff, yk[n, k, n_embd], done uint8[n_expert], final, "
-     "router[, gate_shexp, up_shexp, down_shexp]): decode_batch_experts_at in pieces while the store reads: final "
+     "router[, gate_shexp, up_shexp, down_shexp][, h, logits]): decode_batch_experts_at in pieces while the store reads: final "
      "false computes the chosen experts at hand and not done into yk (done marked), final true the rest and adds "
      "them all to x"},
     {"decode_batch", (PyCFunction)(void (*)(void))py_decode_batch, METH_FASTCALL,

@@ -315,6 +315,27 @@ def test_table_calls_equal_the_two_calls_and_reject_bad_tables(tmp_path, monkeyp
             _native.decode_batch_moe(fl.layer, x_in.copy(), *kv, sel2, None, None, xbuf, xo, *route_w)
         with pytest.raises(TypeError, match="decode_batch_experts_at"):
             _native.decode_batch_experts_at(fl.layer, x2, xbuf, xo, *dense[:1])
+        # the route call's h and logits passed on: the experts call takes them instead of
+        # routing again (the same bits), and uses them (other logits, other experts' sum)
+        h = np.empty((1, E), np.float32)
+        lg = np.empty((1, X), np.float32)
+        x5 = x_in.copy()
+        _native.decode_batch_route(fl.layer, x5, *kv, sel2, h, lg, *route_w)
+        _native.decode_batch_experts_at(fl.layer, x5, xbuf, xo, *dense, h, lg)
+        assert np.array_equal(x5, want)
+        x6, lg2 = x1.copy(), lg.copy()
+        lg2[0, experts] += 0.5    # the same experts stay chosen; their weights move
+        _native.decode_batch_experts_at(fl.layer, x6, xbuf, xo, *dense, h, lg2)
+        assert not np.array_equal(x6, want)
+        for hh, ll, msg in ((h[:, :-1].copy(), lg, r"h must be \[n, n_embd\]"),
+                            (h, lg[:, :-1].copy(), r"logits must be \[n, n_expert\]"),
+                            (h.astype(np.float64), lg, "float32")):
+            x7 = x1.copy()
+            with pytest.raises((ValueError, TypeError), match=msg):
+                _native.decode_batch_experts_at(fl.layer, x7, xbuf, xo, *dense, hh, ll)
+            assert np.array_equal(x7, x1), msg
+        with pytest.raises(TypeError, match="decode_batch_experts_at"):
+            _native.decode_batch_experts_at(fl.layer, x1.copy(), xbuf, xo, *dense, h)
 
 
 def test_route_ahead_keeps_and_predicts_as_router_lookahead(tmp_path, monkeypatch):

@@ -598,7 +598,7 @@ class Model:
         ahead = None
         if table is not None and not predict:
             xo = table[1][il]
-            if ops.decode_batch_moe(f.layer, x, *kv.fused(il), sel, None, None, table[0], xo,
+            if ops.decode_batch_moe(f.layer, x, *kv.fused(il), sel, h, lg, table[0], xo,
                                     *[get(nm).data for nm in f.both]):
                 w.note_experts(il, _uniq(sel))
                 self.moe_stream_stats["fused"] += 1
@@ -626,7 +626,8 @@ class Model:
             self._predict_experts(il, h, lg, None)
         if table is not None:
             xbuf, xo = table[0], table[1][il]
-            dense = [get(nm).data for nm in f.experts]
+            # the route call's h and logits ride along: the experts calls do not route again
+            dense = [get(nm).data for nm in f.experts] + [h, lg]
             if (xo[experts, 0] >= 0).all():
                 w.note_experts(il, experts)
                 ops.decode_batch_experts_at(f.layer, x, xbuf, xo, *dense)
