@@ -220,6 +220,15 @@ AVX2 static inline __m256i k4_sc16(uint32_t u0, uint32_t u1) {
 /* Q4_K (and Q5_K below): sumi lanes times d*dx and the mins' 8 lanes (k4_mins) times dmin*dx, each
  * into its own float accumulator, reduced once at the end (no horizontal sum per block); the
  * scales broadcast by vpshufb and d, dmin convert in one vcvtph2ps. */
+/* Q4_K/Q5_K block end: sumi x d*dx into acc, the mins' lanes mm x dmin*dx into accm (d, dmin:
+ * the block's first 4 bytes, converted in one vcvtph2ps) */
+AVX2 static inline void k4_acc(const uint8_t *w, float dx, __m256i sumi, __m256i mm, __m256 *acc, __m256 *accm) {
+    int32_t h;
+    memcpy(&h, w, 4);
+    const __m128 dm = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(h)), _mm_set1_ps(dx)); /* d*dx, dmin*dx */
+    *acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(dm), _mm256_cvtepi32_ps(sumi), *acc);
+    *accm = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)), _mm256_cvtepi32_ps(mm), *accm);
+}
 AVX2 static inline void q4_k_step(const uint8_t *w, const mf_q8_256 *x, __m256 *acc, __m256 *accm) {
     const __m256i m4 = _mm256_set1_epi8(0xF);
     uint32_t u[4];
@@ -238,11 +247,7 @@ AVX2 static inline void q4_k_step(const uint8_t *w, const mf_q8_256 *x, __m256 *
         p1 = _mm256_madd_epi16(p1, _mm256_shuffle_epi8(sc, K4_SHUF(2 * j + 1)));
         sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p1));
     }
-    int32_t h;
-    memcpy(&h, w, 4);
-    const __m128 dm = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(h)), _mm_set1_ps(x->d)); /* d*dx, dmin*dx */
-    *acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(dm), _mm256_cvtepi32_ps(sumi), *acc);
-    *accm = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)), _mm256_cvtepi32_ps(mm), *accm);
+    k4_acc(w, x->d, sumi, mm, acc, accm);
 }
 AVX2 static float vd_q4_k(const uint8_t *w, const void *xv, int64_t nb) {
     const mf_q8_256 *x = xv;
@@ -287,11 +292,7 @@ AVX2 static float vd_q5_k(const uint8_t *w, const void *xv, int64_t nb) {
             p1 = _mm256_madd_epi16(p1, _mm256_shuffle_epi8(sc, K4_SHUF(2 * j + 1)));
             sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p1));
         }
-        int32_t h;
-        memcpy(&h, w, 4);
-        const __m128 dm = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(h)), _mm_set1_ps(x[b].d)); /* d*dx, dmin*dx */
-        acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(dm), _mm256_cvtepi32_ps(sumi), acc);
-        accm = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)), _mm256_cvtepi32_ps(mm), accm);
+        k4_acc(w, x[b].d, sumi, mm, &acc, &accm);
     }
     return hsum_ps(acc) - hsum_ps(accm);
 }

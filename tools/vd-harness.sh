@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build tools/vd_harness.c against csrc/ (the kernels without the Python bindings; memfit.h
 # includes Python.h, so it links the embeddable libpython) into $TMPDIR and run it.
-# Usage: tools/vd-harness.sh [TYPE [ROWS [PF_DIST [BLOCKS_PER_ROW]]]]   (SRC=other/csrc: another tree)
+# Usage: tools/vd-harness.sh [TYPE [ROWS [PF_DIST [BLOCKS_PER_ROW]]]]   (SRC=other/csrc: another tree;
+# VD4=1: the AVX2 4-row kernel, its rows checked bit for bit against the 1-row kernel first)
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 src=${SRC:-$here/../csrc}

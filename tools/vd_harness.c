@@ -4,7 +4,7 @@
  * (random fp16 scales could make subnormal products and time the FPU's slow path instead of
  * the kernel). The K-quants only: the IQ types' grids are installed from Python.
  *
- *   tools/vd-harness.sh [TYPE [ROWS [PF_DIST]]]      e.g. tools/vd-harness.sh Q4_K 96 0 */
+ *   tools/vd-harness.sh [TYPE [ROWS [PF_DIST [BLOCKS_PER_ROW]]]]   e.g. tools/vd-harness.sh Q4_K 96 0 3 (VD4=1: 4-row) */
 #define _GNU_SOURCE
 #include <stdio.h>
 #include <stdlib.h>
