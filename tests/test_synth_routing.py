@@ -119,18 +119,20 @@ def test_bad_routing_overlap_is_refused(tmp_path):
 
 
 def test_calibrated_files_sharpen_the_attention_query_path_only(files, tmp_path):
-    """Calibrated files multiply the query path's last unnormalized tensor by the stored
-    attention gain (synth.ATTN_GAIN_CALIBRATED); everything else keeps the plain file's
+    """Calibrated qwen3moe files multiply the query path's last unnormalized tensor by the
+    stored attention gain (synth.ATTN_GAIN_CALIBRATED); everything else keeps the plain file's
     scale. Each arch's query path: the per-head q norm, else MLA's q_b, else Wq."""
     from memfit.synth import ATTN_GAIN_CALIBRATED, _query_path
+    gain = ATTN_GAIN_CALIBRATED["qwen3moe"]
+    assert gain > 1.0
     plain = synth(tmp_path / "plain.gguf", "qwen3moe", "tiny", seed=4, progress=False).path
     with open_gguf(files["realistic"]) as cal, open_gguf(plain) as pl:
-        assert cal.metadata["memfit.synth.attention_gain"] == pytest.approx(ATTN_GAIN_CALIBRATED)
+        assert cal.metadata["memfit.synth.attention_gain"] == pytest.approx(gain)
         assert "memfit.synth.attention_gain" not in pl.metadata
         for name in ("blk.0.attn_q_norm.weight", "blk.1.attn_k_norm.weight", "blk.0.attn_norm.weight"):
             a = cal.tensor_data(name).view(np.float32)
             b = pl.tensor_data(name).view(np.float32)
-            want = ATTN_GAIN_CALIBRATED if "attn_q_norm" in name else 1.0
+            want = gain if "attn_q_norm" in name else 1.0
             np.testing.assert_allclose(a, want * b, rtol=1e-6)
     assert _query_path(["blk.0.attn_q.weight", "blk.0.attn_q_norm.weight", "blk.0.attn_k.weight"]) \
         == {"blk.0.attn_q_norm.weight"}

@@ -26,10 +26,11 @@ ROUTING_CHECK_TOKENS tokens (one sequence's overlap varies by +-0.1, and overlap
 sequence). Random Q/K weights attend almost uniformly, so the attention's output is the
 prefix's average: a component of the hidden state that persists from token to token and points
 somewhere new in every sequence, which any linear router turns into per-expert offsets that
-last the sequence (deep shapes measured 0.5-0.7 asked 0.4 in their later layers). Calibrated
-files therefore also sharpen the attention (ATTN_GAIN_CALIBRATED times the query path,
-memfit.synth.attention_gain). Asked 0.4 (docs/NOTES.md session 26): qwen3moe 2gb 0.42 (0.51
-without the gain), 30b-a3b 0.455 and 0.403 on two sets of 8 held-out sequences (0.66 before).
+last the sequence (qwen3moe's deep shapes measured 0.5-0.7 asked 0.4 in their later layers).
+Calibrated qwen3moe files therefore also sharpen the attention (ATTN_GAIN_CALIBRATED times the
+query path, memfit.synth.attention_gain; the families where it did not help keep 1). Asked 0.4
+(docs/NOTES.md session 26): qwen3moe 2gb 0.42 (0.51 without the gain), 30b-a3b 0.455 and 0.403
+on two sets of 8 held-out sequences (0.66 before), mixtral 2gb 0.40.
 The measured value in the file is the one to quote.
 
 Weights are random valid blocks (memfit.quant.random: finite fp16 scales, uniform random
@@ -483,14 +484,16 @@ def _chunks(qt: GGMLType, shape: tuple[int, ...], rng: np.random.Generator, scal
         yield (x.view(np.uint8) if qt.name == "F32" else _q8_0(x)).reshape(-1)
 
 
-# Calibrated routing's files multiply the attention's query path by this (the scores by it):
-# random Q/K weights give scores of spread ~1, nearly uniform attention whose output is the
-# prefix's average, a component of the hidden state that persists from token to token and
-# points somewhere new in each sequence, so no linear router can route such a sequence with
-# little overlap (the later layers of deep shapes measured 0.5-0.7 asked 0.4). Measured on
-# qwen3moe 2gb, asked 0.4 (docs/NOTES.md session 26; one 48-token check sequence, seeds 0-1):
-# gain 1 0.51, 4 0.41-0.43, 9 0.43, 25 0.48.
-ATTN_GAIN_CALIBRATED = 4.0
+# Calibrated routing's files multiply the attention's query path by this, per architecture (the
+# scores by it): random Q/K weights give scores of spread ~1, nearly uniform attention whose
+# output is the prefix's average, a component of the hidden state that persists from token to
+# token and points somewhere new in each sequence, so no linear router can route such a
+# sequence with little overlap (qwen3moe's deep shapes measured 0.5-0.7 asked 0.4 in their later
+# layers). Measured asked 0.4 (docs/NOTES.md session 26): qwen3moe 2gb gain 1 0.51, 4 0.41-0.43,
+# 9 0.43, 25 0.48 (too sharp: the attention fixes on one key and persists again); 30b-a3b 0.66
+# -> 0.40-0.46 at 4. Other families keep 1: mixtral 2gb measured 0.40 either way, and gain 4
+# raised the tiny deepseek2, glm4moe, glm-dsa and gpt-oss files from 0.44-0.50 to 0.58-0.72.
+ATTN_GAIN_CALIBRATED = {"qwen3moe": 4.0}
 
 
 def _query_path(names: list[str]) -> set[str]:
@@ -603,7 +606,7 @@ def _write(path: Path, arch: str, size: str, quant: str, seed: int, progress: bo
         u = np.random.default_rng([seed, 1 << 20]).standard_normal(mc.n_embd)
         direction = (u / np.linalg.norm(u)).astype(np.float32)
 
-    attn_gain = ATTN_GAIN_CALIBRATED if calibrated else 1.0
+    attn_gain = ATTN_GAIN_CALIBRATED.get(arch, 1.0) if calibrated else 1.0
     gained = _query_path([n for n, _, _ in plan]) if attn_gain != 1.0 else set()
 
     tmp = path.with_name(path.name + ".partial")
