@@ -375,7 +375,7 @@ AVX2 static inline __m128 hsum4_exact(__m256 a, __m256 b, __m256 c, __m256 d) {
         _mm_storeu_ps(out, s);                                                                    \
     }
 VD4_SEQ(vd4_q4_k, q4_k_step(wr, x + b, &acc, &accm), 144, 1)
-VD4_SEQ(vd4_q6_k, (void)accm; q6_k_step(wr, x + b, &acc), 210, 0)
+VD4_SEQ(vd4_q6_k, q6_k_step(wr, x + b, &acc), 210, 0)
 
 /* Q3_K / Q2_K: 2-bit fields at shift 2s of qs[32c + l] for element 128c + 32s + l. The 16
  * scales decoded with vector ops, widened once and picked per 32 values by vpshufb (q6_pick),
