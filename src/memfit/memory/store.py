@@ -291,12 +291,14 @@ class WeightStore:
         """Read (file_index, offset, dst, need) ranges in IO_CHUNK requests; the Done is done
         when every request is (first error carried). need: bytes of dst that must come from
         the file; past them (the aligned tail at the end of the file) zeros may stand in."""
-        futs, nbytes = [], 0
+        batch, nbytes = [], 0
         for fi, off, dst, need in ranges:
             for c in range(0, len(dst), IO_CHUNK):
-                futs.append(self._io.submit(prio, self._pread, fi, off + c,
-                                            dst[c: c + IO_CHUNK], need - c))
+                batch.append((prio, Done(), self._pread, (fi, off + c, dst[c: c + IO_CHUNK],
+                                                          need - c)))
                 nbytes += len(dst[c: c + IO_CHUNK])
+        self._io.submit_batch(batch)
+        futs = [b[1] for b in batch]
         with self._lock:
             self.reads += len(futs)
             self.read_bytes += nbytes
@@ -323,6 +325,7 @@ class WeightStore:
             else:
                 runs.append([fi, off, end, off + need, [(i, 0)]])
         done = [[] for _ in pieces]     # request futures each piece waits for
+        batch = []                      # the requests, queued at once (IOPool.submit_batch)
         n_req = nbytes = 0
         for fi, start, end, need_end, members in runs:
             # requests: iovec lists of <= IO_CHUNK bytes; copies run after the request that
@@ -334,8 +337,9 @@ class WeightStore:
                 nonlocal req, req_off, req_len, req_pieces, copies, n_req, nbytes
                 if not req:
                     return
-                fut = self._io.submit(prio, self._preadv, fi, req_off, req,
-                                      need_end - req_off, copies)
+                fut = Done()
+                batch.append((prio, fut, self._preadv,
+                              (fi, req_off, req, need_end - req_off, copies)))
                 for j in req_pieces:
                     done[j].append(fut)
                 n_req += 1
@@ -381,6 +385,7 @@ class WeightStore:
                         flush()
                 prev = (i, dst)
             flush()
+        self._io.submit_batch(batch)
         with self._lock:
             self.reads += n_req
             self.read_bytes += nbytes
