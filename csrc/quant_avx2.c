@@ -1021,6 +1021,11 @@ mf_vecdot4_fn mf_vecdot4_avx2[T_MAX] = {
     /* Q8_0/IQ4_NL: the 4-row form measured 2x slower from DRAM (49152x576), so not used */
 };
 
+/* the 4-row kernels that read their rows one after another, each in the 1-row kernel's order
+ * (VD4_SEQ): worth it on short rows only (rows of at most mf_tune.k_vd4_short_rb bytes), and
+ * their tasks are sized as the 1-row kernel's (quant_mm.c) */
+const uint8_t mf_vd4_seq_avx2[T_MAX] = {[T_Q4_K] = 1, [T_Q6_K] = 1};
+
 /* TQ2_0 prefill (and batched decode): each 2-bit digit vector serves 4 X rows */
 mf_vecdotx4_fn mf_vecdotx4_avx2[T_MAX] = {[T_TQ2_0] = mf_vdx4_tq2_0_avx2};
 

@@ -96,7 +96,7 @@ typedef struct {
     int pf_dist_multi; /* the same for the 4/8-row kernels (while pf_dist is on): each of their
                         * 4-8 streams a core walks at once gets this distance */
     int pdep;          /* IQ1_S/IQ1_M/IQ3_S AVX2 decode: grid-row indexes built by pdep (1; only with BMI2) */
-    int k_vd4_short_rb; /* avx2: Q4_K/Q6_K rows of at most this many bytes take the 4-row kernel (0: never) */
+    int k_vd4_short_rb; /* avx2: rows of at most this many bytes of the types in mf_vd4_seq_avx2 (Q4_K, Q6_K) take the 4-row kernel (0: never) */
 } mf_tune_t;
 #define MF_FA_HEADS_MAX 128 /* mf_tune.fa_heads at most (ops.c's per-task state arrays) */
 extern mf_tune_t mf_tune;
@@ -209,6 +209,7 @@ void mf_vd8_nvfp4_avx512(const uint8_t *w, size_t rb, const void *x, int64_t nb,
 void mf_row_f32_avx2(int type, const uint8_t *w, float *dst, int64_t n);
 void mf_fgemm_avx2(const float *wf, int64_t nr, const float *x, int64_t m, int64_t cols, float *y, int64_t ys);
 extern mf_vecdot4_fn mf_vecdot4_avx2[T_MAX];
+extern const uint8_t mf_vd4_seq_avx2[T_MAX]; /* vd4 reads its rows one after another: short rows only */
 extern mf_vecdotx4_fn mf_vecdotx4_avx2[T_MAX]; /* optional: 1 W row x 4 X rows, each X row the bits of the 1-row kernel */
 extern mf_b32unpack_fn mf_b32unpack_avx2[T_MAX];
 #define MF_BST 16 /* X rows per prefill tile: stride of the transposed s table */

@@ -412,9 +412,9 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
     } else {
         c.vd = vd;
         c.vd4 = mf_vecdot4_avx2[type];
-        /* the K-quants' 4-row kernel on short rows only (mf_tune.k_vd4_short_rb: per-row
-         * overhead is a large share of a row of few blocks) */
-        if (type == T_Q4_K || type == T_Q6_K) {
+        /* a 4-row kernel that reads its rows one after another on short rows only
+         * (mf_tune.k_vd4_short_rb: per-row overhead is a large share of a row of few blocks) */
+        if (mf_vd4_seq_avx2[type]) {
             if (c.rb > mf_tune.k_vd4_short_rb) c.vd4 = NULL;
             c.vd4_seq = c.vd4 != NULL;
         }
