@@ -91,6 +91,23 @@ def test_calibrated_overlap_is_what_was_asked(files):
         assert 0.25 <= md["memfit.synth.routing_top_share_measured"] <= 1.0
 
 
+def test_calibrated_gpt_oss_zeroes_its_router_bias(tmp_path):
+    """A router with a bias (gpt-oss): the calibrated rows were fitted without one and carry
+    the popularity offsets, so the bias is written as zeros; the file's own decode check then
+    measures the overlap asked for. (Its plain file's biases are random, not zero.)"""
+    plain = synth(tmp_path / "p.gguf", "gpt-oss", "tiny", seed=2, progress=False).path
+    cal = synth(tmp_path / "c.gguf", "gpt-oss", "tiny", seed=2, progress=False,
+                routing_overlap=0.4).path
+    for path, zero in ((plain, False), (cal, True)):
+        with open_gguf(path) as f:
+            b = [t for t in f.tensors.values() if t.name.endswith("ffn_gate_inp.bias")]
+            assert b and all(t.type.name == "F32" for t in b)
+            vals = np.concatenate([np.asarray(f.tensor_data(t.name)).view(np.float32).ravel() for t in b])
+            assert (not vals.any()) == zero
+            if zero:
+                assert abs(f.metadata["memfit.synth.routing_overlap_measured"] - 0.4) < 0.1
+
+
 def test_uniform_calibration_is_near_k_over_n(files):
     ov, n = _decoded_overlap(files["uniform"])
     print(f"\nasked k/n = {K / N_EXPERT}: decoded overlap {ov:.3f} over {n} pairs")

@@ -906,12 +906,18 @@ def calibrate_routing(path, overlap: float, skew: float, seed: int,
     with open_gguf(path) as f:
         places = {il: (f.tensors[f"blk.{il}.ffn_gate_inp.weight"].offset,
                        f.tensors[f"blk.{il}.ffn_gate_inp.weight"].nbytes) for il in rows}
+        # a router bias (gpt-oss) becomes zero: the rows were fitted and bisected without it
+        # (the calibration forward routes on x @ rows alone) and carry the popularity offsets
+        biases = [(f.tensors[nm].offset, f.tensors[nm].nbytes) for il in rows
+                  if (nm := f"blk.{il}.ffn_gate_inp.bias") in f.tensors]
     fd = os.open(path, os.O_WRONLY)
     try:
         for il, w in rows.items():
             off, nbytes = places[il]
             assert w.nbytes == nbytes, (il, w.shape)
             os.pwrite(fd, np.ascontiguousarray(w).tobytes(), off)
+        for off, nbytes in biases:
+            os.pwrite(fd, bytes(nbytes), off)
     finally:
         os.close(fd)
     return measure_routing(path, n_check, seed=seed + 1)
