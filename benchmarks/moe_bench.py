@@ -7,7 +7,9 @@
 Each run: a fresh cgroup of limit L = fraction x file size (benchmarks/in_cgroup.sh; `none`: no
 limit below the machine's RAM), page cache dropped first. memfit: `bench -p P -n N -r 1 -t 2
 --mem-budget 0.96*L --json` (no --mem-budget for `none`: the detected budget), with the plan of
-the same budget and context taken just before (its bandwidths give the bound). llama.cpp:
+the same budget and context taken just before (its bandwidths give the bound), and quiet probes
+of memory and random expert reads around the run (--probes: the bound at their median rates, and
+the bounds each probe gives, since this disk's rate moves between minutes). llama.cpp:
 benchmarks/peer_llamacpp.py, mmap, --repack 0 (use_extra_bufts=False), same threads, tg capped
 by --peer-max-seconds; side `llama.cpp-repack`: --repack 1 (its repacked weights, the faster
 configuration where the file fits). `memfit:0.3:lru-only` etc. add an ablation variant (see VARIANTS).
@@ -115,7 +117,7 @@ def bound_at_measured(plan: dict, tg: dict) -> float | None:
     return 1.0 / max(t_mem, t_disk)
 
 
-def quiet_probe(model: str, threads: int, chunk: int = 1 << 20) -> dict:
+def quiet_probe(model: str, threads: int, chunk: int = 1 << 20, seed: int = 0) -> dict:
     """The bound's rates measured now, in this process, just before a run: memory as `bench
     --kernels` and `--profile` take it (the best of the read strategies, `threads` threads) and
     the disk as a streamed decode reads it (random O_DIRECT requests of ~1 MB in the experts'
@@ -131,10 +133,25 @@ def quiet_probe(model: str, threads: int, chunk: int = 1 << 20) -> dict:
     mem, st = read_bound()
     out = {"mem_read_bytes_per_s": mem, "mem_strategy": st}
     try:
-        out["disk_random_bytes_per_s"] = measure_disk_random(model, chunk, lo, hi)
+        out["disk_random_bytes_per_s"] = measure_disk_random(model, chunk, lo, hi, seed=seed)
         out["disk_request_bytes"] = chunk
     except OSError as e:
         out["disk_error"] = str(e)
+    return out
+
+
+def median_probe(probes: list[dict]) -> dict | None:
+    """The probes taken around a run as one: the median of each rate (memory and disk apart),
+    and each rate's range."""
+    import statistics
+    ok = [p for p in probes if "disk_random_bytes_per_s" in p]
+    if not ok:
+        return probes[0] if probes else None
+    out = {"n_probes": len(ok)}
+    for k in ("mem_read_bytes_per_s", "disk_random_bytes_per_s"):
+        v = [p[k] for p in ok]
+        out[k] = statistics.median(v)
+        out[k + "_range"] = [min(v), max(v)]
     return out
 
 
@@ -168,6 +185,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-probe", action="store_true",
                     help="memfit in a limit: no quiet probe of memory and random expert reads before "
                          "the run (the bound then comes from the plan's cached rates only)")
+    ap.add_argument("--probes", type=int, default=3,
+                    help="quiet probes around each memfit run in a limit: half (rounded up) "
+                         "before, the rest after; the bound takes the median rates, and the "
+                         "range of bounds the rates' extremes give is kept (default 3)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
@@ -192,13 +213,18 @@ def main(argv=None) -> int:
                    "--repack", "1" if side == "llama.cpp-repack" else "0",
                    "--max-seconds", str(a.peer_max_seconds), "--json"] + (
                        ["--no-warmup"] if a.peer_no_warmup else [])
-        probe = None
-        if side == "memfit" and limit is not None and not a.no_probe:
+        probes = []
+        probing = side == "memfit" and limit is not None and not a.no_probe
+        n_before = (a.probes + 1) // 2 if probing else 0
+        for i in range(n_before):
             subprocess.run(["sync"])
-            probe = quiet_probe(a.model, a.threads)
+            probes.append(quiet_probe(a.model, a.threads, seed=len(probes)))
         load0 = round(os.getloadavg()[0], 2)
         t0 = time.strftime("%H:%M:%S", time.gmtime())
         rec = run_limited(limit, cmd, a.timeout, env)
+        for i in range(a.probes - n_before if probing else 0):
+            probes.append(quiet_probe(a.model, a.threads, seed=len(probes)))
+        probe = median_probe(probes)
         rec.update(side=side, fraction=f, variant=variant, env=env, limit_bytes=limit,
                    model_bytes=size, model=os.path.basename(a.model), commit=commit(),
                    start_utc=t0, load1_before=load0, load1_after=round(os.getloadavg()[0], 2),
@@ -208,8 +234,12 @@ def main(argv=None) -> int:
             rec["bound_tg_tokens_per_s"] = bound_at_measured(plan, tg)
         if probe:
             rec["probe"] = probe
+            rec["probes"] = probes
             if tg:
                 rec["bound_tg_probe_tokens_per_s"] = bound_at_probe(plan, probe, tg)
+                each = [b for b in (bound_at_probe(plan, p, tg) for p in probes) if b]
+                if each:
+                    rec["bound_tg_probe_each"] = each
         with open(a.out, "a") as fh:
             fh.write(json.dumps(rec) + "\n")
         summ = "; ".join(f"{t['test']} {t['tokens_per_s']}" + (
@@ -218,7 +248,9 @@ def main(argv=None) -> int:
         print(f"# {t0} {side} {frac} {variant}: {summ}; rc {rec['rc']} oom {rec.get('oom_kill')} "
               f"peak {rec.get('cgroup_peak_bytes')} wall {rec['wall_s']} s load {load0}"
               + (f" bound {rec['bound_tg_tokens_per_s']:.3f}" if rec.get("bound_tg_tokens_per_s") else "")
-              + (f" probe bound {rec['bound_tg_probe_tokens_per_s']:.3f} (mem "
+              + (f" probe bound {rec['bound_tg_probe_tokens_per_s']:.3f} "
+                 f"[{min(rec.get('bound_tg_probe_each') or [0]):.3f}-"
+                 f"{max(rec.get('bound_tg_probe_each') or [0]):.3f} over {len(probes)} probes] (mem "
                  f"{probe['mem_read_bytes_per_s'] / 1e9:.1f} GB/s, random reads "
                  f"{probe['disk_random_bytes_per_s'] / 1e9:.2f} GB/s)"
                  if rec.get("bound_tg_probe_tokens_per_s") else ""),
