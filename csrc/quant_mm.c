@@ -311,7 +311,18 @@ static void mm_task_b32(void *p, int64_t t) {
             for (int64_t b = 0; b < nbb; b++)
                 for (int64_t i = 0; i < MF_BST; i++)
                     st[b * MF_BST + i] = i < m ? ((const mf_q8_32 *)(c->xq + (size_t)(i0 + i) * c->xs))[b].s : 0.0f;
-        for (int64_t r = r0; r < r1; r++) {
+        int64_t r = r0;
+        if (mf_isa < MF_ISA_AVX512VNNI && !nv) /* AVX2: two W rows share each X block's load */
+            for (; r + 2 <= r1; r += 2) {
+                float corr1[MF_BST];
+                if (!sgn) {
+                    mf_b32_corr_avx2(wb + (r - r0) * nbb, nbb, st, m, corr);
+                    mf_b32_corr_avx2(wb + (r + 1 - r0) * nbb, nbb, st, m, corr1);
+                }
+                mf_bdot2_avx2(wb + (r - r0) * nbb, nbb, sgn, c->xq + (size_t)i0 * c->xs, c->xs, m, corr, corr1,
+                              c->y + i0 * c->rows + r, c->rows);
+            }
+        for (; r < r1; r++) {
             if (!sgn) mf_b32_corr_avx2(wb + (r - r0) * nbb, nbb, st, m, corr);
             (mf_isa >= MF_ISA_AVX512VNNI && !nv ? mf_bdot_avx512 : mf_bdot_avx2)(wb + (r - r0) * nbb, nbb, sgn, c->xq + (size_t)i0 * c->xs, c->xs, m,
                          corr, c->y + i0 * c->rows + r, c->rows);

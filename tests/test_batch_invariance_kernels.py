@@ -120,3 +120,20 @@ def test_hadamard_rotation_rowwise_and_native_equals_numpy():
             assert np.array_equal(_bits(kq.rotate(x[i:i + 1], n)), _bits(got[i:i + 1]))
         exact = (x.reshape(-1, n).astype(np.float64) @ kq.hadamard(n).astype(np.float64)).reshape(x.shape)
         assert np.abs(got - exact).max() < 1e-5
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_K", "Q6_K"])
+def test_w_row_independent_of_its_neighbours(isa, name):
+    """A W row's prefill results are the same bits alone (a one-row matrix) as inside a matrix
+    of 45 rows, where the 32-block types' AVX2 GEMM takes W rows two at a time (mf_bdot2_avx2)
+    and the odd one alone."""
+    t = BY_NAME[name]
+    rng = np.random.default_rng(70 + t.id)
+    rows, cols = 45, 512
+    w = QTensor("w", t, (rows, cols), random_blocks(t, rows * cols, rng))
+    X = rng.standard_normal((21, cols)).astype(np.float32)
+    full = nat.matmul(X, w, rowwise=False)
+    rb = w.data.size // rows
+    for r in range(rows):
+        one = nat.matmul(X, QTensor("w", t, (1, cols), w.data[r * rb:(r + 1) * rb]), rowwise=False)
+        assert np.array_equal(_bits(one[:, 0]), _bits(full[:, r])), f"{name} {isa} row {r}"
