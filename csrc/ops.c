@@ -822,9 +822,12 @@ static void fa16_task(void *p, int64_t task) {
  * instead of once per head, and the accumulator is not stored and reloaded at every key. */
 #define FA_SB 16
 
+#define FA_QT 4 /* query rows per task (fa16g_task): their K/V rows converted once for them all */
+
 typedef struct {
     const mf_paged_args *pa;
     int64_t hc, cpg; /* heads per task, tasks per KV group */
+    int64_t qt; /* query rows per task (<= FA_QT), run by fa16g_rows in stretches of one sequence and one lo */
 } fag_ctx;
 
 #ifdef MF_X86
@@ -911,53 +914,81 @@ MF_AVX2 static void fa_scores_f32(const float *q, const float *kf, int64_t D, in
 static _Thread_local float *fag_buf;
 static _Thread_local size_t fag_cap;
 
-static void fa16g_task(void *p, int64_t task) {
-    const fag_ctx *c = p;
+/* A tile of query rows (consecutive rows of one sequence whose keys start at the same lo) x a
+ * KV group's heads: each FA_SB keys are converted once for the tile, and each row then runs
+ * exactly the per-row steps (its own key blocks from lo, its own end qp), so a row's bits do
+ * not depend on the tile it is in. */
+static void fa16g_rows(const fag_ctx *c, int64_t g, int64_t ch, int64_t i0, int64_t nq) {
     const mf_paged_args *pa = c->pa;
-    const int64_t G = pa->Hq / pa->Hkv, per_row = pa->Hkv * c->cpg;
-    const int64_t i = task / per_row, r = task % per_row, g = r / c->cpg, ch = r % c->cpg;
+    const int64_t G = pa->Hq / pa->Hkv;
     const int64_t h0 = g * G + ch * c->hc, nh = G - ch * c->hc < c->hc ? G - ch * c->hc : c->hc;
-    const int64_t D = pa->D, Dv = pa->Dv, Hkv = pa->Hkv, qp = pa->q_pos[i], bs = pa->bs;
-    const int64_t lo = paged_lo_f16(pa, qp);
-    const int32_t *tab = pa->tables + pa->q_tab[i];
+    const int64_t D = pa->D, Dv = pa->Dv, Hkv = pa->Hkv, bs = pa->bs;
+    const int64_t lo = paged_lo_f16(pa, pa->q_pos[i0]);
+    int64_t qmax = pa->q_pos[i0];
+    for (int64_t q = 1; q < nq; q++) qmax = pa->q_pos[i0 + q] > qmax ? pa->q_pos[i0 + q] : qmax;
+    const int32_t *tab = pa->tables + pa->q_tab[i0];
     const int vin = pa->v == NULL; /* V inside K: V rows are the first Dv values of the K rows */
-    /* kf [FA_SB, D], vf [FA_SB, Dv] (absent with V inside K), acc [nh, Dv] */
-    const size_t need = (size_t)FA_SB * (size_t)(D + (vin ? 0 : Dv)) + (size_t)nh * (size_t)Dv;
+    /* kf [FA_SB, D], vf [FA_SB, Dv] (absent with V inside K), acc [nq, nh, Dv] */
+    const size_t need = (size_t)FA_SB * (size_t)(D + (vin ? 0 : Dv)) + (size_t)(nq * nh) * (size_t)Dv;
     if (need > fag_cap) {
         free(fag_buf);
         fag_buf = malloc(need * sizeof(float));
         fag_cap = fag_buf ? need : 0;
         if (!fag_buf) { /* the per-head kernel needs no buffer */
-            for (int64_t hh = 0; hh < nh; hh++) fa16_paged_task((void *)pa, i * pa->Hq + h0 + hh);
+            for (int64_t q = 0; q < nq; q++)
+                for (int64_t hh = 0; hh < nh; hh++) fa16_paged_task((void *)pa, (i0 + q) * pa->Hq + h0 + hh);
             return;
         }
     }
     float *kf = fag_buf, *vf = vin ? kf : kf + FA_SB * D, *acc = kf + FA_SB * (D + (vin ? 0 : Dv));
     const int64_t vstride = vin ? D : Dv;
-    float M[MF_FA_HEADS_MAX], S[MF_FA_HEADS_MAX], sc[KB], ms[FA_SB], vs[FA_SB];
-    for (int64_t hh = 0; hh < nh; hh++) M[hh] = -INFINITY, S[hh] = 0.0f;
-    memset(acc, 0, (size_t)nh * (size_t)Dv * sizeof(float));
-    for (int64_t t0 = lo; t0 <= qp; t0 += KB) {
-        const int nb = (int)(qp + 1 - t0 < KB ? qp + 1 - t0 : KB);
-        for (int b0 = 0; b0 < nb; b0 += FA_SB) {
-            const int b1 = b0 + FA_SB < nb ? b0 + FA_SB : nb;
-            for (int b = b0; b < b1; b++) {
+    float M[FA_QT][MF_FA_HEADS_MAX], S[FA_QT][MF_FA_HEADS_MAX], sc[KB], ms[FA_SB], vs[FA_SB];
+    for (int64_t q = 0; q < nq; q++)
+        for (int64_t hh = 0; hh < nh; hh++) M[q][hh] = -INFINITY, S[q][hh] = 0.0f;
+    memset(acc, 0, (size_t)(nq * nh) * (size_t)Dv * sizeof(float));
+    for (int64_t t0 = lo; t0 <= qmax; t0 += KB) {
+        const int nbmax = (int)(qmax + 1 - t0 < KB ? qmax + 1 - t0 : KB);
+        for (int b0 = 0; b0 < nbmax; b0 += FA_SB) {
+            const int b1max = b0 + FA_SB < nbmax ? b0 + FA_SB : nbmax;
+            for (int b = b0; b < b1max; b++) {
                 const int64_t t = t0 + b, row = (int64_t)tab[t / bs] * bs + t % bs;
                 fa_cvt_row((const uint16_t *)pa->k + (row * Hkv + g) * D, kf + (b - b0) * D, D);
                 if (!vin) fa_cvt_row((const uint16_t *)pa->v + (row * Hkv + g) * Dv, vf + (b - b0) * Dv, Dv);
             }
-            for (int64_t hh = 0; hh < nh; hh++) {
-                fa_scores_f32(pa->q + (i * pa->Hq + h0 + hh) * D, kf, D, b0, b1, nb, sc);
-                fa_step(&M[hh], &S[hh], sc + b0, b1 - b0, pa->scale, pa->softcap, ms, vs);
-                fa_acc(acc + hh * Dv, vf, vstride, Dv, b1 - b0, ms, vs);
+            for (int64_t q = 0; q < nq; q++) {
+                const int64_t qp = pa->q_pos[i0 + q];
+                if (t0 > qp) continue;
+                const int nb = (int)(qp + 1 - t0 < KB ? qp + 1 - t0 : KB); /* this row's block */
+                if (b0 >= nb) continue;
+                const int b1 = b0 + FA_SB < nb ? b0 + FA_SB : nb;
+                for (int64_t hh = 0; hh < nh; hh++) {
+                    fa_scores_f32(pa->q + ((i0 + q) * pa->Hq + h0 + hh) * D, kf, D, b0, b1, nb, sc);
+                    fa_step(&M[q][hh], &S[q][hh], sc + b0, b1 - b0, pa->scale, pa->softcap, ms, vs);
+                    fa_acc(acc + (q * nh + hh) * Dv, vf, vstride, Dv, b1 - b0, ms, vs);
+                }
             }
         }
     }
-    for (int64_t hh = 0; hh < nh; hh++) {
-        const int64_t h = h0 + hh;
-        float *o = pa->out + (i * pa->Hq + h) * Dv;
-        memcpy(o, acc + hh * Dv, (size_t)Dv * sizeof(float));
-        fa_finish_f32(M[hh], S[hh], pa->sinks ? pa->sinks + h : NULL, Dv, o);
+    for (int64_t q = 0; q < nq; q++)
+        for (int64_t hh = 0; hh < nh; hh++) {
+            const int64_t h = h0 + hh;
+            float *o = pa->out + ((i0 + q) * pa->Hq + h) * Dv;
+            memcpy(o, acc + (q * nh + hh) * Dv, (size_t)Dv * sizeof(float));
+            fa_finish_f32(M[q][hh], S[q][hh], pa->sinks ? pa->sinks + h : NULL, Dv, o);
+        }
+}
+
+static void fa16g_task(void *p, int64_t task) {
+    const fag_ctx *c = p;
+    const mf_paged_args *pa = c->pa;
+    const int64_t per_row = pa->Hkv * c->cpg, tile = task / per_row, r = task % per_row;
+    const int64_t i1 = (tile + 1) * c->qt < pa->n ? (tile + 1) * c->qt : pa->n;
+    for (int64_t i = tile * c->qt; i < i1;) { /* stretches of one sequence whose keys start at one lo */
+        const int64_t lo = paged_lo_f16(pa, pa->q_pos[i]);
+        int64_t j = i + 1;
+        while (j < i1 && pa->q_tab[j] == pa->q_tab[i] && paged_lo_f16(pa, pa->q_pos[j]) == lo) j++;
+        fa16g_rows(c, r / c->cpg, r % c->cpg, i, j - i);
+        i = j;
     }
 }
 #endif
@@ -988,7 +1019,11 @@ int mf_attention_paged(const mf_paged_args *pa) {
             int64_t hc = G < mf_tune.fa_heads ? G : mf_tune.fa_heads;
             while (hc > 1 && pa->n * pa->Hkv * ((G + hc - 1) / hc) < want) hc--;
             fag_ctx c = {.pa = pa, .hc = hc, .cpg = (G + hc - 1) / hc};
-            const int64_t tasks = pa->n * pa->Hkv * c.cpg;
+            /* tiles of up to FA_QT consecutive rows of one sequence and one lo, fewer rows a
+             * tile where tiles of FA_QT would leave threads without tasks */
+            int64_t qt = pa->n * pa->Hkv * c.cpg / want;
+            c.qt = qt < 1 ? 1 : qt > FA_QT ? FA_QT : qt;
+            const int64_t tasks = (pa->n + c.qt - 1) / c.qt * pa->Hkv * c.cpg;
             if (par && tasks > 1) mf_parallel_for(tasks, fa16g_task, &c);
             else
                 for (int64_t t = 0; t < tasks; t++) fa16g_task(&c, t);

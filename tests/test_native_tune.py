@@ -151,3 +151,35 @@ def test_attention_head_groups_same_bits(isa, Hq, Hkv, D, Dv, window, softcap, v
             np.testing.assert_array_equal(run(spec, nt), ref, err_msg=f"{isa} [{spec}] threads={nt}")
         # a row alone (decode) is the same row in the batch
         np.testing.assert_array_equal(run(spec, 2, slice(5, 6)), ref[5:6], err_msg=f"{isa} [{spec}] one row")
+
+
+# prefill rows: consecutive positions of two sequences, with and without a window (where the
+# rows' first keys differ); the f16-cache kernel runs up to 4 rows a task converting their
+# K/V rows once (ops.c fa16g_task): every row has the bits it has alone and with one head a task
+@pytest.mark.parametrize("window", [0, 16])
+def test_attention_query_tiles_same_bits(isa, window):
+    rng = np.random.default_rng(5 + window)
+    Hq, Hkv, D, bs, n_blocks = 4, 1, 64, 16, 12
+    K = rng.standard_normal((n_blocks * bs, Hkv, D)).astype(np.float16)
+    V = rng.standard_normal((n_blocks * bs, Hkv, D)).astype(np.float16)
+    tables = np.concatenate([rng.permutation(n_blocks)[:4], rng.permutation(n_blocks)[:2]]).astype(np.int32)
+    q_pos = np.concatenate([np.arange(3, 58), np.arange(0, 21)]).astype(np.int32)
+    q_tab = np.array([0] * 55 + [4] * 21, np.int32)
+    q = rng.standard_normal((len(q_pos), Hq, D)).astype(np.float32)
+
+    def run(spec, nt, rows):
+        _native.set_tune(spec)
+        _native.set_threads(nt)
+        out = np.empty((len(q_pos[rows]), Hq, D), np.float32)
+        _native.attention_paged(q[rows].copy(), K, V, 1, q_pos[rows], q_tab[rows], tables, bs, 0.2,
+                                window, 0.0, out)
+        return out.view(np.uint32)
+
+    try:
+        whole = run("", 2, slice(None))
+        np.testing.assert_array_equal(run("fa_heads=0", 1, slice(None)), whole)
+        for i in range(len(q_pos)):
+            np.testing.assert_array_equal(run("", 2, slice(i, i + 1)), whole[i:i + 1], err_msg=f"row {i}")
+        np.testing.assert_array_equal(run("", 1, slice(50, 63)), whole[50:63])
+    finally:
+        _native.set_tune(os.environ.get("MEMFIT_TUNE", ""))
