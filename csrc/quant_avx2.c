@@ -6,6 +6,7 @@
 
 #include <immintrin.h>
 #include <math.h>
+#include <stddef.h>
 #include <string.h>
 
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -833,37 +834,43 @@ mf_b32unpack_fn mf_b32unpack_avx2[T_MAX] = {
         }                                                                                            \
         for (int i = 0; i < M; i++) out[i] = hsum_ps(acc[i]);                                        \
     }
-/* 2 W rows x M X rows: each X block loaded once for both W rows; every (W row, X row) pair
- * runs BDOT's steps in BDOT's order (same bits as two BDOT calls) */
-#define BDOT2(M, SIGNED)                                                                             \
-    AVX2 static void bdot2x##M##_##SIGNED(const mf_b32 *w0, const mf_b32 *w1, int64_t nb, const uint8_t *xb, \
-                                           size_t xs, float *out0, float *out1) {                    \
-        __m256 a0[M], a1[M];                                                                         \
+/* 2 W rows x 4 X rows: each X block loaded once for both W rows, and the 8 scales d_w * d_x of
+ * a block are two 4-lane products of the X rows' d (sd: the tile's d transposed, [block][row],
+ * MF_BST a block) broadcast per X row by an in-lane shuffle; every (W row, X row) pair runs
+ * BDOT's steps in BDOT's order on the same values (same bits as two BDOT calls) */
+#define BDOT2(SIGNED)                                                                                \
+    AVX2 static void bdot2x4_##SIGNED(const mf_b32 *w0, const mf_b32 *w1, int64_t nb, const uint8_t *xb, \
+                                       size_t xs, const float *sd, float *out0, float *out1) {       \
+        __m256 a0[4], a1[4];                                                                         \
         const __m256i ones = _mm256_set1_epi16(1);                                                   \
-        for (int i = 0; i < M; i++) a0[i] = a1[i] = _mm256_setzero_ps();                             \
+        for (int i = 0; i < 4; i++) a0[i] = a1[i] = _mm256_setzero_ps();                             \
         for (int64_t b = 0; b < nb; b++) {                                                           \
             const __m256i q0 = _mm256_loadu_si256((const __m256i *)w0[b].q);                         \
             const __m256i q1 = _mm256_loadu_si256((const __m256i *)w1[b].q);                         \
             const __m256i aq0 = SIGNED ? _mm256_sign_epi8(q0, q0) : q0;                              \
             const __m256i aq1 = SIGNED ? _mm256_sign_epi8(q1, q1) : q1;                              \
-            const float d0 = w0[b].d, d1 = w1[b].d;                                                  \
-            for (int i = 0; i < M; i++) {                                                            \
-                const mf_q8_32 *x = (const mf_q8_32 *)(xb + i * xs) + b;                             \
-                const __m256i y = _mm256_loadu_si256((const __m256i *)x->qs);                        \
-                const __m256i y0 = SIGNED ? _mm256_sign_epi8(y, q0) : y;                             \
-                const __m256i y1 = SIGNED ? _mm256_sign_epi8(y, q1) : y;                             \
-                const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(aq0, y0), ones);          \
-                const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(aq1, y1), ones);          \
-                a0[i] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * x->d), _mm256_cvtepi32_ps(p0), a0[i]);   \
-                a1[i] = _mm256_fmadd_ps(_mm256_set1_ps(d1 * x->d), _mm256_cvtepi32_ps(p1), a1[i]);   \
-            }                                                                                        \
+            const __m256 xd = _mm256_broadcast_ps((const __m128 *)(sd + b * MF_BST));                \
+            const __m256 dd0 = _mm256_mul_ps(_mm256_set1_ps(w0[b].d), xd);                          \
+            const __m256 dd1 = _mm256_mul_ps(_mm256_set1_ps(w1[b].d), xd);                          \
+            const uint8_t *xq = xb + b * sizeof(mf_q8_32) + offsetof(mf_q8_32, qs);                 \
+            BDOT2_ROW(SIGNED, 0, 0x00) BDOT2_ROW(SIGNED, 1, 0x55) BDOT2_ROW(SIGNED, 2, 0xAA) BDOT2_ROW(SIGNED, 3, 0xFF)              \
         }                                                                                            \
-        for (int i = 0; i < M; i++) out0[i] = hsum_ps(a0[i]), out1[i] = hsum_ps(a1[i]);              \
+        for (int i = 0; i < 4; i++) out0[i] = hsum_ps(a0[i]), out1[i] = hsum_ps(a1[i]);              \
+    }
+#define BDOT2_ROW(SIGNED, I, SH)                                                                             \
+    {                                                                                                \
+        const __m256i y = _mm256_loadu_si256((const __m256i *)(xq + (I) * xs));                      \
+        const __m256i y0 = SIGNED ? _mm256_sign_epi8(y, q0) : y;                                     \
+        const __m256i y1 = SIGNED ? _mm256_sign_epi8(y, q1) : y;                                     \
+        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(aq0, y0), ones);                  \
+        const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(aq1, y1), ones);                  \
+        a0[I] = _mm256_fmadd_ps(_mm256_shuffle_ps(dd0, dd0, SH), _mm256_cvtepi32_ps(p0), a0[I]);    \
+        a1[I] = _mm256_fmadd_ps(_mm256_shuffle_ps(dd1, dd1, SH), _mm256_cvtepi32_ps(p1), a1[I]);    \
     }
 BDOT(4, 0)
 BDOT(1, 0)
-BDOT2(4, 0)
-BDOT2(4, 1)
+BDOT2(0)
+BDOT2(1)
 BDOT(4, 1)
 BDOT(1, 1)
 BDOT(4, 2)
@@ -882,13 +889,14 @@ AVX2 void mf_b32_corr_avx2(const mf_b32 *w, int64_t nb, const float *st, int64_t
 }
 
 /* mf_bdot_avx2 on two W rows (w, w + nb; sgn 0 or 1; corr0/corr1 as corr, outputs at out and
- * out + 1): X rows four at a time by bdot2x4, the rest row by row as mf_bdot_avx2 */
+ * out + 1; sd: the X rows' d by block, [block][row], MF_BST a block): X rows four at a time by bdot2x4, the rest row by row as mf_bdot_avx2 */
 AVX2 void mf_bdot2_avx2(const mf_b32 *w, int64_t nb, int sgn, const uint8_t *x, size_t xs, int64_t m,
-                        const float *corr0, const float *corr1, float *out, int64_t ostride) {
+                        const float *sd, const float *corr0, const float *corr1, float *out, int64_t ostride) {
     int64_t i = 0;
     float o0[4], o1[4];
     for (; i + 4 <= m; i += 4) {
-        if (sgn) bdot2x4_1(w, w + nb, nb, x + i * xs, xs, o0, o1); else bdot2x4_0(w, w + nb, nb, x + i * xs, xs, o0, o1);
+        if (sgn) bdot2x4_1(w, w + nb, nb, x + i * xs, xs, sd + i, o0, o1);
+        else bdot2x4_0(w, w + nb, nb, x + i * xs, xs, sd + i, o0, o1);
         for (int k = 0; k < 4; k++) {
             out[(i + k) * ostride] = sgn ? o0[k] : o0[k] + corr0[i + k];
             out[(i + k) * ostride + 1] = sgn ? o1[k] : o1[k] + corr1[i + k];

@@ -214,7 +214,7 @@ extern mf_vecdotx4_fn mf_vecdotx4_avx2[T_MAX]; /* optional: 1 W row x 4 X rows, 
 extern mf_b32unpack_fn mf_b32unpack_avx2[T_MAX];
 #define MF_BST 16 /* X rows per prefill tile: stride of the transposed s table */
 void mf_bdot2_avx2(const mf_b32 *w, int64_t nb, int sgn, const uint8_t *x, size_t xs, int64_t m,
-                   const float *corr0, const float *corr1, float *out, int64_t ostride);
+                   const float *sd, const float *corr0, const float *corr1, float *out, int64_t ostride);
 void mf_bdot_avx2(const mf_b32 *w, int64_t nb, int sgn, const uint8_t *x, size_t xs, int64_t m,
                   const float *corr, float *out, int64_t ostride);
 void mf_b32_corr_avx2(const mf_b32 *w, int64_t nb, const float *st, int64_t m, float *corr);

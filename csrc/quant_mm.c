@@ -303,23 +303,30 @@ static void mm_task_b32(void *p, int64_t t) {
             const uint8_t *src = c->w + r * c->rb + b * bytes;
             if (nv) mf_up_nvfp4_b32(src, wb + (r - r0) * nbb + 2 * b); else up(src, wb + (r - r0) * nbb + b);
         }
-    float *st = sgn ? NULL : scratch_f32((size_t)(nbb * MF_BST)), corr[MF_BST];
-    if (!sgn && !st) { __atomic_store_n(&c->err, 1, __ATOMIC_RELAXED); return; }
+    /* AVX2: two W rows at a time share each X block's load (mf_bdot2_avx2) */
+    const int two = mf_isa < MF_ISA_AVX512VNNI && !nv && r1 - r0 >= 2;
+    float *st = sgn && !two ? NULL : scratch_f32((size_t)(2 * nbb * MF_BST)), corr[MF_BST];
+    if ((!sgn || two) && !st) { __atomic_store_n(&c->err, 1, __ATOMIC_RELAXED); return; }
+    float *sd = st ? st + nbb * MF_BST : NULL;
     for (int64_t i0 = 0; i0 < c->n; i0 += XT2) {
         int64_t m = c->n - i0 < XT2 ? c->n - i0 : XT2;
-        if (!sgn) /* s of the tile's X rows, transposed to [block][row] (zero-padded) */
-            for (int64_t b = 0; b < nbb; b++)
-                for (int64_t i = 0; i < MF_BST; i++)
-                    st[b * MF_BST + i] = i < m ? ((const mf_q8_32 *)(c->xq + (size_t)(i0 + i) * c->xs))[b].s : 0.0f;
+        /* s (for corr) and d (for mf_bdot2_avx2) of the tile's X rows, transposed to [block][row]
+         * (zero-padded) */
+        for (int64_t b = 0; st && b < nbb; b++)
+            for (int64_t i = 0; i < MF_BST; i++) {
+                const mf_q8_32 *xb = i < m ? (const mf_q8_32 *)(c->xq + (size_t)(i0 + i) * c->xs) + b : NULL;
+                st[b * MF_BST + i] = xb ? xb->s : 0.0f;
+                sd[b * MF_BST + i] = xb ? xb->d : 0.0f;
+            }
         int64_t r = r0;
-        if (mf_isa < MF_ISA_AVX512VNNI && !nv) /* AVX2: two W rows share each X block's load */
+        if (two)
             for (; r + 2 <= r1; r += 2) {
                 float corr1[MF_BST];
                 if (!sgn) {
                     mf_b32_corr_avx2(wb + (r - r0) * nbb, nbb, st, m, corr);
                     mf_b32_corr_avx2(wb + (r + 1 - r0) * nbb, nbb, st, m, corr1);
                 }
-                mf_bdot2_avx2(wb + (r - r0) * nbb, nbb, sgn, c->xq + (size_t)i0 * c->xs, c->xs, m, corr, corr1,
+                mf_bdot2_avx2(wb + (r - r0) * nbb, nbb, sgn, c->xq + (size_t)i0 * c->xs, c->xs, m, sd, corr, corr1,
                               c->y + i0 * c->rows + r, c->rows);
             }
         for (; r < r1; r++) {
