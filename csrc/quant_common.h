@@ -212,7 +212,7 @@ extern mf_vecdot4_fn mf_vecdot4_avx2[T_MAX];
 extern const uint8_t mf_vd4_seq_avx2[T_MAX]; /* vd4 reads its rows one after another: short rows only */
 extern mf_vecdotx4_fn mf_vecdotx4_avx2[T_MAX]; /* optional: 1 W row x 4 X rows, each X row the bits of the 1-row kernel */
 extern mf_b32unpack_fn mf_b32unpack_avx2[T_MAX];
-#define MF_BST 16 /* X rows per prefill tile: stride of the transposed s table */
+#define MF_BST 16 /* X rows per prefill tile: stride of the transposed s and d tables */
 void mf_bdot2_avx2(const mf_b32 *w, int64_t nb, int sgn, const uint8_t *x, size_t xs, int64_t m,
                    const float *sd, const float *corr0, const float *corr1, float *out, int64_t ostride);
 void mf_bdot_avx2(const mf_b32 *w, int64_t nb, int sgn, const uint8_t *x, size_t xs, int64_t m,
