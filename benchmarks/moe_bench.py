@@ -187,8 +187,8 @@ def main(argv=None) -> int:
                          "the run (the bound then comes from the plan's cached rates only)")
     ap.add_argument("--probes", type=int, default=3,
                     help="quiet probes around each memfit run in a limit: half (rounded up) "
-                         "before, the rest after; the bound takes the median rates, and the "
-                         "range of bounds the rates' extremes give is kept (default 3)")
+                         "before, the rest after; the bound takes the median rates, and each "
+                         "probe's own bound is kept (default 3)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)

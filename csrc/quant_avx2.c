@@ -853,11 +853,12 @@ mf_b32unpack_fn mf_b32unpack_avx2[T_MAX] = {
             const __m256 dd0 = _mm256_mul_ps(_mm256_set1_ps(w0[b].d), xd);                          \
             const __m256 dd1 = _mm256_mul_ps(_mm256_set1_ps(w1[b].d), xd);                          \
             const uint8_t *xq = xb + b * sizeof(mf_q8_32) + offsetof(mf_q8_32, qs);                 \
-            BDOT2_ROW(SIGNED, 0, 0x00) BDOT2_ROW(SIGNED, 1, 0x55) BDOT2_ROW(SIGNED, 2, 0xAA) BDOT2_ROW(SIGNED, 3, 0xFF)              \
+            BDOT2_ROW(SIGNED, 0, 0x00) BDOT2_ROW(SIGNED, 1, 0x55)                                    \
+            BDOT2_ROW(SIGNED, 2, 0xAA) BDOT2_ROW(SIGNED, 3, 0xFF)                                    \
         }                                                                                            \
         for (int i = 0; i < 4; i++) out0[i] = hsum_ps(a0[i]), out1[i] = hsum_ps(a1[i]);              \
     }
-#define BDOT2_ROW(SIGNED, I, SH)                                                                             \
+#define BDOT2_ROW(SIGNED, I, SH)                                                                     \
     {                                                                                                \
         const __m256i y = _mm256_loadu_si256((const __m256i *)(xq + (I) * xs));                      \
         const __m256i y0 = SIGNED ? _mm256_sign_epi8(y, q0) : y;                                     \
@@ -889,7 +890,8 @@ AVX2 void mf_b32_corr_avx2(const mf_b32 *w, int64_t nb, const float *st, int64_t
 }
 
 /* mf_bdot_avx2 on two W rows (w, w + nb; sgn 0 or 1; corr0/corr1 as corr, outputs at out and
- * out + 1; sd: the X rows' d by block, [block][row], MF_BST a block): X rows four at a time by bdot2x4, the rest row by row as mf_bdot_avx2 */
+ * out + 1; sd: the X rows' d by block, [block][row], MF_BST a block): X rows four at a time by
+ * bdot2x4, the last m % 4 by mf_bdot_avx2 on each W row */
 AVX2 void mf_bdot2_avx2(const mf_b32 *w, int64_t nb, int sgn, const uint8_t *x, size_t xs, int64_t m,
                         const float *sd, const float *corr0, const float *corr1, float *out, int64_t ostride) {
     int64_t i = 0;
@@ -902,11 +904,9 @@ AVX2 void mf_bdot2_avx2(const mf_b32 *w, int64_t nb, int sgn, const uint8_t *x, 
             out[(i + k) * ostride + 1] = sgn ? o1[k] : o1[k] + corr1[i + k];
         }
     }
-    for (; i < m; i++) {
-        if (sgn) bdot1_1(w, nb, x + i * xs, xs, o0), bdot1_1(w + nb, nb, x + i * xs, xs, o1);
-        else bdot1_0(w, nb, x + i * xs, xs, o0), bdot1_0(w + nb, nb, x + i * xs, xs, o1);
-        out[i * ostride] = sgn ? o0[0] : o0[0] + corr0[i];
-        out[i * ostride + 1] = sgn ? o1[0] : o1[0] + corr1[i];
+    if (i < m) {
+        mf_bdot_avx2(w, nb, sgn, x + i * xs, xs, m - i, sgn ? NULL : corr0 + i, out + i * ostride, ostride);
+        mf_bdot_avx2(w + nb, nb, sgn, x + i * xs, xs, m - i, sgn ? NULL : corr1 + i, out + i * ostride + 1, ostride);
     }
 }
 
