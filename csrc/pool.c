@@ -93,10 +93,16 @@ static int detect_slow_gather(void) {
  * MXFP4 2880x2880 +23%, Q8_0 4096x2880 +13%, Q4_0 4096x4096 +23%, Q5_0 14336x4096 +14%; and rows
  * of up to 4.5 KiB strided (stride_max_rb 4608; 3072 before): Q8_0 at 4096 columns +46-72%
  * (21-22 -> 30-38 GB/s), Q4_0 at 7168 +27%, MXFP4 at 7680 +34%. Longer rows were mixed (Q8_0
- * 14336 +14%, Q4_K 18944 +6%, Q6_K 18944 -12%): they stay adjacent. */
+ * 14336 +14%, Q4_K 18944 +6%, Q6_K 18944 -12%): they stay adjacent. Session 28 (the Zen 4 of
+ * BENCHMARKS.md section 39, bench --kernels --tune, 2 threads, from DRAM, 3-5 trials): the 4/8-row
+ * kernels prefetch 1 KiB ahead in each stream in their block loop (pf_dist_multi) instead of the
+ * rows-ahead bursts: the long rows' 8-row groups Q4_K 3584x18944 28.2 -> 32.5 GB/s, Q6_K 22.1 ->
+ * 30.5, 4096x14336 Q4_K +18%, Q6_K +31%, Q8_0 +13%, Q4_0 +18%, Q5_K +11%, MXFP4 +26%; the
+ * strided short rows level; 2 KiB within the noise of 1. The 1-row kernels stay without it
+ * (pf_dist 3072 cost them 10-20%). */
 #define MF_TUNE_AMD_ZEN4 \
     (mf_tune.pf_rows = 0, mf_tune.pf_strided = 0, mf_tune.k_vd8_min_rb = 6144, mf_tune.task_kib = 128, \
-     mf_tune.streams = 1, mf_tune.task_kib_strided = 512, mf_tune.stride_max_rb = 4608)
+     mf_tune.streams = 1, mf_tune.task_kib_strided = 512, mf_tune.stride_max_rb = 4608, mf_tune.pf_dist_multi = 1024)
 /* Intel Emerald Rapids (family 6 model 207; the Xeon of BENCHMARKS.md section 30, 2 cores,
  * 2 MiB L2 per core, 260 MiB L3): the decode kernels that prefetch in their block loop
  * (mf_kpf_avx512) 3 KiB ahead in each row's stream, instead of the rows-ahead bursts. In-process

@@ -93,8 +93,8 @@ typedef struct {
     int pf_dist;       /* decode kernels that prefetch in their block loop (mf_kpf_avx512/avx2): W
                         * bytes ahead in each row's stream, 1-row kernels (0: no in-loop prefetch,
                         * pf_rows* apply instead) */
-    int pf_dist_multi; /* the same for the 4/8-row kernels (while pf_dist is on): each of their
-                        * 4-8 streams a core walks at once gets this distance */
+    int pf_dist_multi; /* the same for the 4/8-row kernels: each of their 4-8 streams a core walks
+                        * at once gets this distance (0: none, pf_rows_multi applies instead) */
     int pdep;          /* IQ1_S/IQ1_M/IQ3_S AVX2 decode: grid-row indexes built by pdep (1; only with BMI2) */
     int k_vd4_short_rb; /* avx2: rows of at most this many bytes of the types in mf_vd4_seq_avx2 (Q4_K, Q6_K) take the 4-row kernel (0: never) */
 } mf_tune_t;
@@ -120,7 +120,7 @@ static inline int64_t mf_pf_off(int64_t pos, int64_t d, int64_t rowb, size_t rb,
     const int64_t o = pos + d;
     return o >= rowb && (int64_t)rb == rowb ? o + (R - 1) * rowb : o;
 }
-#define MF_PF_MULTI (mf_tune.pf_dist ? mf_tune.pf_dist_multi : 0) /* 4/8-row kernels' distance */
+#define MF_PF_MULTI (mf_tune.pf_dist_multi) /* 4/8-row kernels' distance */
 /* a 1-row kernel's block step: the step pf bytes further along the row (pf 0: none) */
 #define MF_PF_STEP(w, pf, bytes)                       \
     do {                                               \

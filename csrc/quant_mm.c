@@ -28,7 +28,8 @@ typedef struct {
     mf_vecdotx4_fn vx4; /* optional 4-X-row variant of vd (each X row's bits equal vd's) */
     int streams;       /* decode, 1-row kernels: rows of a task read as this many streams */
     int strided;       /* decode, 4/8-row kernels on short rows: a group's rows are a task part apart */
-    int kpf;           /* decode: the kernels prefetch in their block loop (no row-ahead prefetch) */
+    int kpf;           /* decode: the 1-row kernels prefetch in their block loop (no row-ahead prefetch) */
+    int kpf_multi;     /* the same for the 4/8-row kernels */
     int vd4_seq;       /* decode: vd4 reads its 4 rows one after another as the 1-row kernel (its tasks) */
     int64_t rt; /* W rows per task */
     int kg, g32;             /* K-quant GEMM path (avx512vnni); sub-blocks of 32 (Q4_K/Q5_K) */
@@ -119,7 +120,7 @@ static void vec_rows(const mm_ctx *c, int64_t a, int64_t b, int64_t i0, int64_t 
     int64_t r = a;
     if (c->vd8)
         for (; r + 8 <= b; r += 8) {
-            if (pf && !c->kpf && mf_tune.pf_rows_multi) prefetch_rows(c, r + mf_tune.pf_rows_multi, r + mf_tune.pf_rows_multi + 8, end);
+            if (pf && !c->kpf_multi && mf_tune.pf_rows_multi) prefetch_rows(c, r + mf_tune.pf_rows_multi, r + mf_tune.pf_rows_multi + 8, end);
             for (int64_t i = i0; i < i1; i++) {
                 float o[8];
                 c->vd8(c->w + r * c->rb, (size_t)c->rb, c->xq + (size_t)i * c->xs, c->nb, o);
@@ -128,7 +129,7 @@ static void vec_rows(const mm_ctx *c, int64_t a, int64_t b, int64_t i0, int64_t 
         }
     if (c->vd4)
         for (; r + 4 <= b; r += 4) {
-            if (pf && !c->kpf && mf_tune.pf_rows_multi) prefetch_rows(c, r + mf_tune.pf_rows_multi, r + mf_tune.pf_rows_multi + 4, end);
+            if (pf && !c->kpf_multi && mf_tune.pf_rows_multi) prefetch_rows(c, r + mf_tune.pf_rows_multi, r + mf_tune.pf_rows_multi + 4, end);
             for (int64_t i = i0; i < i1; i++) {
                 float o[4];
                 c->vd4(c->w + r * c->rb, (size_t)c->rb, c->xq + (size_t)i * c->xs, c->nb, o);
@@ -160,7 +161,7 @@ static void vec_rows_strided(const mm_ctx *c, int64_t r0, int64_t r1, int64_t i0
     mf_vecdot4_fn k = c->vd8 ? c->vd8 : c->vd4;
     const int64_t P = (r1 - r0) / G;
     for (int64_t j = 0; j < P; j++) {
-        if (pf && !c->kpf)
+        if (pf && !c->kpf_multi)
             for (int g = 0; g < G && mf_tune.pf_strided; g++) prefetch_rows(c, r0 + g * P + j + mf_tune.pf_strided, r0 + g * P + j + mf_tune.pf_strided + 1, r1);
         for (int64_t i = i0; i < i1; i++) {
             float o[8];
@@ -438,6 +439,7 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
         }
         c.vx4 = mf_vecdotx4_avx2[type];
         c.kpf = mf_tune.pf_dist && mf_kpf_avx2[type];
+        c.kpf_multi = mf_tune.pf_dist_multi && mf_kpf_avx2[type];
         c.xfmt = q->xfmt;
         if (q->xfmt == XF_F32) {
             c.xq = (const uint8_t *)x;
@@ -501,6 +503,7 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
         c.strided = (c.vd4 || c.vd8) && c.rb <= mf_tune.stride_max_rb;
         c.xfmt = mf_xfmt_avx512[type];
         c.kpf = mf_tune.pf_dist && mf_kpf_avx512[type];
+        c.kpf_multi = mf_tune.pf_dist_multi && mf_kpf_avx512[type];
         c.xs = c.xfmt == XF_Q8_256 ? (size_t)(cols / 256) * sizeof(mf_q8_256) : (size_t)(cols / 32) * sizeof(mf_q8_32);
     }
     if (p->fn == mm_task_vec) {
