@@ -2,7 +2,7 @@
 among kernels with the same per-row arithmetic and the order rows are read in: no tuning may
 change a result bit. Every tuning below forces another kernel form (1-row with and without
 prefetch, 4-row and 8-row groups adjacent or a task part apart) on rows short and long, on
-every ISA this CPU runs, with and without the in-kernel prefetch (pf_dist); each must give the
+every ISA this CPU runs, with and without the in-kernel prefetch (pf_dist, pf_dist_multi); each must give the
 default row's bits for the decode (rowwise) matmul.
 """
 
@@ -38,6 +38,9 @@ TUNINGS = [
     f"k_vd4_short_rb={BIG}",
     f"k_vd4_short_rb={BIG},pf_dist=0,task_kib_multi=4",
     "k_vd4_short_rb=0,pf_dist=2048,pf_dist_multi=1024",
+    # the 4/8-row kernels prefetch in their loop on their own (the Zen 4 row), 1-row ones not
+    f"pf_dist=0,pf_dist_multi=1024,pf_rows_multi=8,k_vd4_min_rb=0,k_vd8_min_rb=0,q8_vd4_min_rb=0,stride_max_rb={BIG}",
+    "pf_dist=0,pf_dist_multi=512,stride_max_rb=0,k_vd4_short_rb=0",
 ]
 
 
