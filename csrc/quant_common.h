@@ -92,7 +92,7 @@ typedef struct {
                         * sharing the K/V rows' conversion (0: one head per task, ops.c fa16_paged_task) */
     int pf_dist;       /* decode kernels that prefetch in their block loop (mf_kpf_avx512/avx2): W
                         * bytes ahead in each row's stream, 1-row kernels (0: no in-loop prefetch,
-                        * pf_rows* apply instead) */
+                        * pf_rows applies instead) */
     int pf_dist_multi; /* the same for the 4/8-row kernels: each of their 4-8 streams a core walks
                         * at once gets this distance (0: none, pf_rows_multi applies instead) */
     int pdep;          /* IQ1_S/IQ1_M/IQ3_S AVX2 decode: grid-row indexes built by pdep (1; only with BMI2) */

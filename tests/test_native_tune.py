@@ -2,8 +2,8 @@
 among kernels with the same per-row arithmetic and the order rows are read in: no tuning may
 change a result bit. Every tuning below forces another kernel form (1-row with and without
 prefetch, 4-row and 8-row groups adjacent or a task part apart) on rows short and long, on
-every ISA this CPU runs, with and without the in-kernel prefetch (pf_dist, pf_dist_multi); each must give the
-default row's bits for the decode (rowwise) matmul.
+every ISA this CPU runs, with and without the in-kernel prefetch (pf_dist, pf_dist_multi); each
+must give the default row's bits for the decode (rowwise) matmul.
 """
 
 import json
