@@ -3,7 +3,8 @@
  *
  * K-quants x Q8_256: a 32-byte chunk of packed quants is broadcast to both 256-bit halves by
  * the load itself and one per-half variable shift + mask gives 64 weights in element order,
- * so X is read in its natural order (one aligned 64-byte load). vpmaddubsw makes the u8 x s8
+ * so X is read in its natural order (one aligned 64-byte load); Q4_K and Q5_K instead load two
+ * chunks at once against X in the XF_Q8_256S order (q4_k_step). vpmaddubsw makes the u8 x s8
  * pair sums, vpdpwssd multiplies them by the sub-block scales and accumulates in int32 (the
  * AVX2 path needs madd + add + a scale shuffle for that): exact integer block sums, then one
  * float FMA per block as in the AVX2 kernels (only the float summation order differs).
@@ -58,22 +59,33 @@ VNNI static inline __m512i bcast32(const uint8_t *p) {
 
 /* ---------------- K-quants x Q8_256 ---------------- */
 
-/* One block of one row into the row's accumulators (acc; accm: the mins term). */
+/* One block of one row into the row's accumulators (acc; accm: the mins term). X is
+ * XF_Q8_256S. A 64-byte load of the packed quants holds chunks 2P and 2P+1 (32 bytes each; a
+ * chunk's low nibbles are its first 32 values, its high nibbles the next 32): its low nibbles
+ * meet one 64-byte load of the swizzled activations, its high nibbles the next. vl's lanes
+ * 0-7 collect sub-blocks 0 and 4, lanes 8-15 sub-blocks 2 and 6 (vh: 1 and 5, 3 and 7); the
+ * final 128-bit lane shuffle and add give each lane exactly the int32 sum that lane of the
+ * one-chunk-at-a-time form had (lanes 0-7 the even sub-blocks, 8-15 the odd, 4 values each at
+ * the same offsets), so the float steps and the bits are those of that form. Two plain loads of W and no broadcasts or variable shifts per block:
+ * on Zen 4 the 1-row kernel from L2 +15-18% (tools/vd_harness.c, BENCHMARKS.md section 40). */
 VNNI static inline void q4_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *acc, __m256 *accm) {
-    const __m512i m4 = _mm512_set1_epi8(0xF), sh = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
+    const __m512i m4 = _mm512_set1_epi8(0xF);
     uint32_t u[4];
     k4_scales(w + 4, u);
     const __m256i mlanes = k4_minlanes(u, x->bsums);
     const __m512i sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)((uint64_t)u[1] << 32 | u[0]))));
     const uint8_t *qs = w + 16;
     const int8_t *y = x->qs;
-    __m512i s2[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}; /* two chains */
-    for (int j = 0; j < 4; j++) { /* elements 64j..64j+63: low nibbles of chunk j, then high */
-        __m512i q = _mm512_and_si512(_mm512_srlv_epi64(bcast32(qs + 32 * j), sh), m4);
-        __m512i p = _mm512_maddubs_epi16(q, _mm512_loadu_si512((const void *)(y + 64 * j)));
-        s2[j & 1] = _mm512_dpwssd_epi32(s2[j & 1], p, _mm512_permutexvar_epi16(sel2(2 * j, 2 * j + 1), sc));
+    __m512i vl = _mm512_setzero_si512(), vh = _mm512_setzero_si512();
+    for (int P = 0; P < 2; P++) {
+        const __m512i raw = _mm512_loadu_si512((const void *)(qs + 64 * P));
+        const __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+        const __m512i pl = _mm512_maddubs_epi16(lo, _mm512_load_si512((const void *)(y + 128 * P)));
+        const __m512i ph = _mm512_maddubs_epi16(hi, _mm512_load_si512((const void *)(y + 128 * P + 64)));
+        vl = _mm512_dpwssd_epi32(vl, pl, _mm512_permutexvar_epi16(sel2(4 * P, 4 * P + 2), sc));
+        vh = _mm512_dpwssd_epi32(vh, ph, _mm512_permutexvar_epi16(sel2(4 * P + 1, 4 * P + 3), sc));
     }
-    const __m512i sumi = _mm512_add_epi32(s2[0], s2[1]);
+    const __m512i sumi = _mm512_add_epi32(_mm512_shuffle_i64x2(vl, vh, 0x44), _mm512_shuffle_i64x2(vl, vh, 0xEE));
     int32_t h;
     memcpy(&h, w, 4);
     const __m128 dm = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(h)), _mm_set1_ps(x->d)); /* d*dx, dmin*dx */
@@ -81,9 +93,11 @@ VNNI static inline void q4_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *
     *accm = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)), _mm256_cvtepi32_ps(mlanes), *accm);
 }
 
+/* Q5_K as q4_k_step (X in XF_Q8_256S, the same lanes); each nibble's 5th bit from the
+ * broadcast qh: bit 2c of qh byte l for value l of chunk c's low nibbles, bit 2c + 1 for its
+ * high nibbles, rotated per 256-bit half to bit 4 */
 VNNI static inline void q5_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *acc, __m256 *accm) {
     const __m512i m4 = _mm512_set1_epi8(0xF), b4 = _mm512_set1_epi8(0x10);
-    const __m512i sh = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
     uint32_t u[4];
     k4_scales(w + 4, u);
     const __m256i mlanes = k4_minlanes(u, x->bsums);
@@ -91,17 +105,22 @@ VNNI static inline void q5_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *
     const uint8_t *qs = w + 48;
     const __m512i qh = bcast32(w + 16);
     const int8_t *y = x->qs;
-    __m512i s2[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-    for (int j = 0; j < 4; j++) {
-        /* bit 2j (low half) / 2j+1 (high half) of each qh byte rotated to bit 4 */
-        const __m512i rot = _mm512_set_epi64((3 - 2 * j) & 63, (3 - 2 * j) & 63, (3 - 2 * j) & 63, (3 - 2 * j) & 63,
-                                             (4 - 2 * j) & 63, (4 - 2 * j) & 63, (4 - 2 * j) & 63, (4 - 2 * j) & 63);
-        __m512i hb = _mm512_and_si512(_mm512_rolv_epi64(qh, rot), b4);
-        __m512i q = OR_AND(_mm512_srlv_epi64(bcast32(qs + 32 * j), sh), hb, m4);
-        __m512i p = _mm512_maddubs_epi16(q, _mm512_loadu_si512((const void *)(y + 64 * j)));
-        s2[j & 1] = _mm512_dpwssd_epi32(s2[j & 1], p, _mm512_permutexvar_epi16(sel2(2 * j, 2 * j + 1), sc));
+    __m512i vl = _mm512_setzero_si512(), vh = _mm512_setzero_si512();
+    for (int P = 0; P < 2; P++) {
+        /* low nibbles: chunk 2P (bit 4P) in the low half, chunk 2P + 1 (bit 4P + 2) in the high */
+        const __m512i rl = _mm512_set_epi64((2 - 4 * P) & 63, (2 - 4 * P) & 63, (2 - 4 * P) & 63, (2 - 4 * P) & 63,
+                                            (4 - 4 * P) & 63, (4 - 4 * P) & 63, (4 - 4 * P) & 63, (4 - 4 * P) & 63);
+        const __m512i rh = _mm512_set_epi64((1 - 4 * P) & 63, (1 - 4 * P) & 63, (1 - 4 * P) & 63, (1 - 4 * P) & 63,
+                                            (3 - 4 * P) & 63, (3 - 4 * P) & 63, (3 - 4 * P) & 63, (3 - 4 * P) & 63);
+        const __m512i raw = _mm512_loadu_si512((const void *)(qs + 64 * P));
+        const __m512i lo = OR_AND(raw, _mm512_and_si512(_mm512_rolv_epi64(qh, rl), b4), m4);
+        const __m512i hi = OR_AND(_mm512_srli_epi16(raw, 4), _mm512_and_si512(_mm512_rolv_epi64(qh, rh), b4), m4);
+        const __m512i pl = _mm512_maddubs_epi16(lo, _mm512_load_si512((const void *)(y + 128 * P)));
+        const __m512i ph = _mm512_maddubs_epi16(hi, _mm512_load_si512((const void *)(y + 128 * P + 64)));
+        vl = _mm512_dpwssd_epi32(vl, pl, _mm512_permutexvar_epi16(sel2(4 * P, 4 * P + 2), sc));
+        vh = _mm512_dpwssd_epi32(vh, ph, _mm512_permutexvar_epi16(sel2(4 * P + 1, 4 * P + 3), sc));
     }
-    const __m512i sumi = _mm512_add_epi32(s2[0], s2[1]);
+    const __m512i sumi = _mm512_add_epi32(_mm512_shuffle_i64x2(vl, vh, 0x44), _mm512_shuffle_i64x2(vl, vh, 0xEE));
     int32_t h;
     memcpy(&h, w, 4);
     const __m128 dm = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(h)), _mm_set1_ps(x->d));
@@ -579,7 +598,7 @@ mf_vecdot_fn mf_vecdot_avx512[T_MAX] = {
 int mf_xfmt_avx512[T_MAX] = {
     [T_Q4_0] = XF_Q8_32, [T_Q8_0] = XF_Q8_32, [T_Q3_K] = XF_Q8_256, [T_Q5_0] = XF_Q8_32,
     [T_Q4_1] = XF_Q8_32, [T_Q5_1] = XF_Q8_32,
-    [T_Q4_K] = XF_Q8_256, [T_Q5_K] = XF_Q8_256, [T_Q6_K] = XF_Q8_256,
+    [T_Q4_K] = XF_Q8_256S, [T_Q5_K] = XF_Q8_256S, [T_Q6_K] = XF_Q8_256,
     [T_IQ2_XXS] = XF_Q8_256, [T_IQ2_XS] = XF_Q8_256, [T_IQ2_S] = XF_Q8_256,
     [T_IQ3_XXS] = XF_Q8_256, [T_IQ3_S] = XF_Q8_256, [T_IQ1_S] = XF_Q8_256, [T_IQ1_M] = XF_Q8_256,
     [T_TQ1_0] = XF_Q8_256, [T_TQ2_0] = XF_Q8_256, [T_MXFP4] = XF_Q8_32, [T_NVFP4] = XF_Q8_32,

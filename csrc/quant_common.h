@@ -15,12 +15,28 @@ enum {
     T_NVFP4 = 40, T_MAX = 48
 };
 
-/* Activation formats the integer vec-dots consume (memfit's own, not ggml's byte layout). */
-enum { XF_F32 = 0, XF_Q8_32 = 1, XF_Q8_256 = 2, XF_B32BAND = 3 };
+/* Activation formats the integer vec-dots consume (memfit's own, not ggml's byte layout).
+ * XF_Q8_256S: XF_Q8_256 with the middle two 32-byte quarters of each 128 values of qs swapped
+ * (bsums, d unchanged; mf_q8_256_swizzle), so that a 64-byte load of a K-quant row's packed
+ * nibbles (two 32-byte chunks) meets its activations in one 64-byte load (the avx512vnni
+ * Q4_K and Q5_K decode kernels). */
+enum { XF_F32 = 0, XF_Q8_32 = 1, XF_Q8_256 = 2, XF_B32BAND = 3, XF_Q8_256S = 4, XF_N = 5 };
 typedef struct { float d; float s; int8_t qs[32]; } mf_q8_32;                /* s = d * sum(qs) */
 /* qs first and the struct 64-byte aligned (320 bytes): the prefill kernels' 32-byte loads of
  * qs never split a cache line (292 packed bytes split half of them) */
 typedef struct { _Alignas(64) int8_t qs[256]; int16_t bsums[16]; float d; } mf_q8_256; /* bsums per 16 */
+
+/* XF_Q8_256 rows -> XF_Q8_256S in place (nb blocks) */
+static inline void mf_q8_256_swizzle(void *x, int64_t nb) {
+    mf_q8_256 *b = x;
+    for (int64_t i = 0; i < nb; i++)
+        for (int h = 0; h < 2; h++) {
+            int8_t t[32];
+            memcpy(t, b[i].qs + 128 * h + 32, 32);
+            memcpy(b[i].qs + 128 * h + 32, b[i].qs + 128 * h + 64, 32);
+            memcpy(b[i].qs + 128 * h + 64, t, 32);
+        }
+}
 
 /* One row of W (nb blocks) against one prepared activation row. */
 typedef float (*mf_vecdot_fn)(const uint8_t *w, const void *x, int64_t nb);

@@ -395,6 +395,7 @@ static void quant_x_task(void *p, int64_t i) {
     void *dst = (void *)(c->xq + (size_t)i * c->xs);
     if (c->xfmt == XF_Q8_32) mf_quantize_q8_32_avx2(x, dst, c->cols);
     else mf_quantize_q8_256_avx2(x, dst, c->cols);
+    if (c->xfmt == XF_Q8_256S) mf_q8_256_swizzle(dst, c->cols / 256);
 }
 
 static pthread_mutex_t xq_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -504,7 +505,8 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
         c.xfmt = mf_xfmt_avx512[type];
         c.kpf = mf_tune.pf_dist && mf_kpf_avx512[type];
         c.kpf_multi = mf_tune.pf_dist_multi && mf_kpf_avx512[type];
-        c.xs = c.xfmt == XF_Q8_256 ? (size_t)(cols / 256) * sizeof(mf_q8_256) : (size_t)(cols / 32) * sizeof(mf_q8_32);
+        c.xs = c.xfmt == XF_Q8_256 || c.xfmt == XF_Q8_256S ? (size_t)(cols / 256) * sizeof(mf_q8_256)
+                                                           : (size_t)(cols / 32) * sizeof(mf_q8_32);
     }
     if (p->fn == mm_task_vec) {
         /* decode streams W once: tasks of ~4 x mf_tune.task_kib contiguous KiB for the 1-row
@@ -544,7 +546,7 @@ static int matmul_multi(int k, const int *types, const uint8_t *const *ws, const
     assert(k >= 1 && k <= MF_MM_MAX);
     mm_plan p[MF_MM_MAX];
     multi_ctx m = {p, k, {0}};
-    int need_fmt[4] = {0, 0, 0, 0}, need_xb = 0;
+    int need_fmt[XF_N] = {0}, need_xb = 0;
     for (int j = 0; j < k; j++) {
         int rc = mm_plan_init(&p[j], types[j], ws[j], rows[j], cols, x, n, ys[j], vec_only);
         if (rc) return rc;
@@ -557,15 +559,18 @@ static int matmul_multi(int k, const int *types, const uint8_t *const *ws, const
     int vec = 1;
     for (int j = 0; j < k; j++) vec &= p[j].fn == mm_task_vec;
     void (*pfor)(int64_t, mf_task_fn, void *) = vec ? mf_parallel_for_ranged : mf_parallel_for;
-    size_t sz[4] = {0, 0, 0, 0}, at[4] = {0, 0, 0, 0}, total = 0;
+    size_t sz[XF_N] = {0}, at[XF_N] = {0}, total = 0;
     if (need_fmt[XF_Q8_32]) sz[XF_Q8_32] = (size_t)(cols / 32) * sizeof(mf_q8_32) * (size_t)n;
     if (need_fmt[XF_Q8_256]) sz[XF_Q8_256] = (size_t)(cols / 256) * sizeof(mf_q8_256) * (size_t)n;
+    if (need_fmt[XF_Q8_256S]) sz[XF_Q8_256S] = (size_t)(cols / 256) * sizeof(mf_q8_256) * (size_t)n;
     for (int j = 0; j < k; j++) /* the b32 GEMM's bands (all its weights share cols) */
         if (p[j].c.xfmt == XF_B32BAND) sz[XF_B32BAND] = p[j].c.xs * (size_t)((n + 15) / 16);
-    at[XF_Q8_256] = (sz[XF_Q8_32] + 63) & ~(size_t)63;
-    at[XF_B32BAND] = (at[XF_Q8_256] + sz[XF_Q8_256] + 63) & ~(size_t)63;
+    size_t at_xb = 0;
+    for (int f = XF_Q8_32; f < XF_N; f++) {
+        at[f] = at_xb;
+        at_xb += (sz[f] + 63) & ~(size_t)63;
+    }
     const int64_t nbands = (n + MF_XB_ROWS - 1) / MF_XB_ROWS;
-    size_t at_xb = (at[XF_B32BAND] + sz[XF_B32BAND] + 63) & ~(size_t)63;
     total = at_xb + (need_xb ? (size_t)nbands * (size_t)(cols / 256) * sizeof(mf_xband) : 0);
     if (total == 0) {
         pfor(m.off[k], multi_task, &m);
@@ -578,7 +583,7 @@ static int matmul_multi(int k, const int *types, const uint8_t *const *ws, const
         xq_cap = xq_buf ? total : 0;
         if (!xq_buf) { pthread_mutex_unlock(&xq_lock); return -3; }
     }
-    for (int f = XF_Q8_32; f <= XF_B32BAND; f++) {
+    for (int f = XF_Q8_32; f < XF_N; f++) {
         if (!need_fmt[f]) continue;
         int j = 0;
         while (p[j].c.xfmt != f) j++;
@@ -645,7 +650,7 @@ static int matmul_grouped(int k, const int *types, const uint8_t *const *ws, con
     grouped_ctx m = {p, 0, (int64_t *)(p + np)};
     m.off[0] = 0;
     int vec = 1;
-    size_t xs[4] = {0, 0, 0, 0}; /* bytes per X row of each activation format used (XF_Q8_*) */
+    size_t xs[XF_N] = {0}; /* bytes per X row of each activation format used (XF_Q8_*) */
     for (int64_t g = 0; g < G; g++)
         for (int j = 0; j < k; j++) {
             const int64_t i = g * k + j, a = off[g];
@@ -659,8 +664,8 @@ static int matmul_grouped(int k, const int *types, const uint8_t *const *ws, con
     m.np = np;
     if (N == 0 || m.off[np] == 0) return 0;
     void (*pfor)(int64_t, mf_task_fn, void *) = vec ? mf_parallel_for_ranged : mf_parallel_for;
-    size_t at[4] = {0, 0, 0, 0}, total = 0;
-    for (int f = XF_Q8_32; f <= XF_Q8_256; f++) {
+    size_t at[XF_N] = {0}, total = 0;
+    for (int f = XF_Q8_32; f < XF_N; f++) {
         at[f] = total;
         total += (xs[f] * (size_t)N + 63) & ~(size_t)63;
     }
@@ -675,7 +680,7 @@ static int matmul_grouped(int k, const int *types, const uint8_t *const *ws, con
         xq_cap = xq_buf ? total : 0;
         if (!xq_buf) { pthread_mutex_unlock(&xq_lock); return -3; }
     }
-    for (int f = XF_Q8_32; f <= XF_Q8_256; f++) {
+    for (int f = XF_Q8_32; f < XF_N; f++) {
         if (!xs[f]) continue;
         mm_ctx qc = {.xfmt = f, .x = x, .n = N, .cols = cols, .xs = xs[f], .xq = xq_buf + at[f]};
         mf_parallel_for(N, quant_x_task, &qc); /* all rows of X at once, one row as alone */

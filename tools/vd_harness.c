@@ -4,7 +4,8 @@
  * (random fp16 scales could make subnormal products and time the FPU's slow path instead of
  * the kernel). The K-quants only: the IQ types' grids are installed from Python.
  *
- *   tools/vd-harness.sh [TYPE [ROWS [PF_DIST [BLOCKS_PER_ROW]]]]   e.g. tools/vd-harness.sh Q4_K 96 0 3 (VD4=1: 4-row) */
+ *   tools/vd-harness.sh [TYPE [ROWS [PF_DIST [BLOCKS_PER_ROW]]]]   e.g. tools/vd-harness.sh Q4_K 96 0 3
+ * (ISA=avx512: the AVX-512 VNNI kernels, AVX2 otherwise; VD4=1: 4-row, VD8=1 with avx512: 8-row) */
 #define _GNU_SOURCE
 #include <stdio.h>
 #include <stdlib.h>
@@ -54,17 +55,22 @@ int main(int argc, char **argv) {
             x[b].bsums[i] = (int16_t)s;
         }
     }
-    mf_vecdot_fn vd = mf_vecdot_avx2[type];
-    mf_vecdot4_fn vd4 = getenv("VD4") ? mf_vecdot4_avx2[type] : NULL;
-    if (getenv("VD4") && !vd4) {
-        fprintf(stderr, "vd_harness: %s has no AVX2 4-row kernel\n", name);
+    const char *isa = getenv("ISA") ? getenv("ISA") : "avx2";
+    const int z = strcmp(isa, "avx512") == 0;
+    mf_vecdot_fn vd = (z ? mf_vecdot_avx512 : mf_vecdot_avx2)[type];
+    mf_vecdot4_fn vd4 = getenv("VD4") ? (z ? mf_vecdot4_avx512 : mf_vecdot4_avx2)[type] : NULL;
+    if (getenv("VD8") && z) vd4 = mf_vecdot8_avx512[type];
+    const int g = getenv("VD8") && z ? 8 : 4;
+    if ((getenv("VD4") || getenv("VD8")) && !vd4) {
+        fprintf(stderr, "vd_harness: %s has no %s %d-row kernel\n", name, isa, g);
         return 2;
     }
+    if (z && mf_xfmt_avx512[type] == XF_Q8_256S) mf_q8_256_swizzle(x, nb); /* the kernel's X order */
     if (vd4) /* the 4-row kernel's rows must be the 1-row kernel's bits */
-        for (int r = 0; r + 4 <= rows; r += 4) {
-            float o[4];
+        for (int r = 0; r + g <= rows; r += g) {
+            float o[8];
             vd4(w + r * rb, rb, x, nb, o);
-            for (int k = 0; k < 4; k++) {
+            for (int k = 0; k < g; k++) {
                 float e = vd(w + (r + k) * rb, x, nb);
                 if (memcmp(&e, &o[k], 4)) {
                     fprintf(stderr, "vd_harness: row %d: 4-row %.9g != 1-row %.9g\n", r + k, o[k], e);
@@ -78,8 +84,8 @@ int main(int argc, char **argv) {
         double t0 = now();
         for (int it = 0; it < 2000; it++)
             if (vd4)
-                for (int r = 0; r + 4 <= rows; r += 4) {
-                    float o[4];
+                for (int r = 0; r + g <= rows; r += g) {
+                    float o[8];
                     vd4(w + r * rb, rb, x, nb, o);
                     sink += o[0] + o[3];
                 }
@@ -89,7 +95,7 @@ int main(int argc, char **argv) {
         if (dt < best) best = dt;
     }
     const double blocks = 2000.0 * rows * nb;
-    printf("%s%s rows %d pf_dist %d: %.2f ns/block, %.1f GB/s\n", name, vd4 ? " 4-row" : "", rows, (int)mf_tune.pf_dist,
+    printf("%s %s%s rows %d pf_dist %d: %.2f ns/block, %.1f GB/s\n", name, isa, vd4 ? (g == 8 ? " 8-row" : " 4-row") : "", rows, (int)mf_tune.pf_dist,
            best / blocks * 1e9, blocks * bb / best / 1e9);
     free(w);
     free(x);
