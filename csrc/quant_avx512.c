@@ -66,8 +66,9 @@ VNNI static inline __m512i bcast32(const uint8_t *p) {
  * 0-7 collect sub-blocks 0 and 4, lanes 8-15 sub-blocks 2 and 6 (vh: 1 and 5, 3 and 7); the
  * final 128-bit lane shuffle and add give each lane exactly the int32 sum that lane of the
  * one-chunk-at-a-time form had (lanes 0-7 the even sub-blocks, 8-15 the odd, 4 values each at
- * the same offsets), so the float steps and the bits are those of that form. Two plain loads of W and no broadcasts or variable shifts per block:
- * on Zen 4 the 1-row kernel from L2 +15-18% (tools/vd_harness.c, BENCHMARKS.md section 40). */
+ * the same offsets), so the float steps and the bits are those of that form. Two plain loads
+ * of W and no broadcasts or variable shifts per block: on Zen 4 the 1-row kernel from L2
+ * +12-20% (tools/vd_harness.c, BENCHMARKS.md section 40). */
 VNNI static inline void q4_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *acc, __m256 *accm) {
     const __m512i m4 = _mm512_set1_epi8(0xF);
     uint32_t u[4];
@@ -415,22 +416,22 @@ VD4_Q41(vd4_q5_1, 24, 8, 1)
         __m512 cacc = _mm512_setzero_ps();                                                          \
         const __m512i m4 = _mm512_set1_epi8(0xF), sh = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);    \
         const __m512 m8 = _mm512_set1_ps(-8.0f);                                                    \
-        /* gather offsets: lane l < 8 row l of the even block, lane 8 + l row l of the odd block */ \
-        int32_t o[16];                                                                              \
-        for (int l = 0; l < 16; l++) o[l] = (int32_t)((l & 7) % R * (int64_t)rb + (l >> 3) * 18);  \
-        const __m512i offs = _mm512_loadu_si512(o);                                                 \
-        const __mmask16 gm = R == 8 ? 0xFFFF : 0x0F0F; /* the group's rows, both blocks */          \
         const int64_t pfd = MF_PF_MULTI;                                                        \
         for (int64_t b = 0; b < nb; b += 2, w += 36) {                                              \
             MF_PF_ROWS(w, R, rb, b * 18, nb * 18, pfd, 36);                                         \
             const int two = b + 1 < nb;                                                             \
-            const __mmask16 m = two ? gm : (__mmask16)(gm & 0x00FF);                                \
             const __m256i y0 = _mm256_loadu_si256((const __m256i *)x[b].qs);                        \
             const __m512i y = two ? _mm512_inserti64x4(_mm512_castsi256_si512(y0),                  \
                                         _mm256_loadu_si256((const __m256i *)x[b + 1].qs), 1)        \
                                   : _mm512_zextsi256_si512(y0);                                     \
-            const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, offs, (const int *)w, 1); \
-            const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));                             \
+            /* the rows' f16 scales by scalar loads (a 16-lane gather took ~30% of the kernel on \
+             * Zen 4): lanes 0-7 the even block of rows 0-7, 8-15 the odd block */              \
+            const __m128i z = _mm_setzero_si128();                                                  \
+            const __m128i l0 = ld4_f16(w, w + rb, w + 2 * rb, w + 3 * rb);                          \
+            const __m128i l1 = R == 8 ? ld4_f16(w + 4 * rb, w + 5 * rb, w + 6 * rb, w + 7 * rb) : z; \
+            const __m128i h0 = two ? ld4_f16(w + 18, w + rb + 18, w + 2 * rb + 18, w + 3 * rb + 18) : z; \
+            const __m128i h1 = two && R == 8 ? ld4_f16(w + 4 * rb + 18, w + 5 * rb + 18, w + 6 * rb + 18, w + 7 * rb + 18) : z; \
+            const __m512 d = _mm512_cvtph_ps(_mm256_set_m128i(_mm_unpacklo_epi64(h0, h1), _mm_unpacklo_epi64(l0, l1))); \
             const __m512 xd = _mm512_insertf32x8(_mm512_set1_ps(x[b].d), _mm256_set1_ps(two ? x[b + 1].d : 0.0f), 1); \
             const __m512 xs = _mm512_insertf32x8(_mm512_set1_ps(x[b].s), _mm256_set1_ps(two ? x[b + 1].s : 0.0f), 1); \
             const __m512 sc = _mm512_mul_ps(d, xd);                                                 \
