@@ -43,7 +43,8 @@ static int detect_isa(void) {
     int avx2 = (b >> 5) & 1;
     if (!(avx2 && fma && f16c)) return MF_ISA_SCALAR;
     int avx512f = (b >> 16) & 1, avx512bw = (b >> 30) & 1, avx512vl = (b >> 31) & 1;
-    int vnni = ((c >> 11) & 1) && ((c >> 1) & 1); /* VNNI and VBMI (vpermb): Ice Lake and later */
+    /* VNNI, VBMI (vpermb) and BMI2 (pdep): Ice Lake, Zen 4 and later */
+    int vnni = ((c >> 11) & 1) && ((c >> 1) & 1) && ((b >> 8) & 1);
     int zmm_os = (xcr0 & 0xe6) == 0xe6; /* opmask + ZMM hi256 + hi16 ZMM */
     if (avx512f && avx512bw && avx512vl && zmm_os) return vnni ? MF_ISA_AVX512VNNI : MF_ISA_AVX512;
     return MF_ISA_AVX2;

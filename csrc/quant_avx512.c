@@ -20,7 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx512dq,avx2,fma,f16c")))
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx512dq,avx2,fma,f16c,bmi2")))
 
 /* Q4_K/Q5_K 12-byte scales -> sc[0..7] in bytes 0..7, mins in bytes 8..15 (ggml's packing) */
 static inline void k4_scales(const uint8_t *q, uint32_t u[4]) {
@@ -193,6 +193,44 @@ VNNI static inline void q3_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *
 }
 
 
+/* IQ4_XS, X in XF_Q8_256N: a 64-byte load holds four sub-blocks' 16 bytes; its low nibbles
+ * (each sub-block's first 16 values) meet one 64-byte load of X, its high nibbles the next,
+ * and both take the same scale words (dword lanes 4i..4i+3 sub-block i). The non-linear values
+ * come from a 16-byte table lookup as magnitudes (vpshufb) with the sign moved onto X (the
+ * table's first 8 entries are the negative ones: index bit 3 clear), so vpmaddubsw's u8 x s8
+ * applies; pair sums stay below 2 * 127 * 127. Per block one float FMA of the exact int32 lane
+ * sums, as the K-quants. Bits of their own (this ISA's decode only): the AVX2 kernel, the prefill
+ * path and the other ISAs have other lanes, as they do for every type. */
+VNNI static inline void iq4_xs_step(const uint8_t *w, const mf_q8_256 *x, __m512 *acc, __m256 *unused) {
+    (void)unused;
+    const __m512i m4 = _mm512_set1_epi8(0xF), b3 = _mm512_set1_epi8(8);
+    const __m512i mag = _mm512_abs_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)mf_kvalues_iq4nl)));
+    uint16_t sh;
+    uint32_t sl;
+    memcpy(&sh, w + 2, 2);
+    memcpy(&sl, w + 4, 4);
+    /* the 8 6-bit scales, minus 32, as words */
+    const uint64_t ls = _pdep_u64(sl, 0x0F0F0F0F0F0F0F0FULL) | _pdep_u64(sh, 0x3030303030303030ULL);
+    const __m512i sc = _mm512_castsi128_si512(_mm_sub_epi16(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)ls)), _mm_set1_epi16(32)));
+    const int8_t *y = x->qs;
+    __m512i sa = _mm512_setzero_si512(), sb = _mm512_setzero_si512();
+    for (int P = 0; P < 2; P++) {
+        const __m512i raw = _mm512_loadu_si512((const void *)(w + 8 + 64 * P));
+        const __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+        const __m512i ylo = _mm512_load_si512((const void *)(y + 128 * P)), yhi = _mm512_load_si512((const void *)(y + 128 * P + 64));
+        const __m512i pl = _mm512_maddubs_epi16(_mm512_shuffle_epi8(mag, lo),
+                                                _mm512_mask_sub_epi8(ylo, _mm512_testn_epi8_mask(lo, b3), _mm512_setzero_si512(), ylo));
+        const __m512i ph = _mm512_maddubs_epi16(_mm512_shuffle_epi8(mag, hi),
+                                                _mm512_mask_sub_epi8(yhi, _mm512_testn_epi8_mask(hi, b3), _mm512_setzero_si512(), yhi));
+        const __m512i scw = _mm512_permutexvar_epi16(sel4(4 * P), sc);
+        sa = _mm512_dpwssd_epi32(sa, pl, scw);
+        sb = _mm512_dpwssd_epi32(sb, ph, scw);
+    }
+    uint16_t hd;
+    memcpy(&hd, w, 2);
+    *acc = _mm512_fmadd_ps(_mm512_set1_ps(_cvtsh_ss(hd) * x->d), _mm512_cvtepi32_ps(_mm512_add_epi32(sa, sb)), *acc);
+}
+
 /* The 1-row kernels over the per-block steps (the row's stream continues in the next row). */
 #define KQ_DRIVER(T, BYTES, FINAL)                                                                   \
     VNNI static float vd_##T(const uint8_t *w, const void *xv, int64_t nb) {                        \
@@ -217,6 +255,7 @@ KQ_DRIVER(q4_k, 144, fin_min)
 KQ_DRIVER(q5_k, 176, fin_min)
 KQ_DRIVER(q6_k, 210, fin_plain)
 KQ_DRIVER(q3_k, 110, fin_plain)
+KQ_DRIVER(iq4_xs, 136, fin_plain)
 
 /* R rows block by block: per row exactly vd_T's arithmetic (the same bits); X loads shared.
  * 4 rows on long rows everywhere; 8 rows where the CPU's tuning row asks (mf_tune.k_vd8_min_rb). */
@@ -239,6 +278,8 @@ KQ_DRIVERN(vd4_q6_k, q6_k, 210, fin_plain, 4)
 KQ_DRIVERN(vd8_q4_k, q4_k, 144, fin_min, 8)
 KQ_DRIVERN(vd8_q5_k, q5_k, 176, fin_min, 8)
 KQ_DRIVERN(vd8_q6_k, q6_k, 210, fin_plain, 8)
+KQ_DRIVERN(vd4_iq4_xs, iq4_xs, 136, fin_plain, 4)
+KQ_DRIVERN(vd8_iq4_xs, iq4_xs, 136, fin_plain, 8)
 
 /* ---------------- 32-element types x Q8_32 (256-bit VNNI) ----------------
  * Per block the work is one 32-byte product and its float scale; vpdpbusd replaces the
@@ -461,18 +502,19 @@ VDZ_Q4_0(vdz4_q4_0, 4)
 VDZ_Q4_0(vdz8_q4_0, 8)
 const uint8_t mf_kpf_avx512[T_MAX] = {[T_Q4_K] = 1, [T_Q5_K] = 1, [T_Q6_K] = 1, [T_Q3_K] = 1, [T_Q8_0] = 1,
                                        [T_MXFP4] = 1, [T_NVFP4] = 1, [T_IQ2_XXS] = 1, [T_IQ2_XS] = 1, [T_IQ2_S] = 1,
-                                       [T_IQ3_XXS] = 1, [T_IQ3_S] = 1, [T_IQ1_S] = 1, [T_IQ1_M] = 1,
+                                       [T_IQ3_XXS] = 1, [T_IQ3_S] = 1, [T_IQ1_S] = 1, [T_IQ1_M] = 1, [T_IQ4_XS] = 1,
                                        /* 1-row kernels: the AVX2 ones (mf_kpf_avx2) */
                                        [T_Q4_0] = 1, [T_Q5_0] = 1, [T_Q4_1] = 1, [T_Q5_1] = 1, [T_Q2_K] = 1,
-                                       [T_IQ4_NL] = 1, [T_IQ4_XS] = 1};
+                                       [T_IQ4_NL] = 1};
 
 mf_vecdot4_fn mf_vecdot8_avx512[T_MAX] = {[T_Q4_0] = vdz8_q4_0, [T_Q4_K] = vd8_q4_k, [T_Q5_K] = vd8_q5_k, [T_Q6_K] = vd8_q6_k,
+                                          [T_IQ4_XS] = vd8_iq4_xs,
                                           [T_MXFP4] = mf_vd8_mxfp4_avx512, [T_NVFP4] = mf_vd8_nvfp4_avx512};
 
 mf_vecdot4_fn mf_vecdot4_avx512[T_MAX] = {
     [T_Q4_0] = vdz4_q4_0, [T_Q5_0] = vd4_q5_0, [T_Q4_1] = vd4_q4_1, [T_Q5_1] = vd4_q5_1,
     [T_Q8_0] = vd4_q8_0,
-    [T_Q4_K] = vd4_q4_k, [T_Q5_K] = vd4_q5_k, [T_Q6_K] = vd4_q6_k,
+    [T_Q4_K] = vd4_q4_k, [T_Q5_K] = vd4_q5_k, [T_Q6_K] = vd4_q6_k, [T_IQ4_XS] = vd4_iq4_xs,
     [T_TQ2_0] = mf_vd4_tq2_0_avx512, [T_MXFP4] = mf_vd4_mxfp4_avx512,
     [T_NVFP4] = mf_vd4_nvfp4_avx512,
 };
@@ -590,7 +632,7 @@ VNNI void mf_kdot2_avx512(const mf_kblk *w0, const mf_kblk *w1, int64_t nb, cons
 
 mf_vecdot_fn mf_vecdot_avx512[T_MAX] = {
     [T_Q8_0] = vd_q8_0, [T_Q3_K] = vd_q3_k,
-    [T_Q4_K] = vd_q4_k, [T_Q5_K] = vd_q5_k, [T_Q6_K] = vd_q6_k,
+    [T_Q4_K] = vd_q4_k, [T_Q5_K] = vd_q5_k, [T_Q6_K] = vd_q6_k, [T_IQ4_XS] = vd_iq4_xs,
     [T_IQ2_XXS] = mf_vd_iq2_xxs_avx512, [T_IQ2_XS] = mf_vd_iq2_xs_avx512, [T_IQ2_S] = mf_vd_iq2_s_avx512,
     [T_IQ3_XXS] = mf_vd_iq3_xxs_avx512, [T_IQ3_S] = mf_vd_iq3_s_avx512, [T_IQ1_S] = mf_vd_iq1_s_avx512, [T_IQ1_M] = mf_vd_iq1_m_avx512,
     [T_TQ1_0] = mf_vd_tq1_0_avx512, [T_TQ2_0] = mf_vd_tq2_0_avx512, [T_MXFP4] = mf_vd_mxfp4_avx512,
@@ -599,7 +641,7 @@ mf_vecdot_fn mf_vecdot_avx512[T_MAX] = {
 int mf_xfmt_avx512[T_MAX] = {
     [T_Q4_0] = XF_Q8_32, [T_Q8_0] = XF_Q8_32, [T_Q3_K] = XF_Q8_256, [T_Q5_0] = XF_Q8_32,
     [T_Q4_1] = XF_Q8_32, [T_Q5_1] = XF_Q8_32,
-    [T_Q4_K] = XF_Q8_256S, [T_Q5_K] = XF_Q8_256S, [T_Q6_K] = XF_Q8_256,
+    [T_Q4_K] = XF_Q8_256S, [T_Q5_K] = XF_Q8_256S, [T_Q6_K] = XF_Q8_256, [T_IQ4_XS] = XF_Q8_256N,
     [T_IQ2_XXS] = XF_Q8_256, [T_IQ2_XS] = XF_Q8_256, [T_IQ2_S] = XF_Q8_256,
     [T_IQ3_XXS] = XF_Q8_256, [T_IQ3_S] = XF_Q8_256, [T_IQ1_S] = XF_Q8_256, [T_IQ1_M] = XF_Q8_256,
     [T_TQ1_0] = XF_Q8_256, [T_TQ2_0] = XF_Q8_256, [T_MXFP4] = XF_Q8_32, [T_NVFP4] = XF_Q8_32,

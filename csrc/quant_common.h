@@ -19,8 +19,10 @@ enum {
  * XF_Q8_256S: XF_Q8_256 with the middle two 32-byte quarters of each 128 values of qs swapped
  * (bsums, d unchanged; mf_q8_256_swizzle), so that a 64-byte load of a K-quant row's packed
  * nibbles (two 32-byte chunks) meets its activations in one 64-byte load (the avx512vnni
- * Q4_K and Q5_K decode kernels). */
-enum { XF_F32 = 0, XF_Q8_32 = 1, XF_Q8_256 = 2, XF_B32BAND = 3, XF_Q8_256S = 4, XF_N = 5 };
+ * Q4_K and Q5_K decode kernels). XF_Q8_256N: each 128 values' 16-byte pieces in the order
+ * 0, 2, 4, 6, 1, 3, 5, 7 (the first halves of its four 32-value sub-blocks, then the second
+ * halves), the order of a 64-byte load of IQ4_XS nibbles split low / high (mf_q8_256_nibble). */
+enum { XF_F32 = 0, XF_Q8_32 = 1, XF_Q8_256 = 2, XF_B32BAND = 3, XF_Q8_256S = 4, XF_Q8_256N = 5, XF_N = 6 };
 typedef struct { float d; float s; int8_t qs[32]; } mf_q8_32;                /* s = d * sum(qs) */
 /* qs first and the struct 64-byte aligned (320 bytes): the prefill kernels' 32-byte loads of
  * qs never split a cache line (292 packed bytes split half of them) */
@@ -35,6 +37,17 @@ static inline void mf_q8_256_swizzle(void *x, int64_t nb) {
             memcpy(t, b[i].qs + 128 * h + 32, 32);
             memcpy(b[i].qs + 128 * h + 32, b[i].qs + 128 * h + 64, 32);
             memcpy(b[i].qs + 128 * h + 64, t, 32);
+        }
+}
+
+/* XF_Q8_256 rows -> XF_Q8_256N in place (nb blocks) */
+static inline void mf_q8_256_nibble(void *x, int64_t nb) {
+    mf_q8_256 *b = x;
+    for (int64_t i = 0; i < nb; i++)
+        for (int h = 0; h < 2; h++) {
+            int8_t t[128], *q = b[i].qs + 128 * h;
+            for (int k = 0; k < 8; k++) memcpy(t + 16 * ((k & 1) * 4 + k / 2), q + 16 * k, 16);
+            memcpy(q, t, 128);
         }
 }
 

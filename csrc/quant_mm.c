@@ -88,11 +88,11 @@ static void mm_task_scalar(void *p, int64_t t) {
  * row's bits as the 1-row kernel's) +35-40% at 14336-18944 columns, 2-12% slower at 3584-4096.
  * Shorter rows keep the 1-row kernel (mf_tune.streams per task). Other CPUs: pool.c's table. */
 static int vd8_min_rb(int type) {
-    return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K ? mf_tune.k_vd8_min_rb : 0;
+    return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K || type == T_IQ4_XS ? mf_tune.k_vd8_min_rb : 0;
 }
 static int vd4_min_rb(int type) {
     return type == T_Q8_0 ? mf_tune.q8_vd4_min_rb
-         : type == T_Q4_K || type == T_Q5_K || type == T_Q6_K ? mf_tune.k_vd4_min_rb : 0;
+         : type == T_Q4_K || type == T_Q5_K || type == T_Q6_K || type == T_IQ4_XS ? mf_tune.k_vd4_min_rb : 0;
 }
 /* Decode on avx512vnni, 4/8-row kernels: rows of at most mf_tune.stride_max_rb bytes are
  * grouped a task part apart (vec_rows_strided), longer ones adjacent. In-process A/B on the
@@ -396,6 +396,7 @@ static void quant_x_task(void *p, int64_t i) {
     if (c->xfmt == XF_Q8_32) mf_quantize_q8_32_avx2(x, dst, c->cols);
     else mf_quantize_q8_256_avx2(x, dst, c->cols);
     if (c->xfmt == XF_Q8_256S) mf_q8_256_swizzle(dst, c->cols / 256);
+    if (c->xfmt == XF_Q8_256N) mf_q8_256_nibble(dst, c->cols / 256);
 }
 
 static pthread_mutex_t xq_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -505,8 +506,7 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
         c.xfmt = mf_xfmt_avx512[type];
         c.kpf = mf_tune.pf_dist && mf_kpf_avx512[type];
         c.kpf_multi = mf_tune.pf_dist_multi && mf_kpf_avx512[type];
-        c.xs = c.xfmt == XF_Q8_256 || c.xfmt == XF_Q8_256S ? (size_t)(cols / 256) * sizeof(mf_q8_256)
-                                                           : (size_t)(cols / 32) * sizeof(mf_q8_32);
+        c.xs = c.xfmt == XF_Q8_32 ? (size_t)(cols / 32) * sizeof(mf_q8_32) : (size_t)(cols / 256) * sizeof(mf_q8_256);
     }
     if (p->fn == mm_task_vec) {
         /* decode streams W once: tasks of ~4 x mf_tune.task_kib contiguous KiB for the 1-row
@@ -562,7 +562,8 @@ static int matmul_multi(int k, const int *types, const uint8_t *const *ws, const
     size_t sz[XF_N] = {0}, at[XF_N] = {0}, total = 0;
     if (need_fmt[XF_Q8_32]) sz[XF_Q8_32] = (size_t)(cols / 32) * sizeof(mf_q8_32) * (size_t)n;
     if (need_fmt[XF_Q8_256]) sz[XF_Q8_256] = (size_t)(cols / 256) * sizeof(mf_q8_256) * (size_t)n;
-    if (need_fmt[XF_Q8_256S]) sz[XF_Q8_256S] = (size_t)(cols / 256) * sizeof(mf_q8_256) * (size_t)n;
+    for (int f = XF_Q8_256S; f <= XF_Q8_256N; f++)
+        if (need_fmt[f]) sz[f] = (size_t)(cols / 256) * sizeof(mf_q8_256) * (size_t)n;
     for (int j = 0; j < k; j++) /* the b32 GEMM's bands (all its weights share cols) */
         if (p[j].c.xfmt == XF_B32BAND) sz[XF_B32BAND] = p[j].c.xs * (size_t)((n + 15) / 16);
     size_t at_xb = 0;

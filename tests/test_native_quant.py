@@ -342,11 +342,12 @@ def test_q4_0_decode_groups_same_bits(cols, vnni):
         _same_bits(nat.matmul(X, rows_of(8, 12), rowwise=True), full[:, 8:12], f"threads={nt}")
 
 
-@pytest.mark.parametrize("name, cols", [("Q4_K", 11008), ("Q5_K", 9216), ("Q6_K", 7680), ("Q8_0", 2048)])
+@pytest.mark.parametrize("name, cols", [("Q4_K", 11008), ("Q5_K", 9216), ("Q6_K", 7680), ("IQ4_XS", 12288),
+                                        ("Q8_0", 2048)])
 def test_4row_decode_same_bits_as_1row(name, cols, vnni):
-    # rows of >= 6 KiB (K-quants) / 2 KiB (Q8_0) decode 4 rows at a time on avx512vnni; the
-    # K-quant rows keep the 1-row kernel's bits exactly (a row alone in a 1-row matrix takes
-    # the 1-row kernel): rows 0-7 in two 4-row groups, row 8 alone
+    # rows of >= 6 KiB (K-quants, IQ4_XS) / 2 KiB (Q8_0) decode 4 (or 8) rows at a time on
+    # avx512vnni; the K-quant and IQ4_XS rows keep the 1-row kernel's bits exactly (a row alone
+    # in a 1-row matrix takes the 1-row kernel): rows 0-7 in 4- or 8-row groups, row 8 alone
     t = BY_NAME[name]
     rng = np.random.default_rng(900 + t.id)
     rows = 9

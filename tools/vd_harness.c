@@ -2,7 +2,8 @@
  * one X row, the best of 7 passes of 2000 calls per row. Not part of the build or of CI; see
  * tools/vd-harness.sh. The blocks are random bytes with every block's fp16 scales set to 1.0
  * (random fp16 scales could make subnormal products and time the FPU's slow path instead of
- * the kernel). The K-quants, Q4_0 and Q8_0: the IQ types' grids are installed from Python.
+ * the kernel). The K-quants, Q4_0, Q8_0 and IQ4_XS: the other IQ types' grids are installed
+ * from Python.
  *
  *   tools/vd-harness.sh [TYPE [ROWS [PF_DIST [BLOCKS_PER_ROW]]]]   e.g. tools/vd-harness.sh Q4_K 96 0 3
  * (ISA=avx512: the AVX-512 VNNI kernels, AVX2 otherwise; VD4=1: 4-row, VD8=1 with avx512: 8-row) */
@@ -25,13 +26,14 @@ int main(int argc, char **argv) {
      * (Q8_32 rows): where each block's fp16 scales are and how many */
     static const struct { const char *name; int type, at, n; } kq[] = {
         {"Q2_K", T_Q2_K, 80, 2}, {"Q3_K", T_Q3_K, 108, 1}, {"Q4_K", T_Q4_K, 0, 2},
-        {"Q5_K", T_Q5_K, 0, 2}, {"Q6_K", T_Q6_K, 208, 1}, {"Q4_0", T_Q4_0, 0, 1}, {"Q8_0", T_Q8_0, 0, 1}};
+        {"Q5_K", T_Q5_K, 0, 2}, {"Q6_K", T_Q6_K, 208, 1}, {"Q4_0", T_Q4_0, 0, 1}, {"Q8_0", T_Q8_0, 0, 1},
+        {"IQ4_XS", T_IQ4_XS, 0, 1}};
     const char *name = argc > 1 ? argv[1] : "Q4_K";
     int k = -1;
     for (int i = 0; i < (int)(sizeof kq / sizeof kq[0]); i++)
         if (strcmp(kq[i].name, name) == 0) k = i;
     if (k < 0) {
-        fprintf(stderr, "vd_harness: TYPE is one of Q2_K Q3_K Q4_K Q5_K Q6_K Q4_0 Q8_0, not %s\n", name);
+        fprintf(stderr, "vd_harness: TYPE is one of Q2_K Q3_K Q4_K Q5_K Q6_K Q4_0 Q8_0 IQ4_XS, not %s\n", name);
         return 2;
     }
     const int type = kq[k].type;
@@ -76,6 +78,7 @@ int main(int argc, char **argv) {
         return 2;
     }
     if (z && mf_xfmt_avx512[type] == XF_Q8_256S) mf_q8_256_swizzle(x, nb); /* the kernel's X order */
+    if (z && mf_xfmt_avx512[type] == XF_Q8_256N) mf_q8_256_nibble(x, nb);
     if (!vd4 && !vd) {
         fprintf(stderr, "vd_harness: %s has no %s 1-row kernel (VD4=1 / VD8=1)\n", name, isa);
         return 2;
