@@ -156,42 +156,76 @@ VNNI static inline void q6_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *
     *acc = _mm512_fmadd_ps(_mm512_set1_ps(_cvtsh_ss(hd) * x->d), _mm512_cvtepi32_ps(sumi), *acc);
 }
 
+/* words 8i..8i+7 = index 2s, 2s + 1, 8 + 2s, 9 + 2s for i = 0..3 (a vpermw selector): the
+ * 16-value sub-blocks of X_T's 64 bytes at 64s (values 32s.., then 128 + 32s..) */
+VNNI static inline __m512i selt(int s) {
+    const int64_t a = 0x0101010101010101LL;
+    return _mm512_cvtepu8_epi16(_mm256_set_epi64x((9 + 2 * s) * a, (8 + 2 * s) * a, (2 * s + 1) * a, 2 * s * a));
+}
+
 /* Q3_K: element e = 128c + 32s + l is ((qs[32c + l] >> 2s) & 3) | 4 * (bit e/32 of hmask[l]),
- * minus 4 (taken off as -4 * sum_i sc_i * bsums_i); 16 6-bit scales unpacked in registers. */
+ * minus 4 (taken off as -4 * sum_i sc_i * bsums_i); 16 6-bit scales unpacked in registers.
+ * X is XF_Q8_256T: one 64-byte load of qs (both 32-byte chunks) shifted by 2s gives values
+ * 32s.. of chunk 0 and 128 + 32s.. of chunk 1, which meet X's 64 bytes at 64s. The even shifts
+ * collect into ve, the odd into vo; each lane of both halves of ve belongs to lane l < 8 of the
+ * one-64-values-at-a-time form (and vo's to lane 8 + l), so the final 128-bit lane shuffle and
+ * add give that form's exact int32 lane sums and bits. */
 VNNI static inline void q3_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *acc, __m256 *unused) {
     (void)unused;
     const __m512i m3 = _mm512_set1_epi8(3), b2 = _mm512_set1_epi8(4);
-    {
-        uint32_t a[3], u[4];
-        memcpy(a, w + 96, 12);
-        const uint32_t k1 = 0x03030303, k2 = 0x0f0f0f0f;
-        u[0] = (a[0] & k2) | ((a[2] & k1) << 4);
-        u[1] = (a[1] & k2) | (((a[2] >> 2) & k1) << 4);
-        u[2] = ((a[0] >> 4) & k2) | (((a[2] >> 4) & k1) << 4);
-        u[3] = ((a[1] >> 4) & k2) | (((a[2] >> 6) & k1) << 4);
-        const __m128i s8 = _mm_sub_epi8(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]), _mm_set1_epi8(32));
-        const __m256i sc16 = _mm256_cvtepi8_epi16(s8);
-        const int corr = _mm512_reduce_add_epi32(_mm512_zextsi256_si512(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)x->bsums))));
-        const __m512i sc = _mm512_castsi256_si512(sc16);
-        const __m512i hm = bcast32(w);
-        __m512i s2[2] = {_mm512_zextsi128_si512(_mm_cvtsi32_si128(-4 * corr)), _mm512_setzero_si512()};
-        for (int k = 0; k < 4; k++) { /* elements 64k..64k+63: c = k/2, s = 2(k%2) and 2(k%2)+1 */
-            const int s0 = 2 * (k & 1);
-            const __m512i shq = _mm512_set_epi64(2 * s0 + 2, 2 * s0 + 2, 2 * s0 + 2, 2 * s0 + 2, 2 * s0, 2 * s0, 2 * s0, 2 * s0);
-            /* hmask bit 2k (low half) / 2k+1 (high half) rotated to bit 2 */
-            const __m512i rot = _mm512_set_epi64((1 - 2 * k) & 63, (1 - 2 * k) & 63, (1 - 2 * k) & 63, (1 - 2 * k) & 63,
-                                                 (2 - 2 * k) & 63, (2 - 2 * k) & 63, (2 - 2 * k) & 63, (2 - 2 * k) & 63);
-            __m512i h = _mm512_and_si512(_mm512_rolv_epi64(hm, rot), b2);
-            __m512i q = OR_AND(_mm512_srlv_epi64(bcast32(w + 32 + 32 * (k >> 1)), shq), h, m3);
-            __m512i p = _mm512_maddubs_epi16(q, _mm512_loadu_si512((const void *)(x->qs + 64 * k)));
-            s2[k & 1] = _mm512_dpwssd_epi32(s2[k & 1], p, _mm512_permutexvar_epi16(sel4(4 * k), sc));
-        }
-        uint16_t hd;
-        memcpy(&hd, w + 108, 2);
-        *acc = _mm512_fmadd_ps(_mm512_set1_ps(_cvtsh_ss(hd) * x->d), _mm512_cvtepi32_ps(_mm512_add_epi32(s2[0], s2[1])), *acc);
+    uint32_t a[3], u[4];
+    memcpy(a, w + 96, 12);
+    const uint32_t k1 = 0x03030303, k2 = 0x0f0f0f0f;
+    u[0] = (a[0] & k2) | ((a[2] & k1) << 4);
+    u[1] = (a[1] & k2) | (((a[2] >> 2) & k1) << 4);
+    u[2] = ((a[0] >> 4) & k2) | (((a[2] >> 4) & k1) << 4);
+    u[3] = ((a[1] >> 4) & k2) | (((a[2] >> 6) & k1) << 4);
+    const __m128i s8 = _mm_sub_epi8(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]), _mm_set1_epi8(32));
+    const __m256i sc16 = _mm256_cvtepi8_epi16(s8);
+    const int corr = _mm512_reduce_add_epi32(_mm512_zextsi256_si512(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)x->bsums))));
+    const __m512i sc = _mm512_castsi256_si512(sc16);
+    const __m512i hm = bcast32(w), raw = _mm512_loadu_si512((const void *)(w + 32));
+    __m512i ve = _mm512_zextsi128_si512(_mm_cvtsi32_si128(-4 * corr)), vo = _mm512_setzero_si512();
+    for (int s = 0; s < 4; s++) {
+        /* hmask bit s (chunk 0, low half) / 4 + s (chunk 1, high half) rotated to bit 2 */
+        const __m512i rot = _mm512_set_epi64((-2 - s) & 63, (-2 - s) & 63, (-2 - s) & 63, (-2 - s) & 63,
+                                             (2 - s) & 63, (2 - s) & 63, (2 - s) & 63, (2 - s) & 63);
+        const __m512i h = _mm512_and_si512(_mm512_rolv_epi64(hm, rot), b2);
+        const __m512i q = OR_AND(_mm512_srli_epi16(raw, 2 * s), h, m3);
+        const __m512i p = _mm512_maddubs_epi16(q, _mm512_load_si512((const void *)(x->qs + 64 * s)));
+        if (s & 1) vo = _mm512_dpwssd_epi32(vo, p, _mm512_permutexvar_epi16(selt(s), sc));
+        else ve = _mm512_dpwssd_epi32(ve, p, _mm512_permutexvar_epi16(selt(s), sc));
     }
+    const __m512i sumi = _mm512_add_epi32(_mm512_shuffle_i64x2(ve, vo, 0x44), _mm512_shuffle_i64x2(ve, vo, 0xEE));
+    uint16_t hd;
+    memcpy(&hd, w + 108, 2);
+    *acc = _mm512_fmadd_ps(_mm512_set1_ps(_cvtsh_ss(hd) * x->d), _mm512_cvtepi32_ps(sumi), *acc);
 }
 
+/* Q2_K as q3_k_step's lanes (X in XF_Q8_256T, values (qs >> 2s) & 3, no high bit, scales the
+ * low nibbles of the first 16 bytes) and the mins as q4_k_step's: 8 lanes of mins x bsums
+ * pairs, one FMA with dmin * dx a block. Bits of their own (the AVX2 kernel sums 8 lanes). */
+VNNI static inline void q2_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *acc, __m256 *accm) {
+    const __m512i m3 = _mm512_set1_epi8(3);
+    const __m128i s8 = _mm_loadu_si128((const __m128i *)w), m4 = _mm_set1_epi8(0xF);
+    const __m512i sc = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_and_si128(s8, m4)));
+    const __m256i mlanes = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s8, 4), m4)),
+                                             _mm256_loadu_si256((const __m256i *)x->bsums));
+    const __m512i raw = _mm512_loadu_si512((const void *)(w + 16));
+    __m512i ve = _mm512_setzero_si512(), vo = _mm512_setzero_si512();
+    for (int s = 0; s < 4; s++) {
+        const __m512i q = _mm512_and_si512(_mm512_srli_epi16(raw, 2 * s), m3);
+        const __m512i p = _mm512_maddubs_epi16(q, _mm512_load_si512((const void *)(x->qs + 64 * s)));
+        if (s & 1) vo = _mm512_dpwssd_epi32(vo, p, _mm512_permutexvar_epi16(selt(s), sc));
+        else ve = _mm512_dpwssd_epi32(ve, p, _mm512_permutexvar_epi16(selt(s), sc));
+    }
+    const __m512i sumi = _mm512_add_epi32(_mm512_shuffle_i64x2(ve, vo, 0x44), _mm512_shuffle_i64x2(ve, vo, 0xEE));
+    int32_t h;
+    memcpy(&h, w + 80, 4);
+    const __m128 dm = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(h)), _mm_set1_ps(x->d)); /* d*dx, dmin*dx */
+    *acc = _mm512_fmadd_ps(_mm512_broadcastss_ps(dm), _mm512_cvtepi32_ps(sumi), *acc);
+    *accm = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)), _mm256_cvtepi32_ps(mlanes), *accm);
+}
 
 /* IQ4_XS, X in XF_Q8_256N: a 64-byte load holds four sub-blocks' 16 bytes; its low nibbles
  * (each sub-block's first 16 values) meet one 64-byte load of X, its high nibbles the next,
@@ -255,6 +289,7 @@ KQ_DRIVER(q4_k, 144, fin_min)
 KQ_DRIVER(q5_k, 176, fin_min)
 KQ_DRIVER(q6_k, 210, fin_plain)
 KQ_DRIVER(q3_k, 110, fin_plain)
+KQ_DRIVER(q2_k, 84, fin_min)
 KQ_DRIVER(iq4_xs, 136, fin_plain)
 
 /* R rows block by block: per row exactly vd_T's arithmetic (the same bits); X loads shared.
@@ -279,6 +314,10 @@ KQ_DRIVERN(vd8_q4_k, q4_k, 144, fin_min, 8)
 KQ_DRIVERN(vd8_q5_k, q5_k, 176, fin_min, 8)
 KQ_DRIVERN(vd8_q6_k, q6_k, 210, fin_plain, 8)
 KQ_DRIVERN(vd4_iq4_xs, iq4_xs, 136, fin_plain, 4)
+KQ_DRIVERN(vd4_q3_k, q3_k, 110, fin_plain, 4)
+KQ_DRIVERN(vd8_q3_k, q3_k, 110, fin_plain, 8)
+KQ_DRIVERN(vd4_q2_k, q2_k, 84, fin_min, 4)
+KQ_DRIVERN(vd8_q2_k, q2_k, 84, fin_min, 8)
 KQ_DRIVERN(vd8_iq4_xs, iq4_xs, 136, fin_plain, 8)
 
 /* ---------------- 32-element types x Q8_32 (256-bit VNNI) ----------------
@@ -500,21 +539,22 @@ VD4_Q41(vd4_q5_1, 24, 8, 1)
     }
 VDZ_Q4_0(vdz4_q4_0, 4)
 VDZ_Q4_0(vdz8_q4_0, 8)
-const uint8_t mf_kpf_avx512[T_MAX] = {[T_Q4_K] = 1, [T_Q5_K] = 1, [T_Q6_K] = 1, [T_Q3_K] = 1, [T_Q8_0] = 1,
+const uint8_t mf_kpf_avx512[T_MAX] = {[T_Q4_K] = 1, [T_Q5_K] = 1, [T_Q6_K] = 1, [T_Q3_K] = 1, [T_Q2_K] = 1, [T_Q8_0] = 1,
                                        [T_MXFP4] = 1, [T_NVFP4] = 1, [T_IQ2_XXS] = 1, [T_IQ2_XS] = 1, [T_IQ2_S] = 1,
                                        [T_IQ3_XXS] = 1, [T_IQ3_S] = 1, [T_IQ1_S] = 1, [T_IQ1_M] = 1, [T_IQ4_XS] = 1,
                                        /* 1-row kernels: the AVX2 ones (mf_kpf_avx2) */
-                                       [T_Q4_0] = 1, [T_Q5_0] = 1, [T_Q4_1] = 1, [T_Q5_1] = 1, [T_Q2_K] = 1,
+                                       [T_Q4_0] = 1, [T_Q5_0] = 1, [T_Q4_1] = 1, [T_Q5_1] = 1,
                                        [T_IQ4_NL] = 1};
 
 mf_vecdot4_fn mf_vecdot8_avx512[T_MAX] = {[T_Q4_0] = vdz8_q4_0, [T_Q4_K] = vd8_q4_k, [T_Q5_K] = vd8_q5_k, [T_Q6_K] = vd8_q6_k,
-                                          [T_IQ4_XS] = vd8_iq4_xs,
+                                          [T_IQ4_XS] = vd8_iq4_xs, [T_Q3_K] = vd8_q3_k, [T_Q2_K] = vd8_q2_k,
                                           [T_MXFP4] = mf_vd8_mxfp4_avx512, [T_NVFP4] = mf_vd8_nvfp4_avx512};
 
 mf_vecdot4_fn mf_vecdot4_avx512[T_MAX] = {
     [T_Q4_0] = vdz4_q4_0, [T_Q5_0] = vd4_q5_0, [T_Q4_1] = vd4_q4_1, [T_Q5_1] = vd4_q5_1,
     [T_Q8_0] = vd4_q8_0,
     [T_Q4_K] = vd4_q4_k, [T_Q5_K] = vd4_q5_k, [T_Q6_K] = vd4_q6_k, [T_IQ4_XS] = vd4_iq4_xs,
+    [T_Q3_K] = vd4_q3_k, [T_Q2_K] = vd4_q2_k,
     [T_TQ2_0] = mf_vd4_tq2_0_avx512, [T_MXFP4] = mf_vd4_mxfp4_avx512,
     [T_NVFP4] = mf_vd4_nvfp4_avx512,
 };
@@ -631,7 +671,7 @@ VNNI void mf_kdot2_avx512(const mf_kblk *w0, const mf_kblk *w1, int64_t nb, cons
 }
 
 mf_vecdot_fn mf_vecdot_avx512[T_MAX] = {
-    [T_Q8_0] = vd_q8_0, [T_Q3_K] = vd_q3_k,
+    [T_Q8_0] = vd_q8_0, [T_Q3_K] = vd_q3_k, [T_Q2_K] = vd_q2_k,
     [T_Q4_K] = vd_q4_k, [T_Q5_K] = vd_q5_k, [T_Q6_K] = vd_q6_k, [T_IQ4_XS] = vd_iq4_xs,
     [T_IQ2_XXS] = mf_vd_iq2_xxs_avx512, [T_IQ2_XS] = mf_vd_iq2_xs_avx512, [T_IQ2_S] = mf_vd_iq2_s_avx512,
     [T_IQ3_XXS] = mf_vd_iq3_xxs_avx512, [T_IQ3_S] = mf_vd_iq3_s_avx512, [T_IQ1_S] = mf_vd_iq1_s_avx512, [T_IQ1_M] = mf_vd_iq1_m_avx512,
@@ -639,7 +679,7 @@ mf_vecdot_fn mf_vecdot_avx512[T_MAX] = {
     [T_NVFP4] = mf_vd_nvfp4_avx512,
 };
 int mf_xfmt_avx512[T_MAX] = {
-    [T_Q4_0] = XF_Q8_32, [T_Q8_0] = XF_Q8_32, [T_Q3_K] = XF_Q8_256, [T_Q5_0] = XF_Q8_32,
+    [T_Q4_0] = XF_Q8_32, [T_Q8_0] = XF_Q8_32, [T_Q3_K] = XF_Q8_256T, [T_Q2_K] = XF_Q8_256T, [T_Q5_0] = XF_Q8_32,
     [T_Q4_1] = XF_Q8_32, [T_Q5_1] = XF_Q8_32,
     [T_Q4_K] = XF_Q8_256S, [T_Q5_K] = XF_Q8_256S, [T_Q6_K] = XF_Q8_256, [T_IQ4_XS] = XF_Q8_256N,
     [T_IQ2_XXS] = XF_Q8_256, [T_IQ2_XS] = XF_Q8_256, [T_IQ2_S] = XF_Q8_256,

@@ -21,8 +21,11 @@ enum {
  * nibbles (two 32-byte chunks) meets its activations in one 64-byte load (the avx512vnni
  * Q4_K and Q5_K decode kernels). XF_Q8_256N: each 128 values' 16-byte pieces in the order
  * 0, 2, 4, 6, 1, 3, 5, 7 (the first halves of its four 32-value sub-blocks, then the second
- * halves), the order of a 64-byte load of IQ4_XS nibbles split low / high (mf_q8_256_nibble). */
-enum { XF_F32 = 0, XF_Q8_32 = 1, XF_Q8_256 = 2, XF_B32BAND = 3, XF_Q8_256S = 4, XF_Q8_256N = 5, XF_N = 6 };
+ * halves), the order of a 64-byte load of IQ4_XS nibbles split low / high (mf_q8_256_nibble).
+ * XF_Q8_256T: the 32-byte quarters in the order 0, 4, 1, 5, 2, 6, 3, 7, the order of a 64-byte
+ * load of Q2_K/Q3_K 2-bit fields taken at one shift (mf_q8_256_pairs). */
+enum { XF_F32 = 0, XF_Q8_32 = 1, XF_Q8_256 = 2, XF_B32BAND = 3, XF_Q8_256S = 4, XF_Q8_256N = 5, XF_Q8_256T = 6,
+       XF_N = 7 };
 typedef struct { float d; float s; int8_t qs[32]; } mf_q8_32;                /* s = d * sum(qs) */
 /* qs first and the struct 64-byte aligned (320 bytes): the prefill kernels' 32-byte loads of
  * qs never split a cache line (292 packed bytes split half of them) */
@@ -49,6 +52,16 @@ static inline void mf_q8_256_nibble(void *x, int64_t nb) {
             for (int k = 0; k < 8; k++) memcpy(t + 16 * ((k & 1) * 4 + k / 2), q + 16 * k, 16);
             memcpy(q, t, 128);
         }
+}
+
+/* XF_Q8_256 rows -> XF_Q8_256T in place (nb blocks) */
+static inline void mf_q8_256_pairs(void *x, int64_t nb) {
+    mf_q8_256 *b = x;
+    for (int64_t i = 0; i < nb; i++) {
+        int8_t t[256];
+        for (int k = 0; k < 8; k++) memcpy(t + 32 * (k < 4 ? 2 * k : 2 * (k - 4) + 1), b[i].qs + 32 * k, 32);
+        memcpy(b[i].qs, t, 256);
+    }
 }
 
 /* One row of W (nb blocks) against one prepared activation row. */
@@ -109,7 +122,7 @@ typedef struct {
     int pf_rows_multi; /* 4/8-row decode kernels (adjacent rows): the same */
     int pf_strided;    /* strided 4/8-row groups: rows ahead in each part */
     int q8_vd4_min_rb; /* avx512vnni: Q8_0 rows of at least this many bytes take the 4-row kernel */
-    int k_vd4_min_rb;  /* avx512vnni: Q4_K/Q5_K/Q6_K rows of at least this many bytes: 4-row kernel */
+    int k_vd4_min_rb;  /* avx512vnni: Q4_K/Q5_K/Q6_K rows of at least this many bytes (Q2_K/Q3_K/IQ4_XS: as many values as a Q4_K row of it): 4-row kernel */
     int k_vd8_min_rb;  /* the same for their 8-row kernel (taken before the 4-row one) */
     int stride_max_rb; /* avx512vnni 4/8-row kernels: rows up to this many bytes grouped a part apart */
     int streams;       /* decode, 1-row kernels: a task's rows read as this many interleaved streams */

@@ -87,13 +87,17 @@ static void mm_task_scalar(void *p, int64_t t) {
  * columns, +5% at 2048, -13% at 1024, mixed at 640; Q4_K/Q5_K/Q6_K (4 rows block by block, each
  * row's bits as the 1-row kernel's) +35-40% at 14336-18944 columns, 2-12% slower at 3584-4096.
  * Shorter rows keep the 1-row kernel (mf_tune.streams per task). Other CPUs: pool.c's table. */
-static int vd8_min_rb(int type) {
-    return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K || type == T_IQ4_XS ? mf_tune.k_vd8_min_rb : 0;
+/* The 256-value types whose 4/8-row kernels keep the 1-row bits: Q4_K/Q5_K/Q6_K at rows of
+ * k_vd*_min_rb bytes, Q2_K/Q3_K/IQ4_XS at rows as long in values as a Q4_K row of that many
+ * bytes (Zen 4, bench --kernels --tune, from DRAM: Q2_K 4096x14336, 4.7 KiB rows, 8 rows 28.0
+ * vs 1 row 20.1 GB/s; IQ4_XS 33.9 vs 24.3; Q3_K level). */
+static int64_t kq_min_rb(int type, int64_t q4k_rb) {
+    if (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K) return q4k_rb;
+    if (type == T_Q2_K || type == T_Q3_K || type == T_IQ4_XS) return q4k_rb / 144 * mf_qtypes[type].bytes;
+    return 0;
 }
-static int vd4_min_rb(int type) {
-    return type == T_Q8_0 ? mf_tune.q8_vd4_min_rb
-         : type == T_Q4_K || type == T_Q5_K || type == T_Q6_K || type == T_IQ4_XS ? mf_tune.k_vd4_min_rb : 0;
-}
+static int64_t vd8_min_rb(int type) { return kq_min_rb(type, mf_tune.k_vd8_min_rb); }
+static int64_t vd4_min_rb(int type) { return type == T_Q8_0 ? mf_tune.q8_vd4_min_rb : kq_min_rb(type, mf_tune.k_vd4_min_rb); }
 /* Decode on avx512vnni, 4/8-row kernels: rows of at most mf_tune.stride_max_rb bytes are
  * grouped a task part apart (vec_rows_strided), longer ones adjacent. In-process A/B on the
  * Xeon (docs/NOTES.md): Q4_0 at 3584-5120 columns +14-22%, Q4_1/Q5_1 at 1024-1536 +14%,
@@ -397,6 +401,7 @@ static void quant_x_task(void *p, int64_t i) {
     else mf_quantize_q8_256_avx2(x, dst, c->cols);
     if (c->xfmt == XF_Q8_256S) mf_q8_256_swizzle(dst, c->cols / 256);
     if (c->xfmt == XF_Q8_256N) mf_q8_256_nibble(dst, c->cols / 256);
+    if (c->xfmt == XF_Q8_256T) mf_q8_256_pairs(dst, c->cols / 256);
 }
 
 static pthread_mutex_t xq_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -562,7 +567,7 @@ static int matmul_multi(int k, const int *types, const uint8_t *const *ws, const
     size_t sz[XF_N] = {0}, at[XF_N] = {0}, total = 0;
     if (need_fmt[XF_Q8_32]) sz[XF_Q8_32] = (size_t)(cols / 32) * sizeof(mf_q8_32) * (size_t)n;
     if (need_fmt[XF_Q8_256]) sz[XF_Q8_256] = (size_t)(cols / 256) * sizeof(mf_q8_256) * (size_t)n;
-    for (int f = XF_Q8_256S; f <= XF_Q8_256N; f++)
+    for (int f = XF_Q8_256S; f <= XF_Q8_256T; f++)
         if (need_fmt[f]) sz[f] = (size_t)(cols / 256) * sizeof(mf_q8_256) * (size_t)n;
     for (int j = 0; j < k; j++) /* the b32 GEMM's bands (all its weights share cols) */
         if (p[j].c.xfmt == XF_B32BAND) sz[XF_B32BAND] = p[j].c.xs * (size_t)((n + 15) / 16);

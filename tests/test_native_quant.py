@@ -343,11 +343,12 @@ def test_q4_0_decode_groups_same_bits(cols, vnni):
 
 
 @pytest.mark.parametrize("name, cols", [("Q4_K", 11008), ("Q5_K", 9216), ("Q6_K", 7680), ("IQ4_XS", 12288),
-                                        ("Q8_0", 2048)])
+                                        ("Q3_K", 11008), ("Q2_K", 11008), ("Q8_0", 2048)])
 def test_4row_decode_same_bits_as_1row(name, cols, vnni):
-    # rows of >= 6 KiB (K-quants, IQ4_XS) / 2 KiB (Q8_0) decode 4 (or 8) rows at a time on
-    # avx512vnni; the K-quant and IQ4_XS rows keep the 1-row kernel's bits exactly (a row alone
-    # in a 1-row matrix takes the 1-row kernel): rows 0-7 in 4- or 8-row groups, row 8 alone
+    # rows of >= 6 KiB (Q4_K/Q5_K/Q6_K; Q2_K/Q3_K/IQ4_XS: as many values) / 2 KiB (Q8_0) decode
+    # 4 (or 8) rows at a time on avx512vnni; the 256-value types' rows keep the 1-row kernel's
+    # bits exactly (a row alone in a 1-row matrix takes the 1-row kernel): rows 0-7 in 4- or
+    # 8-row groups, row 8 alone
     t = BY_NAME[name]
     rng = np.random.default_rng(900 + t.id)
     rows = 9

@@ -79,6 +79,7 @@ int main(int argc, char **argv) {
     }
     if (z && mf_xfmt_avx512[type] == XF_Q8_256S) mf_q8_256_swizzle(x, nb); /* the kernel's X order */
     if (z && mf_xfmt_avx512[type] == XF_Q8_256N) mf_q8_256_nibble(x, nb);
+    if (z && mf_xfmt_avx512[type] == XF_Q8_256T) mf_q8_256_pairs(x, nb);
     if (!vd4 && !vd) {
         fprintf(stderr, "vd_harness: %s has no %s 1-row kernel (VD4=1 / VD8=1)\n", name, isa);
         return 2;
