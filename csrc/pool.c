@@ -100,10 +100,14 @@ static int detect_slow_gather(void) {
  * rows-ahead bursts: the long rows' 8-row groups Q4_K 3584x18944 28.2 -> 32.5 GB/s, Q6_K 22.1 ->
  * 30.5, 4096x14336 Q4_K +18%, Q6_K +31%, Q8_0 +13%, Q4_0 +18%, Q5_K +11%, MXFP4 +26%; the
  * strided short rows level; 2 KiB within the noise of 1. The 1-row kernels stay without it
- * (pf_dist 3072 cost them 10-20%). */
+ * (pf_dist 3072 cost them 10-20%). Session 29 (BENCHMARKS.md section 40, bench --kernels --tune,
+ * the two settings paired in each of 12 trials): the K-quants' rows of at most 1152 bytes (Q4_K
+ * at <= 2048 columns: the 30B-A3B experts) 4 at a time, strided: Q4_K 6144x2048 +1-17% in all
+ * 12, 16384x768 ahead in 9; at 4096 columns (2304 bytes) the 1-row kernel stays ahead in 8. */
 #define MF_TUNE_AMD_ZEN4 \
     (mf_tune.pf_rows = 0, mf_tune.pf_strided = 0, mf_tune.k_vd8_min_rb = 6144, mf_tune.task_kib = 128, \
-     mf_tune.streams = 1, mf_tune.task_kib_strided = 512, mf_tune.stride_max_rb = 4608, mf_tune.pf_dist_multi = 1024)
+     mf_tune.streams = 1, mf_tune.task_kib_strided = 512, mf_tune.stride_max_rb = 4608, mf_tune.pf_dist_multi = 1024, \
+     mf_tune.k_vd4_short_rb = 1152)
 /* Intel Emerald Rapids (family 6 model 207; the Xeon of BENCHMARKS.md section 30, 2 cores,
  * 2 MiB L2 per core, 260 MiB L3): the decode kernels that prefetch in their block loop
  * (mf_kpf_avx512) 3 KiB ahead in each row's stream, instead of the rows-ahead bursts. In-process

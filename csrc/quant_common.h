@@ -138,7 +138,7 @@ typedef struct {
     int pf_dist_multi; /* the same for the 4/8-row kernels: each of their 4-8 streams a core walks
                         * at once gets this distance (0: none, pf_rows_multi applies instead) */
     int pdep;          /* IQ1_S/IQ1_M/IQ3_S AVX2 decode: grid-row indexes built by pdep (1; only with BMI2) */
-    int k_vd4_short_rb; /* avx2: rows of at most this many bytes of the types in mf_vd4_seq_avx2 (Q4_K, Q6_K) take the 4-row kernel (0: never) */
+    int k_vd4_short_rb; /* rows of at most this many bytes take the 4-row kernel (0: never): avx2 the types in mf_vd4_seq_avx2 (Q4_K, Q6_K), avx512vnni the 256-value types with 4-row kernels */
 } mf_tune_t;
 #define MF_FA_HEADS_MAX 128 /* mf_tune.fa_heads at most (ops.c's per-task state arrays) */
 extern mf_tune_t mf_tune;

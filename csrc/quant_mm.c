@@ -505,7 +505,8 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
         c.vd4 = mf_vecdot4_avx512[type];
         c.vd8 = mf_vecdot8_avx512[type];
         c.vd4_seq = 0;
-        if (c.rb < vd4_min_rb(type)) c.vd4 = NULL;
+        /* the 256-value types also on short rows (mf_tune.k_vd4_short_rb), grouped strided */
+        if (c.rb < vd4_min_rb(type) && !(kq_min_rb(type, 144) && c.rb <= mf_tune.k_vd4_short_rb)) c.vd4 = NULL;
         if (c.rb < vd8_min_rb(type)) c.vd8 = NULL;
         c.strided = (c.vd4 || c.vd8) && c.rb <= mf_tune.stride_max_rb;
         c.xfmt = mf_xfmt_avx512[type];
