@@ -56,6 +56,11 @@ VNNI static inline __m512i bcast32(const uint8_t *p) {
 }
 /* (A & C) | B */
 #define OR_AND(A, B, C) _mm512_ternarylogic_epi32((A), (B), (C), 0xEC)
+/* the int32 lanes of the one-64-values-at-a-time form from two accumulators whose halves both
+ * hold its lanes 0-7 (a) and 8-15 (b) */
+VNNI static inline __m512i fold_halves(__m512i a, __m512i b) {
+    return _mm512_add_epi32(_mm512_shuffle_i64x2(a, b, 0x44), _mm512_shuffle_i64x2(a, b, 0xEE));
+}
 
 /* ---------------- K-quants x Q8_256 ---------------- */
 
@@ -86,7 +91,7 @@ VNNI static inline void q4_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *
         vl = _mm512_dpwssd_epi32(vl, pl, _mm512_permutexvar_epi16(sel2(4 * P, 4 * P + 2), sc));
         vh = _mm512_dpwssd_epi32(vh, ph, _mm512_permutexvar_epi16(sel2(4 * P + 1, 4 * P + 3), sc));
     }
-    const __m512i sumi = _mm512_add_epi32(_mm512_shuffle_i64x2(vl, vh, 0x44), _mm512_shuffle_i64x2(vl, vh, 0xEE));
+    const __m512i sumi = fold_halves(vl, vh);
     int32_t h;
     memcpy(&h, w, 4);
     const __m128 dm = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(h)), _mm_set1_ps(x->d)); /* d*dx, dmin*dx */
@@ -121,7 +126,7 @@ VNNI static inline void q5_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *
         vl = _mm512_dpwssd_epi32(vl, pl, _mm512_permutexvar_epi16(sel2(4 * P, 4 * P + 2), sc));
         vh = _mm512_dpwssd_epi32(vh, ph, _mm512_permutexvar_epi16(sel2(4 * P + 1, 4 * P + 3), sc));
     }
-    const __m512i sumi = _mm512_add_epi32(_mm512_shuffle_i64x2(vl, vh, 0x44), _mm512_shuffle_i64x2(vl, vh, 0xEE));
+    const __m512i sumi = fold_halves(vl, vh);
     int32_t h;
     memcpy(&h, w, 4);
     const __m128 dm = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(h)), _mm_set1_ps(x->d));
@@ -163,6 +168,14 @@ VNNI static inline __m512i selt(int s) {
     return _mm512_cvtepu8_epi16(_mm256_set_epi64x((9 + 2 * s) * a, (8 + 2 * s) * a, (2 * s + 1) * a, 2 * s * a));
 }
 
+/* shift s of an XF_Q8_256T step: the 2-bit values q (u8) against X's 64 bytes at 64s, times
+ * their sub-blocks' scale words, into ve (s even) or vo (s odd) */
+VNNI static inline void t_dot(int s, __m512i q, const mf_q8_256 *x, __m512i sc, __m512i *ve, __m512i *vo) {
+    const __m512i p = _mm512_maddubs_epi16(q, _mm512_load_si512((const void *)(x->qs + 64 * s)));
+    __m512i *v = s & 1 ? vo : ve;
+    *v = _mm512_dpwssd_epi32(*v, p, _mm512_permutexvar_epi16(selt(s), sc));
+}
+
 /* Q3_K: element e = 128c + 32s + l is ((qs[32c + l] >> 2s) & 3) | 4 * (bit e/32 of hmask[l]),
  * minus 4 (taken off as -4 * sum_i sc_i * bsums_i); 16 6-bit scales unpacked in registers.
  * X is XF_Q8_256T: one 64-byte load of qs (both 32-byte chunks) shifted by 2s gives values
@@ -191,12 +204,9 @@ VNNI static inline void q3_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *
         const __m512i rot = _mm512_set_epi64((-2 - s) & 63, (-2 - s) & 63, (-2 - s) & 63, (-2 - s) & 63,
                                              (2 - s) & 63, (2 - s) & 63, (2 - s) & 63, (2 - s) & 63);
         const __m512i h = _mm512_and_si512(_mm512_rolv_epi64(hm, rot), b2);
-        const __m512i q = OR_AND(_mm512_srli_epi16(raw, 2 * s), h, m3);
-        const __m512i p = _mm512_maddubs_epi16(q, _mm512_load_si512((const void *)(x->qs + 64 * s)));
-        if (s & 1) vo = _mm512_dpwssd_epi32(vo, p, _mm512_permutexvar_epi16(selt(s), sc));
-        else ve = _mm512_dpwssd_epi32(ve, p, _mm512_permutexvar_epi16(selt(s), sc));
+        t_dot(s, OR_AND(_mm512_srli_epi16(raw, 2 * s), h, m3), x, sc, &ve, &vo);
     }
-    const __m512i sumi = _mm512_add_epi32(_mm512_shuffle_i64x2(ve, vo, 0x44), _mm512_shuffle_i64x2(ve, vo, 0xEE));
+    const __m512i sumi = fold_halves(ve, vo);
     uint16_t hd;
     memcpy(&hd, w + 108, 2);
     *acc = _mm512_fmadd_ps(_mm512_set1_ps(_cvtsh_ss(hd) * x->d), _mm512_cvtepi32_ps(sumi), *acc);
@@ -213,13 +223,8 @@ VNNI static inline void q2_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *
                                              _mm256_loadu_si256((const __m256i *)x->bsums));
     const __m512i raw = _mm512_loadu_si512((const void *)(w + 16));
     __m512i ve = _mm512_setzero_si512(), vo = _mm512_setzero_si512();
-    for (int s = 0; s < 4; s++) {
-        const __m512i q = _mm512_and_si512(_mm512_srli_epi16(raw, 2 * s), m3);
-        const __m512i p = _mm512_maddubs_epi16(q, _mm512_load_si512((const void *)(x->qs + 64 * s)));
-        if (s & 1) vo = _mm512_dpwssd_epi32(vo, p, _mm512_permutexvar_epi16(selt(s), sc));
-        else ve = _mm512_dpwssd_epi32(ve, p, _mm512_permutexvar_epi16(selt(s), sc));
-    }
-    const __m512i sumi = _mm512_add_epi32(_mm512_shuffle_i64x2(ve, vo, 0x44), _mm512_shuffle_i64x2(ve, vo, 0xEE));
+    for (int s = 0; s < 4; s++) t_dot(s, _mm512_and_si512(_mm512_srli_epi16(raw, 2 * s), m3), x, sc, &ve, &vo);
+    const __m512i sumi = fold_halves(ve, vo);
     int32_t h;
     memcpy(&h, w + 80, 4);
     const __m128 dm = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(h)), _mm_set1_ps(x->d)); /* d*dx, dmin*dx */
@@ -307,18 +312,13 @@ KQ_DRIVER(iq4_xs, 136, fin_plain)
         }                                                                                           \
         for (int r = 0; r < R; r++) out[r] = FINAL(acc[r], accm[r]);                                \
     }
-KQ_DRIVERN(vd4_q4_k, q4_k, 144, fin_min, 4)
-KQ_DRIVERN(vd4_q5_k, q5_k, 176, fin_min, 4)
-KQ_DRIVERN(vd4_q6_k, q6_k, 210, fin_plain, 4)
-KQ_DRIVERN(vd8_q4_k, q4_k, 144, fin_min, 8)
-KQ_DRIVERN(vd8_q5_k, q5_k, 176, fin_min, 8)
-KQ_DRIVERN(vd8_q6_k, q6_k, 210, fin_plain, 8)
-KQ_DRIVERN(vd4_iq4_xs, iq4_xs, 136, fin_plain, 4)
-KQ_DRIVERN(vd4_q3_k, q3_k, 110, fin_plain, 4)
-KQ_DRIVERN(vd8_q3_k, q3_k, 110, fin_plain, 8)
-KQ_DRIVERN(vd4_q2_k, q2_k, 84, fin_min, 4)
-KQ_DRIVERN(vd8_q2_k, q2_k, 84, fin_min, 8)
-KQ_DRIVERN(vd8_iq4_xs, iq4_xs, 136, fin_plain, 8)
+#define KQ_DRIVERS48(T, BYTES, FINAL) KQ_DRIVERN(vd4_##T, T, BYTES, FINAL, 4) KQ_DRIVERN(vd8_##T, T, BYTES, FINAL, 8)
+KQ_DRIVERS48(q4_k, 144, fin_min)
+KQ_DRIVERS48(q5_k, 176, fin_min)
+KQ_DRIVERS48(q6_k, 210, fin_plain)
+KQ_DRIVERS48(q3_k, 110, fin_plain)
+KQ_DRIVERS48(q2_k, 84, fin_min)
+KQ_DRIVERS48(iq4_xs, 136, fin_plain)
 
 /* ---------------- 32-element types x Q8_32 (256-bit VNNI) ----------------
  * Per block the work is one 32-byte product and its float scale; vpdpbusd replaces the
