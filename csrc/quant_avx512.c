@@ -290,12 +290,6 @@ VNNI static inline float fin_plain(__m512 acc, __m256 accm) {
     (void)accm;
     return _mm512_reduce_add_ps(acc);
 }
-KQ_DRIVER(q4_k, 144, fin_min)
-KQ_DRIVER(q5_k, 176, fin_min)
-KQ_DRIVER(q6_k, 210, fin_plain)
-KQ_DRIVER(q3_k, 110, fin_plain)
-KQ_DRIVER(q2_k, 84, fin_min)
-KQ_DRIVER(iq4_xs, 136, fin_plain)
 
 /* R rows block by block: per row exactly vd_T's arithmetic (the same bits); X loads shared.
  * 4 rows on long rows everywhere; 8 rows where the CPU's tuning row asks (mf_tune.k_vd8_min_rb). */
@@ -312,13 +306,15 @@ KQ_DRIVER(iq4_xs, 136, fin_plain)
         }                                                                                           \
         for (int r = 0; r < R; r++) out[r] = FINAL(acc[r], accm[r]);                                \
     }
-#define KQ_DRIVERS48(T, BYTES, FINAL) KQ_DRIVERN(vd4_##T, T, BYTES, FINAL, 4) KQ_DRIVERN(vd8_##T, T, BYTES, FINAL, 8)
-KQ_DRIVERS48(q4_k, 144, fin_min)
-KQ_DRIVERS48(q5_k, 176, fin_min)
-KQ_DRIVERS48(q6_k, 210, fin_plain)
-KQ_DRIVERS48(q3_k, 110, fin_plain)
-KQ_DRIVERS48(q2_k, 84, fin_min)
-KQ_DRIVERS48(iq4_xs, 136, fin_plain)
+/* a type's 1-, 4- and 8-row decode kernels vd_T, vd4_T, vd8_T */
+#define KQ_KERNELS(T, BYTES, FINAL) \
+    KQ_DRIVER(T, BYTES, FINAL) KQ_DRIVERN(vd4_##T, T, BYTES, FINAL, 4) KQ_DRIVERN(vd8_##T, T, BYTES, FINAL, 8)
+KQ_KERNELS(q4_k, 144, fin_min)
+KQ_KERNELS(q5_k, 176, fin_min)
+KQ_KERNELS(q6_k, 210, fin_plain)
+KQ_KERNELS(q3_k, 110, fin_plain)
+KQ_KERNELS(q2_k, 84, fin_min)
+KQ_KERNELS(iq4_xs, 136, fin_plain)
 
 /* ---------------- 32-element types x Q8_32 (256-bit VNNI) ----------------
  * Per block the work is one 32-byte product and its float scale; vpdpbusd replaces the
