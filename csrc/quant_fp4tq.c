@@ -511,6 +511,22 @@ VNNI float mf_vd_tq1_0_avx512(const uint8_t *w, const void *xv, int64_t nb) {
             const __m512i c = _mm512_sub_epi32(_mm512_setzero_si512(),                              \
                                                _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(12), y)); \
             const float dx1 = two ? x[b + 1].d : 0.0f;                                              \
+            /* R > 1: the rows' scales in one vector (lanes 0-7 the even block of rows 0-7, 8-15 \
+             * the odd), e8m0_half by shifts (e8m0_lut's values), times dx: one permute a row */ \
+            __m512 sv = _mm512_setzero_ps();                                                        \
+            if (R > 1) {                                                                            \
+                uint64_t ee = 0, eo = 0;                                                            \
+                for (int r = 0; r < R; r++) {                                                       \
+                    ee |= (uint64_t)w[r * rb] << (8 * r);                                           \
+                    if (two) eo |= (uint64_t)w[r * rb + 17] << (8 * r);                             \
+                }                                                                                   \
+                const __m512i e = _mm512_cvtepu8_epi32(_mm_set_epi64x((int64_t)eo, (int64_t)ee));   \
+                const __m512i eb = _mm512_mask_sllv_epi32(_mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23), \
+                                                          _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2)), \
+                                                          _mm512_set1_epi32(0x00200000), e);        \
+                sv = _mm512_mul_ps(_mm512_castsi512_ps(eb),                                         \
+                                   _mm512_insertf32x8(_mm512_set1_ps(x[b].d), _mm256_set1_ps(dx1), 1)); \
+            }                                                                                       \
             for (int r = 0; r < R; r++) {                                                           \
                 const uint8_t *wr = w + r * rb;                                                     \
                 const __m256i q0 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(wr + 1))); \
@@ -520,8 +536,10 @@ VNNI float mf_vd_tq1_0_avx512(const uint8_t *w, const void *xv, int64_t nb) {
                 q = _mm512_shuffle_epi8(kvu, _mm512_and_si512(_mm512_srlv_epi64(q, sh), m4));       \
                 if (!two) q = _mm512_zextsi256_si512(_mm512_castsi512_si256(q));                    \
                 const __m512i p = _mm512_dpbusd_epi32(c, q, y);                                     \
-                const __m512 s = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(e8m0_lut[wr[0]] * x[b].d)), \
-                                                    _mm256_set1_ps(two ? e8m0_lut[wr[17]] * dx1 : 0.0f), 1); \
+                const __m512 s = R > 1 ? _mm512_permutexvar_ps(_mm512_set_epi32(8 + r, 8 + r, 8 + r, 8 + r, 8 + r, 8 + r, 8 + r, 8 + r, \
+                                                                                r, r, r, r, r, r, r, r), sv) \
+                                       : _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(e8m0_lut[wr[0]] * x[b].d)), \
+                                                            _mm256_set1_ps(two ? e8m0_lut[wr[17]] * dx1 : 0.0f), 1); \
                 a[r] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(p), a[r]);                             \
             }                                                                                       \
         }                                                                                           \
