@@ -64,6 +64,27 @@ VNNI static inline __m512i fold_halves(__m512i a, __m512i b) {
 
 /* ---------------- K-quants x Q8_256 ---------------- */
 
+/* the K-quants with mins (Q2_K/Q4_K/Q5_K): the block's f16 d, dmin at dm times X's dx; acc +=
+ * d dx * the int32 lanes, accm += dmin dx * the 8 mins x bsums lanes (taken off at the end) */
+VNNI static inline void kmin_fma(const uint8_t *dmp, const mf_q8_256 *x, __m512i sumi, __m256i mlanes, __m512 *acc,
+                                 __m256 *accm) {
+    int32_t h;
+    memcpy(&h, dmp, 4);
+    const __m128 dm = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(h)), _mm_set1_ps(x->d)); /* d*dx, dmin*dx */
+    *acc = _mm512_fmadd_ps(_mm512_broadcastss_ps(dm), _mm512_cvtepi32_ps(sumi), *acc);
+    *accm = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)), _mm256_cvtepi32_ps(mlanes), *accm);
+}
+
+/* chunk pair P of an XF_Q8_256S step: the low-nibble values lo (sub-blocks 4P, 4P + 2) and the
+ * high ones hi (4P + 1, 4P + 3) against X's 128 bytes at 128P, times their scale words */
+VNNI static inline void s_dot(int P, __m512i lo, __m512i hi, const mf_q8_256 *x, __m512i sc, __m512i *vl, __m512i *vh) {
+    const int8_t *y = x->qs + 128 * P;
+    const __m512i pl = _mm512_maddubs_epi16(lo, _mm512_load_si512((const void *)y));
+    const __m512i ph = _mm512_maddubs_epi16(hi, _mm512_load_si512((const void *)(y + 64)));
+    *vl = _mm512_dpwssd_epi32(*vl, pl, _mm512_permutexvar_epi16(sel2(4 * P, 4 * P + 2), sc));
+    *vh = _mm512_dpwssd_epi32(*vh, ph, _mm512_permutexvar_epi16(sel2(4 * P + 1, 4 * P + 3), sc));
+}
+
 /* One block of one row into the row's accumulators (acc; accm: the mins term). X is
  * XF_Q8_256S. A 64-byte load of the packed quants holds chunks 2P and 2P+1 (32 bytes each; a
  * chunk's low nibbles are its first 32 values, its high nibbles the next 32): its low nibbles
@@ -81,22 +102,14 @@ VNNI static inline void q4_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *
     const __m256i mlanes = k4_minlanes(u, x->bsums);
     const __m512i sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)((uint64_t)u[1] << 32 | u[0]))));
     const uint8_t *qs = w + 16;
-    const int8_t *y = x->qs;
     __m512i vl = _mm512_setzero_si512(), vh = _mm512_setzero_si512();
     for (int P = 0; P < 2; P++) {
         const __m512i raw = _mm512_loadu_si512((const void *)(qs + 64 * P));
         const __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
-        const __m512i pl = _mm512_maddubs_epi16(lo, _mm512_load_si512((const void *)(y + 128 * P)));
-        const __m512i ph = _mm512_maddubs_epi16(hi, _mm512_load_si512((const void *)(y + 128 * P + 64)));
-        vl = _mm512_dpwssd_epi32(vl, pl, _mm512_permutexvar_epi16(sel2(4 * P, 4 * P + 2), sc));
-        vh = _mm512_dpwssd_epi32(vh, ph, _mm512_permutexvar_epi16(sel2(4 * P + 1, 4 * P + 3), sc));
+        s_dot(P, lo, hi, x, sc, &vl, &vh);
     }
     const __m512i sumi = fold_halves(vl, vh);
-    int32_t h;
-    memcpy(&h, w, 4);
-    const __m128 dm = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(h)), _mm_set1_ps(x->d)); /* d*dx, dmin*dx */
-    *acc = _mm512_fmadd_ps(_mm512_broadcastss_ps(dm), _mm512_cvtepi32_ps(sumi), *acc);
-    *accm = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)), _mm256_cvtepi32_ps(mlanes), *accm);
+    kmin_fma(w, x, sumi, mlanes, acc, accm);
 }
 
 /* Q5_K as q4_k_step (X in XF_Q8_256S, the same lanes); each nibble's 5th bit from the
@@ -110,7 +123,6 @@ VNNI static inline void q5_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *
     const __m512i sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)((uint64_t)u[1] << 32 | u[0]))));
     const uint8_t *qs = w + 48;
     const __m512i qh = bcast32(w + 16);
-    const int8_t *y = x->qs;
     __m512i vl = _mm512_setzero_si512(), vh = _mm512_setzero_si512();
     for (int P = 0; P < 2; P++) {
         /* low nibbles: chunk 2P (bit 4P) in the low half, chunk 2P + 1 (bit 4P + 2) in the high */
@@ -121,17 +133,10 @@ VNNI static inline void q5_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *
         const __m512i raw = _mm512_loadu_si512((const void *)(qs + 64 * P));
         const __m512i lo = OR_AND(raw, _mm512_and_si512(_mm512_rolv_epi64(qh, rl), b4), m4);
         const __m512i hi = OR_AND(_mm512_srli_epi16(raw, 4), _mm512_and_si512(_mm512_rolv_epi64(qh, rh), b4), m4);
-        const __m512i pl = _mm512_maddubs_epi16(lo, _mm512_load_si512((const void *)(y + 128 * P)));
-        const __m512i ph = _mm512_maddubs_epi16(hi, _mm512_load_si512((const void *)(y + 128 * P + 64)));
-        vl = _mm512_dpwssd_epi32(vl, pl, _mm512_permutexvar_epi16(sel2(4 * P, 4 * P + 2), sc));
-        vh = _mm512_dpwssd_epi32(vh, ph, _mm512_permutexvar_epi16(sel2(4 * P + 1, 4 * P + 3), sc));
+        s_dot(P, lo, hi, x, sc, &vl, &vh);
     }
     const __m512i sumi = fold_halves(vl, vh);
-    int32_t h;
-    memcpy(&h, w, 4);
-    const __m128 dm = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(h)), _mm_set1_ps(x->d));
-    *acc = _mm512_fmadd_ps(_mm512_broadcastss_ps(dm), _mm512_cvtepi32_ps(sumi), *acc);
-    *accm = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)), _mm256_cvtepi32_ps(mlanes), *accm);
+    kmin_fma(w, x, sumi, mlanes, acc, accm);
 }
 
 VNNI static inline void q6_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *acc, __m256 *unused) {
@@ -225,11 +230,7 @@ VNNI static inline void q2_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *
     __m512i ve = _mm512_setzero_si512(), vo = _mm512_setzero_si512();
     for (int s = 0; s < 4; s++) t_dot(s, _mm512_and_si512(_mm512_srli_epi16(raw, 2 * s), m3), x, sc, &ve, &vo);
     const __m512i sumi = fold_halves(ve, vo);
-    int32_t h;
-    memcpy(&h, w + 80, 4);
-    const __m128 dm = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(h)), _mm_set1_ps(x->d)); /* d*dx, dmin*dx */
-    *acc = _mm512_fmadd_ps(_mm512_broadcastss_ps(dm), _mm512_cvtepi32_ps(sumi), *acc);
-    *accm = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)), _mm256_cvtepi32_ps(mlanes), *accm);
+    kmin_fma(w + 80, x, sumi, mlanes, acc, accm);
 }
 
 /* IQ4_XS, X in XF_Q8_256N: a 64-byte load holds four sub-blocks' 16 bytes; its low nibbles

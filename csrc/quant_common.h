@@ -17,13 +17,13 @@ enum {
 
 /* Activation formats the integer vec-dots consume (memfit's own, not ggml's byte layout).
  * XF_Q8_256S: XF_Q8_256 with the middle two 32-byte quarters of each 128 values of qs swapped
- * (bsums, d unchanged; mf_q8_256_swizzle), so that a 64-byte load of a K-quant row's packed
+ * (bsums, d unchanged; mf_q8_256_reorder), so that a 64-byte load of a K-quant row's packed
  * nibbles (two 32-byte chunks) meets its activations in one 64-byte load (the avx512vnni
  * Q4_K and Q5_K decode kernels). XF_Q8_256N: each 128 values' 16-byte pieces in the order
  * 0, 2, 4, 6, 1, 3, 5, 7 (the first halves of its four 32-value sub-blocks, then the second
- * halves), the order of a 64-byte load of IQ4_XS nibbles split low / high (mf_q8_256_nibble).
+ * halves), the order of a 64-byte load of IQ4_XS nibbles split low / high.
  * XF_Q8_256T: the 32-byte quarters in the order 0, 4, 1, 5, 2, 6, 3, 7, the order of a 64-byte
- * load of Q2_K/Q3_K 2-bit fields taken at one shift (mf_q8_256_pairs). */
+ * load of Q2_K/Q3_K 2-bit fields taken at one shift. */
 enum { XF_F32 = 0, XF_Q8_32 = 1, XF_Q8_256 = 2, XF_B32BAND = 3, XF_Q8_256S = 4, XF_Q8_256N = 5, XF_Q8_256T = 6,
        XF_N = 7 };
 typedef struct { float d; float s; int8_t qs[32]; } mf_q8_32;                /* s = d * sum(qs) */
@@ -31,36 +31,19 @@ typedef struct { float d; float s; int8_t qs[32]; } mf_q8_32;                /* 
  * qs never split a cache line (292 packed bytes split half of them) */
 typedef struct { _Alignas(64) int8_t qs[256]; int16_t bsums[16]; float d; } mf_q8_256; /* bsums per 16 */
 
-/* XF_Q8_256 rows -> XF_Q8_256S in place (nb blocks) */
-static inline void mf_q8_256_swizzle(void *x, int64_t nb) {
-    mf_q8_256 *b = x;
-    for (int64_t i = 0; i < nb; i++)
-        for (int h = 0; h < 2; h++) {
-            int8_t t[32];
-            memcpy(t, b[i].qs + 128 * h + 32, 32);
-            memcpy(b[i].qs + 128 * h + 32, b[i].qs + 128 * h + 64, 32);
-            memcpy(b[i].qs + 128 * h + 64, t, 32);
-        }
-}
-
-/* XF_Q8_256 rows -> XF_Q8_256N in place (nb blocks) */
-static inline void mf_q8_256_nibble(void *x, int64_t nb) {
-    mf_q8_256 *b = x;
-    for (int64_t i = 0; i < nb; i++)
-        for (int h = 0; h < 2; h++) {
-            int8_t t[128], *q = b[i].qs + 128 * h;
-            for (int k = 0; k < 8; k++) memcpy(t + 16 * ((k & 1) * 4 + k / 2), q + 16 * k, 16);
-            memcpy(q, t, 128);
-        }
-}
-
-/* XF_Q8_256 rows -> XF_Q8_256T in place (nb blocks) */
-static inline void mf_q8_256_pairs(void *x, int64_t nb) {
+/* XF_Q8_256 rows (nb blocks) -> the order of xfmt (XF_Q8_256S/N/T) in place: per 128 values,
+ * the source piece of each destination piece (32-byte pieces for S and T, 16-byte for N) */
+static inline void mf_q8_256_reorder(void *x, int64_t nb, int xfmt) {
+    static const uint8_t order[3][16] = {{0, 2, 1, 3, 4, 6, 5, 7},                                  /* S */
+                                         {0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15},    /* N */
+                                         {0, 4, 1, 5, 2, 6, 3, 7}};                                 /* T */
+    const uint8_t *o = order[xfmt - XF_Q8_256S];
+    const int piece = xfmt == XF_Q8_256N ? 16 : 32;
     mf_q8_256 *b = x;
     for (int64_t i = 0; i < nb; i++) {
         int8_t t[256];
-        for (int k = 0; k < 8; k++) memcpy(t + 32 * (k < 4 ? 2 * k : 2 * (k - 4) + 1), b[i].qs + 32 * k, 32);
-        memcpy(b[i].qs, t, 256);
+        memcpy(t, b[i].qs, 256);
+        for (int k = 0; k < 256 / piece; k++) memcpy(b[i].qs + piece * k, t + piece * o[k], (size_t)piece);
     }
 }
 

@@ -91,10 +91,12 @@ static void mm_task_scalar(void *p, int64_t t) {
  * k_vd*_min_rb bytes, Q2_K/Q3_K/IQ4_XS at rows as long in values as a Q4_K row of that many
  * bytes (Zen 4, bench --kernels --tune, from DRAM: Q2_K 4096x14336, 4.7 KiB rows, 8 rows 28.0
  * vs 1 row 20.1 GB/s; IQ4_XS 33.9 vs 24.3; Q3_K level). */
+static int kq_rows(int type) {
+    return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K ? 1 : type == T_Q2_K || type == T_Q3_K || type == T_IQ4_XS ? 2 : 0;
+}
 static int64_t kq_min_rb(int type, int64_t q4k_rb) {
-    if (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K) return q4k_rb;
-    if (type == T_Q2_K || type == T_Q3_K || type == T_IQ4_XS) return q4k_rb / 144 * mf_qtypes[type].bytes;
-    return 0;
+    const int k = kq_rows(type);
+    return k == 1 ? q4k_rb : k == 2 ? q4k_rb / 144 * mf_qtypes[type].bytes : 0;
 }
 static int64_t vd8_min_rb(int type) { return kq_min_rb(type, mf_tune.k_vd8_min_rb); }
 static int64_t vd4_min_rb(int type) { return type == T_Q8_0 ? mf_tune.q8_vd4_min_rb : kq_min_rb(type, mf_tune.k_vd4_min_rb); }
@@ -399,9 +401,7 @@ static void quant_x_task(void *p, int64_t i) {
     void *dst = (void *)(c->xq + (size_t)i * c->xs);
     if (c->xfmt == XF_Q8_32) mf_quantize_q8_32_avx2(x, dst, c->cols);
     else mf_quantize_q8_256_avx2(x, dst, c->cols);
-    if (c->xfmt == XF_Q8_256S) mf_q8_256_swizzle(dst, c->cols / 256);
-    if (c->xfmt == XF_Q8_256N) mf_q8_256_nibble(dst, c->cols / 256);
-    if (c->xfmt == XF_Q8_256T) mf_q8_256_pairs(dst, c->cols / 256);
+    if (c->xfmt >= XF_Q8_256S) mf_q8_256_reorder(dst, c->cols / 256, c->xfmt);
 }
 
 static pthread_mutex_t xq_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -506,7 +506,7 @@ static int mm_plan_init(mm_plan *p, int type, const uint8_t *w, int64_t rows, in
         c.vd8 = mf_vecdot8_avx512[type];
         c.vd4_seq = 0;
         /* the 256-value types also on short rows (mf_tune.k_vd4_short_rb), grouped strided */
-        if (c.rb < vd4_min_rb(type) && !(kq_min_rb(type, 144) && c.rb <= mf_tune.k_vd4_short_rb)) c.vd4 = NULL;
+        if (c.rb < vd4_min_rb(type) && !(kq_rows(type) && c.rb <= mf_tune.k_vd4_short_rb)) c.vd4 = NULL;
         if (c.rb < vd8_min_rb(type)) c.vd8 = NULL;
         c.strided = (c.vd4 || c.vd8) && c.rb <= mf_tune.stride_max_rb;
         c.xfmt = mf_xfmt_avx512[type];
@@ -552,26 +552,21 @@ static int matmul_multi(int k, const int *types, const uint8_t *const *ws, const
     assert(k >= 1 && k <= MF_MM_MAX);
     mm_plan p[MF_MM_MAX];
     multi_ctx m = {p, k, {0}};
-    int need_fmt[XF_N] = {0}, need_xb = 0;
+    int need_xb = 0;
+    size_t sz[XF_N] = {0}, at[XF_N] = {0}, total = 0; /* X bytes per activation format used */
     for (int j = 0; j < k; j++) {
         int rc = mm_plan_init(&p[j], types[j], ws[j], rows[j], cols, x, n, ys[j], vec_only);
         if (rc) return rc;
         m.off[j + 1] = m.off[j] + p[j].ntasks;
         if (p[j].c.kg) need_xb = 1;
-        else if (p[j].c.xfmt != XF_F32) need_fmt[p[j].c.xfmt] = 1;
+        else if (p[j].c.xfmt != XF_F32) /* the b32 GEMM quantizes X by bands of 16 rows */
+            sz[p[j].c.xfmt] = p[j].c.xs * (size_t)(p[j].c.xfmt == XF_B32BAND ? (n + 15) / 16 : n);
     }
     if (n == 0 || m.off[k] == 0) return 0;
     /* decode: every thread sweeps one ascending stretch of the weights (see pool.c) */
     int vec = 1;
     for (int j = 0; j < k; j++) vec &= p[j].fn == mm_task_vec;
     void (*pfor)(int64_t, mf_task_fn, void *) = vec ? mf_parallel_for_ranged : mf_parallel_for;
-    size_t sz[XF_N] = {0}, at[XF_N] = {0}, total = 0;
-    if (need_fmt[XF_Q8_32]) sz[XF_Q8_32] = (size_t)(cols / 32) * sizeof(mf_q8_32) * (size_t)n;
-    if (need_fmt[XF_Q8_256]) sz[XF_Q8_256] = (size_t)(cols / 256) * sizeof(mf_q8_256) * (size_t)n;
-    for (int f = XF_Q8_256S; f <= XF_Q8_256T; f++)
-        if (need_fmt[f]) sz[f] = (size_t)(cols / 256) * sizeof(mf_q8_256) * (size_t)n;
-    for (int j = 0; j < k; j++) /* the b32 GEMM's bands (all its weights share cols) */
-        if (p[j].c.xfmt == XF_B32BAND) sz[XF_B32BAND] = p[j].c.xs * (size_t)((n + 15) / 16);
     size_t at_xb = 0;
     for (int f = XF_Q8_32; f < XF_N; f++) {
         at[f] = at_xb;
@@ -591,7 +586,7 @@ static int matmul_multi(int k, const int *types, const uint8_t *const *ws, const
         if (!xq_buf) { pthread_mutex_unlock(&xq_lock); return -3; }
     }
     for (int f = XF_Q8_32; f < XF_N; f++) {
-        if (!need_fmt[f]) continue;
+        if (!sz[f]) continue;
         int j = 0;
         while (p[j].c.xfmt != f) j++;
         p[j].c.xq = xq_buf + at[f];

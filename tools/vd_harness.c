@@ -77,9 +77,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "vd_harness: %s has no %s %d-row kernel\n", name, isa, g);
         return 2;
     }
-    if (z && mf_xfmt_avx512[type] == XF_Q8_256S) mf_q8_256_swizzle(x, nb); /* the kernel's X order */
-    if (z && mf_xfmt_avx512[type] == XF_Q8_256N) mf_q8_256_nibble(x, nb);
-    if (z && mf_xfmt_avx512[type] == XF_Q8_256T) mf_q8_256_pairs(x, nb);
+    if (z && mf_xfmt_avx512[type] >= XF_Q8_256S) mf_q8_256_reorder(x, nb, mf_xfmt_avx512[type]); /* the kernel's X order */
     if (!vd4 && !vd) {
         fprintf(stderr, "vd_harness: %s has no %s 1-row kernel (VD4=1 / VD8=1)\n", name, isa);
         return 2;
