@@ -39,10 +39,6 @@ VNNI static inline __m256i k4_minlanes(const uint32_t u[4], const int16_t *bsums
     const __m256i m16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8)); /* each min twice */
     return _mm256_madd_epi16(m16, _mm256_loadu_si256((const __m256i *)bsums));
 }
-/* words 0..15 = index a, 16..31 = index b (a vpermw selector) */
-VNNI static inline __m512i sel2(int a, int b) {
-    return _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_set1_epi8((char)b), _mm_set1_epi8((char)a)));
-}
 /* words 8i..8i+7 = index a + i, i < 4 */
 VNNI static inline __m512i sel4(int a) {
     return _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_set_epi64x(0x0303030303030303 + a * 0x0101010101010101LL,
@@ -56,12 +52,6 @@ VNNI static inline __m512i bcast32(const uint8_t *p) {
 }
 /* (A & C) | B */
 #define OR_AND(A, B, C) _mm512_ternarylogic_epi32((A), (B), (C), 0xEC)
-/* the int32 lanes of the one-64-values-at-a-time form from two accumulators whose halves both
- * hold its lanes 0-7 (a) and 8-15 (b) */
-VNNI static inline __m512i fold_halves(__m512i a, __m512i b) {
-    return _mm512_add_epi32(_mm512_shuffle_i64x2(a, b, 0x44), _mm512_shuffle_i64x2(a, b, 0xEE));
-}
-
 /* ---------------- K-quants x Q8_256 ---------------- */
 
 /* the K-quants with mins (Q2_K/Q4_K/Q5_K): the block's f16 d, dmin at dm times X's dx; acc +=
@@ -75,41 +65,50 @@ VNNI static inline void kmin_fma(const uint8_t *dmp, const mf_q8_256 *x, __m512i
     *accm = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)), _mm256_cvtepi32_ps(mlanes), *accm);
 }
 
+/* words 0-15 = byte a of each 128-bit lane's low 8 bytes, 16-31 = byte b, zero-extended (a
+ * vpshufb control; on Zen 4 the scale bytes broadcast from a general register and 4 vpshufb a
+ * block measured 3-4% faster than 8 words by vpmovzxbw and 4 vpermw, tools/vd_harness.c) */
+VNNI static inline __m512i bsel2(int a, int b) {
+    const int64_t A = 0x8000800080008000LL | (int64_t)a * 0x0001000100010001LL;
+    const int64_t B = 0x8000800080008000LL | (int64_t)b * 0x0001000100010001LL;
+    return _mm512_set_epi64(B, B, B, B, A, A, A, A);
+}
 /* chunk pair P of an XF_Q8_256S step: the low-nibble values lo (sub-blocks 4P, 4P + 2) and the
- * high ones hi (4P + 1, 4P + 3) against X's 128 bytes at 128P, times their scale words */
-VNNI static inline void s_dot(int P, __m512i lo, __m512i hi, const mf_q8_256 *x, __m512i sc, __m512i *vl, __m512i *vh) {
+ * high ones hi (4P + 1, 4P + 3) against X's 128 bytes at 128P, times their scales (bytes 0..7
+ * of every 128-bit lane of sc) as words, into the block's one accumulator v (set by P = 0) */
+VNNI static inline void s_dot(int P, __m512i lo, __m512i hi, const mf_q8_256 *x, __m512i sc, __m512i *v) {
     const int8_t *y = x->qs + 128 * P;
     const __m512i pl = _mm512_maddubs_epi16(lo, _mm512_load_si512((const void *)y));
     const __m512i ph = _mm512_maddubs_epi16(hi, _mm512_load_si512((const void *)(y + 64)));
-    *vl = _mm512_dpwssd_epi32(*vl, pl, _mm512_permutexvar_epi16(sel2(4 * P, 4 * P + 2), sc));
-    *vh = _mm512_dpwssd_epi32(*vh, ph, _mm512_permutexvar_epi16(sel2(4 * P + 1, 4 * P + 3), sc));
+    if (P == 0) *v = _mm512_madd_epi16(pl, _mm512_shuffle_epi8(sc, bsel2(0, 2)));
+    else *v = _mm512_dpwssd_epi32(*v, pl, _mm512_shuffle_epi8(sc, bsel2(4 * P, 4 * P + 2)));
+    *v = _mm512_dpwssd_epi32(*v, ph, _mm512_shuffle_epi8(sc, bsel2(4 * P + 1, 4 * P + 3)));
 }
 
 /* One block of one row into the row's accumulators (acc; accm: the mins term). X is
  * XF_Q8_256S. A 64-byte load of the packed quants holds chunks 2P and 2P+1 (32 bytes each; a
  * chunk's low nibbles are its first 32 values, its high nibbles the next 32): its low nibbles
- * meet one 64-byte load of the swizzled activations, its high nibbles the next. vl's lanes
- * 0-7 collect sub-blocks 0 and 4, lanes 8-15 sub-blocks 2 and 6 (vh: 1 and 5, 3 and 7); the
- * final 128-bit lane shuffle and add give each lane exactly the int32 sum that lane of the
- * one-chunk-at-a-time form had (lanes 0-7 the even sub-blocks, 8-15 the odd, 4 values each at
- * the same offsets), so the float steps and the bits are those of that form. Two plain loads
- * of W and no broadcasts or variable shifts per block: on Zen 4 the 1-row kernel from L2
- * +12-20% (tools/vd_harness.c, BENCHMARKS.md section 40). */
+ * meet one 64-byte load of the swizzled activations, its high nibbles the next. All four
+ * products go into one int32 accumulator (the first by vpmaddwd, so nothing is zeroed): each
+ * lane ends with an exact sum over 4 of the 8 sub-blocks, and the 16 lanes together hold the
+ * block's exact sum; then one cvt + FMA with d * dx. Bits of their own (this ISA's decode; the
+ * 4/8-row kernels run the same step per row). Against the two-accumulator form folded back to
+ * the one-chunk lanes (128-bit shuffles + add) this is 5 fewer 512-bit ops a block: on Zen 4
+ * 5.28 -> 4.55-4.72 ns a block from L2 (tools/vd_harness.c, BENCHMARKS.md section 41). */
 VNNI static inline void q4_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *acc, __m256 *accm) {
     const __m512i m4 = _mm512_set1_epi8(0xF);
     uint32_t u[4];
     k4_scales(w + 4, u);
     const __m256i mlanes = k4_minlanes(u, x->bsums);
-    const __m512i sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)((uint64_t)u[1] << 32 | u[0]))));
+    const __m512i sc = _mm512_set1_epi64((int64_t)((uint64_t)u[1] << 32 | u[0]));
     const uint8_t *qs = w + 16;
-    __m512i vl = _mm512_setzero_si512(), vh = _mm512_setzero_si512();
+    __m512i v = _mm512_setzero_si512();
     for (int P = 0; P < 2; P++) {
         const __m512i raw = _mm512_loadu_si512((const void *)(qs + 64 * P));
         const __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
-        s_dot(P, lo, hi, x, sc, &vl, &vh);
+        s_dot(P, lo, hi, x, sc, &v);
     }
-    const __m512i sumi = fold_halves(vl, vh);
-    kmin_fma(w, x, sumi, mlanes, acc, accm);
+    kmin_fma(w, x, v, mlanes, acc, accm);
 }
 
 /* Q5_K as q4_k_step (X in XF_Q8_256S, the same lanes); each nibble's 5th bit from the
@@ -120,10 +119,10 @@ VNNI static inline void q5_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *
     uint32_t u[4];
     k4_scales(w + 4, u);
     const __m256i mlanes = k4_minlanes(u, x->bsums);
-    const __m512i sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)((uint64_t)u[1] << 32 | u[0]))));
+    const __m512i sc = _mm512_set1_epi64((int64_t)((uint64_t)u[1] << 32 | u[0]));
     const uint8_t *qs = w + 48;
     const __m512i qh = bcast32(w + 16);
-    __m512i vl = _mm512_setzero_si512(), vh = _mm512_setzero_si512();
+    __m512i v = _mm512_setzero_si512();
     for (int P = 0; P < 2; P++) {
         /* low nibbles: chunk 2P (bit 4P) in the low half, chunk 2P + 1 (bit 4P + 2) in the high */
         const __m512i rl = _mm512_set_epi64((2 - 4 * P) & 63, (2 - 4 * P) & 63, (2 - 4 * P) & 63, (2 - 4 * P) & 63,
@@ -133,20 +132,24 @@ VNNI static inline void q5_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *
         const __m512i raw = _mm512_loadu_si512((const void *)(qs + 64 * P));
         const __m512i lo = OR_AND(raw, _mm512_and_si512(_mm512_rolv_epi64(qh, rl), b4), m4);
         const __m512i hi = OR_AND(_mm512_srli_epi16(raw, 4), _mm512_and_si512(_mm512_rolv_epi64(qh, rh), b4), m4);
-        s_dot(P, lo, hi, x, sc, &vl, &vh);
+        s_dot(P, lo, hi, x, sc, &v);
     }
-    const __m512i sumi = fold_halves(vl, vh);
-    kmin_fma(w, x, sumi, mlanes, acc, accm);
+    kmin_fma(w, x, v, mlanes, acc, accm);
 }
 
+/* Q6_K: values 0..63 (4 low bits | 2 high bits << 4) minus 32, the -32 taken off as -32 *
+ * sc_i * bsums_i, 8 lanes of pairs in the accumulator's first lanes (an exact int32 partial
+ * sum like every other lane; a horizontal sum of them per block was 11% of the kernel); all
+ * four 64-value steps into that one accumulator, one float FMA a block. Bits of their own;
+ * 6.68 -> 6.07 ns a block on Zen 4 (section 41). */
 VNNI static inline void q6_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *acc, __m256 *unused) {
     (void)unused;
     const __m512i m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30);
     const __m512i shl = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4), shr = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
     const __m256i sc8 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 192)));
-    const int corr = _mm512_reduce_add_epi32(_mm512_zextsi256_si512(_mm256_madd_epi16(sc8, _mm256_loadu_si256((const __m256i *)x->bsums))));
+    const __m256i corr = _mm256_madd_epi16(sc8, _mm256_loadu_si256((const __m256i *)x->bsums));
     const __m512i sc = _mm512_castsi256_si512(sc8);
-    __m512i s2[2] = {_mm512_zextsi128_si512(_mm_cvtsi32_si128(-32 * corr)), _mm512_setzero_si512()};
+    __m512i sumi = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(corr, 5)));
     for (int h = 0; h < 2; h++) {
         const __m512i ql = _mm512_loadu_si512((const void *)(w + 64 * h));
         const __m512i qh = bcast32(w + 128 + 32 * h);
@@ -157,10 +160,9 @@ VNNI static inline void q6_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *
         __m512i v1 = OR_AND(_mm512_srli_epi16(ql, 4), _mm512_and_si512(_mm512_srlv_epi64(qh, shr), m30), m4);
         __m512i p0 = _mm512_maddubs_epi16(v0, _mm512_loadu_si512((const void *)y));
         __m512i p1 = _mm512_maddubs_epi16(v1, _mm512_loadu_si512((const void *)(y + 64)));
-        s2[h] = _mm512_dpwssd_epi32(s2[h], p0, _mm512_permutexvar_epi16(sel4(8 * h), sc));
-        s2[h] = _mm512_dpwssd_epi32(s2[h], p1, _mm512_permutexvar_epi16(sel4(8 * h + 4), sc));
+        sumi = _mm512_dpwssd_epi32(sumi, p0, _mm512_permutexvar_epi16(sel4(8 * h), sc));
+        sumi = _mm512_dpwssd_epi32(sumi, p1, _mm512_permutexvar_epi16(sel4(8 * h + 4), sc));
     }
-    const __m512i sumi = _mm512_add_epi32(s2[0], s2[1]);
     uint16_t hd;
     memcpy(&hd, w + 208, 2);
     *acc = _mm512_fmadd_ps(_mm512_set1_ps(_cvtsh_ss(hd) * x->d), _mm512_cvtepi32_ps(sumi), *acc);
@@ -174,20 +176,19 @@ VNNI static inline __m512i selt(int s) {
 }
 
 /* shift s of an XF_Q8_256T step: the 2-bit values q (u8) against X's 64 bytes at 64s, times
- * their sub-blocks' scale words, into ve (s even) or vo (s odd) */
-VNNI static inline void t_dot(int s, __m512i q, const mf_q8_256 *x, __m512i sc, __m512i *ve, __m512i *vo) {
+ * their sub-blocks' scale words, into v */
+VNNI static inline void t_dot(int s, __m512i q, const mf_q8_256 *x, __m512i sc, __m512i *v) {
     const __m512i p = _mm512_maddubs_epi16(q, _mm512_load_si512((const void *)(x->qs + 64 * s)));
-    __m512i *v = s & 1 ? vo : ve;
     *v = _mm512_dpwssd_epi32(*v, p, _mm512_permutexvar_epi16(selt(s), sc));
 }
 
 /* Q3_K: element e = 128c + 32s + l is ((qs[32c + l] >> 2s) & 3) | 4 * (bit e/32 of hmask[l]),
- * minus 4 (taken off as -4 * sum_i sc_i * bsums_i); 16 6-bit scales unpacked in registers.
- * X is XF_Q8_256T: one 64-byte load of qs (both 32-byte chunks) shifted by 2s gives values
- * 32s.. of chunk 0 and 128 + 32s.. of chunk 1, which meet X's 64 bytes at 64s. The even shifts
- * collect into ve, the odd into vo; each lane of both halves of ve belongs to lane l < 8 of the
- * one-64-values-at-a-time form (and vo's to lane 8 + l), so the final 128-bit lane shuffle and
- * add give that form's exact int32 lane sums and bits. */
+ * minus 4 (taken off as -4 * sc_i * bsums_i, 8 lanes of pairs, in the accumulator's first
+ * lanes); 16 6-bit scales unpacked in registers. X is XF_Q8_256T: one 64-byte load of qs (both
+ * 32-byte chunks) shifted by 2s gives values 32s.. of chunk 0 and 128 + 32s.. of chunk 1, which
+ * meet X's 64 bytes at 64s. Every shift goes into one int32 accumulator: the lanes are exact
+ * partial sums of the block (no lane fold, no horizontal sum of the correction), then one float
+ * FMA. Bits of their own; 8.3 -> 6.75 ns a block on Zen 4 (section 41). */
 VNNI static inline void q3_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *acc, __m256 *unused) {
     (void)unused;
     const __m512i m3 = _mm512_set1_epi8(3), b2 = _mm512_set1_epi8(4);
@@ -200,26 +201,26 @@ VNNI static inline void q3_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *
     u[3] = ((a[1] >> 4) & k2) | (((a[2] >> 6) & k1) << 4);
     const __m128i s8 = _mm_sub_epi8(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]), _mm_set1_epi8(32));
     const __m256i sc16 = _mm256_cvtepi8_epi16(s8);
-    const int corr = _mm512_reduce_add_epi32(_mm512_zextsi256_si512(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)x->bsums))));
+    const __m256i corr = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)x->bsums));
     const __m512i sc = _mm512_castsi256_si512(sc16);
     const __m512i hm = bcast32(w), raw = _mm512_loadu_si512((const void *)(w + 32));
-    __m512i ve = _mm512_zextsi128_si512(_mm_cvtsi32_si128(-4 * corr)), vo = _mm512_setzero_si512();
+    __m512i v = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(corr, 2)));
     for (int s = 0; s < 4; s++) {
         /* hmask bit s (chunk 0, low half) / 4 + s (chunk 1, high half) rotated to bit 2 */
         const __m512i rot = _mm512_set_epi64((-2 - s) & 63, (-2 - s) & 63, (-2 - s) & 63, (-2 - s) & 63,
                                              (2 - s) & 63, (2 - s) & 63, (2 - s) & 63, (2 - s) & 63);
         const __m512i h = _mm512_and_si512(_mm512_rolv_epi64(hm, rot), b2);
-        t_dot(s, OR_AND(_mm512_srli_epi16(raw, 2 * s), h, m3), x, sc, &ve, &vo);
+        t_dot(s, OR_AND(_mm512_srli_epi16(raw, 2 * s), h, m3), x, sc, &v);
     }
-    const __m512i sumi = fold_halves(ve, vo);
     uint16_t hd;
     memcpy(&hd, w + 108, 2);
-    *acc = _mm512_fmadd_ps(_mm512_set1_ps(_cvtsh_ss(hd) * x->d), _mm512_cvtepi32_ps(sumi), *acc);
+    *acc = _mm512_fmadd_ps(_mm512_set1_ps(_cvtsh_ss(hd) * x->d), _mm512_cvtepi32_ps(v), *acc);
 }
 
 /* Q2_K as q3_k_step's lanes (X in XF_Q8_256T, values (qs >> 2s) & 3, no high bit, scales the
  * low nibbles of the first 16 bytes) and the mins as q4_k_step's: 8 lanes of mins x bsums
- * pairs, one FMA with dmin * dx a block. Bits of their own (the AVX2 kernel sums 8 lanes). */
+ * pairs, one FMA with dmin * dx a block. Bits of their own (the AVX2 kernel sums 8 lanes);
+ * one accumulator, 5.35 -> 4.93 ns a block on Zen 4 (section 41). */
 VNNI static inline void q2_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *acc, __m256 *accm) {
     const __m512i m3 = _mm512_set1_epi8(3);
     const __m128i s8 = _mm_loadu_si128((const __m128i *)w), m4 = _mm_set1_epi8(0xF);
@@ -227,10 +228,9 @@ VNNI static inline void q2_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *
     const __m256i mlanes = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s8, 4), m4)),
                                              _mm256_loadu_si256((const __m256i *)x->bsums));
     const __m512i raw = _mm512_loadu_si512((const void *)(w + 16));
-    __m512i ve = _mm512_setzero_si512(), vo = _mm512_setzero_si512();
-    for (int s = 0; s < 4; s++) t_dot(s, _mm512_and_si512(_mm512_srli_epi16(raw, 2 * s), m3), x, sc, &ve, &vo);
-    const __m512i sumi = fold_halves(ve, vo);
-    kmin_fma(w + 80, x, sumi, mlanes, acc, accm);
+    __m512i v = _mm512_setzero_si512();
+    for (int s = 0; s < 4; s++) t_dot(s, _mm512_and_si512(_mm512_srli_epi16(raw, 2 * s), m3), x, sc, &v);
+    kmin_fma(w + 80, x, v, mlanes, acc, accm);
 }
 
 /* IQ4_XS, X in XF_Q8_256N: a 64-byte load holds four sub-blocks' 16 bytes; its low nibbles
@@ -253,7 +253,7 @@ VNNI static inline void iq4_xs_step(const uint8_t *w, const mf_q8_256 *x, __m512
     const uint64_t ls = _pdep_u64(sl, 0x0F0F0F0F0F0F0F0FULL) | _pdep_u64(sh, 0x3030303030303030ULL);
     const __m512i sc = _mm512_castsi128_si512(_mm_sub_epi16(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)ls)), _mm_set1_epi16(32)));
     const int8_t *y = x->qs;
-    __m512i sa = _mm512_setzero_si512(), sb = _mm512_setzero_si512();
+    __m512i v = _mm512_setzero_si512();
     for (int P = 0; P < 2; P++) {
         const __m512i raw = _mm512_loadu_si512((const void *)(w + 8 + 64 * P));
         const __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
@@ -263,12 +263,12 @@ VNNI static inline void iq4_xs_step(const uint8_t *w, const mf_q8_256 *x, __m512
         const __m512i ph = _mm512_maddubs_epi16(_mm512_shuffle_epi8(mag, hi),
                                                 _mm512_mask_sub_epi8(yhi, _mm512_testn_epi8_mask(hi, b3), _mm512_setzero_si512(), yhi));
         const __m512i scw = _mm512_permutexvar_epi16(sel4(4 * P), sc);
-        sa = _mm512_dpwssd_epi32(sa, pl, scw);
-        sb = _mm512_dpwssd_epi32(sb, ph, scw);
+        v = _mm512_dpwssd_epi32(v, pl, scw);
+        v = _mm512_dpwssd_epi32(v, ph, scw);
     }
     uint16_t hd;
     memcpy(&hd, w, 2);
-    *acc = _mm512_fmadd_ps(_mm512_set1_ps(_cvtsh_ss(hd) * x->d), _mm512_cvtepi32_ps(_mm512_add_epi32(sa, sb)), *acc);
+    *acc = _mm512_fmadd_ps(_mm512_set1_ps(_cvtsh_ss(hd) * x->d), _mm512_cvtepi32_ps(v), *acc);
 }
 
 /* The 1-row kernels over the per-block steps (the row's stream continues in the next row). */
