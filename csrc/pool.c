@@ -103,10 +103,15 @@ static int detect_slow_gather(void) {
  * (pf_dist 3072 cost them 10-20%). Session 29 (BENCHMARKS.md section 40, bench --kernels --tune,
  * the two settings paired in each of 12 trials): the K-quants' rows of at most 1152 bytes (Q4_K
  * at <= 2048 columns: the 30B-A3B experts) 4 at a time, strided: Q4_K 6144x2048 +1-17% in all
- * 12, 16384x768 ahead in 9; at 4096 columns (2304 bytes) the 1-row kernel stays ahead in 8. */
+ * 12, 16384x768 ahead in 9; at 4096 columns (2304 bytes) the 1-row kernel stays ahead in 8.
+ * Session 30 (section 41), after the one-accumulator K-quant steps made the kernels ~10-20%
+ * faster: the 4/8-row kernels 2 KiB ahead instead of 1 (13 trials, 8 of them while the host
+ * read 60-66 GB/s): in those, Q6_K 3584x18944 33-39 -> 44-51 GB/s, Q8_0 4096x14336 37-40 ->
+ * 54-60, IQ4_XS +8%, Q4_K +2-5%; level or ahead while it read 35-39. 3 and 4 KiB: level with 2;
+ * the 1-row kernels still lose with any in-loop prefetch (pf_dist 1024: -0-20%, 2048: -20-45%). */
 #define MF_TUNE_AMD_ZEN4 \
     (mf_tune.pf_rows = 0, mf_tune.pf_strided = 0, mf_tune.k_vd8_min_rb = 6144, mf_tune.task_kib = 128, \
-     mf_tune.streams = 1, mf_tune.task_kib_strided = 512, mf_tune.stride_max_rb = 4608, mf_tune.pf_dist_multi = 1024, \
+     mf_tune.streams = 1, mf_tune.task_kib_strided = 512, mf_tune.stride_max_rb = 4608, mf_tune.pf_dist_multi = 2048, \
      mf_tune.k_vd4_short_rb = 1152)
 /* Intel Emerald Rapids (family 6 model 207; the Xeon of BENCHMARKS.md section 30, 2 cores,
  * 2 MiB L2 per core, 260 MiB L3): the decode kernels that prefetch in their block loop
