@@ -302,6 +302,7 @@ void mf_xband_build(const mf_q8_256 *rows, int64_t m, int64_t nb, mf_xband *o); 
 void mf_kgemm_avx512(const mf_kw *const *w, int R, int g32, int64_t nb, const mf_xband *x0,
                      const mf_xband *x1, float *out);
 void mf_kgemm4_avx512(const mf_kw *const *w, int R, int g32, int64_t nb, const mf_xband *x0, float *out);
+void mf_kg_store8_avx512(const float *out, int m, float *y, int64_t ys);
 
 /* IQ3_XXS, IQ3_S, IQ1_S, IQ1_M (quant_iq3.c): one-block dequantizers (quant.c dq_table) and
  * AVX2 vec-dots x Q8_K (mf_vecdot_avx2) */
