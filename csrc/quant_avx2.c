@@ -405,7 +405,7 @@ AVX2 static float vd_q3_k(const uint8_t *w, const void *xv, int64_t nb) {
     for (int64_t b = 0; b < nb; b++, w += 110) {
         MF_PF_STEP(w, pfd, 110);
         const __m256i sc16 = _mm256_cvtepi8_epi16(q3_scales(w + 96));
-        const int corr = hsum_i32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)x[b].bsums)));
+        const __m256i cv = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)x[b].bsums));
         __m256i hm = _mm256_loadu_si256((const __m256i *)w);
         __m256i sumi = _mm256_setzero_si256();
         for (int c = 0; c < 2; c++) {
@@ -419,7 +419,8 @@ AVX2 static float vd_q3_k(const uint8_t *w, const void *xv, int64_t nb) {
                 sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, _mm256_shuffle_epi8(sd, pk[s])));
             }
         }
-        __m256i tot = _mm256_sub_epi32(sumi, _mm256_setr_epi32(4 * corr, 0, 0, 0, 0, 0, 0, 0));
+        /* the -4 offset's correction (4 x scales . bsums) stays in its 8 lanes, as Q6_K's */
+        __m256i tot = _mm256_sub_epi32(sumi, _mm256_slli_epi32(cv, 2));
         acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w + 108) * x[b].d), _mm256_cvtepi32_ps(tot), acc);
     }
     return hsum_ps(acc);
