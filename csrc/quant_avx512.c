@@ -65,6 +65,14 @@ VNNI static inline void kmin_fma(const uint8_t *dmp, const mf_q8_256 *x, __m512i
     *accm = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)), _mm256_cvtepi32_ps(mlanes), *accm);
 }
 
+/* the K-quants without mins (Q3_K/Q6_K/IQ4_XS): acc += the block's f16 d at dp times X's dx
+ * times the int32 lanes */
+VNNI static inline void kd_fma(const uint8_t *dp, const mf_q8_256 *x, __m512i sumi, __m512 *acc) {
+    uint16_t hd;
+    memcpy(&hd, dp, 2);
+    *acc = _mm512_fmadd_ps(_mm512_set1_ps(_cvtsh_ss(hd) * x->d), _mm512_cvtepi32_ps(sumi), *acc);
+}
+
 /* words 0-15 = byte a of each 128-bit lane's low 8 bytes, 16-31 = byte b, zero-extended (a
  * vpshufb control; on Zen 4 the scale bytes broadcast from a general register and 4 vpshufb a
  * block measured 3-4% faster than 8 words by vpmovzxbw and 4 vpermw, tools/vd_harness.c) */
@@ -163,9 +171,7 @@ VNNI static inline void q6_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *
         sumi = _mm512_dpwssd_epi32(sumi, p0, _mm512_permutexvar_epi16(sel4(8 * h), sc));
         sumi = _mm512_dpwssd_epi32(sumi, p1, _mm512_permutexvar_epi16(sel4(8 * h + 4), sc));
     }
-    uint16_t hd;
-    memcpy(&hd, w + 208, 2);
-    *acc = _mm512_fmadd_ps(_mm512_set1_ps(_cvtsh_ss(hd) * x->d), _mm512_cvtepi32_ps(sumi), *acc);
+    kd_fma(w + 208, x, sumi, acc);
 }
 
 /* words 8i..8i+7 = index 2s, 2s + 1, 8 + 2s, 9 + 2s for i = 0..3 (a vpermw selector): the
@@ -212,9 +218,7 @@ VNNI static inline void q3_k_step(const uint8_t *w, const mf_q8_256 *x, __m512 *
         const __m512i h = _mm512_and_si512(_mm512_rolv_epi64(hm, rot), b2);
         t_dot(s, OR_AND(_mm512_srli_epi16(raw, 2 * s), h, m3), x, sc, &v);
     }
-    uint16_t hd;
-    memcpy(&hd, w + 108, 2);
-    *acc = _mm512_fmadd_ps(_mm512_set1_ps(_cvtsh_ss(hd) * x->d), _mm512_cvtepi32_ps(v), *acc);
+    kd_fma(w + 108, x, v, acc);
 }
 
 /* Q2_K as q3_k_step's lanes (X in XF_Q8_256T, values (qs >> 2s) & 3, no high bit, scales the
@@ -266,9 +270,7 @@ VNNI static inline void iq4_xs_step(const uint8_t *w, const mf_q8_256 *x, __m512
         v = _mm512_dpwssd_epi32(v, pl, scw);
         v = _mm512_dpwssd_epi32(v, ph, scw);
     }
-    uint16_t hd;
-    memcpy(&hd, w, 2);
-    *acc = _mm512_fmadd_ps(_mm512_set1_ps(_cvtsh_ss(hd) * x->d), _mm512_cvtepi32_ps(v), *acc);
+    kd_fma(w, x, v, acc);
 }
 
 /* The 1-row kernels over the per-block steps (the row's stream continues in the next row). */

@@ -271,7 +271,7 @@ static void mm_task_kgemm(void *p, int64_t t) {
                 mf_kgemm_avx512(wr, R, c->g32, c->nb, x0, x1, out);
             /* row by row of Y: R adjacent values each (column by column, the stores a row
              * apart alias at 4 KiB strides and stalled the loads of out: 12% of a MoE prefill) */
-            if (R == 8 && c->n > 4 && m % MF_XB_ROWS == 0) {
+            if (R == 8 && m % MF_XB_ROWS == 0) { /* full bands (so c->n > 4: mf_kgemm_avx512's layout) */
                 mf_kg_store8_avx512(out, (int)m, c->y + i0 * c->rows + r, c->rows);
                 continue;
             }
