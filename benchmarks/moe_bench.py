@@ -244,6 +244,9 @@ def main(argv=None) -> int:
             fh.write(json.dumps(rec) + "\n")
         summ = "; ".join(f"{t['test']} {t['tokens_per_s']}" + (
             f" hit {t.get('expert_hit_rate', 0):.2f} recall {t.get('prefetch_recall', 0):.2f}"
+            f" stall {1e3 * t.get('io_stall_per_token_s', 0):.1f} ms/token"
+            f" (misses {1e3 * t.get('io_stall_demand_per_token_s', 0):.1f},"
+            f" prefetches {1e3 * t.get('io_stall_prefetch_per_token_s', 0):.1f})"
             if "expert_hit_rate" in t else "") for t in rec["tests"])
         print(f"# {t0} {side} {frac} {variant}: {summ}; rc {rec['rc']} oom {rec.get('oom_kill')} "
               f"peak {rec.get('cgroup_peak_bytes')} wall {rec['wall_s']} s load {load0}"

@@ -198,6 +198,31 @@ def test_prefetch_recall_waste_and_in_flight_waited_not_reread(moe_path):
         f.close()
 
 
+def test_stall_split_between_misses_and_prefetches(moe_path):
+    f = open_gguf(moe_path)
+    store = WeightStore(f, plan_slots(ModelDesc.from_gguf(f), 6), reader=Counting(delay=0.05))
+    try:
+        st0 = store.stats()
+        store.get_experts(0, [0, 1])                 # two misses: read on demand
+        st1 = store.stats()
+        assert st1["expert_stall_demand_s"] - st0["expert_stall_demand_s"] >= 0.04
+        assert st1["expert_stall_prefetch_s"] == st0["expert_stall_prefetch_s"]
+        store.prefetch_experts(1, [3, 4])
+        store.get_experts(1, [3, 4])                 # both predicted, still in flight
+        st2 = store.stats()
+        assert st2["expert_stall_demand_s"] == st1["expert_stall_demand_s"]
+        assert st2["expert_stall_prefetch_s"] - st1["expert_stall_prefetch_s"] >= 0.02
+        total = st2["expert_stall_demand_s"] + st2["expert_stall_prefetch_s"]
+        assert abs(total - st2["io_stall_s"]) < 1e-9   # no streamed units: all of it experts'
+        d = WeightStore.interval(st0, st2, 2)
+        assert d["io_stall_demand_per_token_s"] + d["io_stall_prefetch_per_token_s"] == \
+            pytest.approx(d["io_stall_per_token_s"])
+        assert "on misses" in store.format_stats()
+    finally:
+        store.close()
+        f.close()
+
+
 def test_demand_reads_go_ahead_of_prefetches():
     pool = IOPool(workers=1)
     gate, order = threading.Event(), []

@@ -482,7 +482,8 @@ class WeightStore:
         self.xstats = {"requests": 0, "hits": 0, "hot_hits": 0, "misses": 0,
                        "prefetch_hits": 0, "prefetched": 0, "prefetch_wasted_bytes": 0,
                        "predicted_routed": 0, "routed_predicted": 0, "demand_bytes": 0,
-                       "prefetch_bytes": 0, "reads": 0, "read_bytes": 0}
+                       "prefetch_bytes": 0, "reads": 0, "read_bytes": 0,
+                       "stall_demand_s": 0.0, "stall_prefetch_s": 0.0}
         if not self._x_tensors or not self.n_expert:
             self._x_nslots = 0
             return
@@ -771,7 +772,7 @@ class WeightStore:
         uniq = list(dict.fromkeys(keys))
         if self._x_tensors[il][0].name in self._pinned:
             self._x_use(il, uniq)
-            return il, keys, uniq, None, 0.0
+            return il, keys, uniq, None, 0.0, False
         n_cached = sum(1 for k in uniq if k not in self._hot)
         assert n_cached <= self._x_nslots, (
             f"get_experts asked for {n_cached} experts of layer {il} at once; the expert "
@@ -800,7 +801,7 @@ class WeightStore:
                 start.append((k, slot))
                 waits.append(k)
         self._x_start(start, DEMAND)   # the misses' ranges, sorted and merged
-        return il, keys, uniq, waits, time.perf_counter() - t0
+        return il, keys, uniq, waits, time.perf_counter() - t0, bool(start)
 
     @staticmethod
     def experts_pending(token) -> bool:
@@ -811,7 +812,7 @@ class WeightStore:
                     ) -> list[tuple[QTensor, QTensor, QTensor]] | None:
         """get_experts' second half: waits for begin_experts' reads (the time counted as
         stall with begin's own); the views when asked (see get_experts)."""
-        il, keys, uniq, waits, spent = token
+        il, keys, uniq, waits, spent, demand = token
         if waits is None:   # pinned
             return [self._x_pinned_view(k) for k in keys] if views else None
         t0, errors = time.perf_counter(), []
@@ -820,7 +821,11 @@ class WeightStore:
             if err is not None and not errors:
                 errors.append(err)
         self._x_unused_prefetch.difference_update(uniq)
-        self.io_stall_s += spent + time.perf_counter() - t0 if waits else 0.0
+        if waits:
+            stall = spent + time.perf_counter() - t0
+            self.io_stall_s += stall
+            # a call that read misses on demand, or one that only waited for prefetches
+            self.xstats["stall_demand_s" if demand else "stall_prefetch_s"] += stall
         if errors:
             self._x_in_use = set()
             raise self._wrap(errors[0], f"experts of layer {il}")
@@ -920,6 +925,10 @@ class WeightStore:
                 "expert_slots": self._x_nslots, "hot_experts": len(getattr(self, "_hot", ())),
                 "expert_reads": xs["reads"], "expert_read_bytes": xs["read_bytes"],
                 "expert_bytes_per_read": xs["read_bytes"] / xs["reads"] if xs["reads"] else 0.0,
+                # the experts' share of io_stall_s: calls that read misses on demand, and calls
+                # whose experts were all at hand or prefetched but some prefetch still in flight
+                "expert_stall_demand_s": xs["stall_demand_s"],
+                "expert_stall_prefetch_s": xs["stall_prefetch_s"],
                 "lookahead": self._lookahead_state(),
                 # per rows in a step: the decisions taken, in order
                 "lookahead_decisions": {k: list(d.decisions) for k, d in
@@ -949,7 +958,11 @@ class WeightStore:
             hit = after["prefetch_routed_predicted"] - before["prefetch_routed_predicted"]
             xr = after["expert_reads"] - before["expert_reads"]
             xb = after["expert_read_bytes"] - before["expert_read_bytes"]
+            sd = after["expert_stall_demand_s"] - before["expert_stall_demand_s"]
+            sp = after["expert_stall_prefetch_s"] - before["expert_stall_prefetch_s"]
             d.update({"expert_reads": xr,
+                      "io_stall_demand_per_token_s": sd / n_tokens if n_tokens else 0.0,
+                      "io_stall_prefetch_per_token_s": sp / n_tokens if n_tokens else 0.0,
                       "expert_reads_per_token": xr / n_tokens if n_tokens else 0.0,
                       "expert_bytes_per_read": xb / xr if xr else 0.0})
             d.update({"expert_hit_rate": served / req if req else 1.0,
@@ -963,6 +976,8 @@ class WeightStore:
         s = self.stats()
         out = (f"store: read {s['bytes_read'] / 1e6:.1f} MB, hit rate {s['hit_rate']:.0%}, "
                f"I/O stall {s['io_stall_s']:.2f} s" + ("" if s["o_direct"] else " (buffered)")
+               + (f" (experts: {s['expert_stall_demand_s']:.2f} s on misses, "
+                  f"{s['expert_stall_prefetch_s']:.2f} s on prefetches)" if "expert_stall_demand_s" in s else "")
                + f", {s['reads']} reads of {s['bytes_per_read'] / 1e3:.0f} kB"
                + ("" if s["coalesce"] else " (not coalesced)"))
         if "expert_hit_rate" in s:
