@@ -140,6 +140,21 @@ def quiet_probe(model: str, threads: int, chunk: int = 1 << 20, seed: int = 0) -
     return out
 
 
+def bound_serial_at_probe(plan: dict, probe: dict, tg: dict) -> float | None:
+    """bound_at_probe where the misses read on demand cannot overlap the compute (a miss is
+    known only once its layer has routed, and the layer's output waits for it): t =
+    max(memory bytes / memory rate + demand bytes / disk rate, all bytes read / disk rate).
+    What a decode can reach without predicting its misses; the plan's bound is what perfect
+    prediction would allow."""
+    if not plan or "error" in plan or not probe or "disk_random_bytes_per_s" not in probe \
+            or not tg.get("bytes_read_per_token") or "expert_demand_bytes_per_token" not in tg:
+        return None
+    disk = probe["disk_random_bytes_per_s"]
+    t_mem = plan["mem_bytes_per_token"] / probe["mem_read_bytes_per_s"]
+    t_demand = tg["expert_demand_bytes_per_token"] / disk
+    return 1.0 / max(t_mem + t_demand, tg["bytes_read_per_token"] / disk)
+
+
 def median_probe(probes: list[dict]) -> dict | None:
     """The probes taken around a run as one: the median of each rate (memory and disk apart),
     and each rate's range."""
@@ -237,6 +252,7 @@ def main(argv=None) -> int:
             rec["probes"] = probes
             if tg:
                 rec["bound_tg_probe_tokens_per_s"] = bound_at_probe(plan, probe, tg)
+                rec["bound_tg_probe_serial_tokens_per_s"] = bound_serial_at_probe(plan, probe, tg)
                 each = [b for b in (bound_at_probe(plan, p, tg) for p in probes) if b]
                 if each:
                     rec["bound_tg_probe_each"] = each
@@ -256,7 +272,9 @@ def main(argv=None) -> int:
                  f"{max(rec.get('bound_tg_probe_each') or [0]):.3f} over {len(probes)} probes] (mem "
                  f"{probe['mem_read_bytes_per_s'] / 1e9:.1f} GB/s, random reads "
                  f"{probe['disk_random_bytes_per_s'] / 1e9:.2f} GB/s)"
-                 if rec.get("bound_tg_probe_tokens_per_s") else ""),
+                 if rec.get("bound_tg_probe_tokens_per_s") else "")
+              + (f" serial-miss bound {rec['bound_tg_probe_serial_tokens_per_s']:.3f}"
+                 if rec.get("bound_tg_probe_serial_tokens_per_s") else ""),
               flush=True)
     return 0
 

@@ -958,10 +958,12 @@ class WeightStore:
             hit = after["prefetch_routed_predicted"] - before["prefetch_routed_predicted"]
             xr = after["expert_reads"] - before["expert_reads"]
             xb = after["expert_read_bytes"] - before["expert_read_bytes"]
+            db = after["expert_demand_bytes"] - before["expert_demand_bytes"]
             sd = after["expert_stall_demand_s"] - before["expert_stall_demand_s"]
             sp = after["expert_stall_prefetch_s"] - before["expert_stall_prefetch_s"]
             d.update({"expert_reads": xr,
                       "io_stall_demand_per_token_s": sd / n_tokens if n_tokens else 0.0,
+                      "expert_demand_bytes_per_token": db / n_tokens if n_tokens else 0.0,
                       "io_stall_prefetch_per_token_s": sp / n_tokens if n_tokens else 0.0,
                       "expert_reads_per_token": xr / n_tokens if n_tokens else 0.0,
                       "expert_bytes_per_read": xb / xr if xr else 0.0})
