@@ -143,8 +143,13 @@ def test_run_and_bench_report_expert_statistics(moe_model, tmp_path):
         assert row["bytes_read_per_token"] > 0 and row["peak_rss_bytes"] <= budget
         # the stall of this test alone, per token (io_stall_s is the running total)
         assert 0.0 <= row["io_stall_per_token_s"] * int(row["test"][2:]) * 2 <= row["io_stall_s"]
+        # its experts' part: on misses read on demand, and on prefetches still in flight
+        split = row["io_stall_demand_per_token_s"] + row["io_stall_prefetch_per_token_s"]
+        assert 0.0 <= split <= row["io_stall_per_token_s"] + 1e-9
+        assert row["expert_demand_bytes_per_token"] >= 0
     t = memfit("bench", moe_model, "-p", 8, "-n", 4, "-r", 1, "--mem-budget", budget,
                env={"XDG_CACHE_HOME": str(tmp_path)})
     assert t.rc == 0, t.err
     head = next(x for x in t.out.splitlines() if x.startswith("| model"))
     assert "expert hits" in head and "prefetch recall" in head and "read/token" in head
+    assert "stall/token (on misses)" in head

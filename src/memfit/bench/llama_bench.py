@@ -154,8 +154,8 @@ def markdown_table(results: list[BenchResult], backend: str) -> str:
         head += " budget | read from disk | I/O stall |"
         rule += "---:|---:|---:|"
     if experts:
-        head += " read/token | expert hits | prefetch recall | wasted prefetch |"
-        rule += "---:|---:|---:|---:|"
+        head += " read/token | expert hits | prefetch recall | wasted prefetch | stall/token (on misses) |"
+        rule += "---:|---:|---:|---:|---:|"
     rows = [head, rule]
     for r in results:
         e = r.extra
@@ -169,6 +169,8 @@ def markdown_table(results: list[BenchResult], backend: str) -> str:
         if experts:
             row += (f" {format_size(int(e.get('bytes_read_per_token', 0)))} |"
                     f" {e.get('expert_hit_rate', 0.0):.0%} | {e.get('prefetch_recall', 0.0):.0%} |"
-                    f" {format_size(e.get('prefetch_wasted_bytes', 0))} |")
+                    f" {format_size(e.get('prefetch_wasted_bytes', 0))} |"
+                    f" {1e3 * e.get('io_stall_per_token_s', 0.0):.1f} ms"
+                    f" ({1e3 * e.get('io_stall_demand_per_token_s', 0.0):.1f}) |")
         rows.append(row)
     return "\n".join(rows)
