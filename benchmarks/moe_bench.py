@@ -140,21 +140,6 @@ def quiet_probe(model: str, threads: int, chunk: int = 1 << 20, seed: int = 0) -
     return out
 
 
-def bound_serial_at_probe(plan: dict, probe: dict, tg: dict) -> float | None:
-    """bound_at_probe where the misses read on demand cannot overlap the compute (a miss is
-    known only once its layer has routed, and the layer's output waits for it): t =
-    max(memory bytes / memory rate + demand bytes / disk rate, all bytes read / disk rate).
-    What a decode can reach without predicting its misses; the plan's bound is what perfect
-    prediction would allow."""
-    if not plan or "error" in plan or not probe or "disk_random_bytes_per_s" not in probe \
-            or not tg.get("bytes_read_per_token") or "expert_demand_bytes_per_token" not in tg:
-        return None
-    disk = probe["disk_random_bytes_per_s"]
-    t_mem = plan["mem_bytes_per_token"] / probe["mem_read_bytes_per_s"]
-    t_demand = tg["expert_demand_bytes_per_token"] / disk
-    return 1.0 / max(t_mem + t_demand, tg["bytes_read_per_token"] / disk)
-
-
 def median_probe(probes: list[dict]) -> dict | None:
     """The probes taken around a run as one: the median of each rate (memory and disk apart),
     and each rate's range."""
@@ -170,14 +155,21 @@ def median_probe(probes: list[dict]) -> dict | None:
     return out
 
 
-def bound_at_probe(plan: dict, probe: dict, tg: dict) -> float | None:
-    """bound_at_measured with the quiet probe's rates instead of the plan's cached ones."""
+def bound_at_probe(plan: dict, probe: dict, tg: dict, serial: bool = False) -> float | None:
+    """bound_at_measured with the quiet probe's rates instead of the plan's cached ones.
+    serial: the misses read on demand cannot overlap the compute (a miss is known only once its
+    layer has routed, and the layer's output waits for it): t = max(memory bytes / memory rate
+    + demand bytes / disk rate, all bytes read / disk rate), what a decode can reach without
+    predicting its misses; the plain bound is what perfect prediction would allow."""
     if not plan or "error" in plan or not probe or "disk_random_bytes_per_s" not in probe \
-            or not tg.get("bytes_read_per_token"):
+            or not tg.get("bytes_read_per_token") \
+            or (serial and "expert_demand_bytes_per_token" not in tg):
         return None
-    t_mem = plan["mem_bytes_per_token"] / probe["mem_read_bytes_per_s"]
-    t_disk = tg["bytes_read_per_token"] / probe["disk_random_bytes_per_s"]
-    return 1.0 / max(t_mem, t_disk)
+    disk = probe["disk_random_bytes_per_s"]
+    t = plan["mem_bytes_per_token"] / probe["mem_read_bytes_per_s"]  # the memory's time
+    if serial:
+        t += tg["expert_demand_bytes_per_token"] / disk
+    return 1.0 / max(t, tg["bytes_read_per_token"] / disk)
 
 
 def main(argv=None) -> int:
@@ -252,7 +244,7 @@ def main(argv=None) -> int:
             rec["probes"] = probes
             if tg:
                 rec["bound_tg_probe_tokens_per_s"] = bound_at_probe(plan, probe, tg)
-                rec["bound_tg_probe_serial_tokens_per_s"] = bound_serial_at_probe(plan, probe, tg)
+                rec["bound_tg_probe_serial_tokens_per_s"] = bound_at_probe(plan, probe, tg, serial=True)
                 each = [b for b in (bound_at_probe(plan, p, tg) for p in probes) if b]
                 if each:
                     rec["bound_tg_probe_each"] = each

@@ -963,8 +963,8 @@ class WeightStore:
             sp = after["expert_stall_prefetch_s"] - before["expert_stall_prefetch_s"]
             d.update({"expert_reads": xr,
                       "io_stall_demand_per_token_s": sd / n_tokens if n_tokens else 0.0,
-                      "expert_demand_bytes_per_token": db / n_tokens if n_tokens else 0.0,
                       "io_stall_prefetch_per_token_s": sp / n_tokens if n_tokens else 0.0,
+                      "expert_demand_bytes_per_token": db / n_tokens if n_tokens else 0.0,
                       "expert_reads_per_token": xr / n_tokens if n_tokens else 0.0,
                       "expert_bytes_per_read": xb / xr if xr else 0.0})
             d.update({"expert_hit_rate": served / req if req else 1.0,
